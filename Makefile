@@ -1,0 +1,32 @@
+# Set-up and checks. `make test` and `make demo` work on a fresh clone with nothing but python3.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned here, for the dev/test set-up only: this exact CPU wheel is what the test
+# machines have locally. The library itself declares torch>=2.3.
+TORCH_PIN := torch==2.13.0
+STAMP := $(VENV)/.installed
+
+.PHONY: test lint stress venv clean
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q $(TORCH_PIN)
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ckptools tests examples benchmarks
+	$(VENV)/bin/ruff format --check ckptools tests examples benchmarks
+
+stress: $(STAMP)
+	$(PY) -m pytest -q -m slow -p no:randomly
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

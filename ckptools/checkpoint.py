@@ -1,0 +1,412 @@
+"""Collective ``save``/``load`` of training checkpoints, and ``load_state_dict`` for weights."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from . import rng
+from .devices import MapLocation, resolve_map_location
+from .dist import _all_gather_object, _broadcast_object, get_rank, get_world_size
+from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError
+from .serialization import load_file, save_file, verify_torch_file
+from .state_dict import add_prefix, strip_prefix, unwrap_model
+from .storage import PathLike, _fspath
+
+__all__ = ["load", "load_state_dict", "save"]
+
+# The entry ckptools adds to every file it writes.
+META_KEY = "__ckptools__"
+FORMAT_VERSION = 1
+# Where other tools nest a model's weights, most specific first.
+WEIGHT_KEYS = ("state_dict", "model_state_dict", "model", "module")
+# Types torch.load(weights_only=True) accepts; everything ckptools writes itself is one of them.
+_SAFE_LEAVES = (str, int, float, bool, type(None), torch.Tensor)
+
+
+def _check_safe(value: Any, where: str) -> None:
+    if isinstance(value, _SAFE_LEAVES):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            _check_safe(item, f"{where}[{i}]")
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if not isinstance(key, (str, int)):
+                raise TypeError(f"{where} has a key {key!r} of type {type(key).__name__}; use str or int keys")
+            _check_safe(item, f"{where}[{key!r}]")
+        return
+    raise TypeError(
+        f"{where} is a {type(value).__name__}, which torch.load(weights_only=True) refuses; "
+        "store str, int, float, bool, None, tensors, or lists/tuples/dicts of them"
+    )
+
+
+def _entry(obj: Any) -> Any:
+    """What a state entry becomes on disk."""
+    if isinstance(obj, torch.nn.Module):
+        # Unwrapped, so the file never carries "module." / "_orig_mod." whatever the wrapping.
+        return unwrap_model(obj).state_dict()
+    if isinstance(obj, DistributedSampler) and not hasattr(obj, "state_dict"):
+        return {"epoch": int(obj.epoch), "seed": int(obj.seed)}
+    if callable(getattr(obj, "state_dict", None)):
+        return obj.state_dict()
+    return obj
+
+
+def _ckptools_version() -> str:
+    from . import __version__
+
+    return __version__
+
+
+def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None) -> str:
+    """Save a training checkpoint; collective: every rank calls it, global rank 0 writes.
+
+    Each entry of ``state`` is stored under its own name: a model (wrapped in DDP, DataParallel
+    or ``torch.compile`` or not) as its plain state dict without ``module.``; optimizers,
+    GradScalers, LR schedulers and anything with ``state_dict()`` as that; a
+    ``DistributedSampler`` as its epoch and seed (a :class:`ResumableDistributedSampler` also
+    with its progress); tensors and plain values as they are. A ``__ckptools__`` entry adds the
+    format version, library versions, world size, every rank's RNG states and ``metadata``.
+
+    The model stays where it is (on its GPU, inside DDP); buffers are stored as rank 0 holds
+    them. The write is atomic (see :func:`ckptools.storage.atomic_write`) and every rank returns
+    only after the file is complete. If rank 0 fails, every rank raises
+    :class:`CheckpointError` (rank 0 chains the original exception): no rank is left waiting in a
+    barrier, and an earlier file at ``path`` is untouched. No RNG is advanced.
+
+    Args:
+        path: file path or fsspec URL (``s3://bucket/run/step_100.pt``, ``memory://...``).
+        state: names mapped to objects to store.
+        metadata: extra plain values (str, int, float, bool, None, lists/dicts of them).
+
+    Returns:
+        ``path`` as a string.
+
+    Raises:
+        CheckpointError: writing failed on rank 0 (raised on every rank).
+        TypeError: ``state`` names ``__ckptools__`` or ``metadata`` holds a type
+            ``weights_only`` loading would refuse (raised on every rank before any I/O).
+
+    Example:
+        >>> import torch, ckptools as ck
+        >>> model = torch.nn.Linear(2, 2)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> ck.save("/tmp/ckpt.pt", {"model": model, "optimizer": opt, "step": 10})
+        '/tmp/ckpt.pt'
+    """
+    path = _fspath(path)
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping of names to objects, got {type(state).__name__}")
+    if META_KEY in state:
+        raise TypeError(f"{META_KEY!r} is reserved for ckptools' own metadata; rename that entry of state")
+    bad = [k for k in state if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"state keys must be strings, got {bad!r}")
+    user_meta = dict(metadata or {})
+    _check_safe(user_meta, "metadata")
+
+    # Every rank's RNG is captured before rank 0 does anything that could draw from it.
+    rng_states = _all_gather_object(rng.get_rng_state())
+    rank = get_rank()
+    error: BaseException | None = None
+    if rank == 0:
+        try:
+            payload = {name: _entry(obj) for name, obj in state.items()}
+            payload[META_KEY] = {
+                "format_version": FORMAT_VERSION,
+                "ckptools_version": _ckptools_version(),
+                "torch_version": str(torch.__version__),  # TorchVersion itself is refused by weights_only
+                "world_size": get_world_size(),
+                "created_unix": time.time(),
+                "rng": rng_states,
+                "metadata": user_meta,
+            }
+            save_file(path, payload)
+        except Exception as err:
+            error = err
+    # The outcome travels to every rank, so a failure on rank 0 surfaces everywhere at once
+    # instead of leaving the other ranks in a barrier until the collective timeout.
+    message = _broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    if message is not None:
+        text = f"saving checkpoint {path} failed on rank 0: {message}; earlier checkpoints are untouched"
+        if error is not None:
+            raise CheckpointError(text) from error
+        raise CheckpointError(text)
+    return path
+
+
+def _model_keys(model: torch.nn.Module) -> list[str]:
+    return list(model.state_dict().keys())
+
+
+def _fit_prefix(weights: Mapping[str, Any], target_keys: list[str]) -> Mapping[str, Any]:
+    """Add or strip ``module.`` so ``weights`` match ``target_keys``, judged by the keys themselves.
+
+    The prefix is changed only when that makes more keys match: a model whose own submodule is
+    really named ``module`` keeps its ``module.`` keys.
+    """
+    target = set(target_keys)
+    best = weights
+    best_hits = len(target.intersection(weights))
+    for candidate in (strip_prefix(weights, "module."), add_prefix(weights, "module.")):
+        hits = len(target.intersection(candidate))
+        if hits > best_hits:
+            best, best_hits = candidate, hits
+    return best
+
+
+def _load_model(model: torch.nn.Module, weights: Mapping[str, Any], *, strict: bool, path: str, name: str) -> None:
+    inner = unwrap_model(model)
+    target_keys = _model_keys(inner)
+    weights = _fit_prefix(weights, target_keys)
+    missing = sorted(set(target_keys) - set(weights))
+    unexpected = sorted(set(weights) - set(target_keys))
+    if strict and (missing or unexpected):
+        raise KeyMismatchError(
+            f"{path}: entry {name!r} does not match the model: missing keys {_short(missing)}, unexpected keys "
+            f"{_short(unexpected)}; check the architecture, or pass strict=False to load the matching keys",
+            missing=missing,
+            unexpected=unexpected,
+        )
+    try:
+        inner.load_state_dict(weights, strict=strict)
+    except RuntimeError as err:  # shape mismatches
+        raise KeyMismatchError(f"{path}: entry {name!r} cannot be loaded into the model: {err}") from err
+
+
+def _short(keys: list[str], limit: int = 10) -> str:
+    if not keys:
+        return "[]"
+    shown = ", ".join(keys[:limit])
+    return f"[{shown}{', ...' if len(keys) > limit else ''}] ({len(keys)})"
+
+
+def _restore(obj: Any, entry: Any, *, strict: bool, path: str, name: str) -> None:
+    if isinstance(obj, torch.nn.Module):
+        if not isinstance(entry, Mapping):
+            raise CheckpointFormatError(f"{path}: entry {name!r} is a {type(entry).__name__}, not a model state dict")
+        _load_model(obj, entry, strict=strict, path=path, name=name)
+    elif isinstance(obj, torch.Tensor):
+        with torch.no_grad():
+            obj.copy_(entry)
+    elif callable(getattr(obj, "load_state_dict", None)):
+        obj.load_state_dict(entry)
+    elif isinstance(obj, DistributedSampler):
+        obj.set_epoch(int(entry["epoch"]))
+    # Plain values cannot be restored in place; they are in the returned dict.
+
+
+def _find_weights(ckpt: Any, *, key: str | None, path: str) -> Mapping[str, Any]:
+    if not isinstance(ckpt, Mapping):
+        raise CheckpointFormatError(f"{path} holds a {type(ckpt).__name__}, not a dict of weights")
+    if key is not None:
+        node: Any = ckpt
+        for part in key.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                raise KeyMismatchError(
+                    f"{path} has no entry {key!r}; top-level entries are {sorted(map(str, ckpt))}", missing=[key]
+                )
+            node = node[part]
+        if not isinstance(node, Mapping):
+            raise CheckpointFormatError(f"{path}: entry {key!r} is a {type(node).__name__}, not a dict of weights")
+        return node
+    if ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
+        return ckpt
+    for candidate in WEIGHT_KEYS:
+        node = ckpt.get(candidate)
+        if isinstance(node, Mapping) and node and all(isinstance(v, torch.Tensor) for v in node.values()):
+            return node
+    raise CheckpointFormatError(
+        f"cannot find model weights in {path}: entries are {sorted(map(str, ckpt))[:20]}; "
+        "pass key=... to name the entry that holds them"
+    )
+
+
+def _all_ok(error: BaseException | None, what: str) -> None:
+    """Raise on every rank if any rank failed (a collective; no-op without a process group)."""
+    messages = _all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    if failed:
+        rank, msg = failed[0]
+        raise CheckpointError(f"{what} failed on rank {rank}: {msg}")
+
+
+def load(
+    path: PathLike,
+    state: Mapping[str, Any] | None = None,
+    *,
+    map_location: MapLocation = "auto",
+    strict: bool = True,
+    weights_only: bool = True,
+    restore_rng: bool = True,
+    verify: bool = False,
+) -> dict[str, Any]:
+    """Load a checkpoint and restore, in place, every object named in ``state``.
+
+    Collective when a process group exists: every rank reads the file, and if any rank fails
+    every rank raises (so no rank runs ahead into a collective the others never reach).
+    A model loads whether it or the file carries ``module.``; whether to strip or add it is
+    decided against the model's own keys. Optimizer state lands on its parameters' device.
+    This rank's RNG states (python, numpy, torch, CUDA) are restored when the file was saved by
+    ckptools with the same world size; with a different world size the per-rank streams have
+    no meaningful mapping, so they are left alone and a warning says so. Plain ``torch.save``
+    dicts load too: entries are matched by name, and a lone model in ``state`` also finds its
+    weights in a bare state dict or under ``state_dict``/``model``/``model_state_dict``/``module``.
+
+    Args:
+        path: file path or fsspec URL.
+        state: names mapped to objects to restore (model, optimizer, scaler, scheduler, sampler,
+            tensors, anything with ``load_state_dict``).
+        map_location: see :func:`resolve_map_location`; ``"auto"`` is this rank's device.
+        strict: raise :class:`KeyMismatchError` when a named entry is missing or a model's keys
+            differ; with False, load what matches.
+        weights_only: keep torch's safe unpickler; False runs arbitrary code from the file and
+            is for trusted files only.
+        restore_rng: restore this rank's RNG states from the file.
+        verify: check every record's CRC-32 before loading (reads the file twice).
+
+    Returns:
+        The whole checkpoint dict (entries on ``map_location``), including ``__ckptools__``.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointFormatError, UnsafeCheckpointError, KeyMismatchError:
+            on the rank where it happened; other ranks raise :class:`CheckpointError`.
+
+    Example:
+        >>> import torch, ckptools as ck
+        >>> model = torch.nn.Linear(2, 2)
+        >>> _ = ck.save("/tmp/ckpt.pt", {"model": model, "step": 10})
+        >>> ck.load("/tmp/ckpt.pt", {"model": model})["step"]
+        10
+    """
+    path = _fspath(path)
+    error: BaseException | None = None
+    ckpt: dict[str, Any] = {}
+    try:
+        location = resolve_map_location(map_location)
+        if verify:
+            verify_torch_file(path)
+        loaded = load_file(path, map_location=location, weights_only=weights_only)
+        if not isinstance(loaded, dict):
+            raise CheckpointFormatError(
+                f"{path} holds a {type(loaded).__name__}, not a checkpoint dict; "
+                "use ck.load_state_dict for bare weights"
+            )
+        ckpt = loaded
+        _restore_all(ckpt, state or {}, strict=strict, path=path)
+        if restore_rng:
+            _restore_rng(ckpt, path)
+    except Exception as err:
+        error = err
+    _all_ok(error, f"loading checkpoint {path}")
+    return ckpt
+
+
+def _restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool, path: str) -> None:
+    models = [name for name, obj in state.items() if isinstance(obj, torch.nn.Module)]
+    for name, obj in state.items():
+        if name in ckpt:
+            entry = ckpt[name]
+        elif META_KEY not in ckpt and len(models) == 1 and name == models[0]:
+            # A file written without ckptools: the weights may be bare or nested.
+            entry = _find_weights(ckpt, key=None, path=path)
+        elif strict:
+            raise KeyMismatchError(
+                f"{path} has no entry {name!r} (it has {sorted(map(str, ckpt))}); rename the entry in state, "
+                "or pass strict=False to skip it",
+                missing=[name],
+            )
+        else:
+            continue
+        try:
+            _restore(obj, entry, strict=strict, path=path, name=name)
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as err:
+            raise CheckpointFormatError(
+                f"{path}: cannot restore entry {name!r} into {type(obj).__name__}: {err}"
+            ) from err
+
+
+def _restore_rng(ckpt: dict[str, Any], path: str) -> None:
+    meta = ckpt.get(META_KEY)
+    if not isinstance(meta, Mapping) or "rng" not in meta:
+        return
+    states = meta["rng"]
+    world = get_world_size()
+    if len(states) != world:
+        if get_rank() == 0:
+            warnings.warn(
+                f"{path} was saved by {len(states)} ranks and is loaded by {world}: RNG states are per rank, "
+                "so they are not restored (the run continues, but not bit-exactly)",
+                stacklevel=3,
+            )
+        return
+    rng.set_rng_state(states[get_rank()])
+
+
+def load_state_dict(
+    path: PathLike, *, map_location: MapLocation = "cpu", key: str | None = None, strip: str | None = "module."
+) -> dict[str, torch.Tensor]:
+    """Return just the model weights from a ``.pt/.pth/.bin/.ckpt`` or ``.safetensors`` file.
+
+    Weights are found as a bare state dict, or under ``state_dict``, ``model_state_dict``,
+    ``model`` or ``module`` (or ``key``, dotted for deeper nesting: ``"ema.model"``).
+
+    Args:
+        path: file path or fsspec URL.
+        map_location: where the tensors go (default ``"cpu"``); see :func:`resolve_map_location`.
+        key: the entry holding the weights, when the usual names do not find it.
+        strip: prefix removed from every key that has it; None keeps keys as stored.
+
+    Returns:
+        A dict of tensors.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointFormatError, UnsafeCheckpointError, KeyMismatchError.
+
+    Example:
+        >>> import torch, ckptools as ck
+        >>> torch.save({"state_dict": {"module.w": torch.ones(1)}}, "/tmp/lightning.ckpt")
+        >>> list(ck.load_state_dict("/tmp/lightning.ckpt"))
+        ['w']
+    """
+    path = _fspath(path)
+    location = resolve_map_location(map_location)
+    if path.endswith(".safetensors"):
+        ckpt: Any = _load_safetensors(path, location)
+    else:
+        ckpt = load_file(path, map_location=location, weights_only=True)
+    weights = dict(_find_weights(ckpt, key=key, path=path))
+    return dict(strip_prefix(weights, strip)) if strip else weights
+
+
+def _load_safetensors(path: str, location: Any) -> dict[str, torch.Tensor]:
+    import safetensors.torch
+    from safetensors import SafetensorError
+
+    from .storage import open_for_read
+
+    source, local = open_for_read(path)
+    try:
+        if local:
+            tensors = safetensors.torch.load_file(source, device="cpu")
+        else:
+            tensors = safetensors.torch.load(source.getvalue())
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointFormatError(f"{path} is not a valid safetensors file ({err})") from err
+    # A dict or callable map_location describes torch storage tags, which safetensors files do
+    # not have: their tensors stay on CPU.
+    if isinstance(location, torch.device) and location.type != "cpu":
+        tensors = {k: v.to(location) for k, v in tensors.items()}
+    return tensors

@@ -1,0 +1,153 @@
+"""Device handling: where loaded tensors go, and on-device snapshots copied to CPU."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from typing import Any, Union
+
+import torch
+
+from .dist import get_local_rank
+
+__all__ = ["resolve_map_location", "to_cpu"]
+
+MapLocation = Union[str, torch.device, Mapping[str, str], Callable[..., Any], None]
+
+_SPEC_HELP = (
+    'use "auto" (this rank\'s device), "cpu", "cuda" (this rank\'s GPU), "cuda:N", a torch.device, '
+    'a dict such as {"cuda:0": "cuda:1"}, or a callable(storage, location)'
+)
+
+
+def _check_cuda(target: torch.device, spec: object) -> None:
+    if target.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f'map_location={spec!r} asks for CUDA but CUDA is not available here; use "cpu" or "auto"')
+    count = torch.cuda.device_count()
+    if target.index is not None and target.index >= count:
+        raise ValueError(f"map_location={spec!r} names GPU {target.index} but this machine has {count}; {_SPEC_HELP}")
+
+
+def _auto_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", get_local_rank())
+    return torch.device("cpu")
+
+
+def resolve_map_location(spec: MapLocation = "auto") -> Any:
+    """Turn a device spec into a value ``torch.load(map_location=...)`` accepts.
+
+    ``"auto"``/None mean this rank's own device: ``cuda:LOCAL_RANK`` when CUDA is available,
+    else ``cpu``. ``"cuda"`` without an index also means this rank's GPU (not GPU 0: on an
+    8-GPU node every rank would otherwise load onto GPU 0 and run out of memory there).
+
+    Args:
+        spec: ``"auto"``, None, ``"cpu"``, ``"cuda"``, ``"cuda:N"``, a ``torch.device``, a dict
+            mapping saved locations to targets, or a callable ``(storage, location)``.
+
+    Returns:
+        A ``torch.device``, a dict, or the callable unchanged.
+
+    Raises:
+        ValueError: the spec is not understood, or it names CUDA where there is none.
+
+    Example:
+        >>> import ckptools as ck
+        >>> ck.resolve_map_location("auto")  # on a machine without CUDA
+        device(type='cpu')
+    """
+    if spec is None or (isinstance(spec, str) and spec == "auto"):
+        device = _auto_device()
+        _check_cuda(device, "auto")
+        return device
+    if callable(spec) and not isinstance(spec, (str, torch.device)):
+        return spec
+    if isinstance(spec, Mapping):
+        resolved: dict[str, str] = {}
+        for src, dst in spec.items():
+            try:
+                src_dev, dst_dev = torch.device(src), torch.device(dst)
+            except (RuntimeError, TypeError) as err:
+                raise ValueError(f"map_location entry {src!r}: {dst!r} is not a device pair; {_SPEC_HELP}") from err
+            _check_cuda(dst_dev, spec)
+            resolved[str(src_dev)] = str(dst_dev)
+        return resolved
+    if isinstance(spec, (str, torch.device)):
+        try:
+            device = torch.device(spec)
+        except (RuntimeError, TypeError) as err:
+            raise ValueError(f"map_location={spec!r} is not a device; {_SPEC_HELP}") from err
+        if device.type == "cuda" and device.index is None:
+            device = _auto_device() if torch.cuda.is_available() else device
+        _check_cuda(device, spec)
+        return device
+    raise ValueError(f"map_location={spec!r} ({type(spec).__name__}) is not understood; {_SPEC_HELP}")
+
+
+def _copy_tensor(t: torch.Tensor, memo: dict[Any, torch.UntypedStorage]) -> torch.Tensor:
+    if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
+        return t.detach().to("cpu", copy=True)
+    storage = t.untyped_storage()
+    key = (t.device, storage.data_ptr(), storage.nbytes())
+    cpu_storage = memo.get(key)
+    if cpu_storage is None:
+        # Copy the whole storage (as torch.save does) so that views and tied tensors keep
+        # sharing memory in the copy exactly as they did in the input.
+        cpu_storage = torch.UntypedStorage(storage.nbytes(), device="cpu")
+        cpu_storage.copy_(storage)
+        memo[key] = cpu_storage
+    out = torch.empty(0, dtype=t.dtype, device="cpu")
+    out.set_(cpu_storage, t.storage_offset(), t.size(), t.stride())
+    if isinstance(t, torch.nn.Parameter):
+        return torch.nn.Parameter(out, requires_grad=t.requires_grad)
+    return out
+
+
+def _to_cpu(obj: Any, memo: dict[Any, torch.UntypedStorage]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return _copy_tensor(obj, memo)
+    if isinstance(obj, Mapping):
+        items = [(k, _to_cpu(v, memo)) for k, v in obj.items()]
+        try:
+            out = type(obj)(items)
+        except TypeError:
+            out = dict(items)
+        metadata = getattr(obj, "_metadata", None)
+        if metadata is not None:
+            out._metadata = copy.deepcopy(metadata)
+        return out
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # namedtuple
+        return type(obj)(*(_to_cpu(v, memo) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v, memo) for v in obj)
+    return copy.deepcopy(obj)
+
+
+def to_cpu(obj: Any) -> Any:
+    """Deep-copy a nest of dicts/lists/tuples with every tensor on CPU, sharing no storage.
+
+    This is how to take a snapshot of a model that lives on a GPU inside DDP without
+    ``ddp_model.to("cpu")`` (which moves the parameters DDP's reducer points at and silently breaks
+    gradient sync): ``snapshot = ck.to_cpu(ddp_model.state_dict())``. Tensors that share storage in
+    the input (tied weights, views) share it in the copy too; CPU tensors are copied as well, so
+    later in-place updates of the model never show through the snapshot.
+
+    Args:
+        obj: a tensor, or any nest of mappings, lists and tuples; other leaves are deep-copied.
+
+    Returns:
+        The copy.
+
+    Example:
+        >>> import torch, ckptools as ck
+        >>> w = torch.ones(2)
+        >>> snap = ck.to_cpu({"w": w, "tied": w})
+        >>> snap["w"].untyped_storage().data_ptr() == snap["tied"].untyped_storage().data_ptr()
+        True
+        >>> snap["w"].untyped_storage().data_ptr() == w.untyped_storage().data_ptr()
+        False
+    """
+    with torch.no_grad():
+        return _to_cpu(obj, {})

@@ -1,0 +1,194 @@
+"""Process-group helpers that also work with no process group at all.
+
+A single process without ``torch.distributed`` initialised is treated as rank 0 of a world
+of 1, so every collective in ckptools degrades to a local call.
+
+The *global* rank decides who writes: on two nodes both node-local rank-0 processes have
+``LOCAL_RANK == 0``, and letting both write would interleave two writers on a shared disk.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from typing import Any
+
+import torch
+
+__all__ = ["barrier", "get_local_rank", "get_rank", "get_world_size", "init_distributed", "is_main_process"]
+
+
+def _dist_ready() -> bool:
+    # torch.distributed is missing from some builds (e.g. older macOS wheels): is_available().
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def get_rank() -> int:
+    """Return this process's global rank (0 without a process group).
+
+    Example:
+        >>> import ckptools as ck
+        >>> ck.get_rank()
+        0
+    """
+    return torch.distributed.get_rank() if _dist_ready() else 0
+
+
+def get_world_size() -> int:
+    """Return the number of processes in the default group (1 without a process group).
+
+    Example:
+        >>> import ckptools as ck
+        >>> ck.get_world_size()
+        1
+    """
+    return torch.distributed.get_world_size() if _dist_ready() else 1
+
+
+def get_local_rank() -> int:
+    """Return this process's rank on its node, from ``LOCAL_RANK`` (set by torchrun), else 0.
+
+    Use it to pick the GPU (``cuda:LOCAL_RANK``), never to decide who writes.
+
+    Example:
+        >>> import ckptools as ck
+        >>> ck.get_local_rank()
+        0
+    """
+    value = os.environ.get("LOCAL_RANK", "0")
+    try:
+        return int(value)
+    except ValueError as err:
+        raise ValueError(f"LOCAL_RANK={value!r} is not an integer; unset it or let torchrun set it") from err
+
+
+def is_main_process() -> bool:
+    """Return True on global rank 0 (the one process that writes checkpoints).
+
+    Example:
+        >>> import ckptools as ck
+        >>> ck.is_main_process()
+        True
+    """
+    return get_rank() == 0
+
+
+def barrier() -> None:
+    """Wait for every rank of the default group; a no-op without a process group.
+
+    On NCCL the barrier runs on this rank's GPU (``device_ids``), which avoids NCCL guessing a
+    device and hanging when ranks guessed differently.
+
+    Example:
+        >>> import ckptools as ck
+        >>> ck.barrier()  # no process group: returns at once
+    """
+    if not _dist_ready():
+        return
+    if torch.distributed.get_backend() == "nccl" and torch.cuda.is_available():
+        torch.distributed.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        torch.distributed.barrier()
+
+
+def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta | None = None) -> torch.device:
+    """Initialise the default process group from torchrun's environment; return this rank's device.
+
+    - Picks ``nccl`` and ``cuda:LOCAL_RANK`` (and calls ``torch.cuda.set_device``) when CUDA is
+      available, else ``gloo`` and ``cpu``. ``backend`` overrides the choice.
+    - Isolates torchrun restart attempts: torchrun keeps one TCPStore across restarts and the
+      failed attempt's keys stay in it (pytorch#135712), so a plain ``init_process_group`` after a
+      restart can read stale keys and hang or fail. Every key of this attempt is put under a
+      prefix derived from ``TORCHELASTIC_RESTART_COUNT``.
+    - Without ``WORLD_SIZE`` in the environment (a plain ``python script.py``) no group is made
+      and the single process is rank 0 of 1.
+    - If a default group already exists it is left alone.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"`` or None to choose by device.
+        timeout: collective timeout; torch's default when None.
+
+    Returns:
+        The device this rank should put its model on.
+
+    Raises:
+        ValueError: the environment names a rank or world size that is not an integer, or
+            ``MASTER_ADDR``/``MASTER_PORT`` are missing while ``WORLD_SIZE`` is set.
+
+    Example:
+        >>> import ckptools as ck
+        >>> device = ck.init_distributed()  # under torchrun: joins the group
+        >>> device.type
+        'cpu'
+    """
+    cuda = torch.cuda.is_available()
+    local_rank = get_local_rank()
+    if cuda:
+        device = torch.device("cuda", local_rank)
+        # Before any CUDA work: otherwise every rank's context lands on GPU 0.
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+
+    if _dist_ready() or "WORLD_SIZE" not in os.environ:
+        return device
+
+    env = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    missing = [name for name, value in env.items() if value is None]
+    if missing:
+        raise ValueError(
+            f"WORLD_SIZE is set but {', '.join(missing)} is not; launch with torchrun, or set "
+            "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself"
+        )
+    try:
+        rank, world_size, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
+    except ValueError as err:
+        raise ValueError(f"RANK/WORLD_SIZE/MASTER_PORT must be integers, got {env}") from err
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    backend = backend or ("nccl" if cuda else "gloo")
+    store_timeout = timeout or datetime.timedelta(minutes=30)
+
+    # Under torchrun the agent hosts the store and every worker is a client; launched by hand,
+    # rank 0 hosts it (the same rule as torch.distributed.rendezvous._create_c10d_store).
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    base = torch.distributed.TCPStore(
+        host_name=env["MASTER_ADDR"],
+        port=port,
+        world_size=world_size,
+        is_master=(not agent_store and rank == 0),
+        timeout=store_timeout,
+        wait_for_workers=False,
+    )
+    store = torch.distributed.PrefixStore(f"ckptools/attempt_{attempt}", base)
+    kwargs: dict[str, Any] = {"backend": backend, "store": store, "rank": rank, "world_size": world_size}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if backend == "nccl" and cuda:
+        kwargs["device_id"] = device
+    torch.distributed.init_process_group(**kwargs)
+    return device
+
+
+def _object_device() -> torch.device:
+    # NCCL can only move tensors that live on this rank's GPU; gloo wants CPU tensors.
+    if _dist_ready() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Return rank ``src``'s ``obj`` on every rank (identity without a process group)."""
+    if not _dist_ready() or get_world_size() == 1:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src, device=_object_device())
+    return box[0]
+
+
+def _all_gather_object(obj: Any) -> list[Any]:
+    """Return every rank's ``obj``, indexed by rank (``[obj]`` without a process group)."""
+    if not _dist_ready() or get_world_size() == 1:
+        return [obj]
+    out: list[Any] = [None] * get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out

@@ -1,0 +1,190 @@
+"""``CheckpointManager``: numbered checkpoints in one directory, pruning and resuming."""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+from .checkpoint import load, save
+from .dist import _broadcast_object, get_rank
+from .errors import CheckpointError
+from .serialization import verify_torch_file
+from .storage import TMP_MARKER, PathLike, _fspath, join, list_files, remove
+
+__all__ = ["CheckpointManager"]
+
+
+class CheckpointManager:
+    """Keep numbered checkpoints in one directory and resume from the newest good one.
+
+    Each checkpoint is one file ``{prefix}-{step:010d}.pt`` (zero-padded so names sort by step).
+    The manager only ever lists, verifies or deletes files whose names match that pattern, so it
+    shares a directory safely with anything else (``final.safetensors``, logs, ...).
+
+    - ``save(state, step)`` (collective) writes atomically through :func:`ckptools.save`, then
+      rank 0 deletes all but the newest ``keep_last`` checkpoints, only after the new one is
+      complete. Checkpoints with a *higher* step than the one being saved belong to a timeline
+      that was abandoned by resuming from an earlier checkpoint; they are deleted too (with a
+      warning), or ``latest()`` would later resume the abandoned timeline. Leftover temporary
+      files of a crashed save are removed.
+    - ``latest()`` (local) returns the newest checkpoint whose every zip record passes its
+      CRC-32 check, skipping damaged or truncated ones with a warning.
+    - ``restore(state)`` (collective) loads the checkpoint rank 0's ``latest()`` chose on every
+      rank, or returns None on a fresh start.
+
+    Args:
+        directory: a local path or an fsspec URL (``s3://bucket/run``, ``memory://run``).
+        keep_last: how many checkpoints to keep (>= 1), or None to keep all.
+        prefix: file name prefix (letters, digits, ``_`` and ``-``).
+
+    Example:
+        >>> import torch, ckptools as ck
+        >>> model = torch.nn.Linear(2, 2)
+        >>> manager = ck.CheckpointManager("/tmp/run", keep_last=2)
+        >>> manager.restore({"model": model}) is None or True  # None on a fresh start
+        True
+        >>> manager.save({"model": model}, step=100)
+        '/tmp/run/ckpt-0000000100.pt'
+    """
+
+    def __init__(self, directory: PathLike, *, keep_last: int | None = 3, prefix: str = "ckpt") -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+            raise ValueError(f"keep_last must be an integer >= 1 (or None to keep all), got {keep_last!r}")
+        if not re.fullmatch(r"[A-Za-z0-9_-]+", prefix):
+            raise ValueError(f"prefix must use letters, digits, '_' and '-' only, got {prefix!r}")
+        self.directory = _fspath(directory)
+        self.keep_last = keep_last
+        self.prefix = prefix
+        self._pattern = re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
+
+    def __repr__(self) -> str:
+        return f"CheckpointManager({self.directory!r}, keep_last={self.keep_last!r}, prefix={self.prefix!r})"
+
+    def path_for(self, step: int) -> str:
+        """The path of the checkpoint for ``step``."""
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        return join(self.directory, f"{self.prefix}-{step:010d}.pt")
+
+    def checkpoints(self) -> list[tuple[int, str]]:
+        """``(step, path)`` of every checkpoint file in the directory, oldest first (unverified)."""
+        found = []
+        for name in list_files(self.directory):
+            match = self._pattern.fullmatch(name)
+            if match:
+                found.append((int(match.group(1)), join(self.directory, name)))
+        return sorted(found)
+
+    def _leftovers(self) -> list[str]:
+        return [
+            join(self.directory, name)
+            for name in list_files(self.directory)
+            if name.startswith(f".{self.prefix}-") and TMP_MARKER in name
+        ]
+
+    def save(self, state: Mapping[str, Any], step: int, **save_kwargs: Any) -> str:
+        """Save ``state`` as the checkpoint for ``step`` (collective), then prune.
+
+        ``step`` is also recorded in the file's metadata (``__ckptools__["metadata"]["step"]``).
+
+        Args:
+            state: as for :func:`ckptools.save`.
+            step: the training step (or any increasing counter).
+            **save_kwargs: passed to :func:`ckptools.save` (``metadata=...``).
+
+        Returns:
+            The new checkpoint's path.
+
+        Raises:
+            CheckpointError: the save failed (on every rank); older checkpoints are untouched.
+
+        Example:
+            >>> manager.save({"model": model, "optimizer": opt}, step=200)  # doctest: +SKIP
+        """
+        path = self.path_for(step)
+        metadata = {**dict(save_kwargs.pop("metadata", None) or {}), "step": step}
+        if get_rank() == 0:
+            # Temporary files of a save that was killed: never loadable, only taking space.
+            for leftover in self._leftovers():
+                self._remove_quietly(leftover)
+        save(path, state, metadata=metadata, **save_kwargs)
+        if get_rank() == 0:
+            self._prune(step)
+        return path
+
+    def _remove_quietly(self, path: str) -> None:
+        try:
+            remove(path)
+        except OSError as err:
+            # The new checkpoint is safe on disk; failing to delete an old one must not fail
+            # the training step, but must not go unnoticed either.
+            warnings.warn(f"could not delete old checkpoint {path}: {err}", stacklevel=3)
+
+    def _prune(self, step: int) -> None:
+        existing = self.checkpoints()
+        newer = [path for s, path in existing if s > step]
+        if newer:
+            warnings.warn(
+                f"deleting {newer}: their steps are above the step just saved ({step}), so they belong to a run "
+                "that was abandoned by resuming from an earlier checkpoint",
+                stacklevel=3,
+            )
+        older = [path for s, path in existing if s <= step]
+        doomed = newer + (older[: -self.keep_last] if self.keep_last is not None else [])
+        for path in doomed:
+            self._remove_quietly(path)
+
+    def latest(self) -> str | None:
+        """Path of the newest complete checkpoint that passes its integrity check, or None.
+
+        Local (not collective). Temporary leftovers of a crashed save are never considered.
+        The newest file is verified (every zip record's CRC-32, which ``torch.load`` does not
+        check); a damaged one is skipped with a warning and the next newest is tried.
+
+        Example:
+            >>> ck.CheckpointManager("/tmp/empty-run").latest() is None  # doctest: +SKIP
+            True
+        """
+        for _, path in reversed(self.checkpoints()):
+            try:
+                verify_torch_file(path)
+            except CheckpointError as err:
+                warnings.warn(f"skipping damaged checkpoint: {err}", stacklevel=2)
+                continue
+            return path
+        return None
+
+    def restore(self, state: Mapping[str, Any], **load_kwargs: Any) -> dict[str, Any] | None:
+        """Restore ``state`` from the newest good checkpoint on every rank; None on a fresh start.
+
+        Collective: rank 0 picks the checkpoint (so all ranks agree even if a save is racing
+        the listing) and broadcasts its path; every rank then loads it with :func:`ckptools.load`.
+
+        Args:
+            state: objects to restore in place, as for :func:`ckptools.load`.
+            **load_kwargs: passed to :func:`ckptools.load` (``map_location``, ``strict``, ...).
+
+        Returns:
+            The checkpoint dict, or None when there is no checkpoint yet.
+
+        Raises:
+            CheckpointError: choosing or loading failed (on every rank).
+
+        Example:
+            >>> ckpt = manager.restore({"model": model, "optimizer": opt})  # doctest: +SKIP
+            >>> start = 0 if ckpt is None else ckpt["step"] + 1  # doctest: +SKIP
+        """
+        choice: tuple[str | None, str | None] = (None, None)
+        if get_rank() == 0:
+            try:
+                choice = (self.latest(), None)
+            except Exception as err:
+                choice = (None, f"{type(err).__name__}: {err}")
+        path, message = _broadcast_object(choice)
+        if message is not None:
+            raise CheckpointError(f"choosing a checkpoint in {self.directory} failed on rank 0: {message}")
+        if path is None:
+            return None
+        return load(path, state, **load_kwargs)

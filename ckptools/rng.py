@@ -1,0 +1,64 @@
+"""Capturing and restoring random-number-generator states (python, numpy, torch, CUDA).
+
+States are stored only as types ``torch.load(weights_only=True)`` accepts: numpy's key array
+and python's state tuple become int64 tensors, never pickled ndarrays. Capturing reads the
+generators' states and never draws from them, so saving a checkpoint changes no random stream.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import torch
+
+try:  # numpy is optional: a training script without it has no numpy stream to restore.
+    import numpy as _np
+except ImportError:  # pragma: no cover - numpy is installed in every supported set-up
+    _np = None
+
+
+def get_rng_state() -> dict[str, Any]:
+    """Return this process's RNG states as a dict of weights_only-safe values.
+
+    CUDA states are captured only when CUDA has already been initialised: querying them would
+    otherwise create a CUDA context on every visible GPU.
+    """
+    version, internal, gauss = random.getstate()
+    state: dict[str, Any] = {
+        "python": {"version": version, "state": torch.tensor(internal, dtype=torch.int64), "gauss": gauss},
+        "torch": torch.get_rng_state(),
+    }
+    if _np is not None:
+        kind, keys, pos, has_gauss, cached = _np.random.get_state()
+        state["numpy"] = {
+            "kind": str(kind),
+            "keys": torch.from_numpy(keys.astype("int64")),
+            "pos": int(pos),
+            "has_gauss": int(has_gauss),
+            "cached_gaussian": float(cached),
+        }
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Restore RNG states captured by :func:`get_rng_state` (missing parts are left alone).
+
+    CUDA states are restored for as many devices as both the checkpoint and this machine have.
+    """
+    if "python" in state:
+        py = state["python"]
+        random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+    if "torch" in state:
+        torch.set_rng_state(state["torch"].cpu().to(torch.uint8))
+    if "numpy" in state and _np is not None:
+        npst = state["numpy"]
+        keys = _np.asarray(npst["keys"].cpu().numpy(), dtype=_np.uint32)
+        _np.random.set_state(
+            (npst["kind"], keys, int(npst["pos"]), int(npst["has_gauss"]), float(npst["cached_gaussian"]))
+        )
+    if "cuda" in state and torch.cuda.is_available():
+        for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state.cpu().to(torch.uint8), index)

@@ -1,0 +1,139 @@
+"""Reading and writing torch checkpoint files, safe by default.
+
+``torch.load`` runs with ``weights_only=True`` unless the caller opts out, and torch's assorted
+errors (RuntimeError from miniz, UnpicklingError, EOFError, ...) are turned into
+:class:`CheckpointFormatError` or :class:`UnsafeCheckpointError` naming the file and the fix.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+import zipfile
+import zlib
+from typing import IO, Any
+
+import torch
+
+from .errors import CheckpointError, CheckpointFormatError, UnsafeCheckpointError
+from .storage import PathLike, _fspath, atomic_write, open_for_read
+
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+# Python's zipfile reads in 8 KiB chunks by default; larger reads cut the per-call overhead
+# when checking CRCs of multi-GB checkpoints.
+_CHUNK = 16 << 20
+
+
+def save_file(path: PathLike, obj: Any) -> str:
+    """``torch.save`` ``obj`` to ``path`` atomically (see :func:`ckptools.storage.atomic_write`)."""
+    return atomic_write(path, lambda f: torch.save(obj, f))
+
+
+def _unsafe_error(path: str, err: BaseException) -> UnsafeCheckpointError:
+    names = sorted(set(_GLOBAL_RE.findall(str(err))))
+    what = ", ".join(names) if names else "a Python object outside torch's allowlist"
+    return UnsafeCheckpointError(
+        f"{path} needs {what} to load, which could run arbitrary code, so it was refused and nothing "
+        "was executed. Only for a file you trust: pass weights_only=False (or allowlist the type with "
+        "torch.serialization.add_safe_globals)"
+    )
+
+
+def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool = True) -> Any:
+    """``torch.load`` a local path or URL, turning failures into ckptools errors.
+
+    Raises:
+        CheckpointNotFoundError: the file does not exist.
+        UnsafeCheckpointError: ``weights_only=True`` and the file needs arbitrary globals.
+        CheckpointFormatError: the file is empty, truncated, corrupt or not a torch file.
+    """
+    path = _fspath(path)
+    source, _ = open_for_read(path)
+    try:
+        return torch.load(source, map_location=map_location, weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        if weights_only and "GLOBAL" in str(err):
+            raise _unsafe_error(path, err) from err
+        raise CheckpointFormatError(f"{path} is corrupt or not a torch checkpoint ({_first_line(err)})") from err
+    except CheckpointError:
+        raise
+    except (
+        RuntimeError,
+        EOFError,
+        ValueError,
+        KeyError,
+        IndexError,
+        TypeError,
+        OverflowError,
+        zipfile.BadZipFile,
+        UnicodeDecodeError,
+        AttributeError,
+        MemoryError,
+    ) as err:
+        if isinstance(err, RuntimeError) and "CUDA" in str(err) and "deserialize" in str(err):
+            raise CheckpointFormatError(
+                f"{path} holds CUDA tensors but CUDA is not available here; load it with map_location='cpu'"
+            ) from err
+        empty = isinstance(err, EOFError)
+        reason = "it is empty or truncated" if empty else _first_line(err)
+        raise CheckpointFormatError(
+            f"{path} is truncated, corrupt or not a torch checkpoint ({reason}); re-save it or pick another file"
+        ) from err
+    except OSError as err:
+        raise CheckpointFormatError(f"{path} could not be read ({err})") from err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    # torch's messages run on for paragraphs; the first sentence says what happened.
+    return f"{type(err).__name__}: {text[0].split('. ')[0][:200]}" if text else type(err).__name__
+
+
+def verify_torch_file(path: PathLike) -> None:
+    """Check every record of a torch zip checkpoint against its stored CRC-32.
+
+    ``torch.load`` does not check CRCs, so a flipped bit in tensor data loads silently. This
+    reads the whole file once. Legacy (pre-1.6, non-zip) files carry no checksums; they are
+    only checked for being loadable by :func:`load_file`.
+
+    Raises:
+        CheckpointNotFoundError: the file does not exist.
+        CheckpointFormatError: the file is truncated, a record is damaged, or it is not a zip
+            torch checkpoint.
+    """
+    path = _fspath(path)
+    source, local = open_for_read(path)
+    handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
+    try:
+        try:
+            archive = zipfile.ZipFile(handle)
+        except zipfile.BadZipFile as err:
+            raise CheckpointFormatError(
+                f"{path} is truncated or not a zip torch checkpoint (no central directory); it cannot be "
+                "verified. Re-save it, or pick an earlier checkpoint"
+            ) from err
+        with archive:
+            infos = archive.infolist()
+            if not any(info.filename.endswith("/data.pkl") or info.filename == "data.pkl" for info in infos):
+                raise CheckpointFormatError(f"{path} is a zip file but not a torch checkpoint (no data.pkl)")
+            for info in infos:
+                _check_record(path, archive, info)
+    except (OSError, EOFError, ValueError, zlib.error, NotImplementedError) as err:
+        if isinstance(err, CheckpointError):
+            raise
+        raise CheckpointFormatError(f"{path} is damaged ({_first_line(err)}); pick an earlier checkpoint") from err
+    finally:
+        handle.close()
+
+
+def _check_record(path: str, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
+    # ZipExtFile compares the CRC-32 and the size when the record's stream ends and raises
+    # BadZipFile naming the record ("Bad CRC-32 for file 'archive/data/3'").
+    try:
+        with archive.open(info) as stream:
+            while stream.read(_CHUNK):
+                pass
+    except zipfile.BadZipFile as err:
+        raise CheckpointFormatError(
+            f"{path}: record {info.filename} is damaged ({err}: bit rot or a partial write); pick an earlier checkpoint"
+        ) from err

@@ -1,0 +1,136 @@
+"""Pure state-dict transforms: the ``module.`` prefix and unwrapping DDP/compile wrappers."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any, TypeVar
+
+import torch
+
+__all__ = ["add_prefix", "strip_prefix", "unwrap_model"]
+
+M = TypeVar("M", bound=Mapping)
+
+
+def _copy_mapping(state_dict: Mapping[str, Any], items: list[tuple[str, Any]]) -> Any:
+    # Keep the caller's mapping type (OrderedDict from state_dict(), plain dict from json, ...).
+    try:
+        out = type(state_dict)(items)
+    except TypeError:
+        out = dict(items)
+    return out
+
+
+def _check_prefix(prefix: str) -> None:
+    if not isinstance(prefix, str) or not prefix:
+        raise ValueError(f"prefix must be a non-empty string such as 'module.', got {prefix!r}")
+
+
+def strip_prefix(state_dict: M, prefix: str = "module.") -> M:
+    """Return a copy of ``state_dict`` with ``prefix`` removed once from every key that has it.
+
+    Keys without the prefix are kept unchanged. The ``_metadata`` attribute that
+    ``nn.Module.state_dict()`` attaches (per-module versions, used by BatchNorm and others when
+    loading) is carried over with its keys renamed exactly as torch's
+    ``consume_prefix_in_state_dict_if_present`` renames them: the bare ``module`` entry becomes
+    the root ``""``. The input is never modified; tensors are shared, not copied.
+
+    Args:
+        state_dict: a mapping of string keys, typically ``ddp_model.state_dict()``.
+        prefix: the prefix to remove.
+
+    Returns:
+        A new mapping of the same type.
+
+    Example:
+        >>> import ckptools as ck
+        >>> ck.strip_prefix({"module.fc.weight": 1, "step": 2})
+        {'fc.weight': 1, 'step': 2}
+    """
+    _check_prefix(prefix)
+    items = [(k[len(prefix) :] if isinstance(k, str) and k.startswith(prefix) else k, v) for k, v in state_dict.items()]
+    out = _copy_mapping(state_dict, items)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        bare = prefix[:-1] if prefix.endswith(".") else prefix
+        renamed: dict[str, Any] = {}
+        for key, value in metadata.items():
+            # Same rule as torch: "" (the wrapper itself) stays and is then overwritten by the
+            # wrapped module's own root entry, "module" -> "", "module.x" -> "x".
+            if key and (key == bare or key.startswith(prefix)):
+                renamed[key[len(prefix) :] if key.startswith(prefix) else ""] = copy.copy(value)
+            else:
+                renamed.setdefault(key, copy.copy(value))
+        out._metadata = _copy_mapping(metadata, list(renamed.items()))
+    return out
+
+
+def add_prefix(state_dict: M, prefix: str = "module.") -> M:
+    """Return a copy of ``state_dict`` with ``prefix`` added to every key that lacks it.
+
+    The inverse of :func:`strip_prefix`, and idempotent: keys that already carry the prefix are
+    left alone, so ``add_prefix(add_prefix(sd)) == add_prefix(sd)``. ``_metadata`` is renamed
+    likewise (the root ``""`` becomes the bare ``module`` entry). The input is never modified.
+
+    Args:
+        state_dict: a mapping of string keys, typically ``model.state_dict()``.
+        prefix: the prefix to add.
+
+    Returns:
+        A new mapping of the same type.
+
+    Example:
+        >>> import ckptools as ck
+        >>> ck.add_prefix({"fc.weight": 1, "module.fc.bias": 2})
+        {'module.fc.weight': 1, 'module.fc.bias': 2}
+    """
+    _check_prefix(prefix)
+    items = [(k if not isinstance(k, str) or k.startswith(prefix) else prefix + k, v) for k, v in state_dict.items()]
+    out = _copy_mapping(state_dict, items)
+    metadata = getattr(state_dict, "_metadata", None)
+    if metadata is not None:
+        bare = prefix[:-1] if prefix.endswith(".") else prefix
+        renamed: dict[str, Any] = {}
+        for key, value in metadata.items():
+            if key == bare or key.startswith(prefix):
+                new = key
+            elif key == "":
+                new = bare
+            else:
+                new = prefix + key
+            renamed[new] = copy.copy(value)
+        out._metadata = _copy_mapping(metadata, list(renamed.items()))
+    return out
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """Return the plain module under any nesting of DDP, DataParallel and ``torch.compile``.
+
+    Args:
+        model: a module, possibly wrapped (``DDP(torch.compile(net))``, ``torch.compile(DDP(net))``, ...).
+
+    Returns:
+        The innermost module, whose ``state_dict()`` keys carry no ``module.``/``_orig_mod.`` prefix.
+
+    Raises:
+        TypeError: ``model`` is not an ``nn.Module``.
+
+    Example:
+        >>> import torch, ckptools as ck
+        >>> net = torch.nn.Linear(2, 2)
+        >>> ck.unwrap_model(torch.nn.DataParallel(net)) is net
+        True
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"unwrap_model expects an nn.Module, got {type(model).__name__}")
+    wrappers: tuple[type, ...] = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
+    while True:
+        if isinstance(model, wrappers):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            # torch._dynamo.eval_frame.OptimizedModule; checked by attribute so that importing
+            # torch._dynamo (slow) is not needed.
+            model = model._orig_mod
+        else:
+            return model
