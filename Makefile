@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint stress venv clean
+.PHONY: test lint stress bench venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -19,14 +19,17 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ckptools tests examples benchmarks
 	$(VENV)/bin/ruff format --check ckptools tests examples benchmarks
 
 stress: $(STAMP)
-	$(PY) -m pytest -q -m slow -p no:randomly
+	$(PY) -m pytest -q -m slow
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_save.py --gib 1

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from collections import OrderedDict
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,19 +27,21 @@ FORMAT_VERSION = 1
 # Where other tools nest a model's weights, most specific first.
 WEIGHT_KEYS = ("state_dict", "model_state_dict", "model", "module")
 # Types torch.load(weights_only=True) accepts; everything ckptools writes itself is one of them.
-_SAFE_LEAVES = (str, int, float, bool, type(None), torch.Tensor)
+_SAFE_LEAVES = (str, int, float, bool, type(None))
 
 
 def _check_safe(value: Any, where: str) -> None:
-    if isinstance(value, _SAFE_LEAVES):
+    # Exact types: subclasses such as numpy.float64 (a float) pickle as their own class,
+    # which weights_only loading refuses.
+    if type(value) in _SAFE_LEAVES or isinstance(value, torch.Tensor):
         return
-    if isinstance(value, (list, tuple)):
+    if type(value) in (list, tuple):
         for i, item in enumerate(value):
             _check_safe(item, f"{where}[{i}]")
         return
-    if isinstance(value, dict):
+    if type(value) in (dict, OrderedDict):
         for key, item in value.items():
-            if not isinstance(key, (str, int)):
+            if type(key) not in (str, int):
                 raise TypeError(f"{where} has a key {key!r} of type {type(key).__name__}; use str or int keys")
             _check_safe(item, f"{where}[{key!r}]")
         return
@@ -130,7 +133,7 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
                 "metadata": user_meta,
             }
             save_file(path, payload)
-        except Exception as err:
+        except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
             error = err
     # The outcome travels to every rank, so a failure on rank 0 surfaces everywhere at once
     # instead of leaving the other ranks in a barrier until the collective timeout.
@@ -306,7 +309,7 @@ def load(
         _restore_all(ckpt, state or {}, strict=strict, path=path)
         if restore_rng:
             _restore_rng(ckpt, path)
-    except Exception as err:
+    except Exception as err:  # noqa: BLE001 - shared with every rank, then re-raised
         error = err
     _all_ok(error, f"loading checkpoint {path}")
     return ckpt

@@ -177,14 +177,16 @@ class CheckpointManager:
             >>> start = 0 if ckpt is None else ckpt["step"] + 1  # doctest: +SKIP
         """
         choice: tuple[str | None, str | None] = (None, None)
+        failure: Exception | None = None
         if get_rank() == 0:
             try:
                 choice = (self.latest(), None)
-            except Exception as err:
+            except Exception as err:  # noqa: BLE001 - shared with every rank below
+                failure = err
                 choice = (None, f"{type(err).__name__}: {err}")
         path, message = _broadcast_object(choice)
         if message is not None:
-            raise CheckpointError(f"choosing a checkpoint in {self.directory} failed on rank 0: {message}")
+            raise CheckpointError(f"choosing a checkpoint in {self.directory} failed on rank 0: {message}") from failure
         if path is None:
             return None
         return load(path, state, **load_kwargs)

@@ -116,8 +116,9 @@ def verify_torch_file(path: PathLike) -> None:
             infos = archive.infolist()
             if not any(info.filename.endswith("/data.pkl") or info.filename == "data.pkl" for info in infos):
                 raise CheckpointFormatError(f"{path} is a zip file but not a torch checkpoint (no data.pkl)")
+            buffer = bytearray(min(_CHUNK, max((info.file_size for info in infos), default=0)) or 1)
             for info in infos:
-                _check_record(path, archive, info)
+                _check_record(path, handle, info, buffer)
     except (OSError, EOFError, ValueError, zlib.error, NotImplementedError) as err:
         if isinstance(err, CheckpointError):
             raise
@@ -126,14 +127,28 @@ def verify_torch_file(path: PathLike) -> None:
         handle.close()
 
 
-def _check_record(path: str, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> None:
-    # ZipExtFile compares the CRC-32 and the size when the record's stream ends and raises
-    # BadZipFile naming the record ("Bad CRC-32 for file 'archive/data/3'").
-    try:
-        with archive.open(info) as stream:
-            while stream.read(_CHUNK):
-                pass
-    except zipfile.BadZipFile as err:
+def _check_record(path: str, handle: IO[bytes], info: zipfile.ZipInfo, buffer: bytearray) -> None:
+    # torch stores every record uncompressed, so its CRC-32 can be checked straight from the
+    # file in large reads (zipfile's own reader checks it too, but ~4x slower).
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise CheckpointFormatError(f"{path}: record {info.filename} is compressed, which torch never writes")
+    handle.seek(info.header_offset)
+    header = handle.read(30)
+    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+        raise CheckpointFormatError(f"{path}: record {info.filename} has a damaged header; pick an earlier checkpoint")
+    name_len = int.from_bytes(header[26:28], "little")
+    extra_len = int.from_bytes(header[28:30], "little")
+    handle.seek(info.header_offset + 30 + name_len + extra_len)
+    remaining, crc = info.file_size, 0
+    view = memoryview(buffer)
+    while remaining:
+        got = handle.readinto(view[: min(remaining, len(buffer))])
+        if not got:
+            raise CheckpointFormatError(f"{path}: record {info.filename} is cut short (truncated file)")
+        crc = zlib.crc32(view[:got], crc)
+        remaining -= got
+    if crc != info.CRC:
         raise CheckpointFormatError(
-            f"{path}: record {info.filename} is damaged ({err}: bit rot or a partial write); pick an earlier checkpoint"
-        ) from err
+            f"{path}: record {info.filename} is damaged (CRC-32 mismatch: bit rot or a partial write); "
+            "pick an earlier checkpoint"
+        )

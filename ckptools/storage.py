@@ -15,7 +15,7 @@ from typing import IO, Any, Union
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CheckpointNotFoundError
+from .errors import CheckpointFormatError, CheckpointNotFoundError
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -121,7 +121,7 @@ def open_for_read(path: PathLike) -> tuple[Any, bool]:
 
     Raises:
         CheckpointNotFoundError: nothing exists at ``path``.
-        IsADirectoryError: ``path`` is a directory.
+        CheckpointFormatError: ``path`` is a directory.
     """
     path = _fspath(path)
     fs, fpath = get_filesystem(path)
@@ -129,14 +129,14 @@ def open_for_read(path: PathLike) -> tuple[Any, bool]:
         if not os.path.exists(fpath):
             raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check the path")
         if os.path.isdir(fpath):
-            raise IsADirectoryError(f"{path} is a directory, not a checkpoint file; name a file inside it")
+            raise CheckpointFormatError(f"{path} is a directory, not a checkpoint file; name a file inside it")
         return fpath, True
     try:
         data = fs.cat_file(fpath)
     except FileNotFoundError as err:
         raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check the URL") from err
     except IsADirectoryError as err:
-        raise IsADirectoryError(f"{path} is a directory, not a checkpoint file; name a file inside it") from err
+        raise CheckpointFormatError(f"{path} is a directory, not a checkpoint file; name a file inside it") from err
     return io.BytesIO(data), False
 
 

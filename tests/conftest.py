@@ -1,0 +1,44 @@
+from __future__ import annotations
+
+import os
+import sys
+
+# Multi-process helpers live beside the tests; spawned children import them by module name.
+sys.path.insert(0, os.path.dirname(__file__))
+# Two cores here: keep torch from oversubscribing them with intra-op threads in every process.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest
+import torch
+
+
+@pytest.fixture
+def cuda_tagged_file(tmp_path):
+    """A checkpoint whose storages are tagged ``cuda:1``, as if saved on a GPU machine.
+
+    torch.save asks ``torch.serialization.location_tag`` where each storage lives; answering
+    "cuda:1" writes exactly what a save from GPU 1 writes, without needing a GPU.
+    """
+    import torch.serialization as ts
+
+    path = tmp_path / "from_gpu1.pt"
+    real = ts.location_tag
+    ts.location_tag = lambda storage: "cuda:1"
+    try:
+        torch.save({"model": {"weight": torch.full((3, 3), 2.0), "bias": torch.zeros(3)}, "step": 4}, path)
+    finally:
+        ts.location_tag = real
+    return path
+
+
+@pytest.fixture
+def gloo_group():
+    """A real one-process gloo group in this process (for APIs such as DDP that need one)."""
+    import torch.distributed as dist
+    from _dist import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

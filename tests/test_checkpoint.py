@@ -1,0 +1,348 @@
+from __future__ import annotations
+
+import os
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+from _dist import run_ranks
+
+import ckptools as ck
+from ckptools.checkpoint import META_KEY
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(16, 4, generator=g)
+    model(x).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _equal_state(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    sa, sb = ck.unwrap_model(a).state_dict(), ck.unwrap_model(b).state_dict()
+    return sa.keys() == sb.keys() and all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+# --- single process -----------------------------------------------------------------------------
+
+
+def test_roundtrip_restores_model_optimizer_scheduler_scaler(tmp_path):
+    model = _net()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for i in range(3):
+        _train_step(model, opt, i)
+        sched.step()
+    path = ck.save(
+        tmp_path / "c.pt",
+        {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "step": 3, "ema": torch.arange(3.0)},
+        metadata={"run": "a", "lr": 0.01},
+    )
+    assert path == str(tmp_path / "c.pt")
+
+    model2 = _net()
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=0.5)
+    sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=1, gamma=0.5)
+    scaler2 = torch.amp.GradScaler("cpu")
+    ema = torch.zeros(3)
+    out = ck.load(path, {"model": model2, "optimizer": opt2, "scheduler": sched2, "scaler": scaler2, "ema": ema})
+    assert _equal_state(model, model2)
+    assert opt2.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
+    assert sched2.last_epoch == 3
+    assert scaler2.get_scale() == 1024.0
+    assert torch.equal(ema, torch.arange(3.0))
+    assert out["step"] == 3 and out[META_KEY]["metadata"] == {"run": "a", "lr": 0.01}
+    # Continuing both gives the same result: the optimizer state really came back.
+    _train_step(model, opt, 9)
+    _train_step(model2, opt2, 9)
+    assert _equal_state(model, model2)
+
+
+def test_file_is_plain_torch_zip_readable_without_ckptools(tmp_path):
+    model = torch.nn.parallel.DataParallel(_net())
+    ck.save(tmp_path / "c.pt", {"model": model, "epoch": 2})
+    raw = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert set(raw) == {"model", "epoch", META_KEY}
+    assert not any(k.startswith("module.") for k in raw["model"])
+    meta = raw[META_KEY]
+    assert meta["format_version"] == 1 and meta["world_size"] == 1
+    assert isinstance(meta["torch_version"], str) and type(meta["torch_version"]) is str
+    assert len(meta["rng"]) == 1
+
+
+def test_save_does_not_advance_any_rng(tmp_path):
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    before = (random.getstate(), np.random.get_state()[1].copy(), torch.get_rng_state())
+    ck.save(tmp_path / "c.pt", {"model": _net()})  # _net() reseeds torch: capture after it
+    random.seed(1), np.random.seed(1), torch.manual_seed(1)
+    ck.save(tmp_path / "d.pt", {"x": torch.ones(2)})
+    after = (random.getstate(), np.random.get_state()[1], torch.get_rng_state())
+    assert before[0] == after[0] and np.array_equal(before[1], after[1]) and torch.equal(before[2], after[2])
+
+
+def test_load_restores_rng(tmp_path):
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    ck.save(tmp_path / "c.pt", {})
+    expected = (random.random(), float(np.random.rand()), torch.rand(2))
+    ck.load(tmp_path / "c.pt")
+    got = (random.random(), float(np.random.rand()), torch.rand(2))
+    assert expected[:2] == got[:2] and torch.equal(expected[2], got[2])
+
+
+def test_save_refuses_reserved_and_unsafe_metadata(tmp_path):
+    with pytest.raises(TypeError, match="reserved"):
+        ck.save(tmp_path / "c.pt", {META_KEY: 1})
+    with pytest.raises(TypeError, match="weights_only"):
+        ck.save(tmp_path / "c.pt", {}, metadata={"when": np.float64(1.0)})
+    assert not (tmp_path / "c.pt").exists()
+
+
+def test_failed_save_keeps_previous_file_and_leaves_no_temp(tmp_path):
+    path = tmp_path / "c.pt"
+    ck.save(path, {"v": torch.ones(3)})
+    original = path.read_bytes()
+
+    class Broken:
+        def state_dict(self):
+            raise RuntimeError("boom in state_dict")
+
+    with pytest.raises(ck.CheckpointError, match=r"c\.pt failed on rank 0: RuntimeError: boom in state_dict"):
+        ck.save(path, {"v": torch.zeros(3), "b": Broken()})
+    assert path.read_bytes() == original
+    assert os.listdir(tmp_path) == ["c.pt"]
+
+
+def test_strict_mismatch_lists_keys(tmp_path):
+    ck.save(tmp_path / "c.pt", {"model": torch.nn.Linear(2, 2)})
+    other = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    # A different architecture: keys "0.weight" vs "weight".
+    with pytest.raises(
+        ck.KeyMismatchError, match=r"missing keys \[0\.bias, 0\.weight\].*unexpected keys \[bias, weight\]"
+    ):
+        ck.load(tmp_path / "c.pt", {"model": other})
+    with pytest.raises(ck.KeyMismatchError, match="has no entry 'optimizer'"):
+        ck.load(tmp_path / "c.pt", {"optimizer": torch.optim.SGD(other.parameters(), lr=1)})
+    # strict=False loads what matches and skips missing entries.
+    ck.load(tmp_path / "c.pt", {"model": other, "optimizer": torch.optim.SGD(other.parameters(), lr=1)}, strict=False)
+
+
+def test_plain_torch_save_files_load(tmp_path):
+    src = _net()
+    torch.save(torch.nn.DataParallel(src).state_dict(), tmp_path / "bare.pt")
+    torch.save({"model_state_dict": src.state_dict(), "epoch": 7}, tmp_path / "nested.pt")
+    for name in ("bare.pt", "nested.pt"):
+        dst = _net()
+        with torch.no_grad():
+            for p in dst.parameters():
+                p.zero_()
+        out = ck.load(tmp_path / name, {"model": dst})
+        assert _equal_state(src, dst), name
+    assert out["epoch"] == 7
+
+
+def test_submodule_really_named_module_keeps_its_prefix(tmp_path):
+    class Wrapper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Linear(2, 2)
+
+    src = Wrapper()
+    ck.save(tmp_path / "c.pt", {"model": src})
+    assert set(torch.load(tmp_path / "c.pt", weights_only=True)["model"]) == {"module.weight", "module.bias"}
+    dst = Wrapper()
+    ck.load(tmp_path / "c.pt", {"model": dst})
+    assert _equal_state(src, dst)
+
+
+def test_memory_url_roundtrip():
+    model = _net()
+    ck.save("memory://ckpt-test/run/a.pt", {"model": model})
+    other = _net()
+    with torch.no_grad():
+        other[0].weight.add_(1)
+    ck.load("memory://ckpt-test/run/a.pt", {"model": other})
+    assert _equal_state(model, other)
+
+
+def test_load_state_dict_finds_nested_weights(tmp_path):
+    from safetensors.torch import save_file
+
+    w = {"module.a": torch.ones(2), "module.b": torch.zeros(1)}
+    torch.save({"state_dict": w, "epoch": 1}, tmp_path / "l.ckpt")
+    torch.save({"ema": {"model": w}}, tmp_path / "deep.pth")
+    save_file({"a": torch.ones(2)}, str(tmp_path / "m.safetensors"))
+    assert list(ck.load_state_dict(tmp_path / "l.ckpt")) == ["a", "b"]
+    assert list(ck.load_state_dict(tmp_path / "l.ckpt", strip=None)) == ["module.a", "module.b"]
+    assert list(ck.load_state_dict(tmp_path / "deep.pth", key="ema.model")) == ["a", "b"]
+    assert torch.equal(ck.load_state_dict(tmp_path / "m.safetensors")["a"], torch.ones(2))
+    with pytest.raises(ck.CheckpointFormatError, match="pass key="):
+        ck.load_state_dict(tmp_path / "deep.pth")
+    with pytest.raises(ck.KeyMismatchError, match="no entry 'ema.nope'"):
+        ck.load_state_dict(tmp_path / "deep.pth", key="ema.nope")
+
+
+def test_bad_files_raise_the_right_error(tmp_path):
+    good = tmp_path / "good.pt"
+    ck.save(good, {"w": torch.ones(100)})
+    data = good.read_bytes()
+    (tmp_path / "trunc.pt").write_bytes(data[: len(data) // 2])
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "random.pt").write_bytes(os.urandom(4096))
+    (tmp_path / "dir.pt").mkdir()
+    with pytest.raises(ck.CheckpointNotFoundError, match="missing.pt does not exist"):
+        ck.load(tmp_path / "missing.pt")
+    with pytest.raises(FileNotFoundError):  # also the builtin
+        ck.load(tmp_path / "missing.pt")
+    for name in ("trunc.pt", "empty.pt", "random.pt"):
+        with pytest.raises(ck.CheckpointFormatError, match=name):
+            ck.load(tmp_path / name)
+    with pytest.raises(ck.CheckpointFormatError, match="is a directory"):
+        ck.load(tmp_path / "dir.pt")
+
+
+class _Canary:
+    path = ""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path):
+    canary = tmp_path / "pwned"
+    _Canary.path = str(canary)
+    torch.save({"model": {"w": torch.ones(1)}, "evil": _Canary()}, tmp_path / "evil.pt")
+    with pytest.raises(ck.UnsafeCheckpointError, match=r"evil\.pt needs .*system.*weights_only=False"):
+        ck.load(tmp_path / "evil.pt")
+    with pytest.raises(ck.UnsafeCheckpointError):
+        ck.load_state_dict(tmp_path / "evil.pt")
+    assert not canary.exists()
+
+
+def test_cuda_tagged_file_loads_on_cpu(tmp_path, cuda_tagged_file):
+    # "auto" on a machine without CUDA is the CPU; the file's storages say cuda:1.
+    model = torch.nn.Linear(3, 3)
+    ck.load(cuda_tagged_file, {"model": model})
+    assert torch.equal(model.weight, torch.full((3, 3), 2.0))
+    assert ck.load(cuda_tagged_file, map_location={"cuda:1": "cpu"})["model"]["weight"].device.type == "cpu"
+
+
+# --- several real processes ---------------------------------------------------------------------
+
+
+def _ddp_save_and_sync(rank: int, world: int, path: str) -> dict:
+    import ckptools.checkpoint as cp
+
+    writes = []
+    real = cp.save_file
+    cp.save_file = lambda p, obj: (writes.append(p), real(p, obj))[1]
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(_net())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    _train_step(model, opt, rank)  # different data per rank; DDP keeps weights equal
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    # Per-rank RNG streams that differ.
+    random.seed(100 + rank), np.random.seed(100 + rank), torch.manual_seed(100 + rank)
+    ck.save(path, {"model": model, "optimizer": opt, "step": 1})
+    exists_on_return = os.path.exists(path)
+    expected = (random.random(), float(np.random.rand()), torch.rand(1).item())
+    # Still in DDP, same parameters, and gradient sync still works after the save.
+    _train_step(model, opt, 10 + rank)
+    weights = torch.cat([p.detach().flatten() for p in model.parameters()])
+    gathered = [torch.zeros_like(weights) for _ in range(world)]
+    torch.distributed.all_gather(gathered, weights)
+    # Each rank gets its own RNG back.
+    random.seed(0), np.random.seed(0), torch.manual_seed(0)
+    fresh = torch.nn.parallel.DistributedDataParallel(_net())
+    ck.load(path, {"model": fresh})
+    got = (random.random(), float(np.random.rand()), torch.rand(1).item())
+    # A DDP model loads a plain (unwrapped) checkpoint and a plain model loads a DDP one.
+    plain = _net()
+    ck.load(path, {"model": plain}, restore_rng=False)
+    return {
+        "writes": writes,
+        "exists_on_return": exists_on_return,
+        "ddp": isinstance(model, torch.nn.parallel.DistributedDataParallel),
+        "same_params": ptrs == [p.data_ptr() for p in model.parameters()],
+        "in_sync": all(torch.equal(gathered[0], g) for g in gathered),
+        "rng_back": expected == got,
+        "rng": expected,
+        "plain_ok": _equal_state(plain, fresh),
+    }
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_ddp_save_load(tmp_path, world):
+    path = str(tmp_path / "ddp.pt")
+    results = run_ranks(_ddp_save_and_sync, world, path)
+    assert results[0]["writes"] == [path]
+    assert all(r["writes"] == [] for r in results[1:]), "only global rank 0 writes"
+    assert all(r["exists_on_return"] for r in results), "save returns only after the file exists"
+    assert all(r["ddp"] and r["same_params"] and r["in_sync"] for r in results)
+    assert all(r["rng_back"] for r in results)
+    assert len({r["rng"] for r in results}) == world, "each rank has its own stream"
+    assert all(r["plain_ok"] for r in results)
+    raw = torch.load(path, weights_only=True)
+    assert raw[META_KEY]["world_size"] == world and len(raw[META_KEY]["rng"]) == world
+    assert not any(k.startswith("module.") for k in raw["model"])
+
+
+def _rank0_failure(rank: int, world: int, directory: str) -> dict:
+    blocker = os.path.join(directory, "not_a_dir")
+    outcomes = {}
+
+    class FailsOnRank0:
+        def state_dict(self):
+            raise ValueError("state_dict exploded")
+
+    for case, path, state in (
+        ("parent_is_file", os.path.join(blocker, "c.pt"), {"x": torch.ones(1)}),
+        ("state_dict_raises", os.path.join(directory, "ok.pt"), {"x": torch.ones(1), "bad": FailsOnRank0()}),
+    ):
+        start = time.monotonic()
+        try:
+            ck.save(path, state)
+            outcomes[case] = ("returned", 0.0)
+        except ck.CheckpointError as err:
+            outcomes[case] = (str(err), time.monotonic() - start)
+    t = torch.ones(1) * (rank + 1)
+    torch.distributed.all_reduce(t)  # the group still works
+    outcomes["all_reduce"] = t.item()
+    return outcomes
+
+
+def test_rank0_failure_raises_on_every_rank_quickly(tmp_path):
+    (tmp_path / "not_a_dir").write_text("a file")
+    results = run_ranks(_rank0_failure, 2, str(tmp_path))
+    for r in results:
+        msg, seconds = r["parent_is_file"]
+        assert "failed on rank 0" in msg and "not_a_dir" in msg and seconds < 10
+        msg, seconds = r["state_dict_raises"]
+        assert "state_dict exploded" in msg and seconds < 10
+        assert r["all_reduce"] == 3.0
+    assert sorted(os.listdir(tmp_path)) == ["not_a_dir"], "no partial or temporary file left"
+
+
+def _load_fails_on_rank1(rank: int, world: int, path: str) -> str:
+    ck.save(path, {"model": torch.nn.Linear(2, 2)})
+    # Rank 1 asks for a model the file does not fit: it fails, rank 0 alone would succeed.
+    model = torch.nn.Linear(2, 2) if rank == 0 else torch.nn.Linear(3, 3)
+    try:
+        ck.load(path, {"model": model})
+    except ck.CheckpointError as err:
+        return f"{type(err).__name__}: {err}"
+    return "loaded"
+
+
+def test_load_failure_on_one_rank_raises_on_all(tmp_path):
+    r0, r1 = run_ranks(_load_fails_on_rank1, 2, str(tmp_path / "c.pt"))
+    assert r0.startswith("CheckpointError: loading checkpoint") and "failed on rank 1" in r0
+    assert r1.startswith("KeyMismatchError")

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import inspect
+
+import ckptools as ck
+
+CONTRACT = {
+    "CheckpointError",
+    "CheckpointFormatError",
+    "CheckpointManager",
+    "CheckpointNotFoundError",
+    "KeyMismatchError",
+    "ResumableDistributedSampler",
+    "UnsafeCheckpointError",
+    "add_prefix",
+    "load",
+    "load_state_dict",
+    "resolve_map_location",
+    "save",
+    "strip_prefix",
+    "to_cpu",
+    "unwrap_model",
+}
+
+
+def test_all_is_sorted_and_holds_the_contract():
+    assert ck.__all__ == sorted(ck.__all__)
+    assert set(ck.__all__) >= CONTRACT
+    assert all(hasattr(ck, name) for name in ck.__all__)
+
+
+def test_public_functions_are_typed_and_documented():
+    for name in ck.__all__:
+        obj = getattr(ck, name)
+        assert obj.__doc__ and obj.__doc__.strip(), name
+        if inspect.isfunction(obj):
+            assert "Example" in obj.__doc__, name
+            assert "return" in obj.__annotations__, name
+
+
+def test_error_hierarchy():
+    assert issubclass(ck.CheckpointNotFoundError, FileNotFoundError)
+    for cls in (ck.CheckpointNotFoundError, ck.CheckpointFormatError, ck.UnsafeCheckpointError, ck.KeyMismatchError):
+        assert issubclass(cls, ck.CheckpointError)
+    err = ck.KeyMismatchError("model: missing keys [a]", missing=["a"])
+    assert str(err) == "model: missing keys [a]" and err.missing == ["a"]
+    assert str(ck.CheckpointNotFoundError("x.pt does not exist")) == "x.pt does not exist"

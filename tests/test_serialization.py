@@ -1,0 +1,78 @@
+from __future__ import annotations
+
+import os
+import zipfile
+
+import pytest
+import torch
+
+from ckptools.errors import CheckpointFormatError, UnsafeCheckpointError
+from ckptools.serialization import load_file, save_file, verify_torch_file
+
+
+def _tensor_record_offsets(path):
+    """(start, size) of each tensor's raw bytes inside a torch zip file."""
+    out = []
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+        for info in zf.infolist():
+            if "/data/" in info.filename and info.file_size:
+                f.seek(info.header_offset + 26)
+                name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+                out.append((info.header_offset + 30 + name_len + extra_len, info.file_size))
+    return out
+
+
+def test_verify_catches_every_flipped_byte_in_tensor_data(tmp_path):
+    path = tmp_path / "c.pt"
+    save_file(path, {"a": torch.randn(1000), "b": torch.randn(50, 50)})
+    verify_torch_file(path)
+    original = path.read_bytes()
+    # Silently accepted by torch.load ...
+    start, _ = _tensor_record_offsets(path)[0]
+    damaged = bytearray(original)
+    damaged[start + 5] ^= 0x10
+    path.write_bytes(bytes(damaged))
+    torch.load(path, weights_only=True)
+    # ... but caught by verify, every time.
+    caught = 0
+    records = _tensor_record_offsets(tmp_path / "c.pt")
+    for i in range(40):
+        start, size = records[i % len(records)]
+        damaged = bytearray(original)
+        damaged[start + (i * 7919) % size] ^= 1 << (i % 8)
+        path.write_bytes(bytes(damaged))
+        with pytest.raises(CheckpointFormatError, match=r"data/\d+ is damaged"):
+            verify_torch_file(path)
+        caught += 1
+    assert caught == 40
+
+
+def test_verify_rejects_truncated_and_non_zip(tmp_path):
+    path = tmp_path / "c.pt"
+    save_file(path, {"a": torch.randn(1000)})
+    data = path.read_bytes()
+    for cut in (10, len(data) // 2, len(data) - 5):
+        path.write_bytes(data[:cut])
+        with pytest.raises(CheckpointFormatError, match="c.pt"):
+            verify_torch_file(path)
+    path.write_bytes(os.urandom(300))
+    with pytest.raises(CheckpointFormatError, match="not a zip"):
+        verify_torch_file(path)
+    with zipfile.ZipFile(tmp_path / "other.zip", "w") as zf:
+        zf.writestr("hello.txt", "hi")
+    with pytest.raises(CheckpointFormatError, match="no data.pkl"):
+        verify_torch_file(tmp_path / "other.zip")
+
+
+def test_unsafe_globals_are_named(tmp_path):
+    import fractions
+
+    torch.save({"c": fractions.Fraction(1, 3)}, tmp_path / "frac.pt")
+    with pytest.raises(UnsafeCheckpointError, match=r"fractions\.Fraction.*weights_only=False"):
+        load_file(tmp_path / "frac.pt")
+    assert load_file(tmp_path / "frac.pt", weights_only=False)["c"] == fractions.Fraction(1, 3)
+
+
+def test_legacy_format_still_loads(tmp_path):
+    torch.save({"w": torch.ones(2)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    assert torch.equal(load_file(tmp_path / "old.pt")["w"], torch.ones(2))
