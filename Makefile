@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint stress bench venv clean
+.PHONY: test lint stress bench demo venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,3 +33,6 @@ clean:
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py --gib 1
+
+demo: $(STAMP)
+	$(PY) examples/demo.py --workdir runs/demo

@@ -1,0 +1,234 @@
+"""Reference DDP training loop with ckptools: correct checkpoints and bit-exact resume.
+
+Launch (CPU, 2 processes; gloo):
+    torchrun --standalone --nproc_per_node=2 examples/train_ddp.py --ckpt-dir runs/demo
+Launch (8 GPUs; nccl, one GPU per process):
+    torchrun --standalone --nproc_per_node=8 examples/train_ddp.py --ckpt-dir runs/demo --amp
+Kill it at any time and run the same command again: it resumes from the newest good checkpoint
+and ends with the same weights, bit for bit, as a run that was never interrupted. With
+``torchrun --max-restarts=1 ... --fail-at-step 23`` one rank dies after step 23 and torchrun
+restarts the job, which resumes by itself.
+
+What each part is for is said where it happens. The batch size is per rank: the global batch is
+``--batch-size * world_size`` and the learning rate ``--lr`` is for that global batch (gradients
+are averaged across ranks by DDP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader, TensorDataset
+
+import ckptools as ck
+from ckptools.storage import atomic_write, join
+
+IN_FEATURES, HIDDEN, CLASSES = 32, 128, 8
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--batch-size", type=int, default=16, help="per rank")
+    p.add_argument("--dataset-size", type=int, default=512)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--ckpt-dir", default="runs/train_ddp", help="local path or fsspec URL (s3://...)")
+    p.add_argument("--resume", default="auto", help="auto (newest good checkpoint in --ckpt-dir), none, or a PATH")
+    p.add_argument("--save-every-steps", type=int, default=5)
+    p.add_argument("--keep-last", type=int, default=3)
+    p.add_argument(
+        "--fail-at-step",
+        type=int,
+        default=None,
+        help="one rank os._exit()s right after this step, in a launch that started fresh, on torchrun's first attempt",
+    )
+    p.add_argument("--fail-rank", type=int, default=None, help="which rank dies (default: the last)")
+    p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=False, help="fp16 on GPU, bf16 on CPU")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument(
+        "--exact-reduce",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep DDP's gradient bucket layout fixed so a resume is bit-exact with 3+ ranks too",
+    )
+    p.add_argument("--log-every", type=int, default=8)
+    return p.parse_args(argv)
+
+
+def log(*parts: object) -> None:
+    # Rank 0 alone logs: N copies of every line help nobody.
+    if ck.is_main_process():
+        print(f"[rank0 {time.strftime('%H:%M:%S')}]", *parts, flush=True)
+
+
+def make_data(size: int, seed: int) -> TensorDataset:
+    """Synthetic classification data labelled by a fixed random teacher network (no downloads).
+
+    Its own generator makes it identical on every rank and independent of the global RNG.
+    """
+    g = torch.Generator().manual_seed(10_000 + seed)
+    x = torch.randn(size, IN_FEATURES, generator=g)
+    teacher_w1 = torch.randn(IN_FEATURES, 64, generator=g)
+    teacher_w2 = torch.randn(64, CLASSES, generator=g)
+    y = (torch.tanh(x @ teacher_w1) @ teacher_w2).argmax(dim=1)
+    return TensorDataset(x, y)
+
+
+def make_model(seed: int) -> torch.nn.Module:
+    # BatchNorm has per-rank statistics (SyncBatchNorm on GPU) and dropout makes the RNG state
+    # part of what an exact resume must restore.
+    torch.manual_seed(seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN_FEATURES, HIDDEN),
+        torch.nn.BatchNorm1d(HIDDEN),
+        torch.nn.ReLU(),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(HIDDEN, CLASSES),
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    # cuBLAS needs this before CUDA starts to be deterministic; harmless on CPU.
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+    # nccl + cuda:LOCAL_RANK on GPUs, gloo + cpu otherwise; isolates torchrun restart attempts.
+    device = ck.init_distributed()
+    rank, world = ck.get_rank(), ck.get_world_size()
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    # Every rank says who it is once: on two nodes both have local rank 0, and only global
+    # rank 0 writes checkpoints.
+    print(f"[rank{rank}] local rank {ck.get_local_rank()}, writes checkpoints: {ck.is_main_process()}", flush=True)
+    log(
+        f"world size {world}, backend {dist.get_backend() if dist.is_initialized() else 'none'}, "
+        f"device {device.type}, attempt {attempt}, global batch {args.batch_size * world}, lr {args.lr}"
+    )
+
+    model = make_model(args.seed)
+    if device.type == "cuda":
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    model = model.to(device)
+    # DDP re-buckets gradients after the first backward of every launch, so a resumed run's
+    # first step would reduce with a different bucket layout than the uninterrupted run used at
+    # that step. Ring all-reduce sums each element in an order set by its offset in the bucket:
+    # with 3+ ranks a different layout rounds differently (2 ranks: a + b is commutative, so it
+    # never matters). find_unused_parameters=True keeps the initial layout for the whole run
+    # (torch's Reducer only re-buckets without it), at the cost of one graph traversal per step.
+    ddp = DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        find_unused_parameters=args.exact_reduce and world > 2,
+    )
+
+    # Per-rank seeds: each rank's dropout masks differ, yet each is reproducible.
+    random.seed(args.seed + rank)
+    np.random.seed(args.seed + rank)
+    torch.manual_seed(args.seed + rank)
+
+    dataset = make_data(args.dataset_size, args.seed)
+    sampler = ck.ResumableDistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=args.num_workers,
+        drop_last=True,
+        # Each iter(loader) draws a base seed for its workers: from its own generator here, so
+        # that starting an epoch mid-way on resume does not shift the global RNG stream.
+        generator=torch.Generator().manual_seed(args.seed),
+        persistent_workers=False,
+    )
+
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.8)  # stepped per step
+    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    scaler = torch.amp.GradScaler(device.type, enabled=args.amp)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    state = {"model": ddp, "optimizer": optimizer, "scheduler": scheduler, "scaler": scaler, "sampler": sampler}
+    manager = ck.CheckpointManager(args.ckpt_dir, keep_last=args.keep_last)
+    step = 0
+    ckpt = None
+    if args.resume == "auto":
+        ckpt = manager.restore(state)  # every rank loads the checkpoint rank 0 chose
+    elif args.resume != "none":
+        ckpt = ck.load(args.resume, state)
+    if ckpt is None:
+        log("fresh start")
+    else:
+        step = int(ckpt["step"])
+        log(
+            f"resumed from step {step} (epoch {sampler.epoch}, sample {sampler.progress} of {sampler.num_samples} "
+            f"per rank)"
+        )
+
+    def save() -> None:
+        path = manager.save({**state, "step": step}, step)
+        log(f"saved {path}")
+
+    last_saved = step
+    for epoch in range(sampler.epoch if ckpt is not None else 0, args.epochs):
+        sampler.set_epoch(epoch)  # the restored epoch keeps its restored position
+        ddp.train()
+        # Workers prefetch ahead of the loop: track() makes the sampler count what the loop took.
+        batches = sampler.track(loader) if args.num_workers > 0 else loader
+        for x, y in batches:
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
+                loss = loss_fn(ddp(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scheduler.step()
+            step += 1
+            if step % args.log_every == 0:
+                log(f"epoch {epoch} step {step} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.5f}")
+            # A simulated crash fires once: not after torchrun restarted the job (attempt > 0) and
+            # not in a relaunch that resumed, so `--max-restarts=0` followed by the same command
+            # again recovers too.
+            if args.fail_at_step == step and attempt == 0 and ckpt is None and rank == _fail_rank(args, world):
+                print(f"[rank{rank}] simulated crash right after step {step}", flush=True)
+                os._exit(17)  # abrupt: no cleanup, no save, like a killed process
+            if step % args.save_every_steps == 0:
+                save()
+                last_saved = step
+        if last_saved != step:  # epoch end (unless that step was just saved)
+            save()
+            last_saved = step
+
+    if ck.is_main_process():
+        final = join(args.ckpt_dir, "final.safetensors")
+        _write_safetensors(final, ck.unwrap_model(ddp).state_dict())
+        log(f"done after {step} steps; final weights: {final}")
+    ck.barrier()
+    if dist.is_initialized():
+        # Tear the group down before exit: letting interpreter shutdown destroy a live gloo/nccl
+        # group runs C++ destructors in arbitrary order.
+        dist.destroy_process_group()
+
+
+def _fail_rank(args: argparse.Namespace, world: int) -> int:
+    return world - 1 if args.fail_rank is None else args.fail_rank
+
+
+def _write_safetensors(path: str, state_dict: dict) -> None:
+    from safetensors.torch import save
+
+    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
+    payload = save(tensors, metadata={"format": "pt"})
+    atomic_write(path, lambda f: f.write(payload))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
