@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import pickle
 from typing import Any
 
 import torch
@@ -177,58 +176,20 @@ def _object_device() -> torch.device:
     return torch.device("cpu")
 
 
-# The tensors of the latest object collective. Gloo's worker threads release a finished work
-# (and the tensors it holds) a moment after wait() returns. If the tensors' last Python
-# reference is already gone by then, that release needs the GIL; when the process group is
-# destroyed at exit, the main thread holds the GIL while joining those workers and the process
-# hangs (or aborts with "terminate called without an active exception"). Keeping the latest
-# tensors referenced here means a worker never needs the GIL to let go of them.
-# torch.distributed.broadcast_object_list frees its temporaries on return, hence these helpers.
-_KEEPALIVE: list[torch.Tensor] = []
-
-
-def _encode(obj: Any, device: torch.device) -> torch.Tensor:
-    payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).to(device)
-
-
-def _decode(data: torch.Tensor, size: int) -> Any:
-    # Only ranks of our own process group send these bytes: trusted like any collective.
-    return pickle.loads(data[:size].cpu().numpy().tobytes())
-
-
 def _broadcast_object(obj: Any, src: int = 0) -> Any:
     """Return rank ``src``'s ``obj`` on every rank (identity without a process group)."""
     if not _dist_ready() or get_world_size() == 1:
         return obj
-    device = _object_device()
-    if get_rank() == src:
-        data = _encode(obj, device)
-        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    else:
-        size = torch.zeros(1, dtype=torch.int64, device=device)
-    torch.distributed.broadcast(size, src=src)
-    if get_rank() != src:
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
-    torch.distributed.broadcast(data, src=src)
-    _KEEPALIVE[:] = [size, data]
-    return obj if get_rank() == src else _decode(data, int(size.item()))
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=src, device=_object_device())
+    return box[0]
 
 
 def _all_gather_object(obj: Any) -> list[Any]:
     """Return every rank's ``obj``, indexed by rank (``[obj]`` without a process group)."""
     if not _dist_ready() or get_world_size() == 1:
         return [obj]
-    device = _object_device()
-    world = get_world_size()
-    data = _encode(obj, device)
-    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    torch.distributed.all_gather(sizes, size)
-    longest = max(int(s.item()) for s in sizes)
-    padded = torch.zeros(longest, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    gathered = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(world)]
-    torch.distributed.all_gather(gathered, padded)
-    _KEEPALIVE[:] = [size, padded, *sizes, *gathered]
-    return [_decode(g, int(s.item())) for g, s in zip(gathered, sizes)]
+    out: list[Any] = [None] * get_world_size()
+    # all_gather_object picks this rank's GPU itself under NCCL (torch.cuda.current_device()).
+    torch.distributed.all_gather_object(out, obj)
+    return out

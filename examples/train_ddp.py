@@ -21,6 +21,7 @@ import os
 import random
 import sys
 import time
+import traceback
 
 import numpy as np
 import torch
@@ -211,10 +212,8 @@ def main(argv: list[str] | None = None) -> None:
         final = join(args.ckpt_dir, "final.safetensors")
         _write_safetensors(final, ck.unwrap_model(ddp).state_dict())
         log(f"done after {step} steps; final weights: {final}")
-    ck.barrier()
+    ck.barrier()  # nobody leaves before final.safetensors is complete
     if dist.is_initialized():
-        # Tear the group down before exit: letting interpreter shutdown destroy a live gloo/nccl
-        # group runs C++ destructors in arbitrary order.
         dist.destroy_process_group()
 
 
@@ -230,5 +229,27 @@ def _write_safetensors(path: str, state_dict: dict) -> None:
     atomic_write(path, lambda f: f.write(payload))
 
 
+def _exit_now(code: int) -> None:
+    """Flush and leave without running C++ destructors of the process group.
+
+    When Python tears down the DDP object at exit, torch's Reducer drops the last reference to
+    the gloo process group while holding the GIL, and ~ProcessGroupGloo joins worker threads that
+    may need the GIL to release a finished collective's tensors: the process hangs at exit (seen
+    here: ``~ProcessGroupGloo -> thread.join`` against a worker in ``decref_pyobject``), or aborts
+    with "terminate called without an active exception". Everything this script writes is
+    complete and fsynced by now, so skipping interpreter teardown loses nothing.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        main()
+    except SystemExit as err:  # argparse --help / usage errors
+        _exit_now(err.code if isinstance(err.code, int) else 1)
+    except BaseException:  # noqa: BLE001 - printed, then the same exit path
+        traceback.print_exc()
+        _exit_now(1)
+    _exit_now(0)

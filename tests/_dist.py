@@ -42,9 +42,19 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
         queue.put((rank, "ok", result))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which fails the test
         queue.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    _exit_now(queue)
+
+
+def _exit_now(queue: Any) -> None:
+    """Deliver the result, then leave without destroying the gloo group.
+
+    Destroying a gloo group (or a DDP model holding it) joins its worker threads with the GIL
+    held, which can deadlock against a worker releasing a collective's Python tensors; see the
+    README's Teardown note. The parent only needs the result.
+    """
+    queue.close()
+    queue.join_thread()
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120) -> list[Any]:
