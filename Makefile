@@ -33,6 +33,7 @@ clean:
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py --gib 1
+	$(PY) benchmarks/bench_cli.py --gib 1
 
 demo: $(STAMP)
 	$(PY) examples/demo.py --workdir runs/demo

@@ -1,5 +1,8 @@
 """ckptools: correct-by-default checkpoints for PyTorch DistributedDataParallel training.
 
+Names are imported on first use (PEP 562), so ``import ckptools`` and the ``ckpt`` CLI's
+``--help`` do not pay for importing torch; ``ck.save`` and friends import it when touched.
+
 Example:
     >>> import torch, ckptools as ck
     >>> model = torch.nn.Linear(4, 2)
@@ -11,9 +14,9 @@ Example:
 
 from __future__ import annotations
 
-from .checkpoint import load, load_state_dict, save
-from .devices import resolve_map_location, to_cpu
-from .dist import barrier, get_local_rank, get_rank, get_world_size, init_distributed, is_main_process
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -21,11 +24,37 @@ from .errors import (
     KeyMismatchError,
     UnsafeCheckpointError,
 )
-from .manager import CheckpointManager
-from .sampler import ResumableDistributedSampler
-from .state_dict import add_prefix, strip_prefix, unwrap_model
+
+if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
+    from .checkpoint import load, load_state_dict, save
+    from .convert import convert_to_safetensors
+    from .devices import resolve_map_location, to_cpu
+    from .dist import barrier, get_local_rank, get_rank, get_world_size, init_distributed, is_main_process
+    from .manager import CheckpointManager
+    from .sampler import ResumableDistributedSampler
+    from .state_dict import add_prefix, strip_prefix, unwrap_model
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "CheckpointManager": ".manager",
+    "ResumableDistributedSampler": ".sampler",
+    "add_prefix": ".state_dict",
+    "barrier": ".dist",
+    "convert_to_safetensors": ".convert",
+    "get_local_rank": ".dist",
+    "get_rank": ".dist",
+    "get_world_size": ".dist",
+    "init_distributed": ".dist",
+    "is_main_process": ".dist",
+    "load": ".checkpoint",
+    "load_state_dict": ".checkpoint",
+    "resolve_map_location": ".devices",
+    "save": ".checkpoint",
+    "strip_prefix": ".state_dict",
+    "to_cpu": ".devices",
+    "unwrap_model": ".state_dict",
+}
 
 __all__ = [
     "CheckpointError",
@@ -37,6 +66,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "add_prefix",
     "barrier",
+    "convert_to_safetensors",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -50,3 +80,16 @@ __all__ = [
     "to_cpu",
     "unwrap_model",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptools' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

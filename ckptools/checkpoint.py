@@ -207,30 +207,51 @@ def _restore(obj: Any, entry: Any, *, strict: bool, path: str, name: str) -> Non
     # Plain values cannot be restored in place; they are in the returned dict.
 
 
-def _find_weights(ckpt: Any, *, key: str | None, path: str) -> Mapping[str, Any]:
+def _is_weights(node: Any) -> bool:
+    return isinstance(node, Mapping) and bool(node) and all(isinstance(v, torch.Tensor) for v in node.values())
+
+
+def locate_weights(
+    ckpt: Any, *, key: str | None = None, path: str = "checkpoint"
+) -> tuple[dict[str, Any] | None, str | None, Mapping[str, Any]]:
+    """Find the model weights inside a loaded checkpoint.
+
+    Returns:
+        ``(parent, name, weights)``: ``parent[name] is weights``, or ``(None, None, ckpt)`` when
+        the checkpoint is itself a bare state dict. ``key`` may be dotted (``"ema.model"``).
+
+    Raises:
+        CheckpointFormatError: no weights found (the message lists the entries and says to pass
+            ``key``), or ``key`` names something that is not a dict.
+        KeyMismatchError: ``key`` does not exist.
+    """
     if not isinstance(ckpt, Mapping):
         raise CheckpointFormatError(f"{path} holds a {type(ckpt).__name__}, not a dict of weights")
     if key is not None:
+        parent: Any = None
         node: Any = ckpt
         for part in key.split("."):
             if not isinstance(node, Mapping) or part not in node:
                 raise KeyMismatchError(
                     f"{path} has no entry {key!r}; top-level entries are {sorted(map(str, ckpt))}", missing=[key]
                 )
-            node = node[part]
+            parent, node = node, node[part]
         if not isinstance(node, Mapping):
             raise CheckpointFormatError(f"{path}: entry {key!r} is a {type(node).__name__}, not a dict of weights")
-        return node
-    if ckpt and all(isinstance(v, torch.Tensor) for v in ckpt.values()):
-        return ckpt
+        return parent, key.split(".")[-1], node
+    if _is_weights(ckpt):
+        return None, None, ckpt
     for candidate in WEIGHT_KEYS:
-        node = ckpt.get(candidate)
-        if isinstance(node, Mapping) and node and all(isinstance(v, torch.Tensor) for v in node.values()):
-            return node
+        if _is_weights(ckpt.get(candidate)):
+            return ckpt, candidate, ckpt[candidate]  # type: ignore[return-value]
     raise CheckpointFormatError(
         f"cannot find model weights in {path}: entries are {sorted(map(str, ckpt))[:20]}; "
         "pass key=... to name the entry that holds them"
     )
+
+
+def _find_weights(ckpt: Any, *, key: str | None, path: str) -> Mapping[str, Any]:
+    return locate_weights(ckpt, key=key, path=path)[2]
 
 
 def _all_ok(error: BaseException | None, what: str) -> None:

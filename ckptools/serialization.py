@@ -39,7 +39,7 @@ def _unsafe_error(path: str, err: BaseException) -> UnsafeCheckpointError:
     )
 
 
-def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool = True) -> Any:
+def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool = True, mmap: bool = False) -> Any:
     """``torch.load`` a local path or URL, turning failures into ckptools errors.
 
     Raises:
@@ -50,6 +50,8 @@ def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool =
     path = _fspath(path)
     source, _ = open_for_read(path)
     try:
+        if mmap:  # only for local zip files: storages are mapped, read when touched
+            return torch.load(source, map_location=map_location, weights_only=weights_only, mmap=True)
         return torch.load(source, map_location=map_location, weights_only=weights_only)
     except pickle.UnpicklingError as err:
         if weights_only and "GLOBAL" in str(err):

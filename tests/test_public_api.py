@@ -20,6 +20,7 @@ CONTRACT = {
     "strip_prefix",
     "to_cpu",
     "unwrap_model",
+    "convert_to_safetensors",
 }
 
 
@@ -45,3 +46,9 @@ def test_error_hierarchy():
     err = ck.KeyMismatchError("model: missing keys [a]", missing=["a"])
     assert str(err) == "model: missing keys [a]" and err.missing == ["a"]
     assert str(ck.CheckpointNotFoundError("x.pt does not exist")) == "x.pt does not exist"
+
+
+def test_lazy_names_match_all():
+    from ckptools import _LAZY
+
+    assert set(_LAZY) | {n for n in ck.__all__ if n[0].isupper() and n.endswith("Error")} == set(ck.__all__)

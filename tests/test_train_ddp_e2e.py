@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -14,7 +15,7 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "examples" / "train_ddp.py")
-TIMEOUT = 240
+TIMEOUT = 150
 
 
 def _env() -> dict[str, str]:
@@ -25,19 +26,20 @@ def _env() -> dict[str, str]:
 
 def torchrun(ckpt_dir, *args: str, nproc: int = 2, max_restarts: int = 0, launch: tuple[str, ...] = ()):
     launch = launch or ("--standalone",)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        *launch,
-        f"--nproc-per-node={nproc}",
-        f"--max-restarts={max_restarts}",
-        SCRIPT,
-        "--ckpt-dir",
-        str(ckpt_dir),
-        *args,
-    ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), cwd=ROOT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={nproc}",
+           f"--max-restarts={max_restarts}", SCRIPT, "--ckpt-dir", str(ckpt_dir), *args]  # fmt: skip
+    # Own process group, so that a launch that hangs is killed with all its workers and its
+    # output so far still reaches the assertion message.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        stdout, stderr = proc.communicate()
+        stderr += f"\n[test] launch killed after {TIMEOUT}s without finishing"
+        return subprocess.CompletedProcess(cmd, -9, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
@@ -74,7 +76,8 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("fail_at", "resumed_from"),
-    [(23, 20), (26, 25), (24, 20)],  # between two saves; right after a save; right before one
+    # between two saves; right after a save; right before one; right after the epoch-end save
+    [(23, 20), (26, 25), (24, 20), (17, 16)],
 )
 def test_killed_and_restarted_by_torchrun_is_bit_exact(tmp_path, reference, fail_at, resumed_from):
     out = ok(torchrun(tmp_path, "--fail-at-step", str(fail_at), max_restarts=1))

@@ -1,0 +1,463 @@
+"""``ckpt``: inspect, rename, convert, compare and verify checkpoint files.
+
+The CLI is thin: it parses arguments, calls the library, and renders with rich. A
+:class:`CheckpointError` is turned into one line on stderr and exit code 2 (1 for a negative
+answer: ``diff`` found differences, ``verify`` found damage). Heavy modules (torch) are imported
+inside the commands, so ``ckpt --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from typing import Annotated, Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(
+    name="ckpt",
+    help="Inspect, rename, convert, compare and verify PyTorch checkpoints (.pt/.pth/.bin/.ckpt/.safetensors).",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+out = Console()
+err = Console(stderr=True)
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+
+
+class _Fail(Exception):
+    """A clean failure: message for stderr and the exit code."""
+
+    def __init__(self, message: str, code: int = 2) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _run(body: Callable[[], int | None]) -> None:
+    from .errors import CheckpointError
+
+    try:
+        code = body() or 0
+    except _Fail as failure:
+        err.print(f"ckpt: {failure}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(failure.code) from None
+    except (CheckpointError, OSError, ValueError, TypeError) as error:
+        message = str(error) or type(error).__name__
+        err.print(f"ckpt: {message}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(2) from None
+    except Exception as error:  # noqa: BLE001 - the CLI boundary: one line, never a traceback
+        first = (str(error).strip().splitlines() or [""])[0][:300]
+        message = f"ckpt: unexpected {type(error).__name__}: {first} (please report this)"
+        err.print(message, markup=False, highlight=False)
+        raise typer.Exit(2) from None
+    raise typer.Exit(code)
+
+
+def _is_safetensors(path: str) -> bool:
+    return path.endswith(".safetensors")
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if size < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+# --- reading -------------------------------------------------------------------------------------
+
+
+def _walk_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        yield prefix, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from _walk_tensors(value, f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(obj, (list, tuple)):
+        for i, value in enumerate(obj):
+            yield from _walk_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+
+
+def _load_torch_with_devices(path: str) -> tuple[Any, dict[int, str]]:
+    """Load a torch file on CPU, remembering the device each storage was saved from."""
+    from .serialization import load_file
+    from .storage import open_for_read
+
+    devices: dict[int, str] = {}
+
+    def remember(storage: Any, location: str) -> Any:
+        devices[storage.data_ptr()] = location
+        return storage
+
+    source, local = open_for_read(path)
+    is_zip = False
+    if local:
+        with open(source, "rb") as f:
+            is_zip = f.read(4) == b"PK\x03\x04"
+    return load_file(path, map_location=remember, mmap=is_zip), devices
+
+
+# --- info ----------------------------------------------------------------------------------------
+
+
+@app.command()
+def info(
+    path: Annotated[str, typer.Argument(help="checkpoint file or URL")],
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Show format, entries, tensors (name, shape, dtype, bytes, saved device), totals and metadata."""
+
+    def body() -> None:
+        report = _info(path)
+        if as_json:
+            out.print_json(json.dumps(report))
+            return
+        _render_info(report)
+
+    _run(body)
+
+
+def _info(path: str) -> dict[str, Any]:
+    if _is_safetensors(path):
+        from .convert import read_safetensors_header
+
+        header, metadata, _, size = read_safetensors_header(path)
+        tensors = [
+            {"name": n, "shape": e["shape"], "dtype": e["dtype"], "bytes": e["data_offsets"][1] - e["data_offsets"][0]}
+            for n, e in sorted(header.items())
+        ]
+        for t in tensors:
+            t["device"] = "cpu"  # safetensors files carry no device
+        return _report(path, "safetensors", size, entries={}, tensors=tensors, metadata=metadata)
+    from .checkpoint import META_KEY
+
+    ckpt, devices = _load_torch_with_devices(path)
+    size = os.path.getsize(path) if "://" not in path else None
+    seen: set[int] = set()
+    tensors = []
+    for name, t in _walk_tensors(ckpt):
+        if name.startswith(META_KEY):
+            continue
+        ptr = t.untyped_storage().data_ptr()
+        tensors.append({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
+                        "bytes": t.numel() * t.element_size(), "device": devices.get(ptr, "cpu"),
+                        "shared": ptr in seen and t.numel() > 0})  # fmt: skip
+        seen.add(ptr)
+    entries = {}
+    metadata: dict[str, Any] = {}
+    if isinstance(ckpt, Mapping):
+        for key, value in ckpt.items():
+            if key == META_KEY and isinstance(value, Mapping):
+                metadata = {k: v for k, v in value.items() if k != "rng"}
+                metadata["rng_ranks"] = len(value.get("rng", []))
+            else:
+                entries[str(key)] = _describe(value)
+    fmt = "torch zip" if _zip(path) else "torch legacy"
+    return _report(path, fmt, size, entries=entries, tensors=tensors, metadata=metadata)
+
+
+def _zip(path: str) -> bool:
+    if "://" in path:
+        return True
+    with open(path, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
+def _describe(value: Any) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return f"tensor {list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+    if isinstance(value, Mapping):
+        n = sum(1 for _ in _walk_tensors(value))
+        return f"dict, {len(value)} keys" + (f", {n} tensors" if n else "")
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _report(path: str, fmt: str, size: int | None, **parts: Any) -> dict[str, Any]:
+    tensors = parts["tensors"]
+    total = sum(t["bytes"] for t in tensors if not t.get("shared"))
+    prefixed = [t["name"] for t in tensors if _has_module_prefix(t["name"])]
+    return {
+        "path": path,
+        "format": fmt,
+        "file_bytes": size,
+        "entries": parts["entries"],
+        "tensors": tensors,
+        "totals": {"tensors": len(tensors), "bytes": total, "module_prefixed": len(prefixed)},
+        "metadata": parts["metadata"],
+    }
+
+
+def _has_module_prefix(name: str) -> bool:
+    return name.startswith("module.") or ".module." in name
+
+
+def _render_info(report: dict[str, Any]) -> None:
+    size = report["file_bytes"]
+    out.print(f"[bold]{report['path']}[/]  {report['format']}" + (f", {_human(size)}" if size is not None else ""))
+    if report["entries"]:
+        table = Table("entry", "content", title="entries", title_justify="left")
+        for key, text in report["entries"].items():
+            table.add_row(key, text)
+        out.print(table)
+    table = Table("tensor", "shape", "dtype", "bytes", "saved on", title="tensors", title_justify="left")
+    for t in report["tensors"]:
+        table.add_row(
+            t["name"],
+            str(t["shape"]),
+            t["dtype"],
+            _human(t["bytes"]),
+            t["device"] + (" (shared)" if t.get("shared") else ""),
+        )
+    out.print(table)
+    totals = report["totals"]
+    out.print(f"{totals['tensors']} tensors, {_human(totals['bytes'])}")
+    if report["metadata"]:
+        out.print("metadata: " + json.dumps(report["metadata"], default=str))
+    if totals["module_prefixed"]:
+        out.print(
+            f"[yellow]{totals['module_prefixed']} tensor names carry the DDP 'module.' prefix[/]; remove it with: "
+            f"ckpt strip-module {report['path']} -o OUT"
+        )
+
+
+# --- strip-module / add-module -------------------------------------------------------------------
+
+
+def _target(path: str, output: Optional[str], in_place: bool) -> str:
+    if in_place and output:
+        raise _Fail("give either -o OUT or --in-place, not both")
+    if not in_place and not output:
+        raise _Fail("give -o OUT to write a new file, or --in-place to rewrite the input")
+    return path if in_place else str(output)
+
+
+def _rename_command(path: str, output: Optional[str], in_place: bool, prefix: str, add: bool) -> None:
+    def body() -> None:
+        from .state_dict import add_prefix, strip_prefix
+
+        dst = _target(path, output, in_place)
+        transform = (lambda sd: add_prefix(sd, prefix)) if add else (lambda sd: strip_prefix(sd, prefix))
+        if _is_safetensors(path):
+            from .convert import rename_safetensors
+
+            changed = rename_safetensors(path, dst, transform)
+        else:
+            changed = _rename_torch(path, dst, transform)
+        verb = "added to" if add else "removed from"
+        out.print(f"{dst}: prefix {prefix!r} {verb} {changed} keys")
+
+    _run(body)
+
+
+def _rename_torch(path: str, dst: str, transform: Callable[[Mapping[str, Any]], Mapping[str, Any]]) -> int:
+    from .checkpoint import locate_weights
+    from .convert import load_torch
+    from .serialization import save_file
+
+    ckpt = load_torch(path)
+    parent, key, weights = locate_weights(ckpt, path=path)
+    renamed = transform(weights)
+    changed = sum(1 for a, b in zip(weights, renamed) if a != b)
+    if parent is None:
+        ckpt = renamed
+    else:
+        parent[key] = renamed
+    save_file(dst, ckpt)
+    return changed
+
+
+@app.command("strip-module")
+def strip_module(
+    path: Annotated[str, typer.Argument(help="input checkpoint")],
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the result here")] = None,
+    in_place: Annotated[bool, typer.Option("--in-place", help="rewrite the input (atomically)")] = False,
+    prefix: Annotated[str, typer.Option(help="the prefix to remove")] = "module.",
+) -> None:
+    """Remove the DDP 'module.' prefix from the weights' keys (other entries are kept)."""
+    _rename_command(path, output, in_place, prefix, add=False)
+
+
+@app.command("add-module")
+def add_module(
+    path: Annotated[str, typer.Argument(help="input checkpoint")],
+    output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the result here")] = None,
+    in_place: Annotated[bool, typer.Option("--in-place", help="rewrite the input (atomically)")] = False,
+    prefix: Annotated[str, typer.Option(help="the prefix to add")] = "module.",
+) -> None:
+    """Add the 'module.' prefix to the weights' keys (keys that have it are left alone)."""
+    _rename_command(path, output, in_place, prefix, add=True)
+
+
+# --- convert -------------------------------------------------------------------------------------
+
+
+@app.command()
+def convert(
+    src: Annotated[str, typer.Argument(help="input: .pt/.pth/.bin/.ckpt or .safetensors")],
+    dst: Annotated[str, typer.Argument(help="output; its suffix picks the format")],
+    key: Annotated[Optional[str], typer.Option(help="entry holding the weights (dotted for nesting)")] = None,
+    no_strip: Annotated[bool, typer.Option("--no-strip", help="keep the 'module.' prefix")] = False,
+) -> None:
+    """Convert .pt -> .safetensors (tied tensors once, scalars and checksums in metadata), or back."""
+
+    def body() -> None:
+        strip = None if no_strip else "module."
+        if _is_safetensors(dst):
+            from .convert import convert_to_safetensors
+
+            convert_to_safetensors(src, dst, key=key, strip=strip)
+        elif dst.endswith(TORCH_SUFFIXES) and _is_safetensors(src):
+            from .convert import load_safetensors
+            from .serialization import save_file
+            from .state_dict import strip_prefix
+
+            tensors = load_safetensors(src)
+            save_file(dst, strip_prefix(tensors, strip) if strip else tensors)
+        else:
+            raise _Fail(f"cannot convert {src} to {dst}: use a .safetensors OUT, or a .safetensors IN with a .pt OUT")
+        out.print(f"wrote {dst}")
+
+    _run(body)
+
+
+# --- diff ----------------------------------------------------------------------------------------
+
+
+@app.command()
+def diff(
+    a: Annotated[str, typer.Argument(help="first checkpoint")],
+    b: Annotated[str, typer.Argument(help="second checkpoint")],
+    atol: Annotated[float, typer.Option(help="largest absolute difference still counted as equal")] = 0.0,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+) -> None:
+    """Compare the weights of two checkpoints ('module.' ignored); exit 1 if they differ."""
+
+    def body() -> int:
+        result = _diff(a, b, atol)
+        if as_json:
+            out.print_json(json.dumps(result))
+        else:
+            _render_diff(result)
+        return 1 if result["differ"] else 0
+
+    _run(body)
+
+
+def _weights(path: str) -> Mapping[str, Any]:
+    from .checkpoint import locate_weights
+    from .convert import load_safetensors, load_torch
+    from .state_dict import strip_prefix
+
+    if _is_safetensors(path):
+        return strip_prefix(load_safetensors(path))
+    return strip_prefix(locate_weights(load_torch(path), path=path)[2])
+
+
+def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
+    import torch
+
+    wa, wb = _weights(a), _weights(b)
+    missing = sorted(set(wa) - set(wb))
+    unexpected = sorted(set(wb) - set(wa))
+    mismatched, changed, max_abs = [], [], {}
+    for name in sorted(set(wa) & set(wb)):
+        ta, tb = wa[name], wb[name]
+        if ta.shape != tb.shape or ta.dtype != tb.dtype:
+            mismatched.append(
+                {"name": name, "a": [list(ta.shape), str(ta.dtype)], "b": [list(tb.shape), str(tb.dtype)]}
+            )
+            continue
+        if ta.numel() == 0:
+            continue
+        if ta.dtype.is_floating_point or ta.dtype.is_complex:
+            delta = (ta.double() - tb.double()).abs().max().item() if not torch.equal(ta, tb) else 0.0
+        else:
+            delta = float((ta.long() - tb.long()).abs().max().item()) if not torch.equal(ta, tb) else 0.0
+        if delta != delta or delta > atol:  # NaN counts as different
+            changed.append(name)
+        max_abs[name] = delta
+    differ = bool(missing or unexpected or mismatched or changed)
+    return {"a": a, "b": b, "atol": atol, "differ": differ, "missing_in_b": missing, "only_in_b": unexpected,
+            "shape_or_dtype_mismatch": mismatched, "changed": changed, "max_abs_diff": max_abs}  # fmt: skip
+
+
+def _render_diff(result: dict[str, Any]) -> None:
+    for label, key in (("only in A", "missing_in_b"), ("only in B", "only_in_b")):
+        if result[key]:
+            out.print(f"[red]{label}[/] ({len(result[key])}): " + ", ".join(result[key][:20]))
+    for m in result["shape_or_dtype_mismatch"]:
+        out.print(f"[red]mismatch[/] {m['name']}: {m['a']} vs {m['b']}")
+    if result["max_abs_diff"]:
+        table = Table("tensor", "max |a-b|", title="common tensors", title_justify="left")
+        for name, delta in result["max_abs_diff"].items():
+            style = "red" if name in result["changed"] else None
+            table.add_row(name, f"{delta:.3g}", style=style)
+        out.print(table)
+    out.print("[red]checkpoints differ[/]" if result["differ"] else "[green]checkpoints match[/]")
+
+
+# --- verify --------------------------------------------------------------------------------------
+
+
+@app.command()
+def verify(path: Annotated[str, typer.Argument(help="checkpoint file or URL")]) -> None:
+    """Read everything and check integrity: exit 0 good, 1 damaged, 2 missing/unsafe/bad arguments."""
+
+    def body() -> None:
+        from .errors import CheckpointFormatError
+
+        try:
+            what = _verify(path)
+        except CheckpointFormatError as error:
+            if "is a directory" in str(error):
+                raise
+            raise _Fail(f"DAMAGED: {error}", code=1) from error
+        out.print(f"OK {path}: {what}")
+
+    _run(body)
+
+
+def _verify(path: str) -> str:
+    if _is_safetensors(path):
+        from .convert import load_safetensors, verify_safetensors
+
+        checked = verify_safetensors(path)
+        n = len(load_safetensors(path))
+        return f"safetensors, {n} tensors" + (
+            f", {checked} CRC-32s match" if checked else ", structure checked (no checksums stored)"
+        )
+    from .convert import load_torch
+    from .serialization import verify_torch_file
+
+    if _zip(path):
+        verify_torch_file(path)
+        ckpt = load_torch(path)
+        n = sum(1 for _ in _walk_tensors(ckpt))
+        return f"torch zip, every record's CRC-32 matches, {n} tensors load"
+    ckpt = load_torch(path)
+    n = sum(1 for _ in _walk_tensors(ckpt))
+    return f"torch legacy format (no checksums), {n} tensors load"
+
+
+def main() -> None:
+    """Entry point of the ``ckpt`` executable."""
+    app(prog_name="ckpt")
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

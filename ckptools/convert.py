@@ -1,0 +1,414 @@
+"""safetensors: a streaming writer, a strict header reader, verification and conversion.
+
+The safetensors format is an 8-byte little-endian header length N, N bytes of JSON
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``,
+padded with spaces to a multiple of 8), then the raw little-endian tensor bytes. ckptools
+writes it itself, tensor by tensor, because ``safetensors.torch.save_file`` builds the whole
+payload in memory; files are read back with the official library in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from collections.abc import Mapping
+from typing import IO, Any
+
+import torch
+
+from .checkpoint import META_KEY, _find_weights
+from .errors import CheckpointFormatError
+from .serialization import load_file
+from .state_dict import strip_prefix
+from .storage import PathLike, _fspath, atomic_write, open_for_read
+
+__all__ = ["convert_to_safetensors"]
+
+# Metadata keys ckptools adds to the files it writes.
+CRC_KEY = "ckptools.crc32"  # {tensor name: CRC-32 of its bytes as 8 hex digits}
+ALIAS_KEY = "ckptools.aliases"  # {dropped name: stored name} for tied tensors stored once
+# The official reader refuses headers above 100 MB; so do we, before allocating anything.
+MAX_HEADER = 100_000_000
+_CHUNK = 16 << 20
+
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "C64": torch.complex64,
+}  # fmt: skip
+for _name, _attr in (("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"), ("F8_E4M3", "float8_e4m3fn"),
+                     ("F8_E5M2", "float8_e5m2")):  # fmt: skip
+    if hasattr(torch, _attr):
+        DTYPES[_name] = getattr(torch, _attr)
+NAMES = {dtype: name for name, dtype in DTYPES.items()}
+ITEMSIZE = {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in DTYPES.items()}
+
+
+def _scalars(ckpt: Mapping[str, Any]) -> dict[str, str]:
+    """Top-level plain values (epoch, step, ...) as JSON strings, including ckptools' own metadata."""
+    out: dict[str, str] = {}
+    sources = [ckpt]
+    meta = ckpt.get(META_KEY)
+    if isinstance(meta, Mapping) and isinstance(meta.get("metadata"), Mapping):
+        sources.insert(0, meta["metadata"])
+    for source in sources:
+        for key, value in source.items():
+            if isinstance(key, str) and key != META_KEY and (value is None or type(value) in (int, float, str, bool)):
+                out[key] = json.dumps(value)
+    return out
+
+
+def _dedupe(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Store tensors that are the very same view of one storage once; return (kept, aliases)."""
+    kept: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name in sorted(weights):
+        t = weights[name]
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointFormatError(
+                f"entry {name!r} is a {type(t).__name__}, not a tensor; pass key=... to pick the weights"
+            )
+        if t.layout != torch.strided:
+            raise CheckpointFormatError(
+                f"tensor {name!r} is {t.layout}; safetensors stores dense tensors only (call .to_dense())"
+            )
+        if t.dtype not in NAMES:
+            raise CheckpointFormatError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+        identity = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if t.numel() and identity in seen:
+            aliases[name] = seen[identity]
+            continue
+        seen[identity] = name
+        kept[name] = t
+    return kept, aliases
+
+
+def _header(kept: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[list[str], bytes]:
+    # Widest dtypes first keeps every tensor aligned to its item size (the header is padded to 8).
+    order = sorted(kept, key=lambda n: (-kept[n].element_size(), n))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in order:
+        t = kept[name]
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    return order, raw
+
+
+def _write_tensor(f: IO[bytes], t: torch.Tensor) -> int:
+    """Write one tensor's bytes (contiguous, CPU, little-endian); return their CRC-32."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if sys.byteorder != "little":  # pragma: no cover - no big-endian machine to test on
+        raise NotImplementedError("writing safetensors on a big-endian machine is not supported")
+    data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
+    crc = 0
+    view = memoryview(data)
+    for start in range(0, len(view), _CHUNK):
+        chunk = view[start : start + _CHUNK]
+        crc = zlib.crc32(chunk, crc)
+        f.write(chunk)
+    return crc
+
+
+def save_safetensors(
+    path: PathLike, tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None
+) -> str:
+    """Write ``tensors`` as a safetensors file, one tensor at a time, atomically.
+
+    Tied tensors (the same view of one storage) are stored once and the dropped names recorded
+    in ``ckptools.aliases``; each stored tensor's CRC-32 goes into ``ckptools.crc32`` so that
+    :func:`verify_safetensors` can detect bit rot later. Memory stays at one tensor's
+    contiguous copy at most (none for tensors that are already contiguous on CPU).
+    """
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    kept, aliases = _dedupe(tensors)
+    # CRC-32s are 8 hex digits: the header's length is known before any tensor is read, so
+    # the placeholders are overwritten in place once the data is written.
+    meta[CRC_KEY] = json.dumps({name: "00000000" for name in sorted(kept)}, separators=(",", ":"))
+    if aliases:
+        meta[ALIAS_KEY] = json.dumps(aliases, separators=(",", ":"), sort_keys=True)
+    order, raw = _header(kept, meta)
+
+    def write(f: IO[bytes]) -> None:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        crcs = {name: f"{_write_tensor(f, kept[name]):08x}" for name in order}
+        meta[CRC_KEY] = json.dumps(dict(sorted(crcs.items())), separators=(",", ":"))
+        _, final = _header(kept, meta)
+        if len(final) != len(raw):  # pragma: no cover - fixed-width fields guarantee equality
+            raise RuntimeError("safetensors header changed size while writing")
+        f.seek(8)
+        f.write(final)
+        f.seek(0, os.SEEK_END)
+
+    return atomic_write(path, write)
+
+
+def read_safetensors_header(path: PathLike) -> tuple[dict[str, Any], dict[str, str], int, int]:
+    """Read and validate a safetensors header without reading tensor data.
+
+    Returns:
+        ``(entries, metadata, data_start, file_size)``; entries map names to
+        ``{"dtype", "shape", "data_offsets"}``.
+
+    Raises:
+        CheckpointNotFoundError: the file does not exist.
+        CheckpointFormatError: header length absurd or past the end, invalid JSON, duplicate
+            names, unknown dtype, offsets that overlap, leave gaps or run past the end, or
+            shapes that do not match their byte ranges.
+    """
+    path = _fspath(path)
+    source, local = open_for_read(path)
+    handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
+    try:
+        size = os.fstat(handle.fileno()).st_size if local else len(source.getbuffer())
+        head = handle.read(8)
+        if len(head) < 8:
+            raise CheckpointFormatError(f"{path} is too short to be a safetensors file ({size} bytes)")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER or n > size - 8:
+            raise CheckpointFormatError(
+                f"{path}: safetensors header claims {n} bytes but the file has {size - 8} after the length field "
+                "(truncated or not a safetensors file)"
+            )
+        raw = handle.read(n)
+    finally:
+        handle.close()
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise CheckpointFormatError(f"{path}: safetensors header names {key!r} twice")
+            out[key] = value
+        return out
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise CheckpointFormatError(f"{path}: safetensors header is not valid JSON ({err})") from err
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(f"{path}: safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointFormatError(f"{path}: safetensors __metadata__ must map strings to strings")
+    data_len = size - 8 - n
+    spans = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise CheckpointFormatError(f"{path}: safetensors entry {name!r} is malformed")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in ITEMSIZE:
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
+        begin, end = offsets
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not 0 <= begin <= end <= data_len or end - begin != numel * ITEMSIZE[dtype]:
+            raise CheckpointFormatError(
+                f"{path}: tensor {name!r} has data_offsets {offsets} that do not fit its shape {shape} and dtype "
+                f"{dtype} inside the {data_len}-byte data section (truncated or corrupt file)"
+            )
+        spans.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            what = "overlaps the previous tensor" if begin < position else "leaves a gap before it"
+            raise CheckpointFormatError(f"{path}: tensor {name!r} {what} (corrupt safetensors file)")
+        position = end
+    if position != data_len:
+        raise CheckpointFormatError(f"{path}: {data_len - position} bytes after the last tensor (corrupt file)")
+    return header, metadata, 8 + n, size
+
+
+def verify_safetensors(path: PathLike) -> int:
+    """Validate a safetensors file's structure and, where ckptools stored them, its checksums.
+
+    Returns:
+        The number of tensors whose CRC-32 was checked (0 for files from other tools, which
+        carry none: then only the structure is checked).
+
+    Raises:
+        CheckpointFormatError: the structure is invalid or a checksum does not match.
+    """
+    path = _fspath(path)
+    header, metadata, start, _ = read_safetensors_header(path)
+    if CRC_KEY not in metadata:
+        return 0
+    try:
+        expected = json.loads(metadata[CRC_KEY])
+    except json.JSONDecodeError as err:
+        raise CheckpointFormatError(f"{path}: {CRC_KEY} metadata is not valid JSON") from err
+    if not isinstance(expected, dict) or set(expected) != set(header):
+        raise CheckpointFormatError(f"{path}: {CRC_KEY} metadata does not list exactly the stored tensors")
+    source, local = open_for_read(path)
+    handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
+    buffer = bytearray(_CHUNK)
+    view = memoryview(buffer)
+    try:
+        for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = entry["data_offsets"]
+            handle.seek(start + begin)
+            remaining, crc = end - begin, 0
+            while remaining:
+                got = handle.readinto(view[: min(remaining, _CHUNK)])
+                if not got:
+                    raise CheckpointFormatError(f"{path}: tensor {name!r} is cut short (truncated file)")
+                crc = zlib.crc32(view[:got], crc)
+                remaining -= got
+            if f"{crc:08x}" != expected[name]:
+                raise CheckpointFormatError(
+                    f"{path}: tensor {name!r} fails its CRC-32 check (bit rot or a partial copy); the file is damaged"
+                )
+    finally:
+        handle.close()
+    return len(header)
+
+
+def _copy_range(src: IO[bytes], dst: IO[bytes], start: int, length: int) -> None:
+    src.seek(start)
+    try:
+        # Kernel-side copy between two local files: no bytes pass through Python.
+        in_fd, out_fd = src.fileno(), dst.fileno()
+        dst.flush()
+        while length:
+            sent = os.copy_file_range(in_fd, out_fd, min(length, 1 << 30), start)
+            if not sent:
+                raise CheckpointFormatError(f"{getattr(src, 'name', 'input')} ended early (truncated file)")
+            start += sent
+            length -= sent
+        dst.seek(0, os.SEEK_END)
+        return
+    except (AttributeError, OSError, ValueError, NotImplementedError):
+        src.seek(start)  # not two local files (or an old kernel): copy through a buffer
+    while length:
+        chunk = src.read(min(length, _CHUNK))
+        if not chunk:
+            raise CheckpointFormatError(f"{getattr(src, 'name', 'input')} ended early (truncated file)")
+        dst.write(chunk)
+        length -= len(chunk)
+
+
+def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
+    """Rename the tensors of a safetensors file without decoding them; return how many changed.
+
+    Only the JSON header is rewritten (names, and the names inside ckptools' checksum and alias
+    metadata); the data section is copied byte for byte (``copy_file_range`` between local
+    files). ``transform`` maps ``{name: name}`` to ``{new name: old name}`` (e.g.
+    :func:`ckptools.strip_prefix`). Writing is atomic, so ``dst`` may be ``src``.
+
+    Raises:
+        CheckpointFormatError: the file is invalid, or two names would become one.
+    """
+    src, dst = _fspath(src), _fspath(dst)
+    header, metadata, start, size = read_safetensors_header(src)
+    renamed = transform({name: name for name in header})
+    if len(renamed) != len(header):
+        raise CheckpointFormatError(f"{src}: renaming would give two tensors the same name; nothing was written")
+    new_name = {old: new for new, old in renamed.items()}
+    meta = dict(metadata)
+    if CRC_KEY in meta:
+        meta[CRC_KEY] = json.dumps(
+            {new_name.get(k, k): v for k, v in json.loads(meta[CRC_KEY]).items()}, separators=(",", ":")
+        )
+    if ALIAS_KEY in meta:
+        aliases = json.loads(meta[ALIAS_KEY])
+        renamed_aliases = transform(dict(aliases.items()))
+        meta[ALIAS_KEY] = json.dumps({k: new_name.get(v, v) for k, v in renamed_aliases.items()}, separators=(",", ":"))
+    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    new_header: dict[str, Any] = {"__metadata__": meta} if meta else {}
+    new_header.update({new_name[name]: entry for name, entry in entries})
+    raw = json.dumps(new_header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    source, local = open_for_read(src)
+
+    def write(f: IO[bytes]) -> None:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        with open(source, "rb") if local else source as handle:
+            _copy_range(handle, f, start, size - start)
+
+    atomic_write(dst, write)
+    return sum(1 for old, new in new_name.items() if old != new)
+
+
+def load_safetensors(path: PathLike) -> dict[str, torch.Tensor]:
+    """Load every tensor of a safetensors file on CPU, re-tying aliases recorded by ckptools."""
+    import safetensors.torch
+
+    path = _fspath(path)
+    _, metadata, _, _ = read_safetensors_header(path)  # strict checks first: clear errors, no huge allocations
+    source, local = open_for_read(path)
+    tensors = safetensors.torch.load_file(source) if local else safetensors.torch.load(source.getvalue())
+    if ALIAS_KEY in metadata:
+        for alias, target in json.loads(metadata[ALIAS_KEY]).items():
+            if target in tensors:
+                tensors[alias] = tensors[target]
+    return tensors
+
+
+def convert_to_safetensors(
+    src: PathLike,
+    dst: PathLike,
+    *,
+    key: str | None = None,
+    strip: str | None = "module.",
+    metadata: Mapping[str, str] | None = None,
+) -> str:
+    """Convert a torch checkpoint's weights to a safetensors file, streaming tensor by tensor.
+
+    The weights are found as in :func:`ckptools.load_state_dict` (bare, or under ``state_dict``,
+    ``model_state_dict``, ``model``, ``module``, or ``key``), the prefix is stripped, tied
+    tensors are stored once (the dropped names in the ``ckptools.aliases`` metadata), scalar
+    entries such as ``epoch`` and ``step`` are kept as JSON strings in the metadata, and each
+    tensor's CRC-32 is recorded so ``ckpt verify`` can detect bit rot. Local zip checkpoints are
+    memory-mapped, so tensors are read from the page cache one at a time rather than all loaded.
+
+    Args:
+        src: a ``.pt/.pth/.bin/.ckpt`` file (path or URL).
+        dst: the ``.safetensors`` file to write (atomically).
+        key: the entry holding the weights, when the usual names do not find them.
+        strip: prefix to remove from every key that has it; None keeps keys as stored.
+        metadata: extra string metadata.
+
+    Returns:
+        ``dst`` as a string.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointFormatError, UnsafeCheckpointError, KeyMismatchError.
+
+    Example:
+        >>> import torch, ckptools as ck
+        >>> torch.save({"model": {"w": torch.ones(2)}, "epoch": 3}, "/tmp/c.pt")
+        >>> ck.convert_to_safetensors("/tmp/c.pt", "/tmp/c.safetensors")
+        '/tmp/c.safetensors'
+    """
+    src, dst = _fspath(src), _fspath(dst)
+    ckpt = load_safetensors(src) if src.endswith(".safetensors") else load_torch(src)
+    weights = _find_weights(ckpt, key=key, path=src)
+    if strip:
+        weights = strip_prefix(weights, strip)
+    meta = {"format": "pt", **(_scalars(ckpt) if isinstance(ckpt, Mapping) else {}), **dict(metadata or {})}
+    return save_safetensors(dst, weights, metadata=meta)
+
+
+def load_torch(path: str) -> Any:
+    """torch.load safely, memory-mapping local zip files (tensors are read only when touched)."""
+    source, local = open_for_read(path)
+    if local:
+        with open(source, "rb") as f:
+            if f.read(4) == b"PK\x03\x04":
+                return load_file(path, map_location="cpu", mmap=True)
+    return load_file(path, map_location="cpu")

@@ -1,0 +1,165 @@
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+from typer.testing import CliRunner
+
+import ckptools as ck
+from ckptools.cli import app
+
+runner = CliRunner()
+CKPT = shutil.which("ckpt") or os.path.join(os.path.dirname(sys.executable), "ckpt")
+
+
+def _ddp_file(tmp_path):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    sd = torch.nn.DataParallel(net).state_dict()
+    torch.save({"state_dict": sd, "epoch": 5, "optimizer": {"state": {}, "param_groups": []}}, tmp_path / "ddp.pt")
+    return tmp_path / "ddp.pt"
+
+
+def _run(*args: str):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_info_table_and_json(tmp_path, cuda_tagged_file):
+    path = _ddp_file(tmp_path)
+    result = _run("info", path)
+    assert result.exit_code == 0, result.output
+    assert "module.0.weight" in result.output and "ckpt strip-module" in result.output
+    result = _run("info", path, "--json")
+    report = json.loads(result.output)
+    assert report["format"] == "torch zip" and report["totals"]["module_prefixed"] == 7
+    assert report["entries"]["epoch"] == "5"
+    assert {"name": "state_dict.module.0.weight", "shape": [4, 3], "dtype": "float32", "bytes": 48,
+            "device": "cpu", "shared": False} in report["tensors"]  # fmt: skip
+    gpu = json.loads(_run("info", cuda_tagged_file, "--json").output)
+    assert {t["device"] for t in gpu["tensors"]} == {"cuda:1"}
+
+
+def test_strip_add_keep_other_entries(tmp_path):
+    path = _ddp_file(tmp_path)
+    before = path.read_bytes()
+    result = _run("strip-module", path, "-o", tmp_path / "clean.pt")
+    assert result.exit_code == 0, result.output
+    assert path.read_bytes() == before
+    clean = torch.load(tmp_path / "clean.pt", weights_only=True)
+    assert clean["epoch"] == 5 and "optimizer" in clean
+    assert not any(k.startswith("module.") for k in clean["state_dict"])
+    assert _run("add-module", tmp_path / "clean.pt", "--in-place").exit_code == 0
+    again = torch.load(tmp_path / "clean.pt", weights_only=True)
+    assert list(again["state_dict"]) == list(torch.load(path, weights_only=True)["state_dict"])
+    # safetensors: header-only rename
+    ck.convert_to_safetensors(path, tmp_path / "m.safetensors", strip=None)
+    assert _run("strip-module", tmp_path / "m.safetensors", "--in-place").exit_code == 0
+    assert not any(k.startswith("module.") for k in safetensors.torch.load_file(str(tmp_path / "m.safetensors")))
+
+
+def test_convert_both_ways_bit_exact(tmp_path):
+    path = _ddp_file(tmp_path)
+    assert _run("convert", path, tmp_path / "m.safetensors").exit_code == 0
+    assert _run("convert", tmp_path / "m.safetensors", tmp_path / "back.pt").exit_code == 0
+    original = ck.load_state_dict(path)
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
+    result = _run("convert", path, tmp_path / "x.txt")
+    assert result.exit_code == 2 and "cannot convert" in result.output
+
+
+def test_diff(tmp_path):
+    path = _ddp_file(tmp_path)
+    ck.convert_to_safetensors(path, tmp_path / "same.safetensors")
+    assert _run("diff", path, tmp_path / "same.safetensors").exit_code == 0
+    sd = ck.load_state_dict(path)
+    sd["0.weight"] = sd["0.weight"] + 1e-3
+    del sd["1.bias"]
+    sd["extra"] = torch.ones(1)
+    torch.save(sd, tmp_path / "other.pt")
+    result = _run("diff", path, tmp_path / "other.pt", "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.output)
+    assert report["missing_in_b"] == ["1.bias"] and report["only_in_b"] == ["extra"]
+    assert report["changed"] == ["0.weight"] and report["max_abs_diff"]["0.weight"] == pytest.approx(1e-3, rel=1e-3)
+    sd2 = ck.load_state_dict(path)
+    sd2["0.weight"] = sd2["0.weight"] + 1e-6
+    torch.save(sd2, tmp_path / "close.pt")
+    assert _run("diff", path, tmp_path / "close.pt", "--atol", "1e-5").exit_code == 0
+    assert _run("diff", path, tmp_path / "close.pt").exit_code == 1
+
+
+def test_verify(tmp_path):
+    path = tmp_path / "c.pt"
+    ck.save(path, {"w": torch.randn(1000)})
+    assert _run("verify", path).exit_code == 0
+    data = bytearray(path.read_bytes())
+    data[len(data) // 3] ^= 0xFF  # inside the tensor record
+    (tmp_path / "bad.pt").write_bytes(bytes(data))
+    result = _run("verify", tmp_path / "bad.pt")
+    assert result.exit_code == 1 and "DAMAGED" in result.output
+    assert _run("verify", tmp_path / "missing.pt").exit_code == 2
+
+
+def _canary_file(tmp_path):
+    canary = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {canary}",))
+
+    torch.save({"model": {"w": torch.ones(1)}, "x": Evil()}, tmp_path / "evil.pt")
+    return tmp_path / "evil.pt", canary
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "strip-module", "add-module", "convert", "diff"])
+def test_bad_inputs_exit_2_one_line_no_traceback_nothing_written(tmp_path, command):
+    _, canary = _canary_file(tmp_path)
+    good = _ddp_file(tmp_path)
+    (tmp_path / "empty.pt").write_bytes(b"")
+    (tmp_path / "random.pt").write_bytes(os.urandom(2000))
+    (tmp_path / "trunc.pt").write_bytes(good.read_bytes()[:300])
+    (tmp_path / "huge.safetensors").write_bytes((2**63).to_bytes(8, "little") + b"{}")
+    inputs = ["missing.pt", "empty.pt", "random.pt", "evil.pt", "huge.safetensors", "trunc.pt"]
+    for name in inputs:
+        src = tmp_path / name
+        before = src.read_bytes() if src.exists() else None
+        extra = {"strip-module": ["-o", tmp_path / "out.pt"], "add-module": ["-o", tmp_path / "out.pt"],
+                 "convert": [tmp_path / "out.safetensors"], "diff": [good]}.get(command, [])  # fmt: skip
+        proc = subprocess.run([CKPT, command, str(src), *map(str, extra)], capture_output=True, text=True, timeout=120)
+        # verify answers "exists but damaged" with 1; missing and unsafe are bad input (2).
+        damaged = command == "verify" and name not in ("missing.pt", "evil.pt")
+        assert proc.returncode == (1 if damaged else 2), (name, proc.stdout, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("ckpt: ") and "Traceback" not in proc.stderr, proc.stderr
+        assert name.split(".")[0] in lines[0] or name == "evil.pt"
+        assert not (tmp_path / "out.pt").exists() and not (tmp_path / "out.safetensors").exists()
+        assert (src.read_bytes() if src.exists() else None) == before
+        assert not [p for p in os.listdir(tmp_path) if p.startswith(".")], "no temp files left"
+    assert not canary.exists()
+
+
+def test_unsafe_message_names_globals(tmp_path):
+    evil, _ = _canary_file(tmp_path)
+    proc = subprocess.run([CKPT, "info", str(evil)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "system" in proc.stderr and "weights_only=False" in proc.stderr
+
+
+def test_usage_errors(tmp_path):
+    path = _ddp_file(tmp_path)
+    assert _run("strip-module", path).exit_code == 2
+    assert _run("strip-module", path, "-o", tmp_path / "x.pt", "--in-place").exit_code == 2
+    proc = subprocess.run([sys.executable, "-m", "ckptools", "--help"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and "strip-module" in proc.stdout
+
+
+def test_help_does_not_import_torch():
+    code = "import sys; from ckptools.cli import app; print('torch' in sys.modules, 'fsspec' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.split() == ["False", "False"], proc.stderr
