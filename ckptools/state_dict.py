@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["add_prefix", "strip_prefix", "unwrap_model"]
 
@@ -122,6 +123,8 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
         >>> ck.unwrap_model(torch.nn.DataParallel(net)) is net
         True
     """
+    import torch  # here, not at module level: the key transforms must not need torch (the CLI)
+
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"unwrap_model expects an nn.Module, got {type(model).__name__}")
     wrappers: tuple[type, ...] = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)

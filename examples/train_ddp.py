@@ -22,6 +22,7 @@ import random
 import sys
 import time
 import traceback
+from typing import NoReturn
 
 import numpy as np
 import torch
@@ -97,7 +98,7 @@ def make_model(seed: int) -> torch.nn.Module:
     )
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> NoReturn:
     args = parse_args(argv)
     # cuBLAS needs this before CUDA starts to be deterministic; harmless on CPU.
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -213,8 +214,9 @@ def main(argv: list[str] | None = None) -> None:
         _write_safetensors(final, ck.unwrap_model(ddp).state_dict())
         log(f"done after {step} steps; final weights: {final}")
     ck.barrier()  # nobody leaves before final.safetensors is complete
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    # Leave from here, while `ddp` is still referenced: returning would free it, and freeing the
+    # DDP model destroys the process group (see _exit_now).
+    _exit_now(0)
 
 
 def _fail_rank(args: argparse.Namespace, world: int) -> int:
@@ -229,15 +231,16 @@ def _write_safetensors(path: str, state_dict: dict) -> None:
     atomic_write(path, lambda f: f.write(payload))
 
 
-def _exit_now(code: int) -> None:
+def _exit_now(code: int) -> NoReturn:
     """Flush and leave without running C++ destructors of the process group.
 
-    When Python tears down the DDP object at exit, torch's Reducer drops the last reference to
-    the gloo process group while holding the GIL, and ~ProcessGroupGloo joins worker threads that
-    may need the GIL to release a finished collective's tensors: the process hangs at exit (seen
-    here: ``~ProcessGroupGloo -> thread.join`` against a worker in ``decref_pyobject``), or aborts
-    with "terminate called without an active exception". Everything this script writes is
-    complete and fsynced by now, so skipping interpreter teardown loses nothing.
+    When Python frees the DDP model (on returning from main, or at interpreter exit), torch's
+    Reducer drops the last reference to the gloo process group while holding the GIL, and
+    ~ProcessGroupGloo joins worker threads that may need the GIL to release a finished
+    collective's tensors: the process hangs (seen here: ``~ProcessGroupGloo -> thread.join``
+    against a worker in ``decref_pyobject``), or aborts with "terminate called without an active
+    exception". Everything this script writes is complete and fsynced by now, so skipping
+    interpreter teardown loses nothing.
     """
     sys.stdout.flush()
     sys.stderr.flush()
@@ -250,6 +253,6 @@ if __name__ == "__main__":
     except SystemExit as err:  # argparse --help / usage errors
         _exit_now(err.code if isinstance(err.code, int) else 1)
     except BaseException:  # noqa: BLE001 - printed, then the same exit path
+        # The traceback still references main's frame (and the DDP model) here: exit now.
         traceback.print_exc()
         _exit_now(1)
-    _exit_now(0)

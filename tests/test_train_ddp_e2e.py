@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,11 +37,41 @@ def torchrun(ckpt_dir, *args: str, nproc: int = 2, max_restarts: int = 0, launch
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        stdout, stderr = proc.communicate()
-        stderr += f"\n[test] launch killed after {TIMEOUT}s without finishing"
+        stacks = _stacks_and_kill(proc.pid)
+        stdout, stderr = proc.communicate(timeout=30)
+        stderr += f"\n[test] launch killed after {TIMEOUT}s without finishing; stacks:\n{stacks}"
         return subprocess.CompletedProcess(cmd, -9, stdout, stderr)
     return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+        found += [int(c) for c in children]
+        todo += [int(c) for c in children]
+    return found
+
+
+def _stacks_and_kill(pid: int) -> str:
+    """Python stacks of a hung launch and its workers (py-spy, where installed), then SIGKILL all.
+
+    torchrun starts its workers in sessions of their own, so the whole tree is collected first.
+    """
+    pids = [pid, *_descendants(pid)]
+    stacks = []
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    for p in pids:
+        if os.path.exists(spy):
+            dump = subprocess.run(
+                [spy, "dump", "--native", "--pid", str(p)], capture_output=True, text=True, timeout=60
+            )
+            stacks.append(f"--- pid {p}\n{dump.stdout}{dump.stderr}")
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    return "\n".join(stacks)
 
 
 def ok(proc: subprocess.CompletedProcess) -> str:
