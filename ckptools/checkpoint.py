@@ -18,14 +18,13 @@ from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError
 from .serialization import load_file, save_file, verify_torch_file
 from .state_dict import add_prefix, strip_prefix, unwrap_model
 from .storage import PathLike, _fspath
+from .torchzip import locate_weights as _locate
 
 __all__ = ["load", "load_state_dict", "save"]
 
 # The entry ckptools adds to every file it writes.
 META_KEY = "__ckptools__"
 FORMAT_VERSION = 1
-# Where other tools nest a model's weights, most specific first.
-WEIGHT_KEYS = ("state_dict", "model_state_dict", "model", "module")
 # Types torch.load(weights_only=True) accepts; everything ckptools writes itself is one of them.
 _SAFE_LEAVES = (str, int, float, bool, type(None))
 
@@ -207,47 +206,11 @@ def _restore(obj: Any, entry: Any, *, strict: bool, path: str, name: str) -> Non
     # Plain values cannot be restored in place; they are in the returned dict.
 
 
-def _is_weights(node: Any) -> bool:
-    return isinstance(node, Mapping) and bool(node) and all(isinstance(v, torch.Tensor) for v in node.values())
-
-
 def locate_weights(
     ckpt: Any, *, key: str | None = None, path: str = "checkpoint"
 ) -> tuple[dict[str, Any] | None, str | None, Mapping[str, Any]]:
-    """Find the model weights inside a loaded checkpoint.
-
-    Returns:
-        ``(parent, name, weights)``: ``parent[name] is weights``, or ``(None, None, ckpt)`` when
-        the checkpoint is itself a bare state dict. ``key`` may be dotted (``"ema.model"``).
-
-    Raises:
-        CheckpointFormatError: no weights found (the message lists the entries and says to pass
-            ``key``), or ``key`` names something that is not a dict.
-        KeyMismatchError: ``key`` does not exist.
-    """
-    if not isinstance(ckpt, Mapping):
-        raise CheckpointFormatError(f"{path} holds a {type(ckpt).__name__}, not a dict of weights")
-    if key is not None:
-        parent: Any = None
-        node: Any = ckpt
-        for part in key.split("."):
-            if not isinstance(node, Mapping) or part not in node:
-                raise KeyMismatchError(
-                    f"{path} has no entry {key!r}; top-level entries are {sorted(map(str, ckpt))}", missing=[key]
-                )
-            parent, node = node, node[part]
-        if not isinstance(node, Mapping):
-            raise CheckpointFormatError(f"{path}: entry {key!r} is a {type(node).__name__}, not a dict of weights")
-        return parent, key.split(".")[-1], node
-    if _is_weights(ckpt):
-        return None, None, ckpt
-    for candidate in WEIGHT_KEYS:
-        if _is_weights(ckpt.get(candidate)):
-            return ckpt, candidate, ckpt[candidate]  # type: ignore[return-value]
-    raise CheckpointFormatError(
-        f"cannot find model weights in {path}: entries are {sorted(map(str, ckpt))[:20]}; "
-        "pass key=... to name the entry that holds them"
-    )
+    """Find the model weights inside a loaded checkpoint; see :func:`ckptools.torchzip.locate_weights`."""
+    return _locate(ckpt, key=key, path=path, is_leaf=lambda v: isinstance(v, torch.Tensor))
 
 
 def _find_weights(ckpt: Any, *, key: str | None, path: str) -> Mapping[str, Any]:

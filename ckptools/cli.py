@@ -120,7 +120,7 @@ def info(
     def body() -> None:
         report = _info(path)
         if as_json:
-            out.print_json(json.dumps(report))
+            out.print_json(json.dumps(report, default=repr))
             return
         _render_info(report)
 
@@ -139,6 +139,8 @@ def _info(path: str) -> dict[str, Any]:
         for t in tensors:
             t["device"] = "cpu"  # safetensors files carry no device
         return _report(path, "safetensors", size, entries={}, tensors=tensors, metadata=metadata)
+    if _local_zip(path):
+        return _info_zip(path)
     from .checkpoint import META_KEY
 
     ckpt, devices = _load_torch_with_devices(path)
@@ -164,6 +166,58 @@ def _info(path: str) -> dict[str, Any]:
                 entries[str(key)] = _describe(value)
     fmt = "torch zip" if _zip(path) else "torch legacy"
     return _report(path, fmt, size, entries=entries, tensors=tensors, metadata=metadata)
+
+
+def _info_zip(path: str) -> dict[str, Any]:
+    """``info`` of a zip checkpoint from its data.pkl alone: no torch import, no tensor read."""
+    from .torchzip import TorchZip, is_tensor, loads, tensor_info
+
+    archive = TorchZip(path)
+    tree = loads(archive.read_pickle(), path)
+    tensors, seen = [], set()
+
+    def walk(node: Any, prefix: str) -> None:
+        if is_tensor(node):
+            info = tensor_info(node)
+            storage = info.pop("storage")
+            info["shared"] = storage is not None and storage in seen and info["bytes"] > 0
+            seen.add(storage)
+            tensors.append({"name": prefix, **info})
+        elif isinstance(node, Mapping):
+            for key, value in node.items():
+                walk(value, f"{prefix}.{key}" if prefix else str(key))
+        elif isinstance(node, (list, tuple)):
+            for i, value in enumerate(node):
+                walk(value, f"{prefix}.{i}" if prefix else str(i))
+
+    entries: dict[str, str] = {}
+    metadata: dict[str, Any] = {}
+    if isinstance(tree, Mapping):
+        for key, value in tree.items():
+            if key == "__ckptools__" and isinstance(value, Mapping):
+                metadata = {k: v for k, v in value.items() if k != "rng"}
+                metadata["rng_ranks"] = len(value.get("rng", []))
+                continue
+            walk(value, str(key))
+            entries[str(key)] = _describe_parsed(value)
+    else:
+        walk(tree, "")
+    return _report(path, "torch zip", archive.size, entries=entries, tensors=tensors, metadata=metadata)
+
+
+def _describe_parsed(value: Any) -> str:
+    from .torchzip import is_tensor, tensor_info
+
+    if is_tensor(value):
+        info = tensor_info(value)
+        return f"tensor {info['shape']} {info['dtype']}"
+    if isinstance(value, Mapping):
+        n = sum(1 for v in value.values() if is_tensor(v))
+        return f"dict, {len(value)} keys" + (f", {n} tensors" if n else "")
+    if isinstance(value, (list, tuple)):
+        return f"{type(value).__name__} of {len(value)}"
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _zip(path: str) -> bool:
@@ -265,20 +319,46 @@ def _rename_command(path: str, output: Optional[str], in_place: bool, prefix: st
 
 
 def _rename_torch(path: str, dst: str, transform: Callable[[Mapping[str, Any]], Mapping[str, Any]]) -> int:
-    from .checkpoint import locate_weights
-    from .convert import load_torch
-    from .serialization import save_file
+    from .storage import atomic_write
 
-    ckpt = load_torch(path)
-    parent, key, weights = locate_weights(ckpt, path=path)
-    renamed = transform(weights)
-    changed = sum(1 for a, b in zip(weights, renamed) if a != b)
-    if parent is None:
-        ckpt = renamed
-    else:
-        parent[key] = renamed
-    save_file(dst, ckpt)
-    return changed
+    if _local_zip(path):
+        # Only data.pkl names the keys: rewrite it, copy every tensor record byte for byte.
+        from .torchzip import TorchZip, dumps, loads, locate_weights
+
+        archive = TorchZip(path)
+        tree = loads(archive.read_pickle(), path)
+        parent, key, weights = locate_weights(tree, path=path)
+        renamed = transform(weights)
+        if parent is None:
+            tree = renamed
+        else:
+            parent[key] = renamed
+        payload = dumps(tree)
+        atomic_write(dst, lambda f: archive.write_with_pickle(f, payload))
+    else:  # legacy (pre-1.6) format or a remote URL: through torch
+        from .checkpoint import locate_weights as locate_loaded
+        from .convert import load_torch
+        from .serialization import save_file
+
+        ckpt = load_torch(path)
+        parent, key, weights = locate_loaded(ckpt, path=path)
+        renamed = transform(weights)
+        if parent is None:
+            ckpt = renamed
+        else:
+            parent[key] = renamed
+        save_file(dst, ckpt)
+    return sum(1 for a, b in zip(weights, renamed) if a != b)
+
+
+def _local_zip(path: str) -> bool:
+    from .storage import open_for_read
+
+    source, local = open_for_read(path)  # raises the clear not-found / directory errors
+    if not local:
+        return False
+    with open(source, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
 
 
 @app.command("strip-module")

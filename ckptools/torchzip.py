@@ -1,0 +1,379 @@
+"""torch zip checkpoints without torch: a strict pickle reader, a writer, and record-level rewrites.
+
+A torch checkpoint (``torch.save`` since 1.6) is an uncompressed zip archive: ``data.pkl`` holds
+the object structure, each storage sits raw in its own ``data/N`` record (64-byte aligned, so
+``torch.load(mmap=True)`` can map it). Renaming keys only changes ``data.pkl``, so ckptools
+rewrites that record and copies every other record byte for byte (``copy_file_range``) — no
+tensor is decoded, memory stays flat, and ``import torch`` (over a second) is not needed.
+
+The reader is at least as strict as ``torch.load(weights_only=True)``: ``find_class`` answers
+only a fixed allowlist of the globals torch checkpoints use, with inert placeholders; anything
+else raises :class:`UnsafeCheckpointError` and is never imported or called.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import struct
+import zipfile
+import zlib
+from collections import OrderedDict
+from collections.abc import Mapping
+from typing import IO, Any
+
+from .errors import CheckpointFormatError, UnsafeCheckpointError
+
+# Where other tools nest a model's weights, most specific first.
+WEIGHT_KEYS = ("state_dict", "model_state_dict", "model", "module")
+
+STORAGE_ITEMSIZE = {
+    "DoubleStorage": ("float64", 8), "FloatStorage": ("float32", 4), "HalfStorage": ("float16", 2),
+    "BFloat16Storage": ("bfloat16", 2), "LongStorage": ("int64", 8), "IntStorage": ("int32", 4),
+    "ShortStorage": ("int16", 2), "CharStorage": ("int8", 1), "ByteStorage": ("uint8", 1),
+    "BoolStorage": ("bool", 1), "ComplexDoubleStorage": ("complex128", 16),
+    "ComplexFloatStorage": ("complex64", 8), "UntypedStorage": ("uint8", 1),
+}  # fmt: skip
+_REBUILD = {
+    "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+    "_rebuild_parameter_with_state", "_rebuild_meta_tensor_no_storage", "_rebuild_qtensor",
+    "_rebuild_sparse_tensor", "_rebuild_nested_tensor", "_rebuild_wrapper_subclass",
+    "_rebuild_device_tensor_from_cpu_tensor",
+}  # fmt: skip
+_DTYPES = {
+    "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
+    "complex128", "complex64", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
+}  # fmt: skip
+_TORCH_NAMES = {"Size", "device", "Tensor", "strided", "sparse_coo"} | _DTYPES | set(STORAGE_ITEMSIZE)
+# Real objects that are harmless to construct.
+_SAFE_REAL = {
+    ("collections", "OrderedDict"): OrderedDict,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "bytearray"): bytearray,
+    ("builtins", "complex"): complex,
+    ("_codecs", "encode"): __import__("codecs").encode,
+}
+
+
+class Global:
+    """A reference to an allowlisted global (``torch._utils._rebuild_tensor_v2``), never imported."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any) -> Call:
+        return Call(self, args)
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+class Call:
+    """What ``REDUCE`` of a :class:`Global` would have built; kept as (func, args, BUILD state)."""
+
+    __slots__ = ("args", "func", "state")
+
+    def __init__(self, func: Global, args: tuple) -> None:
+        self.func, self.args, self.state = func, args, None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+class StorageRef:
+    """A persistent storage reference: ``('storage', type, key, location, numel)``."""
+
+    __slots__ = ("key", "location", "numel", "storage_type")
+
+    def __init__(self, storage_type: Global, key: str, location: str, numel: int) -> None:
+        self.storage_type, self.key, self.location, self.numel = storage_type, key, location, numel
+
+
+def _allowed(module: str, name: str) -> bool:
+    if module == "torch":
+        return name in _TORCH_NAMES
+    if module == "torch._utils":
+        return name in _REBUILD
+    return (module, name) in {
+        ("torch._tensor", "_rebuild_from_type_v2"),
+        ("torch.nn.parameter", "Parameter"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "Counter"),
+    }
+
+
+class _Reader(pickle.Unpickler):
+    def __init__(self, data: bytes, path: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self._path = path
+        self._globals: dict[tuple[str, str], Global] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        real = _SAFE_REAL.get((module, name))
+        if real is not None:
+            return real
+        if not _allowed(module, name):
+            raise UnsafeCheckpointError(
+                f"{self._path} needs {module}.{name} to load, which could run arbitrary code, so it was refused and "
+                "nothing was executed. Only for a file you trust: load it with torch.load(..., weights_only=False)"
+            )
+        # One object per global, so the writer memoizes it exactly as the original did.
+        return self._globals.setdefault((module, name), Global(module, name))
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if (
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], Global)
+            and isinstance(pid[2], str)
+            and isinstance(pid[3], str)
+            and isinstance(pid[4], int)
+        ):
+            return StorageRef(pid[1], pid[2], pid[3], pid[4])
+        raise CheckpointFormatError(f"{self._path}: unexpected persistent id {pid!r} in data.pkl")
+
+
+def loads(data: bytes, path: str = "checkpoint") -> Any:
+    """Parse a torch ``data.pkl`` into plain containers, :class:`Call` and :class:`StorageRef`."""
+    try:
+        return _Reader(data, path).load()
+    except (UnsafeCheckpointError, CheckpointFormatError):
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            RecursionError, MemoryError, struct.error) as err:  # fmt: skip
+        raise CheckpointFormatError(f"{path}: data.pkl is corrupt ({type(err).__name__}: {err})") from err
+
+
+class _Writer(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Python pickler can be extended
+    dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+
+    def persistent_id(self, obj: Any) -> Any:
+        if isinstance(obj, StorageRef):
+            return ("storage", obj.storage_type, obj.key, obj.location, obj.numel)
+        return None
+
+    def _save_global_ref(self, obj: Global) -> None:
+        self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+        self.memoize(obj)
+
+    def _save_call(self, obj: Call) -> None:
+        self.save(obj.func)
+        self.save(tuple(obj.args))
+        self.write(pickle.REDUCE)
+        self.memoize(obj)
+        if obj.state is not None:
+            self.save(obj.state)
+            self.write(pickle.BUILD)
+
+    dispatch[Global] = _save_global_ref
+    dispatch[Call] = _save_call
+
+
+def dumps(obj: Any) -> bytes:
+    """Pickle a tree produced by :func:`loads` back into a ``data.pkl`` torch can load."""
+    buffer = io.BytesIO()
+    _Writer(buffer, protocol=2).dump(obj)  # protocol 2, as torch.save writes
+    return buffer.getvalue()
+
+
+def is_tensor(node: Any) -> bool:
+    """Whether a parsed node is a tensor (a call of one of torch's rebuild functions)."""
+    return isinstance(node, Call) and (node.func.name in _REBUILD or node.func.name == "_rebuild_from_type_v2")
+
+
+def tensor_info(node: Call) -> dict[str, Any]:
+    """Shape, dtype, bytes and saved device of a parsed tensor (as far as its form tells)."""
+    while node.func.name in ("_rebuild_parameter", "_rebuild_parameter_with_state", "_rebuild_from_type_v2"):
+        inner = node.args[0] if node.func.name != "_rebuild_from_type_v2" else Call(node.args[0], node.args[2])
+        if not isinstance(inner, Call):
+            break
+        node = inner
+    if node.func.name in ("_rebuild_tensor_v2", "_rebuild_tensor", "_rebuild_tensor_v3") and node.args:
+        storage = node.args[0]
+        shape = list(node.args[2]) if len(node.args) > 2 and isinstance(node.args[2], (tuple, list)) else []
+        if isinstance(storage, StorageRef):
+            dtype, itemsize = STORAGE_ITEMSIZE.get(storage.storage_type.name, ("?", 0))
+            numel = 1
+            for d in shape:
+                numel *= int(d)
+            return {"shape": shape, "dtype": dtype, "bytes": numel * itemsize, "device": storage.location,
+                    "storage": storage.key}  # fmt: skip
+    return {"shape": [], "dtype": "?", "bytes": 0, "device": "?", "storage": None}
+
+
+def locate_weights(
+    tree: Any, *, key: str | None = None, path: str = "checkpoint", is_leaf: Any = None
+) -> tuple[Any, Any, Mapping[str, Any]]:
+    """Find the model weights in a checkpoint tree (loaded by torch, or parsed by :func:`loads`).
+
+    Weights are a non-empty mapping whose values are all tensors (``is_leaf``; default: parsed
+    tensors): the tree itself, or the first of :data:`WEIGHT_KEYS` that holds one, or ``key``
+    (dotted for nesting, e.g. ``"ema.model"``).
+
+    Returns:
+        ``(parent, name, weights)`` with ``parent[name] is weights``, or ``(None, None, tree)``
+        when the tree is itself a bare state dict.
+
+    Raises:
+        CheckpointFormatError: nothing found (the message lists the entries and says to pass a key).
+        KeyMismatchError: ``key`` does not exist.
+    """
+    leaf = is_leaf or is_tensor
+
+    def weights(node: Any) -> bool:
+        return isinstance(node, Mapping) and bool(node) and all(leaf(v) for v in node.values())
+
+    if not isinstance(tree, Mapping):
+        raise CheckpointFormatError(f"{path} holds a {type(tree).__name__}, not a dict of weights")
+    if key is not None:
+        parent: Any = None
+        node: Any = tree
+        for part in key.split("."):
+            if not isinstance(node, Mapping) or part not in node:
+                from .errors import KeyMismatchError
+
+                raise KeyMismatchError(
+                    f"{path} has no entry {key!r}; top-level entries are {sorted(map(str, tree))}", missing=[key]
+                )
+            parent, node = node, node[part]
+        if not isinstance(node, Mapping):
+            raise CheckpointFormatError(f"{path}: entry {key!r} is a {type(node).__name__}, not a dict of weights")
+        return parent, key.split(".")[-1], node
+    if weights(tree):
+        return None, None, tree
+    for candidate in WEIGHT_KEYS:
+        if weights(tree.get(candidate)):
+            return tree, candidate, tree[candidate]
+    raise CheckpointFormatError(
+        f"cannot find model weights in {path}: entries are {sorted(map(str, tree))[:20]}; "
+        "pass key=... (--key on the command line) to name the entry that holds them"
+    )
+
+
+# --- the zip container ----------------------------------------------------------------------------
+
+
+class TorchZip:
+    """The records of a torch zip checkpoint: names, sizes, CRC-32s and where their data starts."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        try:
+            with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+                self.infos = archive.infolist()
+                self.starts = []
+                for info in self.infos:
+                    f.seek(info.header_offset)
+                    header = f.read(30)
+                    if len(header) != 30 or header[:4] != b"PK\x03\x04":
+                        raise CheckpointFormatError(f"{path}: record {info.filename} has a damaged header")
+                    n, m = struct.unpack("<HH", header[26:30])
+                    self.starts.append(info.header_offset + 30 + n + m)
+                    if info.compress_type != zipfile.ZIP_STORED:
+                        raise CheckpointFormatError(
+                            f"{path}: record {info.filename} is compressed; torch never does that"
+                        )
+        except zipfile.BadZipFile as err:
+            raise CheckpointFormatError(f"{path} is truncated or not a torch zip checkpoint ({err})") from err
+        pkl = [
+            i for i, info in enumerate(self.infos) if info.filename.endswith("/data.pkl") or info.filename == "data.pkl"
+        ]
+        if not pkl:
+            raise CheckpointFormatError(f"{path} is a zip file but not a torch checkpoint (no data.pkl)")
+        self.pkl_index = pkl[0]
+        self.size = os.path.getsize(path)
+        for info, start in zip(self.infos, self.starts):
+            if start + info.file_size > self.size:
+                raise CheckpointFormatError(f"{path}: record {info.filename} runs past the end (truncated file)")
+
+    def read_pickle(self) -> bytes:
+        info, start = self.infos[self.pkl_index], self.starts[self.pkl_index]
+        with open(self.path, "rb") as f:
+            f.seek(start)
+            data = f.read(info.file_size)
+        if zlib.crc32(data) != info.CRC:
+            raise CheckpointFormatError(f"{self.path}: record {info.filename} is damaged (CRC-32 mismatch)")
+        return data
+
+    def write_with_pickle(self, out: IO[bytes], pickle_bytes: bytes, *, force_zip64: bool = False) -> None:
+        """Write this archive to ``out`` with ``data.pkl`` replaced; other records copied raw."""
+        writer = _ZipWriter(out, force_zip64=force_zip64)
+        with open(self.path, "rb") as src:
+            for index, (info, start) in enumerate(zip(self.infos, self.starts)):
+                if index == self.pkl_index:
+                    writer.add(
+                        info.filename, len(pickle_bytes), zlib.crc32(pickle_bytes), lambda: out.write(pickle_bytes)
+                    )
+                else:
+                    writer.add(info.filename, info.file_size, info.CRC, _copier(src, out, start, info.file_size))
+        writer.finish()
+
+
+def _copier(src: IO[bytes], out: IO[bytes], start: int, length: int) -> Any:
+    def copy() -> None:
+        from .convert import _copy_range
+
+        _copy_range(src, out, start, length)
+
+    return copy
+
+
+class _ZipWriter:
+    """A minimal writer of stored (uncompressed) zip records, data 64-byte aligned, zip64 as needed."""
+
+    ALIGN = 64
+    LIMIT = 0xFFFFFFFF
+
+    def __init__(self, out: IO[bytes], *, force_zip64: bool = False) -> None:
+        self.out, self.force = out, force_zip64
+        self.offset = 0
+        self.entries: list[tuple[bytes, int, int, int]] = []
+
+    def add(self, name: str, size: int, crc: int, write_data: Any) -> None:
+        raw = name.encode("utf-8")
+        zip64 = self.force or size >= self.LIMIT
+        extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
+        # A padding extra field (id 'FB', as torch's writer uses) puts the data on a 64-byte boundary.
+        pad = -(self.offset + 30 + len(raw) + len(extra) + 4) % self.ALIGN
+        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+        sizes = self.LIMIT if zip64 else size
+        version = 45 if zip64 else 20
+        fields = (0x04034B50, version, 0, 0, 0, 0x21, crc, sizes, sizes, len(raw), len(extra))
+        header = struct.pack("<IHHHHHIIIHH", *fields)
+        self.out.write(header + raw + extra)
+        write_data()
+        self.entries.append((raw, size, crc, self.offset))
+        self.offset += len(header) + len(raw) + len(extra) + size
+
+    def finish(self) -> None:
+        cd_start = self.offset
+        central = bytearray()
+        for raw, size, crc, offset in self.entries:
+            fields = []
+            if self.force or size >= self.LIMIT:
+                fields += [size, size]
+            if self.force or offset >= self.LIMIT:
+                fields.append(offset)
+            extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
+            sizes = self.LIMIT if (self.force or size >= self.LIMIT) else size
+            local = self.LIMIT if (self.force or offset >= self.LIMIT) else offset
+            version = 45 if fields else 20
+            central += struct.pack(
+                "<IHHHHHHIIIHHHHHII", 0x02014B50, 45, version, 0, 0, 0, 0x21, crc, sizes, sizes, len(raw), len(extra),
+                0, 0, 0, 0, local,
+            )  # fmt: skip
+            central += raw + extra
+        self.out.write(central)
+        cd_size, count = len(central), len(self.entries)
+        end = cd_start + cd_size
+        if self.force or count >= 0xFFFF or cd_start >= self.LIMIT or cd_size >= self.LIMIT:
+            self.out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, cd_start))
+            self.out.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
+            self.out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, self.LIMIT, self.LIMIT, 0))
+        else:
+            self.out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, cd_size, cd_start, 0))

@@ -1,0 +1,143 @@
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import subprocess
+import sys
+import zipfile
+
+import pytest
+import torch
+
+import ckptools as ck
+from ckptools import torchzip as tz
+
+
+def _checkpoint(path):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    w = torch.randn(5, 5)
+    obj = {
+        "model": torch.nn.DataParallel(net).state_dict(),
+        "tied": {"a": w, "b": w, "view": w[1:3]},
+        "param": torch.nn.Parameter(torch.ones(2)),
+        "half": torch.arange(4.0).half()[1:],
+        "epoch": 3,
+        "names": ["x", ("y", 1.5, None, True)],
+    }
+    torch.save(obj, path)
+    return obj
+
+
+def _rewrite(src, dst, transform=None, **kw):
+    archive = tz.TorchZip(str(src))
+    tree = tz.loads(archive.read_pickle(), str(src))
+    if transform:
+        tree = transform(tree)
+    with open(dst, "wb") as f:
+        archive.write_with_pickle(f, tz.dumps(tree), **kw)
+    return archive
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return type(a) is type(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("force_zip64", [False, True])
+def test_unchanged_roundtrip_loads_identically(tmp_path, force_zip64):
+    original = _checkpoint(tmp_path / "a.pt")
+    _rewrite(tmp_path / "a.pt", tmp_path / "b.pt", force_zip64=force_zip64)
+    for mmap in (False, True):
+        back = torch.load(tmp_path / "b.pt", weights_only=True, mmap=mmap)
+        assert _same(original, back)
+        assert back["tied"]["a"] is back["tied"]["b"]  # ties survive
+        assert back["tied"]["view"].untyped_storage().data_ptr() == back["tied"]["a"].untyped_storage().data_ptr()
+        assert back["model"]._metadata == original["model"]._metadata
+    with zipfile.ZipFile(tmp_path / "b.pt") as zf:
+        assert zf.testzip() is None
+    ck.load(tmp_path / "b.pt", verify=True)
+
+
+def test_tensor_records_are_copied_byte_for_byte_and_aligned(tmp_path):
+    _checkpoint(tmp_path / "a.pt")
+    archive = _rewrite(tmp_path / "a.pt", tmp_path / "b.pt", lambda t: {**t, "model": ck.strip_prefix(t["model"])})
+    new = tz.TorchZip(str(tmp_path / "b.pt"))
+    data_a, data_b = (tmp_path / "a.pt").read_bytes(), (tmp_path / "b.pt").read_bytes()
+    for old_info, old_start, new_info, new_start in zip(archive.infos, archive.starts, new.infos, new.starts):
+        assert old_info.filename == new_info.filename
+        if "/data/" in old_info.filename:
+            assert new_start % 64 == 0
+            size = old_info.file_size
+            assert data_a[old_start : old_start + size] == data_b[new_start : new_start + size]
+    assert next(iter(torch.load(tmp_path / "b.pt", weights_only=True)["model"])) == "0.weight"
+
+
+def test_strip_module_cli_keeps_everything_else(tmp_path):
+    original = _checkpoint(tmp_path / "a.pt")
+    before = (tmp_path / "a.pt").read_bytes()
+    proc = subprocess.run([sys.executable, "-m", "ckptools", "strip-module", str(tmp_path / "a.pt"), "-o",
+                           str(tmp_path / "b.pt")], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / "a.pt").read_bytes() == before
+    back = torch.load(tmp_path / "b.pt", weights_only=True)
+    assert _same(ck.strip_prefix(original["model"]), back["model"])
+    assert _same({k: v for k, v in original.items() if k != "model"}, {k: v for k, v in back.items() if k != "model"})
+
+
+def test_tensor_info_without_torch_semantics(tmp_path, cuda_tagged_file):
+    tree = tz.loads(tz.TorchZip(str(cuda_tagged_file)).read_pickle())
+    info = tz.tensor_info(tree["model"]["weight"])
+    assert info["shape"] == [3, 3] and info["dtype"] == "float32" and info["bytes"] == 36 and info["device"] == "cuda:1"
+    code = (
+        f"import sys; from ckptools.cli import _info; _info({str(cuda_tagged_file)!r}); print('torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "False", proc.stderr
+
+
+class _Canary:
+    path = ""
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.path}",))
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        lambda c: _Canary(),
+        lambda c: __import__("subprocess").Popen,
+        lambda c: eval,
+        lambda c: __import__("importlib").import_module,
+    ],
+)
+def test_reader_refuses_anything_outside_the_allowlist(tmp_path, payload):
+    _Canary.path = str(tmp_path / "pwned")
+    data = pickle.dumps({"model": {}, "x": payload(None)}, protocol=2)
+    with pytest.raises(ck.UnsafeCheckpointError, match="refused and nothing was executed"):
+        tz.loads(data, "evil.pt")
+    assert not (tmp_path / "pwned").exists()
+
+
+@pytest.mark.parametrize("data", [b"", b"\x80\x02", os.urandom(64), pickle.dumps([1, 2])[:-3]])
+def test_reader_turns_garbage_into_format_errors(data):
+    with pytest.raises(ck.CheckpointFormatError):
+        tz.loads(data, "bad.pt")
+
+
+def test_bad_persistent_id_is_a_format_error():
+    class P(pickle.Pickler):
+        def persistent_id(self, obj):
+            return "nope" if obj == "marker" else None
+
+    buf = io.BytesIO()
+    P(buf, protocol=2).dump({"a": "marker"})
+    with pytest.raises(ck.CheckpointFormatError, match="persistent id"):
+        tz.loads(buf.getvalue())
