@@ -18,12 +18,11 @@ from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError
 from .serialization import load_file, save_file, verify_torch_file
 from .state_dict import add_prefix, strip_prefix, unwrap_model
 from .storage import PathLike, _fspath
+from .torchzip import META_KEY
 from .torchzip import locate_weights as _locate
 
 __all__ = ["load", "load_state_dict", "save"]
 
-# The entry ckptools adds to every file it writes.
-META_KEY = "__ckptools__"
 FORMAT_VERSION = 1
 # Types torch.load(weights_only=True) accepts; everything ckptools writes itself is one of them.
 _SAFE_LEAVES = (str, int, float, bool, type(None))

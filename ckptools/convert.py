@@ -13,16 +13,13 @@ import json
 import os
 import sys
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, Any
 
-import torch
-
-from .checkpoint import META_KEY, _find_weights
 from .errors import CheckpointFormatError
-from .serialization import load_file
 from .state_dict import strip_prefix
 from .storage import PathLike, _fspath, atomic_write, open_for_read
+from .torchzip import META_KEY, TorchZip, loads, locate_weights, simple_tensor
 
 __all__ = ["convert_to_safetensors"]
 
@@ -33,17 +30,24 @@ ALIAS_KEY = "ckptools.aliases"  # {dropped name: stored name} for tied tensors s
 MAX_HEADER = 100_000_000
 _CHUNK = 16 << 20
 
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "C64": torch.complex64,
+ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "C64": 8, "U64": 8, "U32": 4, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
 }  # fmt: skip
-for _name, _attr in (("U64", "uint64"), ("U32", "uint32"), ("U16", "uint16"), ("F8_E4M3", "float8_e4m3fn"),
-                     ("F8_E5M2", "float8_e5m2")):  # fmt: skip
-    if hasattr(torch, _attr):
-        DTYPES[_name] = getattr(torch, _attr)
-NAMES = {dtype: name for name, dtype in DTYPES.items()}
-ITEMSIZE = {name: torch.empty(0, dtype=dtype).element_size() for name, dtype in DTYPES.items()}
+STORAGE_TO_SAFETENSORS = {
+    "DoubleStorage": "F64", "FloatStorage": "F32", "HalfStorage": "F16", "BFloat16Storage": "BF16",
+    "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8", "ByteStorage": "U8",
+    "BoolStorage": "BOOL", "ComplexFloatStorage": "C64",
+}  # fmt: skip
+
+
+def _torch_dtypes() -> dict[str, Any]:
+    import torch
+
+    names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+             "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "C64": "complex64", "U64": "uint64",
+             "U32": "uint32", "U16": "uint16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # fmt: skip
+    return {st: getattr(torch, attr) for st, attr in names.items() if hasattr(torch, attr)}
 
 
 def _scalars(ckpt: Mapping[str, Any]) -> dict[str, str]:
@@ -60,13 +64,80 @@ def _scalars(ckpt: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def _dedupe(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Store tensors that are the very same view of one storage once; return (kept, aliases)."""
-    kept: dict[str, torch.Tensor] = {}
+class _Spec:
+    """One tensor to write: safetensors dtype, shape, byte count, and how to write its bytes."""
+
+    __slots__ = ("dtype", "nbytes", "shape", "write")
+
+    def __init__(self, dtype: str, shape: list[int], nbytes: int, write: Callable[[IO[bytes]], int]) -> None:
+        self.dtype, self.shape, self.nbytes, self.write = dtype, shape, nbytes, write
+
+
+def _header(specs: Mapping[str, _Spec], metadata: Mapping[str, str]) -> tuple[list[str], bytes]:
+    # Widest dtypes first keeps every tensor aligned to its item size (the header is padded to 8).
+    order = sorted(specs, key=lambda n: (-ITEMSIZE[specs[n].dtype], n))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in order:
+        spec = specs[name]
+        header[name] = {"dtype": spec.dtype, "shape": spec.shape, "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    return order, raw
+
+
+def _write_file(
+    path: PathLike, specs: Mapping[str, _Spec], aliases: Mapping[str, str], metadata: Mapping[str, str] | None
+) -> str:
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    # CRC-32s are 8 hex digits: the header's length is known before any tensor is read, so
+    # the placeholders are overwritten in place once the data is written.
+    meta[CRC_KEY] = json.dumps({name: "00000000" for name in sorted(specs)}, separators=(",", ":"))
+    if aliases:
+        meta[ALIAS_KEY] = json.dumps(dict(aliases), separators=(",", ":"), sort_keys=True)
+    order, raw = _header(specs, meta)
+
+    def write(f: IO[bytes]) -> None:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        crcs = {name: f"{specs[name].write(f):08x}" for name in order}
+        meta[CRC_KEY] = json.dumps(dict(sorted(crcs.items())), separators=(",", ":"))
+        _, final = _header(specs, meta)
+        if len(final) != len(raw):  # pragma: no cover - fixed-width fields guarantee equality
+            raise RuntimeError("safetensors header changed size while writing")
+        f.seek(8)
+        f.write(final)
+        f.seek(0, os.SEEK_END)
+
+    return atomic_write(path, write)
+
+
+def _write_chunks(f: IO[bytes], view: memoryview) -> int:
+    crc = 0
+    for start in range(0, len(view), _CHUNK):
+        chunk = view[start : start + _CHUNK]
+        crc = zlib.crc32(chunk, crc)
+        f.write(chunk)
+    return crc
+
+
+def save_safetensors(path: PathLike, tensors: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None) -> str:
+    """Write ``tensors`` as a safetensors file, one tensor at a time, atomically.
+
+    Tied tensors (the same view of one storage) are stored once and the dropped names recorded
+    in ``ckptools.aliases``; each stored tensor's CRC-32 goes into ``ckptools.crc32`` so that
+    :func:`verify_safetensors` can detect bit rot later. Memory stays at one tensor's
+    contiguous copy at most (none for tensors that are already contiguous on CPU).
+    """
+    import torch
+
+    names = {dtype: name for name, dtype in _torch_dtypes().items()}
+    specs: dict[str, _Spec] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
-    for name in sorted(weights):
-        t = weights[name]
+    for name in sorted(tensors):
+        t = tensors[name]
         if not isinstance(t, torch.Tensor):
             raise CheckpointFormatError(
                 f"entry {name!r} is a {type(t).__name__}, not a tensor; pass key=... to pick the weights"
@@ -75,81 +146,86 @@ def _dedupe(weights: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
             raise CheckpointFormatError(
                 f"tensor {name!r} is {t.layout}; safetensors stores dense tensors only (call .to_dense())"
             )
-        if t.dtype not in NAMES:
+        if t.dtype not in names:
             raise CheckpointFormatError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
         identity = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
         if t.numel() and identity in seen:
             aliases[name] = seen[identity]
             continue
         seen[identity] = name
-        kept[name] = t
-    return kept, aliases
+
+        def write(f: IO[bytes], t: torch.Tensor = t) -> int:
+            if sys.byteorder != "little":  # pragma: no cover - no big-endian machine to test on
+                raise NotImplementedError("writing safetensors on a big-endian machine is not supported")
+            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            return _write_chunks(f, memoryview(data))
+
+        specs[name] = _Spec(names[t.dtype], list(t.shape), t.numel() * t.element_size(), write)
+    return _write_file(path, specs, aliases, metadata)
 
 
-def _header(kept: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[list[str], bytes]:
-    # Widest dtypes first keeps every tensor aligned to its item size (the header is padded to 8).
-    order = sorted(kept, key=lambda n: (-kept[n].element_size(), n))
-    header: dict[str, Any] = {"__metadata__": dict(metadata)}
-    offset = 0
-    for name in order:
-        t = kept[name]
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * (-len(raw) % 8)
-    return order, raw
+def _zip_specs(archive: TorchZip, weights: Mapping[str, Any]) -> tuple[dict[str, _Spec], dict[str, str]] | None:
+    """Specs that copy each tensor's bytes straight out of its zip record, or None if one can't be.
 
-
-def _write_tensor(f: IO[bytes], t: torch.Tensor) -> int:
-    """Write one tensor's bytes (contiguous, CPU, little-endian); return their CRC-32."""
-    t = t.detach()
-    if t.device.type != "cpu":
-        t = t.cpu()
-    if sys.byteorder != "little":  # pragma: no cover - no big-endian machine to test on
-        raise NotImplementedError("writing safetensors on a big-endian machine is not supported")
-    data = t.contiguous().reshape(-1).view(torch.uint8).numpy()
-    crc = 0
-    view = memoryview(data)
-    for start in range(0, len(view), _CHUNK):
-        chunk = view[start : start + _CHUNK]
-        crc = zlib.crc32(chunk, crc)
-        f.write(chunk)
-    return crc
-
-
-def save_safetensors(
-    path: PathLike, tensors: Mapping[str, torch.Tensor], *, metadata: Mapping[str, str] | None = None
-) -> str:
-    """Write ``tensors`` as a safetensors file, one tensor at a time, atomically.
-
-    Tied tensors (the same view of one storage) are stored once and the dropped names recorded
-    in ``ckptools.aliases``; each stored tensor's CRC-32 goes into ``ckptools.crc32`` so that
-    :func:`verify_safetensors` can detect bit rot later. Memory stays at one tensor's
-    contiguous copy at most (none for tensors that are already contiguous on CPU).
+    Works for dense, contiguous tensors of a dtype safetensors knows (what state dicts hold);
+    anything else (views with gaps, quantized, sparse) makes the caller go through torch.
     """
-    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
-    kept, aliases = _dedupe(tensors)
-    # CRC-32s are 8 hex digits: the header's length is known before any tensor is read, so
-    # the placeholders are overwritten in place once the data is written.
-    meta[CRC_KEY] = json.dumps({name: "00000000" for name in sorted(kept)}, separators=(",", ":"))
-    if aliases:
-        meta[ALIAS_KEY] = json.dumps(aliases, separators=(",", ":"), sort_keys=True)
-    order, raw = _header(kept, meta)
+    records = {
+        info.filename.rsplit("/data/", 1)[1]: (start, info.file_size)
+        for info, start in zip(archive.infos, archive.starts)
+        if "/data/" in info.filename
+    }
+    specs: dict[str, _Spec] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name in sorted(weights):
+        simple = simple_tensor(weights[name])
+        if simple is None:
+            return None
+        storage, offset, shape, stride = simple
+        dtype = STORAGE_TO_SAFETENSORS.get(storage.storage_type.name)
+        if dtype is None or storage.key not in records:
+            return None
+        itemsize = ITEMSIZE[dtype]
+        numel = 1
+        for d in shape:
+            numel *= d
+        expected, step = [], 1
+        for d in reversed(shape):
+            expected.append(step)
+            step *= d
+        if numel > 1 and [s for s, d in zip(stride, shape) if d != 1] != [
+            e for e, d in zip(expected[::-1], shape) if d != 1
+        ]:
+            return None  # not contiguous
+        start, size = records[storage.key]
+        begin, nbytes = start + offset * itemsize, numel * itemsize
+        if offset * itemsize + nbytes > size:
+            raise CheckpointFormatError(
+                f"{archive.path}: tensor {name!r} reaches past its storage record (corrupt file)"
+            )
+        identity = (storage.key, offset, tuple(shape), tuple(stride))
+        if numel and identity in seen:
+            aliases[name] = seen[identity]
+            continue
+        seen[identity] = name
 
-    def write(f: IO[bytes]) -> None:
-        f.write(len(raw).to_bytes(8, "little"))
-        f.write(raw)
-        crcs = {name: f"{_write_tensor(f, kept[name]):08x}" for name in order}
-        meta[CRC_KEY] = json.dumps(dict(sorted(crcs.items())), separators=(",", ":"))
-        _, final = _header(kept, meta)
-        if len(final) != len(raw):  # pragma: no cover - fixed-width fields guarantee equality
-            raise RuntimeError("safetensors header changed size while writing")
-        f.seek(8)
-        f.write(final)
-        f.seek(0, os.SEEK_END)
+        def write(f: IO[bytes], begin: int = begin, nbytes: int = nbytes) -> int:
+            crc = 0
+            with open(archive.path, "rb") as src:
+                src.seek(begin)
+                remaining = nbytes
+                while remaining:
+                    chunk = src.read(min(remaining, _CHUNK))
+                    if not chunk:
+                        raise CheckpointFormatError(f"{archive.path} ended early (truncated file)")
+                    crc = zlib.crc32(chunk, crc)
+                    f.write(chunk)
+                    remaining -= len(chunk)
+            return crc
 
-    return atomic_write(path, write)
+        specs[name] = _Spec(dtype, list(shape), nbytes, write)
+    return specs, aliases
 
 
 def read_safetensors_header(path: PathLike) -> tuple[dict[str, Any], dict[str, str], int, int]:
@@ -344,7 +420,7 @@ def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
     return sum(1 for old, new in new_name.items() if old != new)
 
 
-def load_safetensors(path: PathLike) -> dict[str, torch.Tensor]:
+def load_safetensors(path: PathLike) -> dict[str, Any]:
     """Load every tensor of a safetensors file on CPU, re-tying aliases recorded by ckptools."""
     import safetensors.torch
 
@@ -396,16 +472,39 @@ def convert_to_safetensors(
         '/tmp/c.safetensors'
     """
     src, dst = _fspath(src), _fspath(dst)
+    if _local_zip(src):
+        # Fast path: tensors are copied straight out of their zip records, torch is not needed.
+        archive = TorchZip(src)
+        tree = loads(archive.read_pickle(), src)
+        _, _, parsed = locate_weights(tree, key=key, path=src)
+        planned = _zip_specs(archive, strip_prefix(parsed, strip) if strip else parsed)
+        if planned is not None:
+            meta = {"format": "pt", **(_scalars(tree) if isinstance(tree, Mapping) else {}), **dict(metadata or {})}
+            return _write_file(dst, planned[0], planned[1], meta)
+    import torch
+
     ckpt = load_safetensors(src) if src.endswith(".safetensors") else load_torch(src)
-    weights = _find_weights(ckpt, key=key, path=src)
+    _, _, weights = locate_weights(ckpt, key=key, path=src, is_leaf=lambda v: isinstance(v, torch.Tensor))
     if strip:
         weights = strip_prefix(weights, strip)
     meta = {"format": "pt", **(_scalars(ckpt) if isinstance(ckpt, Mapping) else {}), **dict(metadata or {})}
     return save_safetensors(dst, weights, metadata=meta)
 
 
+def _local_zip(path: str) -> bool:
+    if path.endswith(".safetensors"):
+        return False
+    source, local = open_for_read(path)
+    if not local:
+        return False
+    with open(source, "rb") as f:
+        return f.read(4) == b"PK\x03\x04"
+
+
 def load_torch(path: str) -> Any:
     """torch.load safely, memory-mapping local zip files (tensors are read only when touched)."""
+    from .serialization import load_file  # imports torch: only on this path
+
     source, local = open_for_read(path)
     if local:
         with open(source, "rb") as f:

@@ -25,6 +25,8 @@ from typing import IO, Any
 
 from .errors import CheckpointFormatError, UnsafeCheckpointError
 
+# The entry ckptools adds to every checkpoint it writes.
+META_KEY = "__ckptools__"
 # Where other tools nest a model's weights, most specific first.
 WEIGHT_KEYS = ("state_dict", "model_state_dict", "model", "module")
 
@@ -184,6 +186,22 @@ def dumps(obj: Any) -> bytes:
 def is_tensor(node: Any) -> bool:
     """Whether a parsed node is a tensor (a call of one of torch's rebuild functions)."""
     return isinstance(node, Call) and (node.func.name in _REBUILD or node.func.name == "_rebuild_from_type_v2")
+
+
+def simple_tensor(node: Any) -> tuple[StorageRef, int, list[int], list[int]] | None:
+    """``(storage, storage_offset, shape, stride)`` of a plain dense tensor or Parameter, else None."""
+    if isinstance(node, Call) and node.func.name in ("_rebuild_parameter", "_rebuild_parameter_with_state"):
+        node = node.args[0] if node.args else None
+    if not (isinstance(node, Call) and node.func.name == "_rebuild_tensor_v2" and len(node.args) >= 4):
+        return None
+    storage, offset, shape, stride = node.args[:4]
+    if not (isinstance(storage, StorageRef) and type(offset) is int and isinstance(shape, (tuple, list))):
+        return None
+    if not isinstance(stride, (tuple, list)) or len(stride) != len(shape):
+        return None
+    if not all(type(d) is int and d >= 0 for d in shape) or not all(type(d) is int for d in stride) or offset < 0:
+        return None
+    return storage, offset, list(shape), list(stride)
 
 
 def tensor_info(node: Call) -> dict[str, Any]:

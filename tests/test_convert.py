@@ -149,3 +149,37 @@ def test_truncated_safetensors(tmp_path):
         with pytest.raises(ck.CheckpointFormatError):
             verify_safetensors(tmp_path / "t.safetensors")
     assert os.path.getsize(tmp_path / "c.safetensors") == len(data)
+
+
+def test_zip_fast_path_copies_records_without_torch(tmp_path):
+    import subprocess
+    import sys
+
+    torch.manual_seed(1)
+    w = torch.randn(6, 4)
+    weights = {
+        "module.w": w,
+        "module.tied": w,
+        "module.rows": w[2:4],  # contiguous view at an offset into w's storage
+        "module.h": torch.randn(3).half(),
+        "module.b": torch.tensor([True, False, True]),
+        "module.scalar": torch.tensor(2.5),
+        "module.p": torch.nn.Parameter(torch.ones(2, 1)),
+    }
+    torch.save({"state_dict": weights, "epoch": 9}, tmp_path / "c.pt")
+    src, dst = tmp_path / "c.pt", tmp_path / "c.safetensors"
+    code = (
+        "import sys, ckptools.convert as c; "
+        f"c.convert_to_safetensors({str(src)!r}, {str(dst)!r}); print('torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "False", proc.stderr
+    official = safetensors.torch.load_file(str(dst))
+    assert set(official) == {"tied", "rows", "h", "b", "scalar", "p"}  # w and tied: stored once (first name)
+    for name, tensor in weights.items():
+        short = name.removeprefix("module.")
+        got = load_safetensors(dst)[short]
+        assert got.dtype == tensor.dtype and got.shape == tensor.shape and torch.equal(got, tensor.detach()), name
+    with safetensors.safe_open(str(dst), "pt") as f:
+        assert json.loads(f.metadata()["epoch"]) == 9
+    assert verify_safetensors(dst) == 6
