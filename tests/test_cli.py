@@ -163,3 +163,14 @@ def test_help_does_not_import_torch():
     code = "import sys; from ckptools.cli import app; print('torch' in sys.modules, 'fsspec' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.split() == ["False", "False"], proc.stderr
+
+
+def test_legacy_format_files(tmp_path):
+    sd = torch.nn.DataParallel(torch.nn.Linear(2, 2)).state_dict()
+    torch.save(sd, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
+    report = json.loads(_run("info", tmp_path / "old.pt", "--json").output)
+    assert report["format"] == "torch legacy" and report["totals"]["module_prefixed"] == 2
+    assert _run("strip-module", tmp_path / "old.pt", "-o", tmp_path / "new.pt").exit_code == 0
+    assert set(torch.load(tmp_path / "new.pt", weights_only=True)) == {"weight", "bias"}
+    result = _run("verify", tmp_path / "old.pt")
+    assert result.exit_code == 0 and "no checksums" in result.output
