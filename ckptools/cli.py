@@ -352,13 +352,9 @@ def _rename_torch(path: str, dst: str, transform: Callable[[Mapping[str, Any]], 
 
 
 def _local_zip(path: str) -> bool:
-    from .storage import open_for_read
+    from .convert import _local_zip as local_zip  # one definition; raises the clear not-found errors
 
-    source, local = open_for_read(path)  # raises the clear not-found / directory errors
-    if not local:
-        return False
-    with open(source, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
+    return local_zip(path)
 
 
 @app.command("strip-module")
