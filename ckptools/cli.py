@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from typing import Annotated, Any, Optional
 
 import typer
@@ -57,6 +58,24 @@ def _run(body: Callable[[], int | None]) -> None:
         err.print(message, markup=False, highlight=False)
         raise typer.Exit(2) from None
     raise typer.Exit(code)
+
+
+@contextmanager
+def _progress(description: str, path: str) -> Iterator[None]:
+    """A progress bar on stderr, sized by the input file, only when stderr is a terminal."""
+    total = os.path.getsize(path) if "://" not in path and os.path.isfile(path) else None
+    if not err.is_terminal or not total:
+        yield
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
+
+    from .storage import progress_hook
+
+    columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress(*columns, console=err, transient=True) as bar:
+        task = bar.add_task(description, total=total)
+        with progress_hook(lambda n: bar.advance(task, n)):
+            yield
 
 
 def _is_safetensors(path: str) -> bool:
@@ -306,12 +325,13 @@ def _rename_command(path: str, output: Optional[str], in_place: bool, prefix: st
 
         dst = _target(path, output, in_place)
         transform = (lambda sd: add_prefix(sd, prefix)) if add else (lambda sd: strip_prefix(sd, prefix))
-        if _is_safetensors(path):
-            from .convert import rename_safetensors
+        with _progress("renaming", path):
+            if _is_safetensors(path):
+                from .convert import rename_safetensors
 
-            changed = rename_safetensors(path, dst, transform)
-        else:
-            changed = _rename_torch(path, dst, transform)
+                changed = rename_safetensors(path, dst, transform)
+            else:
+                changed = _rename_torch(path, dst, transform)
         verb = "added to" if add else "removed from"
         out.print(f"{dst}: prefix {prefix!r} {verb} {changed} keys")
 
@@ -396,7 +416,8 @@ def convert(
         if _is_safetensors(dst):
             from .convert import convert_to_safetensors
 
-            convert_to_safetensors(src, dst, key=key, strip=strip)
+            with _progress("converting", src):
+                convert_to_safetensors(src, dst, key=key, strip=strip)
         elif dst.endswith(TORCH_SUFFIXES) and _is_safetensors(src):
             from .convert import load_safetensors
             from .serialization import save_file
@@ -498,7 +519,8 @@ def verify(path: Annotated[str, typer.Argument(help="checkpoint file or URL")]) 
         from .errors import CheckpointFormatError
 
         try:
-            what = _verify(path)
+            with _progress("verifying", path):
+                what = _verify(path)
         except CheckpointFormatError as error:
             if "is a directory" in str(error):
                 raise

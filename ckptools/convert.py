@@ -18,7 +18,7 @@ from typing import IO, Any
 
 from .errors import CheckpointFormatError
 from .state_dict import strip_prefix
-from .storage import PathLike, _fspath, atomic_write, open_for_read
+from .storage import PathLike, _fspath, atomic_write, copy_range, open_for_read, report_progress
 from .torchzip import META_KEY, TorchZip, loads, locate_weights, simple_tensor
 
 __all__ = ["convert_to_safetensors"]
@@ -119,6 +119,7 @@ def _write_chunks(f: IO[bytes], view: memoryview) -> int:
         chunk = view[start : start + _CHUNK]
         crc = zlib.crc32(chunk, crc)
         f.write(chunk)
+        report_progress(len(chunk))
     return crc
 
 
@@ -222,6 +223,7 @@ def _zip_specs(archive: TorchZip, weights: Mapping[str, Any]) -> tuple[dict[str,
                     crc = zlib.crc32(chunk, crc)
                     f.write(chunk)
                     remaining -= len(chunk)
+                    report_progress(len(chunk))
             return crc
 
         specs[name] = _Spec(dtype, list(shape), nbytes, write)
@@ -344,6 +346,7 @@ def verify_safetensors(path: PathLike) -> int:
                     raise CheckpointFormatError(f"{path}: tensor {name!r} is cut short (truncated file)")
                 crc = zlib.crc32(view[:got], crc)
                 remaining -= got
+                report_progress(got)
             if f"{crc:08x}" != expected[name]:
                 raise CheckpointFormatError(
                     f"{path}: tensor {name!r} fails its CRC-32 check (bit rot or a partial copy); the file is damaged"
@@ -351,30 +354,6 @@ def verify_safetensors(path: PathLike) -> int:
     finally:
         handle.close()
     return len(header)
-
-
-def _copy_range(src: IO[bytes], dst: IO[bytes], start: int, length: int) -> None:
-    src.seek(start)
-    try:
-        # Kernel-side copy between two local files: no bytes pass through Python.
-        in_fd, out_fd = src.fileno(), dst.fileno()
-        dst.flush()
-        while length:
-            sent = os.copy_file_range(in_fd, out_fd, min(length, 1 << 30), start)
-            if not sent:
-                raise CheckpointFormatError(f"{getattr(src, 'name', 'input')} ended early (truncated file)")
-            start += sent
-            length -= sent
-        dst.seek(0, os.SEEK_END)
-        return
-    except (AttributeError, OSError, ValueError, NotImplementedError):
-        src.seek(start)  # not two local files (or an old kernel): copy through a buffer
-    while length:
-        chunk = src.read(min(length, _CHUNK))
-        if not chunk:
-            raise CheckpointFormatError(f"{getattr(src, 'name', 'input')} ended early (truncated file)")
-        dst.write(chunk)
-        length -= len(chunk)
 
 
 def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
@@ -414,7 +393,7 @@ def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         with open(source, "rb") if local else source as handle:
-            _copy_range(handle, f, start, size - start)
+            copy_range(handle, f, start, size - start)
 
     atomic_write(dst, write)
     return sum(1 for old, new in new_name.items() if old != new)

@@ -16,7 +16,7 @@ from typing import IO, Any
 import torch
 
 from .errors import CheckpointError, CheckpointFormatError, UnsafeCheckpointError
-from .storage import PathLike, _fspath, atomic_write, open_for_read
+from .storage import PathLike, _fspath, atomic_write, open_for_read, report_progress
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 # Python's zipfile reads in 8 KiB chunks by default; larger reads cut the per-call overhead
@@ -149,6 +149,7 @@ def _check_record(path: str, handle: IO[bytes], info: zipfile.ZipInfo, buffer: b
             raise CheckpointFormatError(f"{path}: record {info.filename} is cut short (truncated file)")
         crc = zlib.crc32(view[:got], crc)
         remaining -= got
+        report_progress(got)
     if crc != info.CRC:
         raise CheckpointFormatError(
             f"{path}: record {info.filename} is damaged (CRC-32 mismatch: bit rot or a partial write); "

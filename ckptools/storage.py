@@ -9,13 +9,19 @@ import contextlib
 import io
 import os
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import IO, Any, Union
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .errors import CheckpointFormatError, CheckpointNotFoundError
+
+_CHUNK = 64 << 20
+# Bytes processed by long copies, for the CLI's progress bar; None (the default) costs nothing.
+_PROGRESS: ContextVar[Callable[[int], None] | None] = ContextVar("ckptools_progress", default=None)
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -155,3 +161,54 @@ def remove(path: PathLike) -> None:
     fs, fpath = get_filesystem(path)
     with contextlib.suppress(FileNotFoundError):
         fs.rm_file(fpath)
+
+
+@contextmanager
+def progress_hook(callback: Callable[[int], None]) -> Iterator[None]:
+    """Within the block, long copies and checks call ``callback(n_bytes)`` as they go."""
+    token = _PROGRESS.set(callback)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
+
+
+def report_progress(n: int) -> None:
+    """Tell the current progress hook (if any) that ``n`` more bytes were processed."""
+    hook = _PROGRESS.get()
+    if hook is not None:
+        hook(n)
+
+
+def copy_range(src: IO[bytes], dst: IO[bytes], start: int, length: int) -> None:
+    """Append ``length`` bytes of ``src`` from ``start`` to ``dst``.
+
+    Between two local files the kernel copies them (``copy_file_range``): no byte passes through
+    Python. Otherwise (object stores, in-memory files, old kernels) through a buffer.
+
+    Raises:
+        CheckpointFormatError: ``src`` ends before ``start + length`` (a truncated file).
+    """
+    try:
+        in_fd, out_fd = src.fileno(), dst.fileno()
+        dst.flush()
+        while length:
+            sent = os.copy_file_range(in_fd, out_fd, min(length, _CHUNK), start)
+            if not sent:
+                raise CheckpointFormatError(f"{getattr(src, 'name', 'input')} ended early (truncated file)")
+            start += sent
+            length -= sent
+            report_progress(sent)
+    except (AttributeError, OSError, ValueError, NotImplementedError, io.UnsupportedOperation):
+        pass  # not two local files (or an old kernel): the rest goes through a buffer
+    finally:
+        if hasattr(dst, "seek"):
+            dst.seek(0, os.SEEK_END)  # the kernel moved the fd's offset behind Python's back
+    src.seek(start)
+    while length:
+        chunk = src.read(min(length, _CHUNK))
+        if not chunk:
+            raise CheckpointFormatError(f"{getattr(src, 'name', 'input')} ended early (truncated file)")
+        dst.write(chunk)
+        length -= len(chunk)
+        report_progress(len(chunk))

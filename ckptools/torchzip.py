@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from .errors import CheckpointFormatError, UnsafeCheckpointError
+from .storage import copy_range
 
 # The entry ckptools adds to every checkpoint it writes.
 META_KEY = "__ckptools__"
@@ -334,9 +335,7 @@ class TorchZip:
 
 def _copier(src: IO[bytes], out: IO[bytes], start: int, length: int) -> Any:
     def copy() -> None:
-        from .convert import _copy_range
-
-        _copy_range(src, out, start, length)
+        copy_range(src, out, start, length)
 
     return copy
 

@@ -71,3 +71,24 @@ def test_join_keeps_urls():
     assert storage.join("s3://bucket/run/", "a.pt") == "s3://bucket/run/a.pt"
     assert storage.join("memory://x", "a.pt") == "memory://x/a.pt"
     assert storage.join("/tmp/run", "a.pt") == "/tmp/run/a.pt"
+
+
+def test_copy_range_local_and_buffered_report_progress(tmp_path):
+    import io
+
+    data = os.urandom(300_000)
+    (tmp_path / "src").write_bytes(data)
+    seen = []
+    with storage.progress_hook(seen.append), open(tmp_path / "src", "rb") as src:
+        with open(tmp_path / "dst", "wb") as dst:
+            dst.write(b"head")
+            storage.copy_range(src, dst, 1000, 200_000)  # kernel copy between two files
+            dst.write(b"tail")
+        buffer = io.BytesIO(b"x")
+        buffer.seek(0, os.SEEK_END)
+        storage.copy_range(src, buffer, 5, 100)  # through a buffer
+    assert (tmp_path / "dst").read_bytes() == b"head" + data[1000:201000] + b"tail"
+    assert buffer.getvalue() == b"x" + data[5:105]
+    assert sum(seen) == 200_100
+    with open(tmp_path / "src", "rb") as src, pytest.raises(CheckpointFormatError, match="truncated"):
+        storage.copy_range(src, io.BytesIO(), 299_000, 5000)
