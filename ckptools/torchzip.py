@@ -112,6 +112,7 @@ def _allowed(module: str, name: str) -> bool:
 class _Reader(pickle.Unpickler):
     def __init__(self, data: bytes, path: str) -> None:
         super().__init__(io.BytesIO(data))
+        self._data = data
         self._path = path
         self._globals: dict[tuple[str, str], Global] = {}
 
@@ -120,8 +121,9 @@ class _Reader(pickle.Unpickler):
         if real is not None:
             return real
         if not _allowed(module, name):
+            needed = ", ".join(_refused_globals(self._data)) or f"{module}.{name}"
             raise UnsafeCheckpointError(
-                f"{self._path} needs {module}.{name} to load, which could run arbitrary code, so it was refused and "
+                f"{self._path} needs {needed} to load, which could run arbitrary code, so it was refused and "
                 "nothing was executed. Only for a file you trust: load it with torch.load(..., weights_only=False)"
             )
         # One object per global, so the writer memoizes it exactly as the original did.
@@ -139,6 +141,29 @@ class _Reader(pickle.Unpickler):
         ):
             return StorageRef(pid[1], pid[2], pid[3], pid[4])
         raise CheckpointFormatError(f"{self._path}: unexpected persistent id {pid!r} in data.pkl")
+
+
+def _refused_globals(data: bytes) -> list[str]:
+    """Every global outside the allowlist that ``data`` names, found by reading opcodes only."""
+    import pickletools
+
+    found: list[str] = []
+    strings: list[str] = []
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            if isinstance(arg, str):
+                strings.append(arg)
+            if opcode.name == "GLOBAL" and isinstance(arg, str):
+                module, _, name = arg.partition(" ")
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                module, name = strings[-2], strings[-1]
+            else:
+                continue
+            if (module, name) not in _SAFE_REAL and not _allowed(module, name) and f"{module}.{name}" not in found:
+                found.append(f"{module}.{name}")
+    except (ValueError, EOFError, pickle.UnpicklingError):
+        pass  # a corrupt tail: report what was found before it
+    return found
 
 
 def loads(data: bytes, path: str = "checkpoint") -> Any:

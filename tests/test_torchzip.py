@@ -6,6 +6,7 @@ import pickle
 import subprocess
 import sys
 import zipfile
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -141,3 +142,9 @@ def test_bad_persistent_id_is_a_format_error():
     P(buf, protocol=2).dump({"a": "marker"})
     with pytest.raises(ck.CheckpointFormatError, match="persistent id"):
         tz.loads(buf.getvalue())
+
+
+def test_unsafe_message_lists_every_refused_global():
+    data = pickle.dumps({"a": os.system, "b": eval, "c": OrderedDict()}, protocol=4)  # STACK_GLOBAL too
+    with pytest.raises(ck.UnsafeCheckpointError, match=r"needs posix\.system, builtins\.eval to load"):
+        tz.loads(data, "evil.pt")
