@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint stress bench demo venv clean
+.PHONY: test lint e2e-loop bench demo venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -25,8 +25,9 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check ckptools tests examples benchmarks
 	$(VENV)/bin/ruff format --check ckptools tests examples benchmarks
 
-stress: $(STAMP)
-	$(PY) -m pytest -q -m slow
+# The flake check of the end-to-end resume tests: the whole file N times in a row (default 20).
+e2e-loop: $(STAMP)
+	for i in $$(seq 1 $${N:-20}); do $(PY) -m pytest -q -x -p no:cacheprovider tests/test_train_ddp_e2e.py || exit 1; done
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
