@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Annotated, Any, Optional
@@ -44,7 +45,11 @@ def _run(body: Callable[[], int | None]) -> None:
     from .errors import CheckpointError
 
     try:
-        code = body() or 0
+        with warnings.catch_warnings():
+            # torch.load warns about odd files (e.g. "Detected pickle protocol 153") on stderr,
+            # where the contract is one line: the error line already says what is wrong.
+            warnings.simplefilter("ignore")
+            code = body() or 0
     except _Fail as failure:
         err.print(f"ckpt: {failure}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(failure.code) from None
@@ -240,10 +245,8 @@ def _describe_parsed(value: Any) -> str:
 
 
 def _zip(path: str) -> bool:
-    if "://" in path:
-        return True
-    with open(path, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
+    # Remote files are taken as zip (the pre-1.6 format predates object-store checkpoints).
+    return "://" in path or _local_zip(path)
 
 
 def _describe(value: Any) -> str:

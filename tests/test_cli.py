@@ -124,9 +124,10 @@ def test_bad_inputs_exit_2_one_line_no_traceback_nothing_written(tmp_path, comma
     good = _ddp_file(tmp_path)
     (tmp_path / "empty.pt").write_bytes(b"")
     (tmp_path / "random.pt").write_bytes(os.urandom(2000))
+    (tmp_path / "proto.pt").write_bytes(b"\x80\x99" + os.urandom(2000))  # makes torch warn about the protocol
     (tmp_path / "trunc.pt").write_bytes(good.read_bytes()[:300])
     (tmp_path / "huge.safetensors").write_bytes((2**63).to_bytes(8, "little") + b"{}")
-    inputs = ["missing.pt", "empty.pt", "random.pt", "evil.pt", "huge.safetensors", "trunc.pt"]
+    inputs = ["missing.pt", "empty.pt", "random.pt", "proto.pt", "evil.pt", "huge.safetensors", "trunc.pt"]
     for name in inputs:
         src = tmp_path / name
         before = src.read_bytes() if src.exists() else None
