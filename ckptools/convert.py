@@ -18,7 +18,7 @@ from typing import IO, Any
 
 from .errors import CheckpointFormatError
 from .state_dict import strip_prefix
-from .storage import PathLike, _fspath, atomic_write, copy_range, open_for_read, report_progress
+from .storage import PathLike, _fspath, atomic_write, copy_range, crc32_range, open_for_read, report_progress
 from .torchzip import META_KEY, TorchZip, loads, locate_weights, simple_tensor
 
 __all__ = ["convert_to_safetensors"]
@@ -211,20 +211,9 @@ def _zip_specs(archive: TorchZip, weights: Mapping[str, Any]) -> tuple[dict[str,
             continue
         seen[identity] = name
 
-        def write(f: IO[bytes], begin: int = begin, nbytes: int = nbytes) -> int:
-            crc = 0
+        def write(f: IO[bytes], begin: int = begin, nbytes: int = nbytes, name: str = name) -> int:
             with open(archive.path, "rb") as src:
-                src.seek(begin)
-                remaining = nbytes
-                while remaining:
-                    chunk = src.read(min(remaining, _CHUNK))
-                    if not chunk:
-                        raise CheckpointFormatError(f"{archive.path} ended early (truncated file)")
-                    crc = zlib.crc32(chunk, crc)
-                    f.write(chunk)
-                    remaining -= len(chunk)
-                    report_progress(len(chunk))
-            return crc
+                return crc32_range(src, begin, nbytes, what=f"{archive.path}: tensor {name!r}", out=f)
 
         specs[name] = _Spec(dtype, list(shape), nbytes, write)
     return specs, aliases
@@ -333,20 +322,10 @@ def verify_safetensors(path: PathLike) -> int:
         raise CheckpointFormatError(f"{path}: {CRC_KEY} metadata does not list exactly the stored tensors")
     source, local = open_for_read(path)
     handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
-    buffer = bytearray(_CHUNK)
-    view = memoryview(buffer)
     try:
         for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             begin, end = entry["data_offsets"]
-            handle.seek(start + begin)
-            remaining, crc = end - begin, 0
-            while remaining:
-                got = handle.readinto(view[: min(remaining, _CHUNK)])
-                if not got:
-                    raise CheckpointFormatError(f"{path}: tensor {name!r} is cut short (truncated file)")
-                crc = zlib.crc32(view[:got], crc)
-                remaining -= got
-                report_progress(got)
+            crc = crc32_range(handle, start + begin, end - begin, what=f"{path}: tensor {name!r}")
             if f"{crc:08x}" != expected[name]:
                 raise CheckpointFormatError(
                     f"{path}: tensor {name!r} fails its CRC-32 check (bit rot or a partial copy); the file is damaged"

@@ -16,12 +16,9 @@ from typing import IO, Any
 import torch
 
 from .errors import CheckpointError, CheckpointFormatError, UnsafeCheckpointError
-from .storage import PathLike, _fspath, atomic_write, open_for_read, report_progress
+from .storage import PathLike, _fspath, atomic_write, crc32_range, open_for_read
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
-# Python's zipfile reads in 8 KiB chunks by default; larger reads cut the per-call overhead
-# when checking CRCs of multi-GB checkpoints.
-_CHUNK = 16 << 20
 
 
 def save_file(path: PathLike, obj: Any) -> str:
@@ -118,9 +115,8 @@ def verify_torch_file(path: PathLike) -> None:
             infos = archive.infolist()
             if not any(info.filename.endswith("/data.pkl") or info.filename == "data.pkl" for info in infos):
                 raise CheckpointFormatError(f"{path} is a zip file but not a torch checkpoint (no data.pkl)")
-            buffer = bytearray(min(_CHUNK, max((info.file_size for info in infos), default=0)) or 1)
             for info in infos:
-                _check_record(path, handle, info, buffer)
+                _check_record(path, handle, info)
     except (OSError, EOFError, ValueError, zlib.error, NotImplementedError) as err:
         if isinstance(err, CheckpointError):
             raise
@@ -129,7 +125,7 @@ def verify_torch_file(path: PathLike) -> None:
         handle.close()
 
 
-def _check_record(path: str, handle: IO[bytes], info: zipfile.ZipInfo, buffer: bytearray) -> None:
+def _check_record(path: str, handle: IO[bytes], info: zipfile.ZipInfo) -> None:
     # torch stores every record uncompressed, so its CRC-32 can be checked straight from the
     # file in large reads (zipfile's own reader checks it too, but ~4x slower).
     if info.compress_type != zipfile.ZIP_STORED:
@@ -140,16 +136,8 @@ def _check_record(path: str, handle: IO[bytes], info: zipfile.ZipInfo, buffer: b
         raise CheckpointFormatError(f"{path}: record {info.filename} has a damaged header; pick an earlier checkpoint")
     name_len = int.from_bytes(header[26:28], "little")
     extra_len = int.from_bytes(header[28:30], "little")
-    handle.seek(info.header_offset + 30 + name_len + extra_len)
-    remaining, crc = info.file_size, 0
-    view = memoryview(buffer)
-    while remaining:
-        got = handle.readinto(view[: min(remaining, len(buffer))])
-        if not got:
-            raise CheckpointFormatError(f"{path}: record {info.filename} is cut short (truncated file)")
-        crc = zlib.crc32(view[:got], crc)
-        remaining -= got
-        report_progress(got)
+    start = info.header_offset + 30 + name_len + extra_len
+    crc = crc32_range(handle, start, info.file_size, what=f"{path}: record {info.filename}")
     if crc != info.CRC:
         raise CheckpointFormatError(
             f"{path}: record {info.filename} is damaged (CRC-32 mismatch: bit rot or a partial write); "

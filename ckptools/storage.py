@@ -9,6 +9,7 @@ import contextlib
 import io
 import os
 import secrets
+import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -212,3 +213,25 @@ def copy_range(src: IO[bytes], dst: IO[bytes], start: int, length: int) -> None:
         dst.write(chunk)
         length -= len(chunk)
         report_progress(len(chunk))
+
+
+def crc32_range(handle: IO[bytes], start: int, length: int, *, what: str, out: IO[bytes] | None = None) -> int:
+    """CRC-32 of ``length`` bytes of ``handle`` from ``start``, also written to ``out`` if given.
+
+    Raises:
+        CheckpointFormatError: the file ends first (``what`` names the record or tensor).
+    """
+    buffer = bytearray(min(length, _CHUNK) or 1)
+    view = memoryview(buffer)
+    handle.seek(start)
+    crc = 0
+    while length:
+        got = handle.readinto(view[: min(length, len(buffer))])
+        if not got:
+            raise CheckpointFormatError(f"{what} is cut short (truncated file)")
+        crc = zlib.crc32(view[:got], crc)
+        if out is not None:
+            out.write(view[:got])
+        length -= got
+        report_progress(got)
+    return crc
