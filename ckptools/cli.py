@@ -164,45 +164,50 @@ def _info(path: str) -> dict[str, Any]:
             t["device"] = "cpu"  # safetensors files carry no device
         return _report(path, "safetensors", size, entries={}, tensors=tensors, metadata=metadata)
     if _local_zip(path):
-        return _info_zip(path)
-    from .checkpoint import META_KEY
+        # From data.pkl alone: no torch import, no tensor read.
+        from .torchzip import TorchZip, is_tensor, loads, tensor_info
+
+        archive = TorchZip(path)
+        tree = loads(archive.read_pickle(), path)
+        return _tree_report(path, "torch zip", archive.size, tree, lambda n: tensor_info(n) if is_tensor(n) else None)
+    import torch
 
     ckpt, devices = _load_torch_with_devices(path)
+
+    def describe(node: Any) -> dict[str, Any] | None:
+        if not isinstance(node, torch.Tensor):
+            return None
+        ptr = node.untyped_storage().data_ptr()
+        dtype = str(node.dtype).removeprefix("torch.")
+        nbytes = node.numel() * node.element_size()
+        return {
+            "shape": list(node.shape),
+            "dtype": dtype,
+            "bytes": nbytes,
+            "device": devices.get(ptr, "cpu"),
+            "storage": ptr,
+        }
+
     size = os.path.getsize(path) if "://" not in path else None
-    seen: set[int] = set()
-    tensors = []
-    for name, t in _walk_tensors(ckpt):
-        if name.startswith(META_KEY):
-            continue
-        ptr = t.untyped_storage().data_ptr()
-        tensors.append({"name": name, "shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch."),
-                        "bytes": t.numel() * t.element_size(), "device": devices.get(ptr, "cpu"),
-                        "shared": ptr in seen and t.numel() > 0})  # fmt: skip
-        seen.add(ptr)
-    entries = {}
-    metadata: dict[str, Any] = {}
-    if isinstance(ckpt, Mapping):
-        for key, value in ckpt.items():
-            if key == META_KEY and isinstance(value, Mapping):
-                metadata = {k: v for k, v in value.items() if k != "rng"}
-                metadata["rng_ranks"] = len(value.get("rng", []))
-            else:
-                entries[str(key)] = _describe(value)
-    fmt = "torch zip" if _zip(path) else "torch legacy"
-    return _report(path, fmt, size, entries=entries, tensors=tensors, metadata=metadata)
+    return _tree_report(path, "torch zip" if _zip(path) else "torch legacy", size, ckpt, describe)
 
 
-def _info_zip(path: str) -> dict[str, Any]:
-    """``info`` of a zip checkpoint from its data.pkl alone: no torch import, no tensor read."""
-    from .torchzip import TorchZip, is_tensor, loads, tensor_info
+def _tree_report(
+    path: str, fmt: str, size: int | None, tree: Any, describe: Callable[[Any], dict[str, Any] | None]
+) -> dict[str, Any]:
+    """The ``info`` report of a checkpoint tree, loaded by torch or parsed without it.
 
-    archive = TorchZip(path)
-    tree = loads(archive.read_pickle(), path)
-    tensors, seen = [], set()
+    ``describe(node)`` returns shape, dtype, bytes, device and a storage identity for a tensor
+    (a repeated storage marks the tensor as shared), None for anything else.
+    """
+    from .torchzip import META_KEY
+
+    tensors: list[dict[str, Any]] = []
+    seen: set[Any] = set()
 
     def walk(node: Any, prefix: str) -> None:
-        if is_tensor(node):
-            info = tensor_info(node)
+        info = describe(node)
+        if info is not None:
             storage = info.pop("storage")
             info["shared"] = storage is not None and storage in seen and info["bytes"] > 0
             seen.add(storage)
@@ -218,26 +223,24 @@ def _info_zip(path: str) -> dict[str, Any]:
     metadata: dict[str, Any] = {}
     if isinstance(tree, Mapping):
         for key, value in tree.items():
-            if key == "__ckptools__" and isinstance(value, Mapping):
+            if key == META_KEY and isinstance(value, Mapping):
                 metadata = {k: v for k, v in value.items() if k != "rng"}
                 metadata["rng_ranks"] = len(value.get("rng", []))
                 continue
+            first = len(tensors)
             walk(value, str(key))
-            entries[str(key)] = _describe_parsed(value)
+            entries[str(key)] = _describe(value, tensors[first:])
     else:
         walk(tree, "")
-    return _report(path, "torch zip", archive.size, entries=entries, tensors=tensors, metadata=metadata)
+    return _report(path, fmt, size, entries=entries, tensors=tensors, metadata=metadata)
 
 
-def _describe_parsed(value: Any) -> str:
-    from .torchzip import is_tensor, tensor_info
-
-    if is_tensor(value):
-        info = tensor_info(value)
-        return f"tensor {info['shape']} {info['dtype']}"
+def _describe(value: Any, tensors: list[dict[str, Any]]) -> str:
+    """One line about a top-level entry, given the tensors found under it."""
+    if tensors and not isinstance(value, (Mapping, list, tuple)):  # the entry is itself a tensor
+        return f"tensor {tensors[0]['shape']} {tensors[0]['dtype']}"
     if isinstance(value, Mapping):
-        n = sum(1 for v in value.values() if is_tensor(v))
-        return f"dict, {len(value)} keys" + (f", {n} tensors" if n else "")
+        return f"dict, {len(value)} keys" + (f", {len(tensors)} tensors" if tensors else "")
     if isinstance(value, (list, tuple)):
         return f"{type(value).__name__} of {len(value)}"
     text = repr(value)
@@ -247,20 +250,6 @@ def _describe_parsed(value: Any) -> str:
 def _zip(path: str) -> bool:
     # Remote files are taken as zip (the pre-1.6 format predates object-store checkpoints).
     return "://" in path or _local_zip(path)
-
-
-def _describe(value: Any) -> str:
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return f"tensor {list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
-    if isinstance(value, Mapping):
-        n = sum(1 for _ in _walk_tensors(value))
-        return f"dict, {len(value)} keys" + (f", {n} tensors" if n else "")
-    if isinstance(value, (list, tuple)):
-        return f"{type(value).__name__} of {len(value)}"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _report(path: str, fmt: str, size: int | None, **parts: Any) -> dict[str, Any]:
