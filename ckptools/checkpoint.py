@@ -342,7 +342,12 @@ def _restore_rng(ckpt: dict[str, Any], path: str) -> None:
 
 
 def load_state_dict(
-    path: PathLike, *, map_location: MapLocation = "cpu", key: str | None = None, strip: str | None = "module."
+    path: PathLike,
+    *,
+    map_location: MapLocation = "cpu",
+    key: str | None = None,
+    strip: str | None = "module.",
+    verify: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Return just the model weights from a ``.pt/.pth/.bin/.ckpt`` or ``.safetensors`` file.
 
@@ -354,6 +359,9 @@ def load_state_dict(
         map_location: where the tensors go (default ``"cpu"``); see :func:`resolve_map_location`.
         key: the entry holding the weights, when the usual names do not find it.
         strip: prefix removed from every key that has it; None keeps keys as stored.
+        verify: check checksums first: every zip record's CRC-32 of a ``.pt`` file, or the
+            per-tensor CRC-32s ``ckpt convert`` stores in a ``.safetensors`` file (files from
+            other tools carry none; then only their structure is checked).
 
     Returns:
         A dict of tensors.
@@ -369,6 +377,13 @@ def load_state_dict(
     """
     path = _fspath(path)
     location = resolve_map_location(map_location)
+    if verify:
+        if path.endswith(".safetensors"):
+            from .convert import verify_safetensors
+
+            verify_safetensors(path)
+        else:
+            verify_torch_file(path)
     if path.endswith(".safetensors"):
         ckpt: Any = _load_safetensors(path, location)
     else:

@@ -15,6 +15,8 @@ from typing import Any
 
 import torch
 
+from .errors import CheckpointError
+
 __all__ = ["barrier", "get_local_rank", "get_rank", "get_world_size", "init_distributed", "is_main_process"]
 
 
@@ -181,7 +183,10 @@ def _broadcast_object(obj: Any, src: int = 0) -> Any:
     if not _dist_ready() or get_world_size() == 1:
         return obj
     box = [obj]
-    torch.distributed.broadcast_object_list(box, src=src, device=_object_device())
+    try:
+        torch.distributed.broadcast_object_list(box, src=src, device=_object_device())
+    except RuntimeError as err:  # DistBackendError and friends
+        raise _peer_error(err) from err
     return box[0]
 
 
@@ -191,5 +196,23 @@ def _all_gather_object(obj: Any) -> list[Any]:
         return [obj]
     out: list[Any] = [None] * get_world_size()
     # all_gather_object picks this rank's GPU itself under NCCL (torch.cuda.current_device()).
-    torch.distributed.all_gather_object(out, obj)
+    try:
+        torch.distributed.all_gather_object(out, obj)
+    except RuntimeError as err:
+        raise _peer_error(err) from err
     return out
+
+
+def _peer_error(err: BaseException) -> CheckpointError:
+    """The error every surviving rank raises when a collective inside ckptools breaks.
+
+    A peer that died breaks the connection at once (gloo); a peer that hangs (or an NCCL
+    collective) is given up on after the process group's timeout (``init_distributed(timeout=)``).
+    Either way the group cannot be trusted afterwards: the job has to restart and resume.
+    """
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+    return CheckpointError(
+        f"rank {get_rank()}: a checkpoint collective with the other ranks failed ({type(err).__name__}: {first}); "
+        "another rank died, hung past the process group's timeout, or skipped the call. Restart the job: "
+        "it resumes from the last complete checkpoint"
+    )

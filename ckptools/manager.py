@@ -11,7 +11,7 @@ from .checkpoint import load, save
 from .dist import _broadcast_object, get_rank
 from .errors import CheckpointError
 from .serialization import verify_torch_file
-from .storage import TMP_MARKER, PathLike, _fspath, join, list_files, remove
+from .storage import TMP_MARKER, PathLike, _fspath, is_abandoned_tmp, join, list_files, remove
 
 __all__ = ["CheckpointManager"]
 
@@ -28,7 +28,8 @@ class CheckpointManager:
       complete. Checkpoints with a *higher* step than the one being saved belong to a timeline
       that was abandoned by resuming from an earlier checkpoint; they are deleted too (with a
       warning), or ``latest()`` would later resume the abandoned timeline. Leftover temporary
-      files of a crashed save are removed.
+      files of a crashed save are removed (those whose writer process is gone; see
+      :func:`ckptools.storage.is_abandoned_tmp`).
     - ``latest()`` (local) returns the newest checkpoint whose every zip record passes its
       CRC-32 check, skipping damaged or truncated ones with a warning.
     - ``restore(state)`` (collective) loads the checkpoint rank 0's ``latest()`` chose on every
@@ -78,10 +79,16 @@ class CheckpointManager:
         return sorted(found)
 
     def _leftovers(self) -> list[str]:
+        # Only files whose writer is gone: a second job saving into this directory (a
+        # misconfiguration, but one that happens) must not have its file deleted mid-write.
         return [
-            join(self.directory, name)
-            for name in list_files(self.directory)
-            if name.startswith(f".{self.prefix}-") and TMP_MARKER in name
+            path
+            for path in (
+                join(self.directory, name)
+                for name in list_files(self.directory)
+                if name.startswith(f".{self.prefix}-") and TMP_MARKER in name
+            )
+            if is_abandoned_tmp(path)
         ]
 
     def save(self, state: Mapping[str, Any], step: int, **save_kwargs: Any) -> str:
@@ -107,12 +114,19 @@ class CheckpointManager:
         metadata = {**dict(save_kwargs.pop("metadata", None) or {}), "step": step}
         if get_rank() == 0:
             # Temporary files of a save that was killed: never loadable, only taking space.
-            for leftover in self._leftovers():
-                self._remove_quietly(leftover)
+            # Rank 0 alone runs this, outside any collective: an error here must not escape, or
+            # the other ranks would wait in save() for a rank that left.
+            self._housekeeping(lambda: [self._remove_quietly(p) for p in self._leftovers()], "clean up")
         save(path, state, metadata=metadata, **save_kwargs)
         if get_rank() == 0:
-            self._prune(step)
+            self._housekeeping(lambda: self._prune(step), "prune")
         return path
+
+    def _housekeeping(self, task: Any, what: str) -> None:
+        try:
+            task()
+        except OSError as err:
+            warnings.warn(f"could not {what} {self.directory}: {err}", stacklevel=3)
 
     def _remove_quietly(self, path: str) -> None:
         try:

@@ -8,7 +8,10 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import re
 import secrets
+import socket
+import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -68,9 +71,70 @@ def _fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
+# A temporary file whose writer cannot be checked (another host) is treated as abandoned only
+# after this long without a change: a live writer touches its file continuously.
+STALE_TMP_SECONDS = 3600.0
+# Object stores: one PUT (or one completed multipart upload) makes an object appear whole or
+# not at all, and they have no rename; every other fsspec filesystem gets temp name + move.
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "tos", "cos"})
+
+
+def _host() -> str:
+    # Only characters that survive in a file name on every filesystem and never split the name.
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
+
+
 def tmp_name(name: str) -> str:
-    """A unique temporary name for ``name`` in the same directory."""
-    return f".{name}{TMP_MARKER}{os.getpid()}-{secrets.token_hex(4)}"
+    """A unique temporary name for ``name`` in the same directory.
+
+    It names its writer (host and pid), so a later save can tell a dead writer's leftover from
+    the file a live writer is still filling (see :func:`is_abandoned_tmp`).
+    """
+    return f".{name}{TMP_MARKER}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _tmp_owner(name: str) -> tuple[str, int] | None:
+    tail = name.rpartition(TMP_MARKER)[2]
+    parts = tail.rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except PermissionError:
+        return True  # it exists, under another user
+    except (ProcessLookupError, OverflowError, ValueError):
+        return False
+    return True
+
+
+def is_abandoned_tmp(path: PathLike) -> bool:
+    """Whether the temporary file at ``path`` was left by a writer that is gone.
+
+    True when its writer ran on this host and that process no longer exists, or when it has not
+    changed for :data:`STALE_TMP_SECONDS` (a writer on another host, or an unparsable name).
+    False while the writer may still be filling it, so a second job writing into the same
+    directory never has its file deleted under it.
+    """
+    path = _fspath(path)
+    owner = _tmp_owner(path.rsplit("/", 1)[-1])
+    if owner is not None and owner[0] == _host():
+        return not _pid_alive(owner[1])
+    fs, fpath = get_filesystem(path)
+    try:
+        modified = fs.modified(fpath)
+    except (OSError, NotImplementedError, ValueError):
+        return False
+    stamp = modified.timestamp() if hasattr(modified, "timestamp") else float(modified)
+    return time.time() - stamp > STALE_TMP_SECONDS
+
+
+def _is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return bool(_OBJECT_STORES.intersection(protocols))
 
 
 def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any]) -> str:
@@ -79,8 +143,11 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any]) -> str:
     Local disk: ``write`` streams into a temporary file in the *target* directory (a rename
     across filesystems, e.g. from $TMPDIR, is not atomic and fails), which is flushed, fsynced,
     renamed over ``path`` with ``os.replace`` and made durable with an fsync of the directory.
-    Object stores have no rename, but a single PUT is atomic, so the payload is built in memory
-    first and sent in one complete write.
+    Object stores (s3, gcs, azure, ...) have no rename, but a single PUT is atomic, so the
+    payload is built in memory first and sent in one complete write. Other remote filesystems
+    (``memory://``, sftp, hdfs, ...) get the payload under a temporary name in the target
+    directory, then a move onto ``path`` (a rename where the filesystem has one), so a write
+    that fails midway never leaves a partial file at ``path``.
 
     Args:
         path: destination path or URL.
@@ -95,9 +162,7 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any]) -> str:
     path = _fspath(path)
     fs, fpath = get_filesystem(path)
     if not is_local(fs):
-        buffer = io.BytesIO()
-        write(buffer)
-        fs.pipe_file(fpath, buffer.getvalue())
+        _remote_write(fs, fpath, write)
         return path
     directory, name = os.path.split(os.path.abspath(fpath))
     if not os.path.isdir(directory):
@@ -107,7 +172,17 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any]) -> str:
     tmp = os.path.join(directory, tmp_name(name))
     try:
         with open(tmp, "wb") as f:
-            write(f)
+            recorder = _WriteRecorder(f)
+            try:
+                write(recorder)  # type: ignore[arg-type]  # a file in all but name
+            except OSError:
+                raise
+            except Exception as err:
+                # torch's zip writer reports a failed write() as "unexpected pos 704 vs 598";
+                # the OS error underneath ("File too large", "No space left") is the news.
+                if recorder.error is not None:
+                    raise recorder.error from err
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(directory, name))
@@ -118,6 +193,43 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any]) -> str:
         raise
     _fsync_dir(directory)
     return path
+
+
+class _WriteRecorder:
+    """A file wrapper that remembers the OSError of a failed ``write`` (see ``atomic_write``)."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self._f = f
+        self.error: OSError | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._f.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def _remote_write(fs: fsspec.AbstractFileSystem, fpath: str, write: Callable[[IO[bytes]], Any]) -> None:
+    # Object storage cannot stream torch.save (it seeks), so the payload is built in memory first.
+    buffer = io.BytesIO()
+    write(buffer)
+    data = buffer.getbuffer()
+    if _is_object_store(fs):
+        fs.pipe_file(fpath, data)
+        return
+    parent, _, name = fpath.rpartition("/")
+    tmp = f"{parent}/{tmp_name(name)}" if parent else tmp_name(name)
+    try:
+        fs.pipe_file(tmp, data)
+        fs.mv(tmp, fpath)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            fs.rm_file(tmp)
+        raise
 
 
 def open_for_read(path: PathLike) -> tuple[Any, bool]:
@@ -150,6 +262,10 @@ def open_for_read(path: PathLike) -> tuple[Any, bool]:
 def list_files(directory: PathLike) -> list[str]:
     """Names (not paths) of the files directly inside ``directory``; empty if it does not exist."""
     fs, fpath = get_filesystem(directory)
+    if not is_local(fs):
+        # s3fs and friends cache listings; another process (the job's other writer, a restarted
+        # run) may have changed the directory since.
+        fs.invalidate_cache(fpath)
     try:
         entries = fs.ls(fpath, detail=True)
     except FileNotFoundError:

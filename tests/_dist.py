@@ -16,7 +16,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue: Any) -> None:
+def _worker(
+    fn: Callable[..., Any], rank: int, world_size: int, port: int, args: tuple, queue: Any, pg_timeout: float = 60
+) -> None:
     import datetime
 
     import torch.distributed as dist
@@ -36,7 +38,7 @@ def _worker(fn: Callable[..., Any], rank: int, world_size: int, port: int, args:
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=60),
+            timeout=datetime.timedelta(seconds=pg_timeout),
         )
         result = fn(rank, world_size, *args)
         queue.put((rank, "ok", result))
@@ -57,23 +59,36 @@ def _exit_now(queue: Any) -> None:
     os._exit(0)
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: float = 120) -> list[Any]:
+def run_ranks(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    *args: Any,
+    timeout: float = 120,
+    may_die: frozenset[int] = frozenset(),
+    pg_timeout: float = 60,
+) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
 
     ``fn`` must be a module-level function (spawn pickles it by name). Any exception on any rank,
-    or a rank that does not report within ``timeout`` seconds, fails the calling test.
+    or a rank that does not report within ``timeout`` seconds, fails the calling test. Ranks in
+    ``may_die`` are allowed to vanish without reporting (their result is None); the others are
+    waited for. ``pg_timeout`` is the process group's collective timeout in seconds.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue)) for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, pg_timeout)) for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:
-        for _ in range(world_size):
+        pending = set(range(world_size)) - set(may_die)
+        while pending:
             rank, status, value = queue.get(timeout=timeout)
+            pending.discard(rank)
             if status == "ok":
                 results[rank] = value
             else:
@@ -85,4 +100,4 @@ def run_ranks(fn: Callable[..., Any], world_size: int = 2, *args: Any, timeout: 
                 p.kill()
     if errors:
         raise AssertionError("\n".join(errors))
-    return [results[r] for r in range(world_size)]
+    return [results.get(r) for r in range(world_size)]

@@ -8,6 +8,7 @@ import torch
 from _dist import run_ranks
 
 import ckptools as ck
+from ckptools.storage import _host
 
 
 def _model(value: float) -> torch.nn.Module:
@@ -58,11 +59,16 @@ def test_crash_leftovers_are_ignored_and_cleaned(tmp_path):
     mgr.save({"model": _model(1)}, 1)
     # What a save killed mid-write leaves: a temp name with half a file.
     good = (tmp_path / "ckpt-0000000001.pt").read_bytes()
-    leftover = tmp_path / ".ckpt-0000000002.pt.ckptools-tmp-999-abcd1234"
-    leftover.write_bytes(good[: len(good) // 3])
+    # Its writer (this host, a pid above pid_max) is gone; a live writer's file is kept.
+    dead = tmp_path / f".ckpt-0000000002.pt.ckptools-tmp-{_host()}-{2**22 + 1}-abcd1234"
+    alive = tmp_path / f".ckpt-0000000004.pt.ckptools-tmp-{_host()}-{os.getpid()}-abcd1234"
+    for leftover in (dead, alive):
+        leftover.write_bytes(good[: len(good) // 3])
     assert mgr.latest() == mgr.path_for(1)
     mgr.save({"model": _model(3)}, 3)
-    assert not leftover.exists()
+    assert not dead.exists()
+    assert alive.exists()
+    assert mgr.latest() == mgr.path_for(3)
 
 
 def _flip_tensor_byte(path) -> None:
