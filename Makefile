@@ -7,13 +7,13 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint e2e-loop bench demo venv clean
+.PHONY: test lint e2e-loop stress fuzz bench demo venv clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev]'
+	$(PY) -m pip install -q -e '.[dev,s3]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -28,6 +28,18 @@ lint: $(STAMP)
 # The flake check of the end-to-end resume tests: the whole file N times in a row (default 20).
 e2e-loop: $(STAMP)
 	for i in $$(seq 1 $${N:-20}); do $(PY) -m pytest -q -x -p no:cacheprovider tests/test_train_ddp_e2e.py || exit 1; done
+
+# The long forms of the crash and fuzz tests (the short forms run in `make test`).
+# stress: kill -9 a saving process KILLS times (default 100) on local disk, and 10 times on S3;
+# prints the kill count and the corrupt/lost counts, which must be 0.
+stress: $(STAMP)
+	CKPTOOLS_KILLS=$${KILLS:-100} CKPTOOLS_S3_KILLS=$${S3_KILLS:-10} CKPTOOLS_FLIPS=$${FLIPS:-2000} \
+		$(PY) -m pytest -q -s -p no:cacheprovider --timeout=7200 tests/test_crash.py tests/test_bitrot.py \
+		tests/test_s3.py::test_writer_killed_mid_upload_leaves_previous_intact
+
+# fuzz: EXAMPLES (default 3000) mutated files per fuzz test instead of the default run's 40.
+fuzz: $(STAMP)
+	CKPTOOLS_FUZZ_EXAMPLES=$${EXAMPLES:-3000} $(PY) -m pytest -q -s -p no:cacheprovider --timeout=7200 tests/test_fuzz.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

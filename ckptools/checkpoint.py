@@ -338,7 +338,15 @@ def _restore_rng(ckpt: dict[str, Any], path: str) -> None:
                 stacklevel=3,
             )
         return
-    rng.set_rng_state(states[get_rank()])
+    before = rng.get_rng_state()
+    try:
+        rng.set_rng_state(states[get_rank()])
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError, RuntimeError) as err:
+        rng.set_rng_state(before)  # all or nothing: no generator is left half-restored
+        raise CheckpointFormatError(
+            f"{path}: the RNG state stored for rank {get_rank()} is corrupt ({type(err).__name__}: {err}); "
+            "load with restore_rng=False to skip it"
+        ) from err
 
 
 def load_state_dict(
@@ -393,19 +401,11 @@ def load_state_dict(
 
 
 def _load_safetensors(path: str, location: Any) -> dict[str, torch.Tensor]:
-    import safetensors.torch
-    from safetensors import SafetensorError
+    # The strict reader: duplicate names, overlapping offsets and the like are refused before
+    # safetensors (which accepts some of them) decodes anything; aliases are re-tied.
+    from .convert import load_safetensors
 
-    from .storage import open_for_read
-
-    source, local = open_for_read(path)
-    try:
-        if local:
-            tensors = safetensors.torch.load_file(source, device="cpu")
-        else:
-            tensors = safetensors.torch.load(source.getvalue())
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointFormatError(f"{path} is not a valid safetensors file ({err})") from err
+    tensors = load_safetensors(path)
     # A dict or callable map_location describes torch storage tags, which safetensors files do
     # not have: their tensors stay on CPU.
     if isinstance(location, torch.device) and location.type != "cpu":

@@ -385,11 +385,18 @@ def load_safetensors(path: PathLike) -> dict[str, Any]:
     path = _fspath(path)
     _, metadata, _, _ = read_safetensors_header(path)  # strict checks first: clear errors, no huge allocations
     source, local = open_for_read(path)
-    tensors = safetensors.torch.load_file(source) if local else safetensors.torch.load(source.getvalue())
+    try:
+        tensors = safetensors.torch.load_file(source) if local else safetensors.torch.load(source.getvalue())
+    except (safetensors.SafetensorError, OSError, ValueError) as err:
+        raise CheckpointFormatError(f"{path} is not a valid safetensors file ({err})") from err
     if ALIAS_KEY in metadata:
-        for alias, target in json.loads(metadata[ALIAS_KEY]).items():
-            if target in tensors:
-                tensors[alias] = tensors[target]
+        try:
+            aliases = json.loads(metadata[ALIAS_KEY])
+            for alias, target in aliases.items():
+                if target in tensors:
+                    tensors[alias] = tensors[target]
+        except (ValueError, AttributeError, TypeError) as err:
+            raise CheckpointFormatError(f"{path}: {ALIAS_KEY} metadata is corrupt ({err})") from err
     return tensors
 
 

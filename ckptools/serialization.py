@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import struct
 import zipfile
 import zlib
 from typing import IO, Any
@@ -45,7 +46,10 @@ def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool =
         CheckpointFormatError: the file is empty, truncated, corrupt or not a torch file.
     """
     path = _fspath(path)
-    source, _ = open_for_read(path)
+    source, local = open_for_read(path)
+    # torch allocates each record's size as the zip directory states it before reading it: a
+    # 4 GiB claim in a 1 KiB file would be allocated. Sizes are checked against the file first.
+    _scan_zip(path, source, local, crc=False, required=False)
     try:
         if mmap:  # only for local zip files: storages are mapped, read when touched
             return torch.load(source, map_location=map_location, weights_only=weights_only, mmap=True)
@@ -68,6 +72,7 @@ def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool =
         UnicodeDecodeError,
         AttributeError,
         MemoryError,
+        struct.error,  # the legacy reader unpacks fixed-size fields from files too short for them
     ) as err:
         if isinstance(err, RuntimeError) and "CUDA" in str(err) and "deserialize" in str(err):
             raise CheckpointFormatError(
@@ -92,8 +97,8 @@ def verify_torch_file(path: PathLike) -> None:
     """Check every record of a torch zip checkpoint against its stored CRC-32.
 
     ``torch.load`` does not check CRCs, so a flipped bit in tensor data loads silently. This
-    reads the whole file once. Legacy (pre-1.6, non-zip) files carry no checksums; they are
-    only checked for being loadable by :func:`load_file`.
+    reads the whole file once. Legacy (pre-1.6, non-zip) files carry no checksums and cannot be
+    verified: they raise :class:`CheckpointFormatError`.
 
     Raises:
         CheckpointNotFoundError: the file does not exist.
@@ -102,8 +107,23 @@ def verify_torch_file(path: PathLike) -> None:
     """
     path = _fspath(path)
     source, local = open_for_read(path)
+    _scan_zip(path, source, local, crc=True, required=True)
+
+
+def _scan_zip(path: str, source: Any, local: bool, *, crc: bool, required: bool) -> None:
+    """Check a torch zip's directory and record bounds (and CRC-32s with ``crc``).
+
+    With ``required=False`` a file that does not start like a zip is left to ``torch.load``.
+    """
     handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
     try:
+        if not required:
+            magic = handle.read(4)
+            handle.seek(0)
+            if magic != b"PK\x03\x04":
+                return
+        size = handle.seek(0, 2)
+        handle.seek(0)
         try:
             archive = zipfile.ZipFile(handle)
         except zipfile.BadZipFile as err:
@@ -116,16 +136,19 @@ def verify_torch_file(path: PathLike) -> None:
             if not any(info.filename.endswith("/data.pkl") or info.filename == "data.pkl" for info in infos):
                 raise CheckpointFormatError(f"{path} is a zip file but not a torch checkpoint (no data.pkl)")
             for info in infos:
-                _check_record(path, handle, info)
-    except (OSError, EOFError, ValueError, zlib.error, NotImplementedError) as err:
+                _check_record(path, handle, info, size, crc=crc)
+    except (OSError, EOFError, ValueError, zlib.error, NotImplementedError, struct.error) as err:
         if isinstance(err, CheckpointError):
             raise
         raise CheckpointFormatError(f"{path} is damaged ({_first_line(err)}); pick an earlier checkpoint") from err
     finally:
-        handle.close()
+        if local:
+            handle.close()
+        else:
+            handle.seek(0)
 
 
-def _check_record(path: str, handle: IO[bytes], info: zipfile.ZipInfo) -> None:
+def _check_record(path: str, handle: IO[bytes], info: zipfile.ZipInfo, size: int, *, crc: bool) -> None:
     # torch stores every record uncompressed, so its CRC-32 can be checked straight from the
     # file in large reads (zipfile's own reader checks it too, but ~4x slower).
     if info.compress_type != zipfile.ZIP_STORED:
@@ -137,8 +160,12 @@ def _check_record(path: str, handle: IO[bytes], info: zipfile.ZipInfo) -> None:
     name_len = int.from_bytes(header[26:28], "little")
     extra_len = int.from_bytes(header[28:30], "little")
     start = info.header_offset + 30 + name_len + extra_len
-    crc = crc32_range(handle, start, info.file_size, what=f"{path}: record {info.filename}")
-    if crc != info.CRC:
+    if start + info.file_size > size:
+        raise CheckpointFormatError(
+            f"{path}: record {info.filename} claims {info.file_size} bytes but the file ends first "
+            "(truncated or corrupt); pick an earlier checkpoint"
+        )
+    if crc and crc32_range(handle, start, info.file_size, what=f"{path}: record {info.filename}") != info.CRC:
         raise CheckpointFormatError(
             f"{path}: record {info.filename} is damaged (CRC-32 mismatch: bit rot or a partial write); "
             "pick an earlier checkpoint"

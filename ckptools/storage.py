@@ -217,7 +217,7 @@ def _remote_write(fs: fsspec.AbstractFileSystem, fpath: str, write: Callable[[IO
     # Object storage cannot stream torch.save (it seeks), so the payload is built in memory first.
     buffer = io.BytesIO()
     write(buffer)
-    data = buffer.getbuffer()
+    data = buffer.getvalue()
     if _is_object_store(fs):
         fs.pipe_file(fpath, data)
         return

@@ -322,8 +322,14 @@ class TorchZip:
                         raise CheckpointFormatError(
                             f"{path}: record {info.filename} is compressed; torch never does that"
                         )
-        except zipfile.BadZipFile as err:
-            raise CheckpointFormatError(f"{path} is truncated or not a torch zip checkpoint ({err})") from err
+        except CheckpointFormatError:
+            raise
+        except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError, struct.error) as err:
+            # zipfile raises more than BadZipFile on damaged directories (UnicodeDecodeError for
+            # a mangled name, ValueError for negative seeks, EOFError for short reads).
+            raise CheckpointFormatError(
+                f"{path} is truncated or not a torch zip checkpoint ({type(err).__name__}: {err})"
+            ) from err
         pkl = [
             i for i, info in enumerate(self.infos) if info.filename.endswith("/data.pkl") or info.filename == "data.pkl"
         ]

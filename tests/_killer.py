@@ -24,6 +24,7 @@ WRITER = os.path.join(os.path.dirname(__file__), "_crash_writer.py")
 class Audit:
     kills: int = 0
     saves_completed: int = 0
+    kills_mid_save: int = 0  # the writer had begun a save it never reported finished
     kills_mid_write: int = 0  # a temporary file of the killed save was found afterwards
     leftovers_cleaned: int = 0
     corrupt: int = 0
@@ -32,7 +33,8 @@ class Audit:
 
     def summary(self) -> str:
         return (
-            f"{self.kills} kills, {self.saves_completed} saves completed, {self.kills_mid_write} kills left a "
+            f"{self.kills} kills ({self.kills_mid_save} inside a save), {self.saves_completed} saves completed, "
+            f"{self.kills_mid_write} kills left a "
             f"partial temp file ({self.leftovers_cleaned} cleaned by the next save), corrupt={self.corrupt} "
             f"lost={self.lost}"
         )
@@ -87,6 +89,7 @@ def kill_loop(
         saved = [int(line.split()[1]) for line in lines if line.startswith("saved ")]
         begun = [int(line.split()[1]) for line in lines if line.startswith("begin ")]
         audit.saves_completed += len(saved)
+        audit.kills_mid_save += bool(begun) and (not saved or begun[-1] > saved[-1])
         if saved and previous_temps:
             # The killed writer's temporary file must be gone once a later save has run.
             remaining = set(previous_temps) & set(_temp_files(directory))

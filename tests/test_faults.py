@@ -119,6 +119,7 @@ def test_rank0_write_failures_raise_everywhere_and_lose_nothing():
         "fsspec_write_dies": "connection reset",
     }
     for rank, outcomes in enumerate(results):
+        print(f"\nrank {rank}: " + ", ".join(f"{o['kind']} raised in {o['elapsed']:.2f} s" for o in outcomes))
         assert [o["kind"] for o in outcomes] == list(WRITE_FAULTS)
         for o in outcomes:
             assert o["error"] is not None, f"rank {rank} did not raise for {o['kind']}"
@@ -174,6 +175,7 @@ def test_peer_death_or_hang_gives_bounded_error(tmp_path, scenario):
         _peer_trouble, 2, str(tmp_path), scenario, may_die=frozenset({victim}), pg_timeout=PG_TIMEOUT_S, timeout=60
     )
     got = results[survivor]
+    print(f"\n{scenario}: rank {survivor} raised after {got['elapsed']:.2f} s (bound {bound:.0f} s)")
     assert got["error"] is not None and "collective" in got["error"], got
     assert got["elapsed"] < bound, got
     if "hangs" in scenario:

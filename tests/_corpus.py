@@ -1,0 +1,174 @@
+"""A corpus of damaged and hostile checkpoint files, built on demand into a directory.
+
+``build(directory)`` returns ``{file name: expected}`` where expected is ``"missing"``,
+``"format"`` (damaged or not a checkpoint) or ``"unsafe"`` (a pickle that would run code).
+Hostile pickles would create the file ``CANARY`` (beside the corpus) if anything executed them.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pathlib
+import pickle
+import random
+import struct
+import zipfile
+
+import torch
+
+CANARY = "CANARY"
+CANARY_MODULE = "ckptools_canary_mod"  # importing it (from the corpus directory) writes the canary
+
+
+def _valid_pt(directory: str) -> bytes:
+    torch.manual_seed(0)
+    path = os.path.join(directory, ".valid.pt.src")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
+    torch.save({"model": model.state_dict(), "step": 3}, path)
+    data = pathlib.Path(path).read_bytes()
+    os.unlink(path)
+    return data
+
+
+def _valid_safetensors(directory: str) -> bytes:
+    from safetensors.torch import save
+
+    torch.manual_seed(0)
+    return save({"a.weight": torch.randn(16, 8), "a.bias": torch.randn(16), "b": torch.arange(10)})
+
+
+def _st(header: object, data: bytes = b"", *, raw: bytes | None = None, length: int | None = None) -> bytes:
+    body = raw if raw is not None else json.dumps(header).encode()
+    return struct.pack("<Q", len(body) if length is None else length) + body + data
+
+
+def _reduce_pickle(func_module: str, func_name: str, arg: str) -> bytes:
+    """A protocol-2 pickle that calls ``module.name(arg)`` when loaded (hand-assembled opcodes)."""
+    return (
+        b"\x80\x02c" + f"{func_module}\n{func_name}\n".encode() + b"X" + struct.pack("<I", len(arg)) + arg.encode()
+        + b"\x85R."
+    )  # fmt: skip
+
+
+def _global_pickle(module: str, name: str) -> bytes:
+    """A pickle that merely names ``module.name``: loading it imports the module."""
+    return b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"."
+
+
+def _torch_zip_with(data_pkl: bytes, valid_pt: bytes) -> bytes:
+    """A torch zip checkpoint whose data.pkl is replaced (every other record kept, CRCs valid)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(valid_pt)) as src, zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            payload = data_pkl if info.filename.endswith("/data.pkl") else src.read(info)
+            dst.writestr(info.filename, payload)
+    return out.getvalue()
+
+
+def build(directory: str) -> dict[str, str]:
+    """Write the corpus into ``directory``; return ``{name: expected outcome}``."""
+    os.makedirs(directory, exist_ok=True)
+    canary = os.path.join(directory, CANARY)
+    with open(os.path.join(directory, f"{CANARY_MODULE}.py"), "w") as f:
+        f.write(f"open({canary!r}, 'w').write('imported')\nx = 1\n")
+    files: dict[str, bytes] = {}
+    expected: dict[str, str] = {}
+
+    def add(name: str, data: bytes, kind: str = "format") -> None:
+        files[name] = data
+        expected[name] = kind
+
+    pt = _valid_pt(directory)
+    st = _valid_safetensors(directory)
+    rng = random.Random(1234)
+
+    add("valid.pt", pt, "valid")  # controls: every reader must accept these
+    add("valid.safetensors", st, "valid")
+    expected["missing.pt"] = "missing"
+    expected["missing.safetensors"] = "missing"
+    for name in ("a_directory.pt", "a_directory.safetensors"):
+        os.makedirs(os.path.join(directory, name), exist_ok=True)
+        expected[name] = "format"
+    add("empty.pt", b"")
+    add("empty.safetensors", b"")
+    for size in (1, 7, 100, 4096, 65536):
+        add(f"random_{size}.pt", rng.randbytes(size))
+        add(f"random_{size}.safetensors", rng.randbytes(size))
+    # Starts like a pickle: torch.load warns as well as fails on these.
+    add("random_pickle_proto.pt", b"\x80\x02" + rng.randbytes(500))
+    add("random_zip_magic.pt", b"PK\x03\x04" + rng.randbytes(500))
+
+    # Truncated valid files, at the edges and all through.
+    cuts = sorted({1, 4, 8, 30, 64, 100, 512, len(pt) // 2, len(pt) - 100, len(pt) - 22, len(pt) - 1})
+    for cut in cuts:
+        add(f"truncated_pt_{cut}.pt", pt[:cut])
+    for cut in sorted({1, 7, 8, 9, 50, len(st) // 2, len(st) - 1}):
+        add(f"truncated_st_{cut}.safetensors", st[:cut])
+
+    # A zip that is not a torch checkpoint, and zips whose records lie about themselves.
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("archive/version", "3\n")
+        zf.writestr("archive/data/0", b"\0" * 64)
+    add("zip_without_data_pkl.pt", buf.getvalue())
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("archive/data.pkl", pickle.dumps({"a": 1}, protocol=2))
+    add("zip_compressed.pt", buf.getvalue())
+    lying = bytearray(pt)
+    # Central directory entry of the last record claims a 4 GiB size: no reader may believe it.
+    cd = lying.rfind(b"PK\x01\x02")
+    lying[cd + 20 : cd + 24] = struct.pack("<I", 0xFFFFFFF0)
+    lying[cd + 24 : cd + 28] = struct.pack("<I", 0xFFFFFFF0)
+    add("zip_record_claims_4gib.pt", bytes(lying))
+
+    # Legacy (pre-1.6) format: the magic number pickle, then garbage; and a real legacy file cut short.
+    magic = pickle.dumps(0x1950A86A20F9469CFC6C, protocol=2)
+    add("legacy_magic_then_garbage.pt", magic + rng.randbytes(300))
+    legacy = io.BytesIO()
+    torch.save({"w": torch.ones(64)}, legacy, _use_new_zipfile_serialization=False)
+    add("legacy_truncated.pt", legacy.getvalue()[: len(legacy.getvalue()) // 2])
+
+    # safetensors with bad headers.
+    f32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    add("st_header_longer_than_file.safetensors", _st(None, raw=b"{}", length=10_000))
+    add("st_header_len_2_63.safetensors", _st(None, raw=b"{}", length=2**63 + 5))
+    add("st_header_len_max.safetensors", _st(None, raw=b"{}", length=2**64 - 1))
+    add("st_invalid_json.safetensors", _st(None, raw=b'{"a": {"dtype": "F32", '))
+    add("st_not_an_object.safetensors", _st([1, 2, 3]))
+    add("st_not_utf8.safetensors", _st(None, raw=b'{"\xff\xfe": 1}'))
+    add("st_overlapping.safetensors", _st({"a": f32, "b": {**f32, "data_offsets": [4, 12]}}, b"\0" * 12))
+    add("st_out_of_range.safetensors", _st({"a": {**f32, "data_offsets": [0, 8000]}}, b"\0" * 8))
+    add("st_negative_offset.safetensors", _st({"a": {**f32, "data_offsets": [-8, 0]}}, b"\0" * 8))
+    add("st_shape_mismatch.safetensors", _st({"a": {**f32, "shape": [3]}}, b"\0" * 8))
+    add("st_unknown_dtype.safetensors", _st({"a": {**f32, "dtype": "F128"}}, b"\0" * 8))
+    add("st_huge_shape.safetensors", _st({"a": {**f32, "shape": [2**20, 2**20]}}, b"\0" * 8))
+    add("st_float_offsets.safetensors", _st({"a": {**f32, "data_offsets": [0.0, 8.0]}}, b"\0" * 8))
+    add("st_missing_offsets.safetensors", _st({"a": {"dtype": "F32", "shape": [2]}}, b"\0" * 8))
+    add("st_bad_metadata.safetensors", _st({"__metadata__": {"k": 1}, "a": f32}, b"\0" * 8))
+    dup = b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}'  # noqa: E501
+    add("st_duplicate_names.safetensors", _st(None, b"\0" * 8, raw=dup))
+    deep = b"[" * 100_000 + b"]" * 100_000
+    add("st_deeply_nested.safetensors", _st(None, raw=deep))
+
+    # Pickles that would run code, as torch zip files (valid CRCs) and as legacy raw pickles.
+    touch = f"import os; open({canary!r}, 'w').write('ran')"
+    payloads = {
+        "os_system": _reduce_pickle("os", "system", f"touch {canary}"),
+        "builtins_eval": _reduce_pickle("builtins", "eval", touch),
+        "builtins_exec": _reduce_pickle("builtins", "exec", touch),
+        "subprocess_popen": _reduce_pickle("subprocess", "Popen", f"touch {canary}"),
+        "import_module": _global_pickle(CANARY_MODULE, "x"),
+        "posix_system": _reduce_pickle("posix", "system", f"touch {canary}"),
+    }
+    for what, payload in payloads.items():
+        add(f"evil_{what}.pt", _torch_zip_with(payload, pt), "unsafe")
+        add(f"evil_{what}_legacy.pt", payload, "unsafe")
+        add(f"evil_{what}_after_magic.pt", magic + payload, "unsafe")
+
+    for name, data in files.items():
+        with open(os.path.join(directory, name), "wb") as f:
+            f.write(data)
+    return expected
