@@ -23,7 +23,7 @@ from collections import OrderedDict
 from collections.abc import Mapping
 from typing import IO, Any
 
-from .errors import CheckpointFormatError, UnsafeCheckpointError
+from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from .storage import copy_range
 
 # The entry ckptools adds to every checkpoint it writes.
@@ -324,6 +324,8 @@ class TorchZip:
                         )
         except CheckpointFormatError:
             raise
+        except FileNotFoundError as err:
+            raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check the path") from err
         except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError, struct.error) as err:
             # zipfile raises more than BadZipFile on damaged directories (UnicodeDecodeError for
             # a mangled name, ValueError for negative seeks, EOFError for short reads).

@@ -40,8 +40,13 @@ def main() -> None:
     import torch  # noqa: F401 - loaded before measuring the baseline
 
     import ckptools as ck
-    from ckptools.convert import load_safetensors, read_safetensors_header, verify_safetensors
+    from ckptools.convert import load_safetensors, read_safetensors_header, rename_safetensors, verify_safetensors
     from ckptools.serialization import verify_torch_file
+    from ckptools.state_dict import strip_prefix
+    from ckptools.torchzip import TorchZip, loads
+
+    def torch_free_info(path: str) -> None:  # what `ckpt info` and `strip-module` read a .pt zip with
+        loads(TorchZip(path).read_pickle(), path)
 
     out = os.path.join(out_dir, "out.safetensors")
     both = {
@@ -54,12 +59,14 @@ def main() -> None:
             "load(verify=True)": lambda p: ck.load(p, verify=True, restore_rng=False),
             "verify_torch_file": verify_torch_file,
             "convert_to_safetensors": lambda p: ck.convert_to_safetensors(p, out),
+            "torchzip (ckpt info)": torch_free_info,
             **both,
         },
         ".safetensors": {
             "read_safetensors_header": read_safetensors_header,
             "verify_safetensors": verify_safetensors,
             "load_safetensors": load_safetensors,
+            "rename_safetensors": lambda p: rename_safetensors(p, out, lambda sd: strip_prefix(sd, "a.")),
             **both,
         },
     }

@@ -182,6 +182,7 @@ def _cli(path: str, out: str) -> None:
         if result.exit_code:
             assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
             assert "Traceback" not in result.output
+            assert "please report this" not in result.stderr, (args, result.stderr)  # the CLI's catch-all
         for produced in (out, out + ".st"):
             if result.exit_code and os.path.exists(produced) and args[-1] == produced:
                 pytest.fail(f"{args[0]} failed but left {produced}")
