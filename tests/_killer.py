@@ -27,6 +27,7 @@ class Audit:
     kills_mid_save: int = 0  # the writer had begun a save it never reported finished
     kills_mid_write: int = 0  # a temporary file of the killed save was found afterwards
     leftovers_cleaned: int = 0
+    leftovers_pending: int = 0  # left by the last kills, after which no save completed
     corrupt: int = 0
     lost: int = 0
     problems: list[str] = field(default_factory=list)
@@ -34,9 +35,9 @@ class Audit:
     def summary(self) -> str:
         return (
             f"{self.kills} kills ({self.kills_mid_save} inside a save), {self.saves_completed} saves completed, "
-            f"{self.kills_mid_write} kills left a "
-            f"partial temp file ({self.leftovers_cleaned} cleaned by the next save), corrupt={self.corrupt} "
-            f"lost={self.lost}"
+            f"{self.kills_mid_write} kills left a partial temp file ({self.leftovers_cleaned} removed by the next "
+            f"completed save, {self.leftovers_pending} left by the final kills), "
+            f"corrupt={self.corrupt} lost={self.lost}"
         )
 
 
@@ -81,7 +82,7 @@ def kill_loop(
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     audit = Audit()
     known: int | None = None  # newest step known to be complete
-    previous_temps: list[str] = []
+    outstanding: set[str] = set()  # temp files of killed saves, not yet seen removed
     expected_base = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     for _ in range(kills):
         lines, _pid = _run_once(directory, numel, keep_last, rng.uniform(0, max_delay), env)
@@ -90,12 +91,13 @@ def kill_loop(
         begun = [int(line.split()[1]) for line in lines if line.startswith("begin ")]
         audit.saves_completed += len(saved)
         audit.kills_mid_save += bool(begun) and (not saved or begun[-1] > saved[-1])
-        if saved and previous_temps:
-            # The killed writer's temporary file must be gone once a later save has run.
-            remaining = set(previous_temps) & set(_temp_files(directory))
-            audit.leftovers_cleaned += len(previous_temps) - len(remaining)
+        if saved:
+            # A killed writer's temporary file must be gone once a later save has completed.
+            remaining = outstanding & set(_temp_files(directory))
+            audit.leftovers_cleaned += len(outstanding - remaining)
             if remaining:
                 audit.problems.append(f"leftovers not cleaned by the next save: {sorted(remaining)}")
+            outstanding = set()
         newest_reported = saved[-1] if saved else known
         manager = ck.CheckpointManager(directory, keep_last=keep_last)
         with warnings.catch_warnings():
@@ -131,10 +133,10 @@ def kill_loop(
                     audit.corrupt += 1
                     audit.problems.append(str(err))
             known = latest_step
-        temps = _temp_files(directory)
-        if temps:
-            audit.kills_mid_write += 1
-        previous_temps = temps
+        temps = set(_temp_files(directory)) - outstanding
+        audit.kills_mid_write += bool(temps)
+        outstanding |= temps
+    audit.leftovers_pending = len(outstanding)
     return audit
 
 
