@@ -50,6 +50,8 @@ def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool =
     # torch allocates each record's size as the zip directory states it before reading it: a
     # 4 GiB claim in a 1 KiB file would be allocated. Sizes are checked against the file first.
     _scan_zip(path, source, local, crc=False, required=False)
+    if weights_only:
+        _check_non_zip(path, source, local)
     try:
         if mmap:  # only for local zip files: storages are mapped, read when touched
             return torch.load(source, map_location=map_location, weights_only=weights_only, mmap=True)
@@ -85,6 +87,23 @@ def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool =
         ) from err
     except OSError as err:
         raise CheckpointFormatError(f"{path} could not be read ({err})") from err
+
+
+def _check_non_zip(path: str, source: Any, local: bool) -> None:
+    """Vet a file that is not a zip the way :func:`ckptools.torchzip.check_non_zip` does."""
+    from .torchzip import check_non_zip
+
+    handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
+    try:
+        size = handle.seek(0, 2)
+        handle.seek(0)
+        if handle.read(4) != b"PK\x03\x04":
+            check_non_zip(handle, size, path)
+    finally:
+        if local:
+            handle.close()
+        else:
+            handle.seek(0)
 
 
 def _first_line(err: BaseException) -> str:

@@ -57,6 +57,23 @@ def _global_pickle(module: str, name: str) -> bytes:
     return b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"."
 
 
+def _legacy_claiming(numel: int) -> bytes:
+    """A well-formed legacy torch file whose one float storage claims ``numel`` elements (4 bytes here)."""
+
+    class Forger(pickle.Pickler):
+        def persistent_id(self, obj: object) -> object:
+            return ("storage", torch.FloatStorage, "0", "cpu", numel, None) if obj == "STORAGE" else None
+
+    buf = io.BytesIO()
+    sys_info = {"protocol_version": 1001, "little_endian": True, "type_sizes": {"short": 2, "int": 4, "long": 4}}
+    for obj in (0x1950A86A20F9469CFC6C, 1001, sys_info):
+        pickle.dump(obj, buf, protocol=2)
+    Forger(buf, protocol=2).dump({"w": "STORAGE"})
+    pickle.dump(["0"], buf, protocol=2)
+    buf.write(struct.pack("<q", 1) + b"\0" * 4)
+    return buf.getvalue()
+
+
 def _torch_zip_with(data_pkl: bytes, valid_pt: bytes) -> bytes:
     """A torch zip checkpoint whose data.pkl is replaced (every other record kept, CRCs valid)."""
     out = io.BytesIO()
@@ -130,6 +147,11 @@ def build(directory: str) -> dict[str, str]:
     legacy = io.BytesIO()
     torch.save({"w": torch.ones(64)}, legacy, _use_new_zipfile_serialization=False)
     add("legacy_truncated.pt", legacy.getvalue()[: len(legacy.getvalue()) // 2])
+    add("legacy_claims_8gib.pt", _legacy_claiming(2**31))
+    # Pickle opcodes whose length fields claim ~4 GiB in a file of a few bytes.
+    add("pickle_string_claims_4gib.pt", b"X" + struct.pack("<I", 0xFFFFFFF0) + b"abc")
+    add("pickle_bytes_claims_4gib.pt", b"\x80\x03B" + struct.pack("<I", 0xFFFFFFF0) + b"abc")
+    add("pickle_bytes8_claims_2_60.pt", b"\x80\x04\x8e" + struct.pack("<Q", 2**60) + b"abc")
 
     # safetensors with bad headers.
     f32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}

@@ -54,11 +54,11 @@ def _ckptools_pt() -> bytes:
     return buf.getvalue()
 
 
-def _ddp_pt() -> bytes:
+def _ddp_pt(legacy: bool = False) -> bytes:
     torch.manual_seed(1)
     net = torch.nn.DataParallel(torch.nn.Linear(3, 2))
     buf = io.BytesIO()
-    torch.save({"state_dict": net.state_dict(), "epoch": 1}, buf)
+    torch.save({"state_dict": net.state_dict(), "epoch": 1}, buf, _use_new_zipfile_serialization=not legacy)
     return buf.getvalue()
 
 
@@ -68,7 +68,7 @@ def bases(tmp_path_factory):
     pt = _ckptools_pt()
     (d / "a.pt").write_bytes(pt)
     ck.convert_to_safetensors(str(d / "a.pt"), str(d / "a.safetensors"))
-    return {"pt": [pt, _ddp_pt()], "safetensors": [(d / "a.safetensors").read_bytes()]}
+    return {"pt": [pt, _ddp_pt(), _ddp_pt(legacy=True)], "safetensors": [(d / "a.safetensors").read_bytes()]}
 
 
 @pytest.fixture(scope="module", autouse=True)

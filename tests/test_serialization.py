@@ -76,3 +76,25 @@ def test_unsafe_globals_are_named(tmp_path):
 def test_legacy_format_still_loads(tmp_path):
     torch.save({"w": torch.ones(2)}, tmp_path / "old.pt", _use_new_zipfile_serialization=False)
     assert torch.equal(load_file(tmp_path / "old.pt")["w"], torch.ones(2))
+
+
+def test_legacy_files_still_load_and_forged_sizes_are_refused(tmp_path):
+    # A real pre-1.6-format file: several dtypes, a Parameter, a view sharing its base's storage.
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    sd = model.state_dict()
+    sd["view"] = sd["0.weight"][1:]
+    obj = {"sd": sd, "p": torch.nn.Parameter(torch.ones(2)), "h": torch.ones(3, dtype=torch.half)}
+    path = tmp_path / "legacy.pt"
+    torch.save(obj, path, _use_new_zipfile_serialization=False)
+    loaded = load_file(path)
+    assert torch.equal(loaded["sd"]["0.weight"], sd["0.weight"]) and loaded["h"].dtype == torch.half
+    assert loaded["sd"]["view"].untyped_storage().data_ptr() == loaded["sd"]["0.weight"].untyped_storage().data_ptr()
+    # The same layout, but the storage claims 8 GiB: refused before torch allocates it.
+    from _corpus import _legacy_claiming
+
+    forged = tmp_path / "forged.pt"
+    forged.write_bytes(_legacy_claiming(2**31))
+    with pytest.raises(CheckpointFormatError, match="claims 8589934592 bytes"):
+        load_file(forged)
+    # A trusted file (weights_only=False) is left to torch entirely.
+    assert load_file(path, weights_only=False)["p"].requires_grad
