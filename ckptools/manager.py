@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from .checkpoint import load, save
@@ -122,7 +122,7 @@ class CheckpointManager:
             self._housekeeping(lambda: self._prune(step), "prune")
         return path
 
-    def _housekeeping(self, task: Any, what: str) -> None:
+    def _housekeeping(self, task: Callable[[], object], what: str) -> None:
         try:
             task()
         except OSError as err:

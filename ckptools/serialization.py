@@ -62,20 +62,12 @@ def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool =
         raise CheckpointFormatError(f"{path} is corrupt or not a torch checkpoint ({_first_line(err)})") from err
     except CheckpointError:
         raise
-    except (
-        RuntimeError,
-        EOFError,
-        ValueError,
-        KeyError,
-        IndexError,
-        TypeError,
-        OverflowError,
-        zipfile.BadZipFile,
-        UnicodeDecodeError,
-        AttributeError,
-        MemoryError,
-        struct.error,  # the legacy reader unpacks fixed-size fields from files too short for them
-    ) as err:
+    except OSError as err:
+        raise CheckpointFormatError(f"{path} could not be read ({err})") from err
+    except Exception as err:  # translated, not swallowed: see below
+        # On a damaged file torch.load raises whatever its reader tripped over: RuntimeError
+        # from the zip reader, EOFError, KeyError, struct.error and even AssertionError from the
+        # legacy reader (found by fuzzing). All of them mean the same thing to the caller.
         if isinstance(err, RuntimeError) and "CUDA" in str(err) and "deserialize" in str(err):
             raise CheckpointFormatError(
                 f"{path} holds CUDA tensors but CUDA is not available here; load it with map_location='cpu'"
@@ -85,8 +77,6 @@ def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool =
         raise CheckpointFormatError(
             f"{path} is truncated, corrupt or not a torch checkpoint ({reason}); re-save it or pick another file"
         ) from err
-    except OSError as err:
-        raise CheckpointFormatError(f"{path} could not be read ({err})") from err
 
 
 def _check_non_zip(path: str, source: Any, local: bool) -> None:

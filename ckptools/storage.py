@@ -115,14 +115,14 @@ def is_abandoned_tmp(path: PathLike) -> bool:
     """Whether the temporary file at ``path`` was left by a writer that is gone.
 
     True when its writer ran on this host and that process no longer exists, or when it has not
-    changed for :data:`STALE_TMP_SECONDS` (a writer on another host, or an unparsable name).
-    False while the writer may still be filling it, so a second job writing into the same
-    directory never has its file deleted under it.
+    changed for :data:`STALE_TMP_SECONDS` (a writer on another host, whose pid means nothing
+    here, or a pid since reused by another process). False while the writer may still be filling
+    it, so a second job writing into the same directory never has its file deleted under it.
     """
     path = _fspath(path)
     owner = _tmp_owner(path.rsplit("/", 1)[-1])
-    if owner is not None and owner[0] == _host():
-        return not _pid_alive(owner[1])
+    if owner is not None and owner[0] == _host() and not _pid_alive(owner[1]):
+        return True
     fs, fpath = get_filesystem(path)
     try:
         modified = fs.modified(fpath)
@@ -175,12 +175,10 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any]) -> str:
             recorder = _WriteRecorder(f)
             try:
                 write(recorder)  # type: ignore[arg-type]  # a file in all but name
-            except OSError:
-                raise
             except Exception as err:
                 # torch's zip writer reports a failed write() as "unexpected pos 704 vs 598";
                 # the OS error underneath ("File too large", "No space left") is the news.
-                if recorder.error is not None:
+                if recorder.error is not None and recorder.error is not err:
                     raise recorder.error from err
                 raise
             f.flush()

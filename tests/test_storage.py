@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
@@ -92,3 +93,39 @@ def test_copy_range_local_and_buffered_report_progress(tmp_path):
     assert sum(seen) == 200_100
     with open(tmp_path / "src", "rb") as src, pytest.raises(CheckpointFormatError, match="truncated"):
         storage.copy_range(src, io.BytesIO(), 299_000, 5000)
+
+
+def test_abandoned_temp_files_are_told_from_live_writers(tmp_path):
+    from ckptools.storage import STALE_TMP_SECONDS, _host, is_abandoned_tmp
+
+    def leftover(owner: str, age: float = 0.0):
+        path = tmp_path / f".ckpt-0000000001.pt.ckptools-tmp-{owner}-abcd1234"
+        path.write_bytes(b"partial")
+        stamp = time.time() - age
+        os.utime(path, (stamp, stamp))
+        return str(path)
+
+    assert not is_abandoned_tmp(leftover(f"{_host()}-{os.getpid()}"))  # this very process is alive
+    assert is_abandoned_tmp(leftover(f"{_host()}-{2**22 + 1}"))  # above pid_max: gone
+    assert not is_abandoned_tmp(leftover(f"otherhost-{os.getpid()}"))  # another host: wait
+    assert is_abandoned_tmp(leftover(f"otherhost-{os.getpid()}", age=STALE_TMP_SECONDS + 60))
+    # A live pid that has not touched its file for an hour is a reused pid, not a writer.
+    assert is_abandoned_tmp(leftover(f"{_host()}-{os.getpid()}", age=STALE_TMP_SECONDS + 60))
+
+
+def test_failed_remote_write_leaves_nothing_at_the_target():
+    # A filesystem that keeps half of a failed write where it was aimed (sftp, a FUSE mount):
+    # ckptools aims it at a temporary name, so the target keeps its old content.
+    from _faults import FlakyFileSystem, register_flaky
+
+    register_flaky()
+    storage.atomic_write("flaky://w/f.bin", lambda f: f.write(b"old"))
+    FlakyFileSystem.fail_after = 10
+    try:
+        with pytest.raises(OSError, match="connection reset"):
+            storage.atomic_write("flaky://w/f.bin", lambda f: f.write(b"x" * 100))
+    finally:
+        FlakyFileSystem.fail_after = None
+    fs, inner = storage.get_filesystem("flaky://w/f.bin")
+    assert fs.cat_file(inner) == b"old"
+    assert storage.list_files("flaky://w") == ["f.bin"]
