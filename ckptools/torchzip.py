@@ -109,7 +109,15 @@ def _allowed(module: str, name: str) -> bool:
     }
 
 
-class _Reader(pickle.Unpickler):
+class _Reader(pickle._Unpickler):  # type: ignore[name-defined]
+    """The strict unpickler: allowlisted globals become inert placeholders, nothing is imported.
+
+    Built on the pure-Python unpickler on purpose: the C one sizes its memo table by the index a
+    ``LONG_BINPUT`` names, so five hostile bytes make it allocate gigabytes (found by fuzzing);
+    this one keeps the memo in a dict and reads every length-prefixed field from a ``BytesIO``,
+    which never returns more than is there. ``data.pkl`` files are small: the speed is moot.
+    """
+
     def __init__(self, data: bytes, path: str) -> None:
         super().__init__(io.BytesIO(data))
         self._data = data

@@ -152,6 +152,8 @@ def build(directory: str) -> dict[str, str]:
     add("pickle_string_claims_4gib.pt", b"X" + struct.pack("<I", 0xFFFFFFF0) + b"abc")
     add("pickle_bytes_claims_4gib.pt", b"\x80\x03B" + struct.pack("<I", 0xFFFFFFF0) + b"abc")
     add("pickle_bytes8_claims_2_60.pt", b"\x80\x04\x8e" + struct.pack("<Q", 2**60) + b"abc")
+    # A memo index of 2**31: an unpickler that sizes its memo table by it allocates 16 GiB.
+    add("pickle_memo_index_2_31.pt", b"\x80\x02]r" + struct.pack("<I", 0x7FFFFFF0) + b".")
 
     # safetensors with bad headers.
     f32 = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
