@@ -17,6 +17,7 @@ are averaged across ranks by DDP).
 from __future__ import annotations
 
 import argparse
+import datetime
 import os
 import random
 import sys
@@ -63,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="keep DDP's gradient bucket layout fixed so a resume is bit-exact with 3+ ranks too",
     )
     p.add_argument("--log-every", type=int, default=8)
+    p.add_argument(
+        "--pg-timeout",
+        type=float,
+        default=10.0,
+        help="minutes a collective (a checkpoint save or load included) waits for a hung rank before every "
+        "other rank raises; a rank that dies is noticed at once on gloo",
+    )
     return p.parse_args(argv)
 
 
@@ -105,7 +113,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     torch.use_deterministic_algorithms(True)
 
     # nccl + cuda:LOCAL_RANK on GPUs, gloo + cpu otherwise; isolates torchrun restart attempts.
-    device = ck.init_distributed()
+    device = ck.init_distributed(timeout=datetime.timedelta(minutes=args.pg_timeout))
     rank, world = ck.get_rank(), ck.get_world_size()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     # Every rank says who it is once: on two nodes both have local rank 0, and only global
