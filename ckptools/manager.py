@@ -116,11 +116,15 @@ class CheckpointManager:
             # Temporary files of a save that was killed: never loadable, only taking space.
             # Rank 0 alone runs this, outside any collective: an error here must not escape, or
             # the other ranks would wait in save() for a rank that left.
-            self._housekeeping(lambda: [self._remove_quietly(p) for p in self._leftovers()], "clean up")
+            self._housekeeping(self._remove_leftovers, "clean up")
         save(path, state, metadata=metadata, **save_kwargs)
         if get_rank() == 0:
             self._housekeeping(lambda: self._prune(step), "prune")
         return path
+
+    def _remove_leftovers(self) -> None:
+        for leftover in self._leftovers():
+            self._remove_quietly(leftover)
 
     def _housekeeping(self, task: Callable[[], object], what: str) -> None:
         try:

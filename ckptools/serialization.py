@@ -12,6 +12,8 @@ import re
 import struct
 import zipfile
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import IO, Any
 
 import torch
@@ -47,11 +49,15 @@ def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool =
     """
     path = _fspath(path)
     source, local = open_for_read(path)
-    # torch allocates each record's size as the zip directory states it before reading it: a
-    # 4 GiB claim in a 1 KiB file would be allocated. Sizes are checked against the file first.
-    _scan_zip(path, source, local, crc=False, required=False)
-    if weights_only:
-        _check_non_zip(path, source, local)
+    # torch allocates what a file claims (a zip record's size, a legacy storage's numel) before
+    # reading it: a 4 GiB claim in a 1 KiB file would be allocated. Claims are checked first.
+    with _opened(source, local) as handle:
+        if handle.read(4) == b"PK\x03\x04":
+            _scan_zip(path, handle, crc=False)
+        elif weights_only:  # a trusted file is left to torch entirely
+            from .torchzip import check_non_zip
+
+            check_non_zip(handle, handle.seek(0, 2), path)
     try:
         if mmap:  # only for local zip files: storages are mapped, read when touched
             return torch.load(source, map_location=map_location, weights_only=weights_only, mmap=True)
@@ -79,16 +85,14 @@ def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool =
         ) from err
 
 
-def _check_non_zip(path: str, source: Any, local: bool) -> None:
-    """Vet a file that is not a zip the way :func:`ckptools.torchzip.check_non_zip` does."""
-    from .torchzip import check_non_zip
-
+@contextmanager
+def _opened(source: Any, local: bool) -> Iterator[IO[bytes]]:
+    """A binary handle on what :func:`open_for_read` returned: a path is opened and closed, an
+    in-memory copy of a remote file is rewound for the reader that comes next."""
     handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
     try:
-        size = handle.seek(0, 2)
         handle.seek(0)
-        if handle.read(4) != b"PK\x03\x04":
-            check_non_zip(handle, size, path)
+        yield handle
     finally:
         if local:
             handle.close()
@@ -116,21 +120,13 @@ def verify_torch_file(path: PathLike) -> None:
     """
     path = _fspath(path)
     source, local = open_for_read(path)
-    _scan_zip(path, source, local, crc=True, required=True)
+    with _opened(source, local) as handle:
+        _scan_zip(path, handle, crc=True)
 
 
-def _scan_zip(path: str, source: Any, local: bool, *, crc: bool, required: bool) -> None:
-    """Check a torch zip's directory and record bounds (and CRC-32s with ``crc``).
-
-    With ``required=False`` a file that does not start like a zip is left to ``torch.load``.
-    """
-    handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
+def _scan_zip(path: str, handle: IO[bytes], *, crc: bool) -> None:
+    """Check a torch zip's directory and record bounds (and CRC-32s with ``crc``)."""
     try:
-        if not required:
-            magic = handle.read(4)
-            handle.seek(0)
-            if magic != b"PK\x03\x04":
-                return
         size = handle.seek(0, 2)
         handle.seek(0)
         try:
@@ -150,11 +146,6 @@ def _scan_zip(path: str, source: Any, local: bool, *, crc: bool, required: bool)
         if isinstance(err, CheckpointError):
             raise
         raise CheckpointFormatError(f"{path} is damaged ({_first_line(err)}); pick an earlier checkpoint") from err
-    finally:
-        if local:
-            handle.close()
-        else:
-            handle.seek(0)
 
 
 def _check_record(path: str, handle: IO[bytes], info: zipfile.ZipInfo, size: int, *, crc: bool) -> None:

@@ -18,7 +18,7 @@ import time
 import warnings
 
 
-def _vm_bytes() -> int:
+def vm_bytes() -> int:
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmSize:"):
@@ -76,7 +76,7 @@ def main() -> None:
         for reader in group.values():
             reader(os.path.join(corpus, "valid" + ext))
     os.unlink(out)
-    limit = _vm_bytes() + headroom * 2**20
+    limit = vm_bytes() + headroom * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     results = []
     warnings.simplefilter("ignore")

@@ -22,6 +22,18 @@ CANARY = "CANARY"
 CANARY_MODULE = "ckptools_canary_mod"  # importing it (from the corpus directory) writes the canary
 
 
+def tensor_record_offsets(path: str | os.PathLike) -> list[tuple[int, int]]:
+    """(start, size) of each tensor's raw bytes inside a torch zip file."""
+    out = []
+    with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
+        for info in zf.infolist():
+            if "/data/" in info.filename and info.file_size:
+                f.seek(info.header_offset + 26)
+                name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+                out.append((info.header_offset + 30 + name_len + extra_len, info.file_size))
+    return out
+
+
 def _valid_pt(directory: str) -> bytes:
     torch.manual_seed(0)
     path = os.path.join(directory, ".valid.pt.src")

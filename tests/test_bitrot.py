@@ -9,10 +9,10 @@ import random
 import shutil
 import subprocess
 import sys
-import zipfile
 
 import pytest
 import torch
+from _corpus import tensor_record_offsets
 from typer.testing import CliRunner
 
 import ckptools as ck
@@ -29,15 +29,7 @@ def _state() -> dict:
 
 
 def _pt_regions(path) -> list[tuple[int, int]]:
-    regions = []
-    with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
-        for info in zf.infolist():
-            if "/data/" in info.filename and not info.filename.endswith("/"):
-                f.seek(info.header_offset + 26)
-                name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
-                start = info.header_offset + 30 + name_len + extra_len
-                regions.append((start, start + info.file_size))
-    return regions
+    return [(start, start + size) for start, size in tensor_record_offsets(path)]
 
 
 def _st_regions(path) -> list[tuple[int, int]]:

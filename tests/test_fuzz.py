@@ -20,6 +20,7 @@ import warnings
 
 import pytest
 import torch
+from _bounded_readers import vm_bytes
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -74,8 +75,7 @@ def bases(tmp_path_factory):
 @pytest.fixture(scope="module", autouse=True)
 def capped_memory():
     """Cap this process's address space at its current size + 2 GiB while fuzzing."""
-    with open("/proc/self/status") as f:
-        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    vm = vm_bytes()
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     resource.setrlimit(resource.RLIMIT_AS, (vm + (2 << 30), hard))
     try:

@@ -1,10 +1,10 @@
 from __future__ import annotations
 
 import os
-import zipfile
 
 import pytest
 import torch
+from _corpus import tensor_record_offsets
 from _dist import run_ranks
 
 import ckptools as ck
@@ -72,12 +72,9 @@ def test_crash_leftovers_are_ignored_and_cleaned(tmp_path):
 
 
 def _flip_tensor_byte(path) -> None:
-    with zipfile.ZipFile(path) as zf:
-        info = next(i for i in zf.infolist() if "/data/" in i.filename and i.file_size > 8)
+    start = next(start for start, size in tensor_record_offsets(path) if size > 8)
     with open(path, "r+b") as f:
-        f.seek(info.header_offset + 26)
-        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
-        pos = info.header_offset + 30 + name_len + extra_len + 3
+        pos = start + 3
         f.seek(pos)
         byte = f.read(1)
         f.seek(pos)

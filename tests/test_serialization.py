@@ -5,21 +5,10 @@ import zipfile
 
 import pytest
 import torch
+from _corpus import tensor_record_offsets
 
 from ckptools.errors import CheckpointFormatError, UnsafeCheckpointError
 from ckptools.serialization import load_file, save_file, verify_torch_file
-
-
-def _tensor_record_offsets(path):
-    """(start, size) of each tensor's raw bytes inside a torch zip file."""
-    out = []
-    with zipfile.ZipFile(path) as zf, open(path, "rb") as f:
-        for info in zf.infolist():
-            if "/data/" in info.filename and info.file_size:
-                f.seek(info.header_offset + 26)
-                name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
-                out.append((info.header_offset + 30 + name_len + extra_len, info.file_size))
-    return out
 
 
 def test_verify_catches_every_flipped_byte_in_tensor_data(tmp_path):
@@ -28,14 +17,14 @@ def test_verify_catches_every_flipped_byte_in_tensor_data(tmp_path):
     verify_torch_file(path)
     original = path.read_bytes()
     # Silently accepted by torch.load ...
-    start, _ = _tensor_record_offsets(path)[0]
+    start, _ = tensor_record_offsets(path)[0]
     damaged = bytearray(original)
     damaged[start + 5] ^= 0x10
     path.write_bytes(bytes(damaged))
     torch.load(path, weights_only=True)
     # ... but caught by verify, every time.
     caught = 0
-    records = _tensor_record_offsets(tmp_path / "c.pt")
+    records = tensor_record_offsets(tmp_path / "c.pt")
     for i in range(40):
         start, size = records[i % len(records)]
         damaged = bytearray(original)
