@@ -21,8 +21,10 @@ from .errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
+    CheckpointWarning,
     KeyMismatchError,
     UnsafeCheckpointError,
+    UnsafeStateError,
 )
 
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
@@ -61,9 +63,11 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointWarning",
     "KeyMismatchError",
     "ResumableDistributedSampler",
     "UnsafeCheckpointError",
+    "UnsafeStateError",
     "add_prefix",
     "barrier",
     "convert_to_safetensors",

@@ -3,19 +3,18 @@
 from __future__ import annotations
 
 import time
-import warnings
-from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from . import rng
+from . import _log, rng
 from .devices import MapLocation, resolve_map_location
 from .dist import _all_gather_object, _broadcast_object, get_rank, get_world_size
-from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError
-from .serialization import load_file, save_file, verify_torch_file
+from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeStateError
+from .sampler import ResumableDistributedSampler
+from .serialization import check_loadable, load_file, save_file, verify_torch_file
 from .state_dict import add_prefix, strip_prefix, unwrap_model
 from .storage import PathLike, _fspath
 from .torchzip import META_KEY
@@ -24,29 +23,15 @@ from .torchzip import locate_weights as _locate
 __all__ = ["load", "load_state_dict", "save"]
 
 FORMAT_VERSION = 1
-# Types torch.load(weights_only=True) accepts; everything ckptools writes itself is one of them.
-_SAFE_LEAVES = (str, int, float, bool, type(None))
-
-
-def _check_safe(value: Any, where: str) -> None:
-    # Exact types: subclasses such as numpy.float64 (a float) pickle as their own class,
-    # which weights_only loading refuses.
-    if type(value) in _SAFE_LEAVES or isinstance(value, torch.Tensor):
-        return
-    if type(value) in (list, tuple):
-        for i, item in enumerate(value):
-            _check_safe(item, f"{where}[{i}]")
-        return
-    if type(value) in (dict, OrderedDict):
-        for key, item in value.items():
-            if type(key) not in (str, int):
-                raise TypeError(f"{where} has a key {key!r} of type {type(key).__name__}; use str or int keys")
-            _check_safe(item, f"{where}[{key!r}]")
-        return
-    raise TypeError(
-        f"{where} is a {type(value).__name__}, which torch.load(weights_only=True) refuses; "
-        "store str, int, float, bool, None, tensors, or lists/tuples/dicts of them"
-    )
+# Objects that exist only to continue training: a load that restores one of them is a resume,
+# so it restores the RNG too (see `load`'s restore_rng).
+_TRAINING_TYPES: tuple[type, ...] = (
+    torch.optim.Optimizer,
+    torch.optim.lr_scheduler.LRScheduler,
+    torch.optim.lr_scheduler.ReduceLROnPlateau,
+    torch.amp.GradScaler,
+    DistributedSampler,
+)
 
 
 def _entry(obj: Any) -> Any:
@@ -83,6 +68,12 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
     :class:`CheckpointError` (rank 0 chains the original exception): no rank is left waiting in a
     barrier, and an earlier file at ``path`` is untouched. No RNG is advanced.
 
+    Everything is checked before anything is written: an entry (or a value inside one, or
+    inside ``metadata``) that ``torch.load(weights_only=True)`` would refuse, such as an
+    ``argparse.Namespace``, a ``pathlib.Path`` or a numpy scalar, raises
+    :class:`UnsafeStateError` on every rank, naming the entry and the fix (``vars(args)``,
+    ``str(path)``, ``x.item()``). Otherwise the run would only find out when it restarts.
+
     Args:
         path: file path or fsspec URL (``s3://bucket/run/step_100.pt``, ``memory://...``).
         state: names mapped to objects to store.
@@ -92,9 +83,10 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
         ``path`` as a string.
 
     Raises:
+        UnsafeStateError: a value the checkpoint could not be loaded back with (every rank,
+            nothing written; also a ``TypeError``).
         CheckpointError: writing failed on rank 0 (raised on every rank).
-        TypeError: ``state`` names ``__ckptools__`` or ``metadata`` holds a type
-            ``weights_only`` loading would refuse (raised on every rank before any I/O).
+        TypeError: ``state`` is not a mapping of string names or names ``__ckptools__``.
 
     Example:
         >>> import torch, ckptools as ck
@@ -103,6 +95,18 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
         >>> ck.save("/tmp/ckpt.pt", {"model": model, "optimizer": opt, "step": 10})
         '/tmp/ckpt.pt'
     """
+    return _save(path, state, metadata=metadata)
+
+
+def _save(
+    path: PathLike,
+    state: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    before_write: Callable[[], None] | None = None,
+) -> str:
+    """:func:`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
+    started = time.monotonic()
     path = _fspath(path)
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping of names to objects, got {type(state).__name__}")
@@ -112,15 +116,18 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
     if bad:
         raise TypeError(f"state keys must be strings, got {bad!r}")
     user_meta = dict(metadata or {})
-    _check_safe(user_meta, "metadata")
 
     # Every rank's RNG is captured before rank 0 does anything that could draw from it.
     rng_states = _all_gather_object(rng.get_rng_state())
-    rank = get_rank()
     error: BaseException | None = None
-    if rank == 0:
+    written = 0
+    if get_rank() == 0:
         try:
-            payload = {name: _entry(obj) for name, obj in state.items()}
+            payload = {}
+            for name, obj in state.items():
+                payload[name] = entry = _entry(obj)
+                check_loadable(entry, f"state[{name!r}]" + (".state_dict()" if entry is not obj else ""))
+            check_loadable(user_meta, "metadata")
             payload[META_KEY] = {
                 "format_version": FORMAT_VERSION,
                 "ckptools_version": _ckptools_version(),
@@ -130,17 +137,29 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
                 "rng": rng_states,
                 "metadata": user_meta,
             }
-            save_file(path, payload)
+            if before_write is not None:
+                before_write()
+            written = save_file(path, payload)
         except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
             error = err
     # The outcome travels to every rank, so a failure on rank 0 surfaces everywhere at once
     # instead of leaving the other ranks in a barrier until the collective timeout.
-    message = _broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
-    if message is not None:
+    outcome: tuple[bool, str] | None = None
+    if error is not None:
+        unsafe = isinstance(error, UnsafeStateError)
+        outcome = (unsafe, str(error) if unsafe else f"{type(error).__name__}: {error}")
+    outcome = _broadcast_object(outcome)
+    if outcome is not None:
+        unsafe, message = outcome
+        if unsafe:  # the same refusal on every rank: rank 0's own error, the others its text
+            if error is not None:
+                raise error
+            raise UnsafeStateError(message)
         text = f"saving checkpoint {path} failed on rank 0: {message}; earlier checkpoints are untouched"
         if error is not None:
             raise CheckpointError(text) from error
         raise CheckpointError(text)
+    _log.report("saved", path, started, written)
     return path
 
 
@@ -234,7 +253,7 @@ def load(
     map_location: MapLocation = "auto",
     strict: bool = True,
     weights_only: bool = True,
-    restore_rng: bool = True,
+    restore_rng: bool | None = None,
     verify: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint and restore, in place, every object named in ``state``.
@@ -243,11 +262,18 @@ def load(
     every rank raises (so no rank runs ahead into a collective the others never reach).
     A model loads whether it or the file carries ``module.``; whether to strip or add it is
     decided against the model's own keys. Optimizer state lands on its parameters' device.
-    This rank's RNG states (python, numpy, torch, CUDA) are restored when the file was saved by
-    ckptools with the same world size; with a different world size the per-rank streams have
-    no meaningful mapping, so they are left alone and a warning says so. Plain ``torch.save``
-    dicts load too: entries are matched by name, and a lone model in ``state`` also finds its
-    weights in a bare state dict or under ``state_dict``/``model``/``model_state_dict``/``module``.
+    Plain ``torch.save`` dicts load too: entries are matched by name, and a lone model in
+    ``state`` also finds its weights in a bare state dict or under
+    ``state_dict``/``model``/``model_state_dict``/``module``.
+
+    Restoring RNG is part of resuming training, not of looking at a file. By default
+    (``restore_rng=None``) this rank's RNG states (python, numpy, torch, CUDA) are restored only
+    when ``state`` holds something that exists to continue training: an optimizer, an LR
+    scheduler, a GradScaler or a sampler. ``ck.load(path)`` or ``ck.load(path, {"model": m})``
+    in a notebook leaves the notebook's random streams alone (and says nothing about the world
+    size). :meth:`CheckpointManager.restore` always restores them. They are restored only when
+    the file was saved by ckptools with the same world size; otherwise the per-rank streams have
+    no meaningful mapping, so they are left alone and rank 0 warns.
 
     Args:
         path: file path or fsspec URL.
@@ -258,7 +284,8 @@ def load(
             differ; with False, load what matches.
         weights_only: keep torch's safe unpickler; False runs arbitrary code from the file and
             is for trusted files only.
-        restore_rng: restore this rank's RNG states from the file.
+        restore_rng: restore this rank's RNG states from the file: True, False, or None to
+            decide by ``state`` as above.
         verify: check every record's CRC-32 before loading (reads the file twice).
 
     Returns:
@@ -275,7 +302,9 @@ def load(
         >>> ck.load("/tmp/ckpt.pt", {"model": model})["step"]
         10
     """
+    started = time.monotonic()
     path = _fspath(path)
+    state = state or {}
     error: BaseException | None = None
     ckpt: dict[str, Any] = {}
     try:
@@ -289,12 +318,17 @@ def load(
                 "use ck.load_state_dict for bare weights"
             )
         ckpt = loaded
-        _restore_all(ckpt, state or {}, strict=strict, path=path)
-        if restore_rng:
-            _restore_rng(ckpt, path)
+        _restore_all(ckpt, state, strict=strict, path=path)
+        if restore_rng is None:
+            restore_rng = any(isinstance(obj, _TRAINING_TYPES) for obj in state.values())
+        if restore_rng and _restore_rng(ckpt, path):
+            for obj in state.values():
+                if isinstance(obj, ResumableDistributedSampler):
+                    obj._rng_restored()  # lets it notice the stream moving before the first batch
     except Exception as err:  # noqa: BLE001 - shared with every rank, then re-raised
         error = err
     _all_ok(error, f"loading checkpoint {path}")
+    _log.report("loaded", path, started)
     return ckpt
 
 
@@ -324,20 +358,19 @@ def _restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool
             ) from err
 
 
-def _restore_rng(ckpt: dict[str, Any], path: str) -> None:
+def _restore_rng(ckpt: dict[str, Any], path: str) -> bool:
+    """Restore this rank's RNG states from ``ckpt``; whether they were restored."""
     meta = ckpt.get(META_KEY)
     if not isinstance(meta, Mapping) or "rng" not in meta:
-        return
+        return False
     states = meta["rng"]
     world = get_world_size()
     if len(states) != world:
-        if get_rank() == 0:
-            warnings.warn(
-                f"{path} was saved by {len(states)} ranks and is loaded by {world}: RNG states are per rank, "
-                "so they are not restored (the run continues, but not bit-exactly)",
-                stacklevel=3,
-            )
-        return
+        _log.warn(
+            f"{path} was saved by {len(states)} ranks and is loaded by {world}: RNG states are per rank, "
+            "so they are not restored (the run continues, but not bit-exactly)",
+        )
+        return False
     before = rng.get_rng_state()
     try:
         rng.set_rng_state(states[get_rank()])
@@ -347,6 +380,7 @@ def _restore_rng(ckpt: dict[str, Any], path: str) -> None:
             f"{path}: the RNG state stored for rank {get_rank()} is corrupt ({type(err).__name__}: {err}); "
             "load with restore_rng=False to skip it"
         ) from err
+    return True
 
 
 def load_state_dict(
@@ -383,6 +417,7 @@ def load_state_dict(
         >>> list(ck.load_state_dict("/tmp/lightning.ckpt"))
         ['w']
     """
+    started = time.monotonic()
     path = _fspath(path)
     location = resolve_map_location(map_location)
     if verify:
@@ -397,6 +432,7 @@ def load_state_dict(
     else:
         ckpt = load_file(path, map_location=location, weights_only=True)
     weights = dict(_find_weights(ckpt, key=key, path=path))
+    _log.report("loaded weights from", path, started)
     return dict(strip_prefix(weights, strip)) if strip else weights
 
 

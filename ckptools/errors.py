@@ -8,9 +8,17 @@ subclass also inherits the builtin exception that code without ckptools would ca
         ├── CheckpointNotFoundError  (also FileNotFoundError)
         ├── CheckpointFormatError    (also ValueError)   truncated, corrupt, not a checkpoint
         ├── UnsafeCheckpointError    (also ValueError)   needs arbitrary code to load
+        │   └── UnsafeStateError     (also TypeError)    save refused: the state holds such a value
         └── KeyMismatchError         (also KeyError)     missing / unexpected keys
 
-Messages name the path or key and say how to fix the problem.
+    UserWarning
+    └── CheckpointWarning   a run that continues, but not the way the user expects (not bit-exactly,
+                            a damaged checkpoint skipped, an old one that could not be deleted)
+
+Messages name the path or key and say how to fix the problem. Warnings go through
+:mod:`warnings`, never through the ``ckptools`` logger (which reports saves and loads at INFO), so
+``-W error::ckptools.CheckpointWarning`` turns every one of them into an error in a test suite and
+``logging.captureWarnings(True)`` sends them to the logs.
 """
 
 from __future__ import annotations
@@ -19,8 +27,10 @@ __all__ = [
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointNotFoundError",
+    "CheckpointWarning",
     "KeyMismatchError",
     "UnsafeCheckpointError",
+    "UnsafeStateError",
 ]
 
 
@@ -45,6 +55,14 @@ class UnsafeCheckpointError(CheckpointError, ValueError):
     """The file needs arbitrary code (pickled globals outside torch's allowlist) to load."""
 
 
+class UnsafeStateError(UnsafeCheckpointError, TypeError):
+    """``save`` refused a value that ``torch.load(weights_only=True)`` would refuse to load.
+
+    Raised on every rank before anything is written, so a run finds out at its first save, not
+    when it restarts. The message names the entry (``state['args']``) and the fix (``vars(args)``).
+    """
+
+
 class KeyMismatchError(CheckpointError, KeyError):
     """The checkpoint's keys do not match the target's keys (strict loading).
 
@@ -61,3 +79,7 @@ class KeyMismatchError(CheckpointError, KeyError):
     def __str__(self) -> str:
         # KeyError.__str__ would wrap the message in quotes.
         return str(self.args[0]) if self.args else ""
+
+
+class CheckpointWarning(UserWarning):
+    """A run goes on, but not as the user expects: not bit-exactly, or with a checkpoint skipped."""

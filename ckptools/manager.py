@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .checkpoint import load, save
+from . import _log
+from .checkpoint import _save, load
 from .dist import _broadcast_object, get_rank
 from .errors import CheckpointError
 from .serialization import verify_torch_file
@@ -112,12 +112,17 @@ class CheckpointManager:
         """
         path = self.path_for(step)
         metadata = {**dict(save_kwargs.pop("metadata", None) or {}), "step": step}
-        if get_rank() == 0:
-            # Temporary files of a save that was killed: never loadable, only taking space.
-            # Rank 0 alone runs this, outside any collective: an error here must not escape, or
-            # the other ranks would wait in save() for a rank that left.
-            self._housekeeping(self._remove_leftovers, "clean up")
-        save(path, state, metadata=metadata, **save_kwargs)
+        # Temporary files of a save that was killed: never loadable, only taking space (perhaps
+        # the space this save needs). Rank 0 removes them once the state passed save's checks,
+        # right before it writes; an error there must not escape, or the other ranks would wait
+        # in save() for a rank that left.
+        _save(
+            path,
+            state,
+            metadata=metadata,
+            before_write=lambda: self._housekeeping(self._remove_leftovers, "clean up"),
+            **save_kwargs,
+        )
         if get_rank() == 0:
             self._housekeeping(lambda: self._prune(step), "prune")
         return path
@@ -130,7 +135,7 @@ class CheckpointManager:
         try:
             task()
         except OSError as err:
-            warnings.warn(f"could not {what} {self.directory}: {err}", stacklevel=3)
+            _log.warn(f"could not {what} {self.directory}: {err}")
 
     def _remove_quietly(self, path: str) -> None:
         try:
@@ -138,16 +143,15 @@ class CheckpointManager:
         except OSError as err:
             # The new checkpoint is safe on disk; failing to delete an old one must not fail
             # the training step, but must not go unnoticed either.
-            warnings.warn(f"could not delete old checkpoint {path}: {err}", stacklevel=3)
+            _log.warn(f"could not delete old checkpoint {path}: {err}")
 
     def _prune(self, step: int) -> None:
         existing = self.checkpoints()
         newer = [path for s, path in existing if s > step]
         if newer:
-            warnings.warn(
+            _log.warn(
                 f"deleting {newer}: their steps are above the step just saved ({step}), so they belong to a run "
                 "that was abandoned by resuming from an earlier checkpoint",
-                stacklevel=3,
             )
         older = [path for s, path in existing if s <= step]
         doomed = newer + (older[: -self.keep_last] if self.keep_last is not None else [])
@@ -169,7 +173,7 @@ class CheckpointManager:
             try:
                 verify_torch_file(path)
             except CheckpointError as err:
-                warnings.warn(f"skipping damaged checkpoint: {err}", stacklevel=2)
+                _log.warn(f"skipping damaged checkpoint: {err}", all_ranks=True)
                 continue
             return path
         return None
@@ -178,7 +182,8 @@ class CheckpointManager:
         """Restore ``state`` from the newest good checkpoint on every rank; None on a fresh start.
 
         Collective: rank 0 picks the checkpoint (so all ranks agree even if a save is racing
-        the listing) and broadcasts its path; every rank then loads it with :func:`ckptools.load`.
+        the listing) and broadcasts its path; every rank then loads it with :func:`ckptools.load`,
+        restoring its own RNG states too (restoring is resuming; ``restore_rng=False`` opts out).
 
         Args:
             state: objects to restore in place, as for :func:`ckptools.load`.
@@ -192,7 +197,7 @@ class CheckpointManager:
 
         Example:
             >>> ckpt = manager.restore({"model": model, "optimizer": opt})  # doctest: +SKIP
-            >>> start = 0 if ckpt is None else ckpt["step"] + 1  # doctest: +SKIP
+            >>> step = 0 if ckpt is None else ckpt["step"]  # doctest: +SKIP
         """
         choice: tuple[str | None, str | None] = (None, None)
         failure: Exception | None = None
@@ -206,5 +211,8 @@ class CheckpointManager:
         if message is not None:
             raise CheckpointError(f"choosing a checkpoint in {self.directory} failed on rank 0: {message}") from failure
         if path is None:
+            if get_rank() == 0:
+                _log.logger.info("no checkpoint in %s: starting fresh", self.directory)
             return None
-        return load(path, state, **load_kwargs)
+        # Restoring is resuming: the RNG comes back whatever the state holds (see ck.load).
+        return load(path, state, **{"restore_rng": True, **load_kwargs})

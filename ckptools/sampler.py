@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-import warnings
+import sys
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch.utils.data
 from torch.utils.data.distributed import DistributedSampler
+
+from . import _log
 
 __all__ = ["ResumableDistributedSampler"]
 
@@ -22,15 +25,29 @@ class ResumableDistributedSampler(DistributedSampler):
     that epoch, in the order an uninterrupted run would have seen it (the order depends only on
     ``seed``, ``epoch``, the dataset length and the world size, as in ``DistributedSampler``).
 
-    Progress is counted in samples handed to the training loop:
+    Iterate ``sampler.track(loader)`` instead of ``loader``; it makes the resume exact for any
+    ``num_workers``:
 
-    - ``num_workers=0``: the DataLoader draws indices only when the loop asks for the next batch,
-      so the sampler counts them itself; nothing else is needed.
-    - ``num_workers > 0``: workers prefetch, so the sampler has handed out more indices than the
-      loop has seen (with 2 workers, 40 drawn for 20 consumed). Either iterate
-      ``sampler.track(loader)`` instead of ``loader``, or call ``sampler.record_consumed(n)`` right
-      after taking each batch of ``n`` samples. Once either is used, the sampler counts only what
-      is reported.
+    - It counts the batches the loop has *received*. DataLoader workers prefetch, so with
+      ``num_workers > 0`` the sampler has handed out more indices than the loop has seen (with 2
+      workers, 40 drawn for 20 consumed); counted that way, a resumed run would skip them.
+    - It gives a DataLoader built without ``generator=`` a seed of its own for the epoch
+      (from ``seed``, the epoch and the rank). Otherwise every ``iter(loader)`` draws its
+      workers' base seed from the global torch RNG, and a run resumed mid-epoch draws it at a
+      different point of the restored stream: every random number after it (dropout,
+      augmentation in the main process) differs from the uninterrupted run's.
+
+    ``sampler.record_consumed(n)`` right after taking each batch of ``n`` samples is the manual
+    form of the first point. Iterating the loader itself works exactly only with
+    ``num_workers=0`` and a DataLoader ``generator``; the other hazards are warned about (a
+    :class:`ckptools.CheckpointWarning`, once, on rank 0) when they would make a resume inexact:
+    a checkpoint saved while untracked workers run ahead, a resumed epoch whose first batch
+    moved the global RNG, and a new pass over an epoch without ``set_epoch`` (which repeats the
+    last shuffle, as ``DistributedSampler`` does, pytorch#31771).
+
+    Randomness inside DataLoader worker processes (augmentation in ``__getitem__`` with
+    ``num_workers > 0``) is not part of an exact resume: a resumed worker starts its stream
+    afresh at a different batch. Derive it from the sample index (and epoch) for that.
 
     Every rank consumes the same number of batches under DDP, so the progress rank 0 saves is
     every rank's progress. An epoch whose progress equals ``num_samples`` is complete: resuming
@@ -57,6 +74,11 @@ class ResumableDistributedSampler(DistributedSampler):
         self._reported = 0  # samples the loop reported consumed in the current iteration
         self._reporting = False  # sticky: once the loop reports, drawn indices no longer count
         self._fresh = True  # the next __iter__ starts at _offset (set by load/set_epoch)
+        # The torch DataLoader iterator driving the current pass when nothing reports what the
+        # loop consumed (weak: the sampler must not keep its workers alive).
+        self._driver: weakref.ReferenceType[Any] | None = None
+        self._driver_workers = 0
+        self._rng_after_restore: torch.Tensor | None = None  # see _rng_restored
 
     @property
     def progress(self) -> int:
@@ -74,9 +96,57 @@ class ResumableDistributedSampler(DistributedSampler):
         indices = list(super().__iter__())
         if not self._fresh:
             self._offset = 0  # a second pass over the same epoch starts over, as DistributedSampler does
+            if self.shuffle:
+                _log.warn(
+                    f"a new pass over epoch {self.epoch} started without sampler.set_epoch(...) since the last "
+                    "one, so it repeats the last shuffle (DistributedSampler does the same, pytorch#31771); call "
+                    "sampler.set_epoch(epoch) at the start of every epoch",
+                    once="set_epoch",
+                )
         self._fresh = False
         self._drawn = self._reported = 0
+        self._check_rng_after_restore()
+        driver = None if self._reporting else _loader_iterator()
+        self._driver = weakref.ref(driver) if driver is not None else None
+        self._driver_workers = int(getattr(driver, "_num_workers", 0))
         return self._generate(indices[self._offset :])
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A weak reference to a live DataLoader iterator cannot be pickled and means nothing in
+        # another process (a sampler is copied into spawned workers with some loaders).
+        return {**self.__dict__, "_driver": None}
+
+    def _rng_restored(self) -> None:
+        """Called by :func:`ckptools.load` right after it restored this process's RNG states."""
+        self._rng_after_restore = torch.get_rng_state()
+
+    def _check_rng_after_restore(self) -> None:
+        # A run resumed mid-epoch is exact only if nothing drew from the global torch RNG between
+        # the restore and the first batch: the uninterrupted run drew nothing there.
+        expected, self._rng_after_restore = self._rng_after_restore, None
+        if expected is None or self._offset == 0:  # resumed at an epoch's start: it drew there too
+            return
+        now = torch.get_rng_state()
+        if torch.equal(now, expected):
+            return
+        # What `iter(loader)` does to the global generator when the DataLoader has none of its own.
+        replay = torch.Generator()
+        replay.set_state(expected)
+        torch.empty((), dtype=torch.int64).random_(generator=replay)
+        if torch.equal(now, replay.get_state()):
+            cause = (
+                "the DataLoader drew its workers' base seed from the global torch RNG when the resumed epoch "
+                "started (it has no generator of its own)"
+            )
+            fix = "iterate sampler.track(loader), which gives it one, or build it with generator=torch.Generator()"
+        else:
+            cause = "something drew from the global torch RNG between restoring the checkpoint and the first batch"
+            fix = "draw random numbers before the restore (manager.restore / ck.load), or from a torch.Generator"
+        _log.warn(
+            f"{cause}, so every random number from here on (dropout, augmentation) differs from the uninterrupted "
+            f"run's: this resume is not bit-exact; {fix}",
+            once="rng_after_restore",
+        )
 
     def _generate(self, indices: list[int]) -> Iterator[int]:
         for index in indices:
@@ -103,10 +173,20 @@ class ResumableDistributedSampler(DistributedSampler):
         self._reported = min(self._reported + num_samples, self.num_samples - self._offset)
 
     def track(self, loader: Iterable[T]) -> Iterator[T]:
-        """Iterate ``loader``, recording each batch as consumed when the loop receives it.
+        """Iterate ``loader`` the way an exact resume needs: the loop's way to write ``in loader``.
+
+        - Each batch is recorded as consumed when the loop receives it (before a checkpoint
+          saved while processing it), not when a prefetching worker fetched it.
+        - A torch ``DataLoader`` built without ``generator=`` is lent one for the moment
+          ``iter(loader)`` draws its workers' base seed, seeded from the sampler's seed, the
+          epoch and the rank: the global torch RNG is not drawn from, so a run resumed
+          mid-epoch continues the exact random stream of the uninterrupted run.
 
         ``loader`` must be a ``DataLoader`` built with ``batch_size`` (its batches then hold
-        ``batch_size`` samples, the last one possibly fewer).
+        ``batch_size`` samples, the last one possibly fewer) and this sampler.
+
+        Raises:
+            ValueError: ``loader`` has no ``batch_size``, or draws from another sampler.
 
         Example:
             >>> for batch in sampler.track(loader):  # doctest: +SKIP
@@ -118,15 +198,34 @@ class ResumableDistributedSampler(DistributedSampler):
                 "track() needs a DataLoader built with batch_size=...; with a custom batch_sampler call "
                 "sampler.record_consumed(len(batch)) after taking each batch instead"
             )
+        if isinstance(loader, torch.utils.data.DataLoader) and self not in (
+            loader.sampler,
+            getattr(loader.batch_sampler, "sampler", None),
+        ):
+            raise ValueError("track(loader): this loader does not draw from this sampler; pass sampler=this sampler")
         self._reporting = True
-        for batch in loader:
+        for batch in self._iterate(loader):
             # Recorded before the loop sees the batch: a checkpoint saved while processing it
             # must count it, or the resumed run would train on it twice.
             self.record_consumed(batch_size)
             yield batch
 
+    def _iterate(self, loader: Iterable[T]) -> Iterator[T]:
+        """``iter(loader)``; a torch DataLoader without a generator gets this epoch's own one for it."""
+        if not isinstance(loader, torch.utils.data.DataLoader) or loader.generator is not None:
+            return iter(loader)
+        # The base seed of the workers is drawn when the iterator is made, and only then: the
+        # generator is lent for that moment, so the user's DataLoader is left as it was.
+        seed = (self.seed * 1_000_003 + self.epoch * 7919 + self.rank) % (1 << 63)
+        loader.generator = torch.Generator().manual_seed(seed)
+        try:
+            return iter(loader)
+        finally:
+            loader.generator = None
+
     def state_dict(self) -> dict[str, Any]:
         """Return epoch, seed, progress and the layout they are valid for (plain ints/bools)."""
+        self._check_untracked_workers()
         return {
             "epoch": int(self.epoch),
             "seed": int(self.seed),
@@ -159,11 +258,48 @@ class ResumableDistributedSampler(DistributedSampler):
         saved_world = int(state.get("num_replicas", self.num_replicas))
         if saved_world != self.num_replicas:
             progress = progress * saved_world // self.num_replicas
-            warnings.warn(
+            _log.warn(
                 f"sampler saved with {saved_world} replicas, restored with {self.num_replicas}: resuming each "
                 f"rank at sample {progress} of its share; a few samples of this epoch may be seen twice",
-                stacklevel=2,
             )
         self._offset = min(progress, self.num_samples)
         self._drawn = self._reported = 0
         self._fresh = True
+
+    def _check_untracked_workers(self) -> None:
+        # Called when the position is saved: wrong if workers are running ahead of the loop.
+        if self._reporting or self._driver is None or self._driver_workers == 0:
+            return
+        # A pass whose iterator is gone was finished (everything drawn) or abandoned (a `break`);
+        # persistent workers keep theirs, which may have handed out every batch already.
+        driver = self._driver()
+        try:
+            running = driver._num_yielded < len(driver)
+        except (AttributeError, TypeError):  # gone (None), or another torch's iterator: judge by what was drawn
+            running = self._drawn < self.num_samples - self._offset
+        if running:
+            _log.warn(
+                f"this checkpoint records sample {self.progress} of epoch {self.epoch}, but the DataLoader's "
+                f"{self._driver_workers} workers fetch batches ahead of the training loop, so the loop has seen "
+                "fewer: the resumed run would skip the difference. Iterate sampler.track(loader) (or call "
+                "sampler.record_consumed(len(batch)) after taking each batch)",
+                once="untracked_workers",
+            )
+
+
+def _loader_iterator() -> Any:
+    """The torch DataLoader iterator whose request for indices is running this call, or None.
+
+    The sampler is iterated from ``_BaseDataLoaderIter._next_index`` through the BatchSampler,
+    a few frames up. Only used to warn; any other driver (a custom loop) is simply not found.
+    """
+    base = getattr(torch.utils.data.dataloader, "_BaseDataLoaderIter", None)
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None or base is None:
+            return None
+        candidate = frame.f_locals.get("self")
+        if isinstance(candidate, base):
+            return candidate
+        frame = frame.f_back
+    return None

@@ -271,6 +271,22 @@ def list_files(directory: PathLike) -> list[str]:
     return sorted(os.path.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file")
 
 
+def file_size(path: PathLike) -> int:
+    """Size in bytes of the file at ``path`` (a stat locally, one metadata request remotely)."""
+    fs, fpath = get_filesystem(path)
+    return os.path.getsize(fpath) if is_local(fs) else int(fs.size(fpath))
+
+
+def human_size(n: int) -> str:
+    """``n`` bytes for people: ``512 B``, ``1.5 KiB``, ``3.2 GiB``."""
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
 def remove(path: PathLike) -> None:
     """Delete one file (missing is fine: another process may have pruned it already)."""
     fs, fpath = get_filesystem(path)

@@ -42,3 +42,13 @@ def gloo_group():
         yield
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings_once():
+    """ckptools warns about a hazard once per process; each test starts with none warned yet."""
+    from ckptools import _log
+
+    _log._warned.clear()
+    yield
+    _log._warned.clear()

@@ -1,8 +1,14 @@
 from __future__ import annotations
 
+import argparse
+import dataclasses
+import datetime
+import logging
 import os
+import pathlib
 import random
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -11,6 +17,7 @@ from _dist import run_ranks
 
 import ckptools as ck
 from ckptools.checkpoint import META_KEY
+from ckptools.storage import TMP_MARKER, _host
 
 
 def _net() -> torch.nn.Module:
@@ -89,21 +96,140 @@ def test_save_does_not_advance_any_rng(tmp_path):
     assert before[0] == after[0] and np.array_equal(before[1], after[1]) and torch.equal(before[2], after[2])
 
 
-def test_load_restores_rng(tmp_path):
+def _draws():
+    return (random.random(), float(np.random.rand()), torch.rand(2).tolist())
+
+
+def test_load_restores_rng_when_resuming_training(tmp_path):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
     random.seed(5), np.random.seed(5), torch.manual_seed(5)
-    ck.save(tmp_path / "c.pt", {})
-    expected = (random.random(), float(np.random.rand()), torch.rand(2))
-    ck.load(tmp_path / "c.pt")
-    got = (random.random(), float(np.random.rand()), torch.rand(2))
-    assert expected[:2] == got[:2] and torch.equal(expected[2], got[2])
+    ck.save(tmp_path / "c.pt", {"model": model, "optimizer": opt})
+    expected = _draws()
+    # An optimizer (or scheduler, scaler, sampler) in the state means a resume: RNG comes back.
+    ck.load(tmp_path / "c.pt", {"model": model, "optimizer": opt})
+    assert _draws() == expected
+    ck.load(tmp_path / "c.pt", restore_rng=True)
+    assert _draws() == expected
+
+
+def test_looking_at_a_file_leaves_rng_alone(tmp_path):
+    model = _net()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    random.seed(5), np.random.seed(5), torch.manual_seed(5)
+    ck.save(tmp_path / "c.pt", {"model": model, "optimizer": opt})
+    first = _draws()
+    for state in (None, {"model": model}):
+        ck.load(tmp_path / "c.pt", state)
+        assert _draws() != first  # the streams went on: nothing was reset
+    ck.load(tmp_path / "c.pt", {"model": model, "optimizer": opt}, restore_rng=False)
+    assert _draws() != first
 
 
 def test_save_refuses_reserved_and_unsafe_metadata(tmp_path):
     with pytest.raises(TypeError, match="reserved"):
         ck.save(tmp_path / "c.pt", {META_KEY: 1})
-    with pytest.raises(TypeError, match="weights_only"):
+    with pytest.raises(TypeError, match=r"metadata\['when'\].*weights_only.*when\.item\(\)"):
         ck.save(tmp_path / "c.pt", {}, metadata={"when": np.float64(1.0)})
     assert not (tmp_path / "c.pt").exists()
+
+
+@dataclasses.dataclass
+class _Config:
+    lr: float = 0.1
+
+
+class _EMA:
+    """An object with state_dict() whose state holds a value weights_only refuses."""
+
+    def state_dict(self):
+        return {"decay": 0.99, "started": datetime.date(2026, 1, 1)}
+
+
+@pytest.mark.parametrize(
+    ("entry", "where", "fix"),
+    [
+        (argparse.Namespace(lr=0.1), r"state\['args'\]", r"vars\(args\)"),
+        ({"out": pathlib.Path("/runs/x")}, r"state\['args'\]\['out'\]", r"str\(out\)"),
+        ([1, {"best": np.float32(0.5)}], r"state\['args'\]\[1\]\['best'\]", r"best\.item\(\)"),
+        (np.zeros(3), r"state\['args'\]", r"torch\.from_numpy\(args\)"),
+        (_Config(), r"state\['args'\]", r"dataclasses\.asdict\(args\)"),
+        (_EMA(), r"state\['args'\]\.state_dict\(\)\['started'\]", r"started\.isoformat\(\)"),
+        (lambda: 0, r"state\['args'\]", "cannot be pickled"),
+    ],
+)
+def test_save_refuses_what_a_weights_only_load_would_refuse(tmp_path, entry, where, fix):
+    model = _net()
+    ck.save(tmp_path / "c.pt", {"model": model})
+    before = (tmp_path / "c.pt").read_bytes()
+    with pytest.raises(ck.UnsafeStateError, match=f"cannot save {where} .*weights_only=True.*{fix}"):
+        ck.save(tmp_path / "c.pt", {"model": model, "args": entry})
+    assert (tmp_path / "c.pt").read_bytes() == before and os.listdir(tmp_path) == ["c.pt"]
+
+
+def test_save_accepts_what_the_program_allowlisted(tmp_path):
+    # add_safe_globals makes torch's own load accept the type: save agrees with it exactly.
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        ck.save(tmp_path / "c.pt", {"args": argparse.Namespace(lr=0.5), "extra": {1, 2}, "b": b"x", "c": 1j})
+        assert ck.load(tmp_path / "c.pt")["args"].lr == 0.5
+    with pytest.raises(ck.UnsafeCheckpointError, match="argparse.Namespace"):
+        ck.load(tmp_path / "c.pt")
+
+
+def _save_namespace(rank: int, world: int, directory: str) -> str:
+    manager = ck.CheckpointManager(directory)
+    try:
+        manager.save({"model": _net(), "args": argparse.Namespace(lr=0.1)}, step=2)
+    except ck.UnsafeStateError as err:
+        torch.distributed.all_reduce(torch.ones(1))  # the group still works
+        return str(err)
+    return "saved"
+
+
+def test_refusal_is_raised_on_every_rank_before_any_io(tmp_path):
+    manager = ck.CheckpointManager(tmp_path)
+    manager.save({"model": _net()}, step=1)
+    # A dead writer's leftover: a save that writes would remove it first; a refused one must not.
+    leftover = tmp_path / f".ckpt-0000000002.pt{TMP_MARKER}{_host()}-999999999-abcd"
+    leftover.write_bytes(b"partial")
+    listing = sorted(os.listdir(tmp_path))
+    errors = run_ranks(_save_namespace, 2, str(tmp_path))
+    assert all("cannot save state['args'] (type argparse.Namespace)" in e and "vars(args)" in e for e in errors)
+    assert errors[0] == errors[1]
+    assert sorted(os.listdir(tmp_path)) == listing
+
+
+def test_saves_and_loads_are_logged_on_the_ckptools_logger(tmp_path, caplog):
+    model = _net()
+    with caplog.at_level(logging.INFO, logger="ckptools"):
+        ck.save(tmp_path / "c.pt", {"model": model})
+        ck.load(tmp_path / "c.pt", {"model": model})
+        ck.load_state_dict(tmp_path / "c.pt")
+    saved, loaded, weights = caplog.records
+    size = os.path.getsize(tmp_path / "c.pt")
+    assert saved.name == "ckptools" and saved.levelno == logging.INFO
+    assert saved.getMessage().startswith(f"saved {tmp_path / 'c.pt'} (") and "GB/s)" in saved.getMessage()
+    assert saved.ckpt_bytes == loaded.ckpt_bytes == weights.ckpt_bytes == size and saved.ckpt_seconds > 0
+    assert loaded.getMessage().startswith("loaded ") and weights.getMessage().startswith("loaded weights from ")
+    # A library configures no handler: what is shown is the application's choice.
+    assert logging.getLogger("ckptools").handlers == [] and logging.getLogger("ckptools").propagate
+
+
+def _log_per_rank(rank: int, world: int, path: str) -> list[str]:
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("ckptools")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    ck.save(path, {"model": _net()})
+    ck.load(path, {"model": _net()})
+    return records
+
+
+def test_only_rank_0_logs(tmp_path):
+    records = run_ranks(_log_per_rank, 2, str(tmp_path / "c.pt"))
+    assert [r.split()[0] for r in records[0]] == ["saved", "loaded"] and records[1] == []
 
 
 def test_failed_save_keeps_previous_file_and_leaves_no_temp(tmp_path):
@@ -262,7 +388,7 @@ def _ddp_save_and_sync(rank: int, world: int, path: str) -> dict:
     # Each rank gets its own RNG back.
     random.seed(0), np.random.seed(0), torch.manual_seed(0)
     fresh = torch.nn.parallel.DistributedDataParallel(_net())
-    ck.load(path, {"model": fresh})
+    ck.load(path, {"model": fresh}, restore_rng=True)
     got = (random.random(), float(np.random.rand()), torch.rand(1).item())
     # A DDP model loads a plain (unwrapped) checkpoint and a plain model loads a DDP one.
     plain = _net()
@@ -346,3 +472,19 @@ def test_load_failure_on_one_rank_raises_on_all(tmp_path):
     r0, r1 = run_ranks(_load_fails_on_rank1, 2, str(tmp_path / "c.pt"))
     assert r0.startswith("CheckpointError: loading checkpoint") and "failed on rank 1" in r0
     assert r1.startswith("KeyMismatchError")
+
+
+def _save_two_ranks(rank: int, world: int, path: str) -> None:
+    model = _net()
+    ck.save(path, {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)})
+
+
+def test_a_notebook_look_at_a_two_rank_file_is_quiet(tmp_path):
+    path = str(tmp_path / "c.pt")
+    run_ranks(_save_two_ranks, 2, path)
+    model = _net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ck.CheckpointWarning)
+        ck.load(path, {"model": model})  # looking at weights: no RNG, so nothing to say about world sizes
+    with pytest.warns(ck.CheckpointWarning, match="saved by 2 ranks and is loaded by 1.*not bit-exactly"):
+        ck.load(path, {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)})

@@ -157,7 +157,7 @@ def _check(call, *args) -> str:
 
 
 def _pt_readers(path: str, out: str) -> None:
-    _check(ck.load, path)
+    _check(lambda p: ck.load(p, restore_rng=True), path)  # the RNG states are mutated too
     _check(lambda p: ck.load(p, verify=True, restore_rng=False), path)
     _check(ck.load_state_dict, path)
     _check(verify_torch_file, path)

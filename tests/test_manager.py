@@ -148,3 +148,16 @@ def _restore_everywhere(rank: int, world: int, directory: str) -> tuple:
 def test_restore_is_collective_and_ranks_agree(tmp_path):
     results = run_ranks(_restore_everywhere, 2, str(tmp_path))
     assert results == [(True, 1, 10.0), (True, 1, 10.0)]
+
+
+def test_restore_is_a_resume_and_brings_the_rng_back(tmp_path):
+    mgr = ck.CheckpointManager(tmp_path)
+    torch.manual_seed(3)
+    mgr.save({"model": _model(1)}, step=1)
+    expected = torch.rand(3)
+    torch.manual_seed(4)
+    mgr.restore({"model": _model(0)})  # only a model, yet restoring is resuming
+    assert torch.equal(torch.rand(3), expected)
+    torch.manual_seed(4)
+    mgr.restore({"model": _model(0)}, restore_rng=False)
+    assert not torch.equal(torch.rand(3), expected)

@@ -46,9 +46,13 @@ def test_error_hierarchy():
     err = ck.KeyMismatchError("model: missing keys [a]", missing=["a"])
     assert str(err) == "model: missing keys [a]" and err.missing == ["a"]
     assert str(ck.CheckpointNotFoundError("x.pt does not exist")) == "x.pt does not exist"
+    # save's refusal is an unsafe-checkpoint error and, for code without ckptools, a TypeError.
+    assert issubclass(ck.UnsafeStateError, ck.UnsafeCheckpointError) and issubclass(ck.UnsafeStateError, TypeError)
+    assert issubclass(ck.CheckpointWarning, UserWarning)
 
 
 def test_lazy_names_match_all():
     from ckptools import _LAZY
 
-    assert set(_LAZY) | {n for n in ck.__all__ if n[0].isupper() and n.endswith("Error")} == set(ck.__all__)
+    eager = {n for n in ck.__all__ if n[0].isupper() and n.endswith(("Error", "Warning"))}
+    assert set(_LAZY) | eager == set(ck.__all__)

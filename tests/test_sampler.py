@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import pickle
+import warnings
+
 import pytest
 import torch
+from _dist import run_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 import ckptools as ck
+from ckptools import _log
 
 DATA = TensorDataset(torch.arange(50))  # 50 samples over 2 ranks: 25 each, padded not dropped
 
@@ -156,3 +161,147 @@ def test_sampler_through_a_checkpoint(tmp_path):
     fresh = torch.utils.data.DistributedSampler(DATA, num_replicas=2, rank=0)
     ck.load(tmp_path / "p.pt", {"sampler": fresh})
     assert fresh.epoch == 5
+
+
+# --- the exact path, and a warning for every way off it --------------------------------------------
+
+
+def _training(tmp_path, *, loader_kw=None, sampler_kw=None):
+    """A one-process training set-up: a dropout model, a sampler, a loader over DATA."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.Dropout(0.5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = ck.ResumableDistributedSampler(DATA, num_replicas=1, rank=0, seed=7, **(sampler_kw or {}))
+    loader = DataLoader(DATA, batch_size=4, sampler=sampler, **(loader_kw or {}))
+    return {"model": model, "optimizer": opt, "sampler": sampler}, loader
+
+
+def _dropout_after_resume(tmp_path, iterate, loader_kw=None):
+    """Dropout noise drawn after batch 4 of epoch 1: uninterrupted, and resumed from a save after batch 3."""
+    state, loader = _training(tmp_path, loader_kw=loader_kw)
+    sampler = state["sampler"]
+    for epoch in (0, 1):
+        sampler.set_epoch(epoch)
+        for i, _ in enumerate(iterate(sampler, loader)):
+            if epoch == 1 and i == 2:
+                ck.save(tmp_path / "c.pt", state)
+            if epoch == 1 and i == 3:
+                expected = torch.rand(4)
+    state, loader = _training(tmp_path, loader_kw=loader_kw)
+    torch.manual_seed(123)  # a restart: the process starts with other streams
+    ck.load(tmp_path / "c.pt", state)
+    state["sampler"].set_epoch(1)
+    for _ in iterate(state["sampler"], loader):
+        return expected, torch.rand(4)
+
+
+def _track(sampler, loader):
+    return sampler.track(loader)
+
+
+def _plain(sampler, loader):
+    return loader
+
+
+def test_track_resumes_the_random_streams_exactly_and_quietly(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ck.CheckpointWarning)
+        expected, got = _dropout_after_resume(tmp_path, _track)
+        assert torch.equal(expected, got)
+        # A DataLoader with a generator of its own is exact without track() as well.
+        expected, got = _dropout_after_resume(tmp_path, _plain, {"generator": torch.Generator().manual_seed(1)})
+        assert torch.equal(expected, got)
+
+
+def test_loader_without_generator_warns_at_the_resumed_epoch(tmp_path):
+    with pytest.warns(ck.CheckpointWarning, match="base seed from the global torch RNG.*sampler.track") as seen:
+        expected, got = _dropout_after_resume(tmp_path, _plain)
+    assert not torch.equal(expected, got), "the hazard is real: the stream moved"
+    assert len(seen) == 1 and seen[0].filename == __file__, "once, pointing at the user's loop"
+
+
+def test_drawing_between_restore_and_first_batch_warns(tmp_path):
+    state, loader = _training(tmp_path, loader_kw={"generator": torch.Generator()})
+    state["sampler"].set_epoch(0)
+    batches = iter(state["sampler"].track(loader))
+    next(batches)
+    ck.save(tmp_path / "c.pt", state)
+    ck.load(tmp_path / "c.pt", state)
+    torch.randn(3)  # e.g. building something random after the restore
+    with pytest.warns(ck.CheckpointWarning, match="something drew from the global torch RNG"):
+        next(iter(state["sampler"].track(loader)))
+
+
+def test_untracked_workers_warn_when_a_checkpoint_is_saved_mid_epoch(tmp_path):
+    state, loader = _training(tmp_path, loader_kw={"num_workers": 2})
+    sampler = state["sampler"]
+    sampler.set_epoch(0)
+    for i, _ in enumerate(loader):
+        if i == 1:
+            assert pickle.loads(pickle.dumps(sampler)).progress == sampler.progress  # picklable while driven
+            with pytest.warns(ck.CheckpointWarning, match="2 workers fetch batches ahead.*sampler.track"):
+                ck.save(tmp_path / "c.pt", state)
+            assert torch.load(tmp_path / "c.pt", weights_only=True)["sampler"]["progress"] > 8  # ran ahead
+    # The same loop with track() is exact and silent, mid-epoch and after a `break`.
+    _log._warned.clear()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ck.CheckpointWarning)
+        sampler.set_epoch(1)
+        for i, _ in enumerate(sampler.track(loader)):
+            if i == 1:
+                ck.save(tmp_path / "c.pt", state)
+                break
+        assert torch.load(tmp_path / "c.pt", weights_only=True)["sampler"]["progress"] == 8
+        # Untracked, but saved at the epoch's end: every batch was consumed, nothing to warn about.
+        other, loader = _training(tmp_path, loader_kw={"num_workers": 2})
+        other["sampler"].set_epoch(0)
+        assert len(list(loader)) == 13
+        ck.save(tmp_path / "c.pt", other)
+
+
+def test_untracked_workers_warn_after_a_break(tmp_path):
+    state, loader = _training(tmp_path, loader_kw={"num_workers": 2})
+    for i, _ in enumerate(loader):
+        if i == 1:
+            break
+    with pytest.warns(ck.CheckpointWarning, match="workers fetch batches ahead"):
+        state["sampler"].state_dict()
+
+
+def test_a_new_pass_without_set_epoch_warns_once(tmp_path):
+    state, loader = _training(tmp_path)
+    sampler = state["sampler"]
+    first = _batches(loader)
+    with pytest.warns(ck.CheckpointWarning, match=r"without sampler.set_epoch.*repeats the last shuffle") as seen:
+        assert _batches(loader) == first
+        _batches(loader)
+    assert len(seen) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ck.CheckpointWarning)
+        for epoch in (1, 2):
+            sampler.set_epoch(epoch)
+            assert _batches(loader) != first
+        unshuffled = _sampler(0, shuffle=False)
+        list(unshuffled), list(unshuffled)  # the same order every time is what shuffle=False asks for
+
+
+def test_track_refuses_a_loader_of_another_sampler():
+    loader = DataLoader(DATA, batch_size=2, sampler=_sampler(1))
+    with pytest.raises(ValueError, match="does not draw from this sampler"):
+        next(iter(_sampler(0).track(loader)))
+
+
+def _hazards_per_rank(rank: int, world: int) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        sampler = ck.ResumableDistributedSampler(DATA, seed=3)
+        list(sampler), list(sampler)  # a second pass without set_epoch
+        state = {**sampler.state_dict(), "num_replicas": 3}
+        ck.ResumableDistributedSampler(DATA).load_state_dict(state)  # saved by another world size
+    return [str(w.message) for w in seen if issubclass(w.category, ck.CheckpointWarning)]
+
+
+def test_warnings_come_from_rank_0_only():
+    rank0, rank1 = run_ranks(_hazards_per_rank, 2)
+    assert len(rank0) == 2 and "set_epoch" in rank0[0] and "saved with 3 replicas" in rank0[1]
+    assert rank1 == []

@@ -1,0 +1,71 @@
+"""What ckptools tells the user: save/load reports on the ``ckptools`` logger, and warnings.
+
+- ``logging.getLogger("ckptools")`` gets one INFO record per save and per load, on rank 0 only
+  (path, bytes, seconds, GB/s; also as ``record.ckpt_path``, ``ckpt_bytes``, ``ckpt_seconds``).
+  ckptools adds no handler: nothing is printed unless the application configures logging.
+- Everything that goes wrong without stopping the run is a :class:`CheckpointWarning` through
+  :mod:`warnings`, never a log record, so one filter (``-W error::ckptools.CheckpointWarning``)
+  catches all of them and ``logging.captureWarnings(True)`` routes them to the logs. Hazards that
+  are the same on every rank (a DataLoader without its own seed, ...) are warned about once per
+  process, on rank 0.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import warnings
+
+import torch
+
+from .dist import get_rank
+from .errors import CheckpointWarning
+from .storage import file_size, human_size
+
+logger = logging.getLogger("ckptools")
+
+_warned: set[str] = set()  # the `once` keys already warned about in this process
+# A warning points at the user's line: the first frame outside ckptools and torch (a sampler's
+# warning is raised from inside the DataLoader, a save's from inside the manager).
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+
+
+def warn(message: str, *, once: str | None = None, all_ranks: bool = False) -> None:
+    """Issue a :class:`CheckpointWarning` (rank 0 only unless ``all_ranks``; once per ``once`` key)."""
+    if not all_ranks and get_rank() != 0:
+        return
+    if once is not None:
+        if once in _warned:
+            return
+        _warned.add(once)
+    level, frame = 1, sys._getframe()
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        level, frame = level + 1, frame.f_back
+    warnings.warn(message, CheckpointWarning, stacklevel=level)
+
+
+def report(verb: str, path: str, started: float, nbytes: int | None = None) -> None:
+    """Log ``verb path (size in s, GB/s)`` at INFO on rank 0; ``started`` is a ``time.monotonic()``.
+
+    The size is looked up only when the record will be emitted (``nbytes`` None: from the file).
+    """
+    if get_rank() != 0 or not logger.isEnabledFor(logging.INFO):
+        return
+    seconds = time.monotonic() - started
+    if nbytes is None:
+        try:
+            nbytes = file_size(path)
+        except OSError:
+            nbytes = 0
+    rate = f", {nbytes / seconds / 1e9:.3g} GB/s" if seconds > 0 else ""
+    logger.info(
+        "%s %s (%s in %.2f s%s)",
+        verb,
+        path,
+        human_size(nbytes),
+        seconds,
+        rate,
+        extra={"ckpt_path": path, "ckpt_bytes": nbytes, "ckpt_seconds": seconds},
+    )
