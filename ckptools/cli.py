@@ -19,16 +19,68 @@ from typing import Annotated, Any, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer.core import TyperGroup
+
+out = Console()
+err = Console(stderr=True)
+# click's exception classes: from click itself, or from the copy newer typer versions carry.
+_click_errors = sys.modules[typer.BadParameter.__module__]
+
+
+class _Group(TyperGroup):
+    """Usage errors (unknown option, missing argument) as one ``ckpt: ...`` line and exit 2.
+
+    click would draw a box of several lines; every other ckpt error is one line on stderr, and
+    scripts that read stderr should not have to tell the two apart. click's own hints ("Possible
+    options: --json", "Try 'ckpt info --help'") are kept in the line.
+    """
+
+    def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except _click_errors.UsageError as usage:
+            if type(usage).__name__ == "NoArgsIsHelpError" and usage.ctx is not None:
+                out.print(usage.ctx.get_help(), markup=False, highlight=False)  # bare `ckpt`: the help
+            else:
+                hint = f" Try '{usage.ctx.command_path} --help' for help." if usage.ctx else ""
+                message = " ".join(usage.format_message().split()).rstrip(".")
+                err.print(f"ckpt: {message}.{hint}", markup=False, highlight=False, soft_wrap=True)
+            code = usage.exit_code
+        except typer.Abort:
+            err.print("ckpt: aborted", markup=False, highlight=False)
+            code = 1
+        code = code if isinstance(code, int) else 0
+        if standalone_mode:
+            sys.exit(code)
+        return code
+
 
 app = typer.Typer(
     name="ckpt",
+    cls=_Group,
     help="Inspect, rename, convert, compare and verify PyTorch checkpoints (.pt/.pth/.bin/.ckpt/.safetensors).",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console()
-err = Console(stderr=True)
+
+
+def _show_version(value: bool) -> None:
+    if value:
+        from . import __version__
+
+        out.print(f"ckpt (ckptools) {__version__}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: Annotated[
+        bool, typer.Option("--version", help="show the version and exit", is_eager=True, callback=_show_version)
+    ] = False,
+) -> None:
+    """Inspect, rename, convert, compare and verify PyTorch checkpoints (.pt/.pth/.bin/.ckpt/.safetensors)."""
+
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
@@ -87,29 +139,7 @@ def _is_safetensors(path: str) -> bool:
     return path.endswith(".safetensors")
 
 
-def _human(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if size < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{n} B"
-
-
 # --- reading -------------------------------------------------------------------------------------
-
-
-def _walk_tensors(obj: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        yield prefix, obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _walk_tensors(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from _walk_tensors(value, f"{prefix}.{i}" if prefix else str(i))
 
 
 def _load_torch_with_devices(path: str) -> tuple[Any, dict[int, str]]:
@@ -170,9 +200,13 @@ def _info(path: str) -> dict[str, Any]:
         archive = TorchZip(path)
         tree = loads(archive.read_pickle(), path)
         return _tree_report(path, "torch zip", archive.size, tree, lambda n: tensor_info(n) if is_tensor(n) else None)
-    import torch
-
     ckpt, devices = _load_torch_with_devices(path)
+    return _loaded_report(path, ckpt, devices)
+
+
+def _loaded_report(path: str, ckpt: Any, devices: Mapping[int, str]) -> dict[str, Any]:
+    """The ``info`` report of a checkpoint loaded by torch (``devices``: storage -> saved device)."""
+    import torch
 
     def describe(node: Any) -> dict[str, Any] | None:
         if not isinstance(node, torch.Tensor):
@@ -272,8 +306,10 @@ def _has_module_prefix(name: str) -> bool:
 
 
 def _render_info(report: dict[str, Any]) -> None:
+    from .storage import human_size
+
     size = report["file_bytes"]
-    out.print(f"[bold]{report['path']}[/]  {report['format']}" + (f", {_human(size)}" if size is not None else ""))
+    out.print(f"[bold]{report['path']}[/]  {report['format']}" + (f", {human_size(size)}" if size is not None else ""))
     if report["entries"]:
         table = Table("entry", "content", title="entries", title_justify="left")
         for key, text in report["entries"].items():
@@ -285,12 +321,12 @@ def _render_info(report: dict[str, Any]) -> None:
             t["name"],
             str(t["shape"]),
             t["dtype"],
-            _human(t["bytes"]),
+            human_size(t["bytes"]),
             t["device"] + (" (shared)" if t.get("shared") else ""),
         )
     out.print(table)
     totals = report["totals"]
-    out.print(f"{totals['tensors']} tensors, {_human(totals['bytes'])}")
+    out.print(f"{totals['tensors']} tensors, {human_size(totals['bytes'])}")
     if report["metadata"]:
         out.print("metadata: " + json.dumps(report["metadata"], default=str))
     if totals["module_prefixed"]:
@@ -303,19 +339,36 @@ def _render_info(report: dict[str, Any]) -> None:
 # --- strip-module / add-module -------------------------------------------------------------------
 
 
-def _target(path: str, output: Optional[str], in_place: bool) -> str:
+def _target(path: str, output: Optional[str], in_place: bool, force: bool) -> str:
     if in_place and output:
         raise _Fail("give either -o OUT or --in-place, not both")
     if not in_place and not output:
         raise _Fail("give -o OUT to write a new file, or --in-place to rewrite the input")
-    return path if in_place else str(output)
+    if in_place:
+        return path
+    _check_output(str(output), force, suggestion=os.path.basename(path))
+    return str(output)
 
 
-def _rename_command(path: str, output: Optional[str], in_place: bool, prefix: str, add: bool) -> None:
+def _check_output(dst: str, force: bool, *, suggestion: str) -> None:
+    """Refuse an OUT that is a directory, or that exists without --force (nothing is touched)."""
+    from .storage import get_filesystem, join
+
+    fs, fpath = get_filesystem(dst)
+    if fs.isdir(fpath):
+        raise _Fail(f"{dst} is a directory; name the output file inside it, e.g. {join(dst, suggestion)}")
+    if fs.exists(fpath) and not force:
+        raise _Fail(f"{dst} already exists; pass --force to overwrite it")
+
+
+_FORCE = typer.Option("--force", "-f", help="overwrite OUT if it exists")
+
+
+def _rename_command(path: str, output: Optional[str], in_place: bool, prefix: str, add: bool, force: bool) -> None:
     def body() -> None:
         from .state_dict import add_prefix, strip_prefix
 
-        dst = _target(path, output, in_place)
+        dst = _target(path, output, in_place, force)
         transform = (lambda sd: add_prefix(sd, prefix)) if add else (lambda sd: strip_prefix(sd, prefix))
         with _progress("renaming", path):
             if _is_safetensors(path):
@@ -375,9 +428,10 @@ def strip_module(
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the result here")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="rewrite the input (atomically)")] = False,
     prefix: Annotated[str, typer.Option(help="the prefix to remove")] = "module.",
+    force: Annotated[bool, _FORCE] = False,
 ) -> None:
     """Remove the DDP 'module.' prefix from the weights' keys (other entries are kept)."""
-    _rename_command(path, output, in_place, prefix, add=False)
+    _rename_command(path, output, in_place, prefix, add=False, force=force)
 
 
 @app.command("add-module")
@@ -386,9 +440,10 @@ def add_module(
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the result here")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="rewrite the input (atomically)")] = False,
     prefix: Annotated[str, typer.Option(help="the prefix to add")] = "module.",
+    force: Annotated[bool, _FORCE] = False,
 ) -> None:
     """Add the 'module.' prefix to the weights' keys (keys that have it are left alone)."""
-    _rename_command(path, output, in_place, prefix, add=True)
+    _rename_command(path, output, in_place, prefix, add=True, force=force)
 
 
 # --- convert -------------------------------------------------------------------------------------
@@ -400,11 +455,14 @@ def convert(
     dst: Annotated[str, typer.Argument(help="output; its suffix picks the format")],
     key: Annotated[Optional[str], typer.Option(help="entry holding the weights (dotted for nesting)")] = None,
     no_strip: Annotated[bool, typer.Option("--no-strip", help="keep the 'module.' prefix")] = False,
+    force: Annotated[bool, _FORCE] = False,
 ) -> None:
     """Convert .pt -> .safetensors (tied tensors once, scalars and checksums in metadata), or back."""
 
     def body() -> None:
         strip = None if no_strip else "module."
+        stem = os.path.basename(src).rsplit(".", 1)[0] or "model"
+        _check_output(dst, force, suggestion=f"{stem}.pt" if _is_safetensors(src) else f"{stem}.safetensors")
         if _is_safetensors(dst):
             from .convert import convert_to_safetensors
 
@@ -523,24 +581,26 @@ def verify(path: Annotated[str, typer.Argument(help="checkpoint file or URL")]) 
 
 
 def _verify(path: str) -> str:
+    # Tensors are counted as `info` counts them (its report, from what was just loaded), so the
+    # two commands never disagree about one file.
     if _is_safetensors(path):
-        from .convert import load_safetensors, verify_safetensors
+        from .convert import load_safetensors, read_safetensors_header, verify_safetensors
 
         checked = verify_safetensors(path)
-        n = len(load_safetensors(path))
+        load_safetensors(path)
+        n = len(read_safetensors_header(path)[0])
         return f"safetensors, {n} tensors" + (
             f", {checked} CRC-32s match" if checked else ", structure checked (no checksums stored)"
         )
     from .convert import load_torch
     from .serialization import verify_torch_file
 
-    if _zip(path):
+    zipped = _zip(path)
+    if zipped:
         verify_torch_file(path)
-        ckpt = load_torch(path)
-        n = sum(1 for _ in _walk_tensors(ckpt))
+    n = _loaded_report(path, load_torch(path), {})["totals"]["tensors"]
+    if zipped:
         return f"torch zip, every record's CRC-32 matches, {n} tensors load"
-    ckpt = load_torch(path)
-    n = sum(1 for _ in _walk_tensors(ckpt))
     return f"torch legacy format (no checksums), {n} tensors load"
 
 

@@ -160,6 +160,66 @@ def test_usage_errors(tmp_path):
     assert proc.returncode == 0 and "strip-module" in proc.stdout
 
 
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["info", "{path}", "--jsn"], "No such option: --jsn (Possible options: --json). Try 'ckpt info --help'"),
+        (["info"], "Missing argument 'path'. Try 'ckpt info --help' for help."),
+        (["diff", "{path}", "{path}", "--atol", "x"], "Invalid value for '--atol'"),
+        (["bogus"], "No such command 'bogus'. Try 'ckpt --help' for help."),
+    ],
+)
+def test_usage_errors_are_one_line_exit_2(tmp_path, args, message):
+    path = _ddp_file(tmp_path)
+    proc = subprocess.run([CKPT, *(a.format(path=path) for a in args)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("ckpt: ") and message in proc.stderr, proc.stderr
+
+
+def test_version():
+    from ckptools import __version__
+
+    result = _run("--version")
+    assert result.exit_code == 0 and result.output.strip() == f"ckpt (ckptools) {__version__}"
+
+
+@pytest.mark.parametrize("command", ["convert", "strip-module", "add-module"])
+def test_existing_output_needs_force_and_a_directory_is_named(tmp_path, command):
+    path = _ddp_file(tmp_path)
+    out = tmp_path / ("out.safetensors" if command == "convert" else "out.pt")
+    out.write_bytes(b"precious")
+    args = [command, path, out] if command == "convert" else [command, path, "-o", out]
+    result = _run(*args)
+    assert result.exit_code == 2 and "already exists; pass --force" in result.output
+    assert out.read_bytes() == b"precious"
+    assert _run(*args, "--force").exit_code == 0 and out.read_bytes() != b"precious"
+    (tmp_path / "some_dir").mkdir()
+    args = (
+        [command, path, tmp_path / "some_dir"] if command == "convert" else [command, path, "-o", tmp_path / "some_dir"]
+    )
+    result = _run(*args, "--force")
+    suggestion = "ddp.safetensors" if command == "convert" else "ddp.pt"
+    assert result.exit_code == 2 and "some_dir is a directory; name the output file inside it, e.g. " in result.output
+    assert suggestion in result.output and os.listdir(tmp_path / "some_dir") == []
+
+
+def test_info_and_verify_count_tensors_alike(tmp_path):
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.BatchNorm1d(4))
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 3)).sum().backward()
+    opt.step()
+    ck.save(tmp_path / "c.pt", {"model": model, "optimizer": opt})  # RNG states ride along in __ckptools__
+    tied = torch.nn.Linear(4, 4, bias=False)
+    torch.save({"a": tied.weight.detach(), "b": tied.weight.detach()}, tmp_path / "tied.pt")
+    ck.convert_to_safetensors(tmp_path / "tied.pt", tmp_path / "tied.safetensors")  # b stored as an alias of a
+    for name in ("c.pt", "tied.safetensors"):
+        report = json.loads(_run("info", tmp_path / name, "--json").output)
+        verdict = _run("verify", tmp_path / name).output
+        assert f" {report['totals']['tensors']} tensors" in verdict, (name, report["totals"], verdict)
+    # 7 of the model, 3 per parameter of AdamW's state; the 3 RNG tensors of __ckptools__ are not weights.
+    assert json.loads(_run("info", tmp_path / "c.pt", "--json").output)["totals"]["tensors"] == 7 + 3 * 4
+
+
 def test_help_does_not_import_torch():
     code = "import sys; from ckptools.cli import app; print('torch' in sys.modules, 'fsspec' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
