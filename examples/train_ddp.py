@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import os
 import random
 import sys
@@ -80,6 +81,24 @@ def log(*parts: object) -> None:
         print(f"[rank0 {time.strftime('%H:%M:%S')}]", *parts, flush=True)
 
 
+def setup_logging(rank: int) -> None:
+    """Show ckptools' own reports (each save and load: path, size, seconds, GB/s) and its warnings.
+
+    ckptools configures no logging handler itself; its records go to the "ckptools" logger, at
+    INFO on rank 0 only. Its warnings (a CheckpointWarning: a resume that will not be bit-exact,
+    a damaged checkpoint skipped, ...) go through `warnings`; captureWarnings puts them in the
+    same stream, and ckptools issues them on rank 0 only, so nothing is printed N times.
+    """
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter(f"[rank{rank} %(asctime)s] %(name)s: %(message)s", datefmt="%H:%M:%S"))
+    for name in ("ckptools", "py.warnings"):
+        logger = logging.getLogger(name)
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    logging.captureWarnings(True)
+
+
 def make_data(size: int, seed: int) -> TensorDataset:
     """Synthetic classification data labelled by a fixed random teacher network (no downloads).
 
@@ -115,6 +134,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     # nccl + cuda:LOCAL_RANK on GPUs, gloo + cpu otherwise; isolates torchrun restart attempts.
     device = ck.init_distributed(timeout=datetime.timedelta(minutes=args.pg_timeout))
     rank, world = ck.get_rank(), ck.get_world_size()
+    setup_logging(rank)
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
     # Every rank says who it is once: on two nodes both have local rank 0, and only global
     # rank 0 writes checkpoints.
@@ -148,15 +168,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
     dataset = make_data(args.dataset_size, args.seed)
     sampler = ck.ResumableDistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(
-        dataset,
-        batch_size=args.batch_size,
-        sampler=sampler,
-        num_workers=args.num_workers,
-        drop_last=True,
-        # Each iter(loader) draws a base seed for its workers: from its own generator here, so
-        # that starting an epoch mid-way on resume does not shift the global RNG stream.
-        generator=torch.Generator().manual_seed(args.seed),
-        persistent_workers=False,
+        dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers, drop_last=True
     )
 
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
@@ -183,16 +195,16 @@ def main(argv: list[str] | None = None) -> NoReturn:
         )
 
     def save() -> None:
-        path = manager.save({**state, "step": step}, step)
-        log(f"saved {path}")
+        manager.save({**state, "step": step}, step)  # ckptools logs "saved PATH (size in s, GB/s)"
 
     last_saved = step
     for epoch in range(sampler.epoch if ckpt is not None else 0, args.epochs):
         sampler.set_epoch(epoch)  # the restored epoch keeps its restored position
         ddp.train()
-        # Workers prefetch ahead of the loop: track() makes the sampler count what the loop took.
-        batches = sampler.track(loader) if args.num_workers > 0 else loader
-        for x, y in batches:
+        # track() counts the batches the loop received (workers prefetch ahead of it) and lends
+        # the DataLoader a seed of its own for the epoch (else iter(loader) draws one from the
+        # global RNG, at a different point of the stream in a run resumed mid-epoch).
+        for x, y in sampler.track(loader):
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
                 loss = loss_fn(ddp(x), y)

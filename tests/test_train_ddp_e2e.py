@@ -2,83 +2,24 @@
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import signal
 import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 from _dist import free_port
+from _torchrun import ok
+from _torchrun import torchrun as _launch
 from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "examples" / "train_ddp.py")
-TIMEOUT = 150
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("TORCHELASTIC_RESTART_COUNT", None)
-    return env
 
 
 def torchrun(ckpt_dir, *args: str, nproc: int = 2, max_restarts: int = 0, launch: tuple[str, ...] = ()):
     launch = launch or ("--standalone",)
-    cmd = [sys.executable, "-m", "torch.distributed.run", *launch, f"--nproc-per-node={nproc}",
-           f"--max-restarts={max_restarts}", SCRIPT, "--ckpt-dir", str(ckpt_dir), *args]  # fmt: skip
-    # Own process group, so that a launch that hangs is killed with all its workers and its
-    # output so far still reaches the assertion message.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(), cwd=ROOT,
-                            start_new_session=True)  # fmt: skip
-    try:
-        stdout, stderr = proc.communicate(timeout=TIMEOUT)
-    except subprocess.TimeoutExpired:
-        stacks = _stacks_and_kill(proc.pid)
-        stdout, stderr = proc.communicate(timeout=30)
-        stderr += f"\n[test] launch killed after {TIMEOUT}s without finishing; stacks:\n{stacks}"
-        return subprocess.CompletedProcess(cmd, -9, stdout, stderr)
-    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
-
-
-def _descendants(pid: int) -> list[int]:
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
-        found += [int(c) for c in children]
-        todo += [int(c) for c in children]
-    return found
-
-
-def _stacks_and_kill(pid: int) -> str:
-    """Python stacks of a hung launch and its workers (py-spy, where installed), then SIGKILL all.
-
-    torchrun starts its workers in sessions of their own, so the whole tree is collected first.
-    """
-    pids = [pid, *_descendants(pid)]
-    stacks = []
-    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
-    for p in pids:
-        if os.path.exists(spy):
-            dump = subprocess.run(
-                [spy, "dump", "--native", "--pid", str(p)], capture_output=True, text=True, timeout=60
-            )
-            stacks.append(f"--- pid {p}\n{dump.stdout}{dump.stderr}")
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
-    return "\n".join(stacks)
-
-
-def ok(proc: subprocess.CompletedProcess) -> str:
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    # A clean exit, not a teardown crash of a restarted rank.
-    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
-    return proc.stdout + proc.stderr
+    return _launch([*launch, f"--nproc-per-node={nproc}", f"--max-restarts={max_restarts}", SCRIPT,
+                    "--ckpt-dir", str(ckpt_dir), *args], cwd=ROOT)  # fmt: skip
 
 
 def assert_bit_identical(a_dir, b_dir) -> None:

@@ -1,0 +1,75 @@
+"""Launch ``torchrun`` from a test: its own process group, and the stacks of a launch that hangs."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+
+
+def torchrun(
+    args: Sequence[str], *, cwd: str | os.PathLike[str], timeout: float = 150, env: Mapping[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    """Run ``python -m torch.distributed.run *args`` (``env``: extra variables).
+
+    One intra-op thread per process, unbuffered output, no inherited restart count. A launch
+    still running after ``timeout`` s is killed with all its workers and returns -9, with every
+    process's Python stack in stderr.
+    """
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args]
+    variables = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **(env or {}))
+    variables.pop("TORCHELASTIC_RESTART_COUNT", None)
+    # Own process group, so that a launch that hangs is killed with all its workers and its
+    # output so far still reaches the assertion message.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=variables, cwd=cwd,
+                            start_new_session=True)  # fmt: skip
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stacks = _stacks_and_kill(proc.pid)
+        stdout, stderr = proc.communicate(timeout=30)
+        stderr += f"\n[test] launch killed after {timeout}s without finishing; stacks:\n{stacks}"
+        return subprocess.CompletedProcess(cmd, -9, stdout, stderr)
+    return subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
+
+
+def ok(proc: subprocess.CompletedProcess) -> str:
+    """The launch's output, after asserting it exited 0 without a teardown crash."""
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    # A clean exit, not a teardown crash of a restarted rank.
+    assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        children = subprocess.run(["pgrep", "-P", str(parent)], capture_output=True, text=True).stdout.split()
+        found += [int(c) for c in children]
+        todo += [int(c) for c in children]
+    return found
+
+
+def _stacks_and_kill(pid: int) -> str:
+    """Python stacks of a hung launch and its workers (py-spy, where installed), then SIGKILL all.
+
+    torchrun starts its workers in sessions of their own, so the whole tree is collected first.
+    """
+    pids = [pid, *_descendants(pid)]
+    stacks = []
+    spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    for p in pids:
+        if os.path.exists(spy):
+            dump = subprocess.run(
+                [spy, "dump", "--native", "--pid", str(p)], capture_output=True, text=True, timeout=60
+            )
+            stacks.append(f"--- pid {p}\n{dump.stdout}{dump.stderr}")
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGKILL)
+    return "\n".join(stacks)

@@ -1,0 +1,135 @@
+"""End-to-end: the README's Quick start, as the README shows it, killed and relaunched, ends bit-identical.
+
+The script is the Quick start code block itself with its blanks filled in (a model with dropout,
+synthetic data, the training step, a small save interval, `num_workers`), so this test breaks
+when the README drifts. One rank dies right after step 25; the same command is launched again
+and must resume from step 20 and end with exactly the weights of a run that never stopped,
+without a single CheckpointWarning.
+"""
+
+from __future__ import annotations
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from _torchrun import ok, torchrun
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+KILL_AT, SAVE_EVERY, EPOCHS = 25, 10, 4  # 512 samples, 2 ranks x 32 per batch: 8 steps per epoch, 32 in all
+
+PRELUDE = f"""
+import os
+
+import torch
+from torch.utils.data import TensorDataset
+
+IN, CLASSES = 32, 8
+
+
+def build_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(IN, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, CLASSES)
+    )
+
+
+_g = torch.Generator().manual_seed(1)
+_x = torch.randn(512, IN, generator=_g)
+dataset = TensorDataset(_x, (_x @ torch.randn(IN, CLASSES, generator=_g)).argmax(dim=1))
+epochs = {EPOCHS}
+torch.manual_seed(100 + int(os.environ["RANK"]))  # per-rank dropout streams
+"""
+
+# The training step: it replaces the `...` line of the Quick start's inner loop.
+STEP = """
+x, y = x.to(device), y.to(device)
+loss = torch.nn.functional.cross_entropy(model(x), y)
+opt.zero_grad(set_to_none=True)
+scaler.scale(loss).backward()
+scaler.step(opt)
+scaler.update()
+sched.step()
+if ckpt is None and step + 1 == int(os.environ.get("KILL_AT", -1)) and ck.get_rank() == 1:
+    os._exit(17)  # rank 1 dies abruptly right after that step, in a launch that started fresh
+"""
+
+EPILOGUE = """
+if ck.get_rank() == 0:
+    weights = {k: v.detach().cpu() for k, v in ck.unwrap_model(model).state_dict().items()}
+    torch.save({"weights": weights, "step": step}, "final.pt")
+    print(f"resumed from {None if ckpt is None else ckpt['step']}, ended at step {step}", flush=True)
+ck.barrier()
+os._exit(0)  # no gloo teardown (see the README's Teardown note)
+"""
+
+
+def quickstart(readme: str) -> str:
+    """The first Python block under the README's "## Quick start" heading."""
+    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    block = re.search(r"```python\n(.*?)```", section, re.S)
+    assert block, "the README's Quick start has no ```python block"
+    return block.group(1)
+
+
+def fill_in(code: str, num_workers: int) -> str:
+    """The Quick start with its blanks filled; each substitution must find exactly its one place."""
+    placeholder = re.compile(r"^( *)\.\.\.( *#.*)?$", re.M)
+    assert len(placeholder.findall(code)) == 1, "the Quick start's training step is one `...` line"
+    code = placeholder.sub(lambda m: textwrap.indent(STEP.strip("\n"), m.group(1)), code)
+    code, n = re.subn(r"num_workers=\d+", f"num_workers={num_workers}", code)
+    assert n == 1, "the Quick start's DataLoader sets num_workers"
+    code, n = re.subn(r"step % \d+ == 0", f"step % {SAVE_EVERY} == 0", code)
+    assert n == 1, "the Quick start saves every N steps"
+    return PRELUDE + code + EPILOGUE
+
+
+def launch(script: Path, workdir: Path, *, kill: bool):
+    env = {"KILL_AT": str(KILL_AT)} if kill else {}
+    return torchrun(["--standalone", "--nproc-per-node=2", "--max-restarts=0", str(script)], cwd=workdir, env=env)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Final weights of a run that is never killed, per num_workers (computed once)."""
+    cache: dict[int, dict] = {}
+
+    def get(num_workers: int) -> dict:
+        if num_workers not in cache:
+            work = tmp_path_factory.mktemp(f"uninterrupted{num_workers}")
+            script = work / "train.py"
+            script.write_text(fill_in(quickstart(README.read_text()), num_workers))
+            out = ok(launch(script, work, kill=False))
+            assert "resumed from None, ended at step 32" in out
+            cache[num_workers] = torch.load(work / "final.pt", weights_only=True)
+        return cache[num_workers]
+
+    return get
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_quickstart_killed_and_relaunched_is_bit_exact(tmp_path, uninterrupted, num_workers):
+    script = tmp_path / "train.py"
+    script.write_text(fill_in(quickstart(README.read_text()), num_workers))
+    first = launch(script, tmp_path, kill=True)
+    assert first.returncode != 0, "rank 1 dies after step 25, so the launch fails"
+    again = ok(launch(script, tmp_path, kill=True))  # the same command: resumes, and does not die again
+    assert "resumed from 20, ended at step 32" in again
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    expected = uninterrupted(num_workers)
+    assert final["step"] == expected["step"] == 32
+    assert sorted(final["weights"]) == sorted(expected["weights"])
+    for name, tensor in expected["weights"].items():
+        assert final["weights"][name].numpy().tobytes() == tensor.numpy().tobytes(), name
+    # The exact path is also the quiet one.
+    assert "CheckpointWarning" not in first.stdout + first.stderr + again
+
+
+def test_fill_in_fails_loudly_when_the_readme_drifts():
+    code = quickstart(README.read_text())
+    with pytest.raises(AssertionError, match="num_workers"):
+        fill_in(code.replace("num_workers=4", "pin_memory=True"), 2)
+    with pytest.raises(AssertionError, match="training step"):
+        fill_in(code.replace("        ...", "        pass"), 2)
