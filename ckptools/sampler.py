@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 import sys
 import weakref
 from collections.abc import Iterable, Iterator
@@ -216,7 +217,9 @@ class ResumableDistributedSampler(DistributedSampler):
             return iter(loader)
         # The base seed of the workers is drawn when the iterator is made, and only then: the
         # generator is lent for that moment, so the user's DataLoader is left as it was.
-        seed = (self.seed * 1_000_003 + self.epoch * 7919 + self.rank) % (1 << 63)
+        # One seed per (seed, epoch, rank), from a string seed: CPython hashes it with SHA-512,
+        # the same on every machine and Python version; distinct triples give unrelated seeds.
+        seed = random.Random(f"ckptools/{self.seed}/{self.epoch}/{self.rank}").getrandbits(63)
         loader.generator = torch.Generator().manual_seed(seed)
         try:
             return iter(loader)
@@ -294,9 +297,11 @@ def _loader_iterator() -> Any:
     a few frames up. Only used to warn; any other driver (a custom loop) is simply not found.
     """
     base = getattr(torch.utils.data.dataloader, "_BaseDataLoaderIter", None)
+    if base is None:
+        return None
     frame = sys._getframe(2)
     for _ in range(8):
-        if frame is None or base is None:
+        if frame is None:
             return None
         candidate = frame.f_locals.get("self")
         if isinstance(candidate, base):
