@@ -4,10 +4,10 @@
   (path, bytes, seconds, GB/s; also as ``record.ckpt_path``, ``ckpt_bytes``, ``ckpt_seconds``).
   ckptools adds no handler: nothing is printed unless the application configures logging.
 - Everything that goes wrong without stopping the run is a :class:`CheckpointWarning` through
-  :mod:`warnings`, never a log record, so one filter (``-W error::ckptools.CheckpointWarning``)
-  catches all of them and ``logging.captureWarnings(True)`` routes them to the logs. Hazards that
-  are the same on every rank (a DataLoader without its own seed, ...) are warned about once per
-  process, on rank 0.
+  :mod:`warnings`, never a log record, so one filter
+  (``warnings.simplefilter("error", ck.CheckpointWarning)``) catches all of them and
+  ``logging.captureWarnings(True)`` routes them to the logs. Hazards that are the same on every
+  rank (a DataLoader without its own seed, ...) are warned about once per process, on rank 0.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ subclass also inherits the builtin exception that code without ckptools would ca
 
 Messages name the path or key and say how to fix the problem. Warnings go through
 :mod:`warnings`, never through the ``ckptools`` logger (which reports saves and loads at INFO), so
-``-W error::ckptools.CheckpointWarning`` turns every one of them into an error in a test suite and
+``warnings.simplefilter("error", ckptools.CheckpointWarning)`` (or pytest's
+``-W error::ckptools.CheckpointWarning``) turns every one of them into an error in a test suite and
 ``logging.captureWarnings(True)`` sends them to the logs.
 """
 
