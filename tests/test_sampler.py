@@ -166,19 +166,19 @@ def test_sampler_through_a_checkpoint(tmp_path):
 # --- the exact path, and a warning for every way off it --------------------------------------------
 
 
-def _training(tmp_path, *, loader_kw=None, sampler_kw=None):
+def _training(*, loader_kw=None):
     """A one-process training set-up: a dropout model, a sampler, a loader over DATA."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(1, 4), torch.nn.Dropout(0.5))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    sampler = ck.ResumableDistributedSampler(DATA, num_replicas=1, rank=0, seed=7, **(sampler_kw or {}))
+    sampler = ck.ResumableDistributedSampler(DATA, num_replicas=1, rank=0, seed=7)
     loader = DataLoader(DATA, batch_size=4, sampler=sampler, **(loader_kw or {}))
     return {"model": model, "optimizer": opt, "sampler": sampler}, loader
 
 
 def _dropout_after_resume(tmp_path, iterate, loader_kw=None):
     """Dropout noise drawn after batch 4 of epoch 1: uninterrupted, and resumed from a save after batch 3."""
-    state, loader = _training(tmp_path, loader_kw=loader_kw)
+    state, loader = _training(loader_kw=loader_kw)
     sampler = state["sampler"]
     for epoch in (0, 1):
         sampler.set_epoch(epoch)
@@ -187,7 +187,7 @@ def _dropout_after_resume(tmp_path, iterate, loader_kw=None):
                 ck.save(tmp_path / "c.pt", state)
             if epoch == 1 and i == 3:
                 expected = torch.rand(4)
-    state, loader = _training(tmp_path, loader_kw=loader_kw)
+    state, loader = _training(loader_kw=loader_kw)
     torch.manual_seed(123)  # a restart: the process starts with other streams
     ck.load(tmp_path / "c.pt", state)
     state["sampler"].set_epoch(1)
@@ -221,7 +221,7 @@ def test_loader_without_generator_warns_at_the_resumed_epoch(tmp_path):
 
 
 def test_drawing_between_restore_and_first_batch_warns(tmp_path):
-    state, loader = _training(tmp_path, loader_kw={"generator": torch.Generator()})
+    state, loader = _training(loader_kw={"generator": torch.Generator()})
     state["sampler"].set_epoch(0)
     batches = iter(state["sampler"].track(loader))
     next(batches)
@@ -233,7 +233,7 @@ def test_drawing_between_restore_and_first_batch_warns(tmp_path):
 
 
 def test_untracked_workers_warn_when_a_checkpoint_is_saved_mid_epoch(tmp_path):
-    state, loader = _training(tmp_path, loader_kw={"num_workers": 2})
+    state, loader = _training(loader_kw={"num_workers": 2})
     sampler = state["sampler"]
     sampler.set_epoch(0)
     for i, _ in enumerate(loader):
@@ -253,14 +253,14 @@ def test_untracked_workers_warn_when_a_checkpoint_is_saved_mid_epoch(tmp_path):
                 break
         assert torch.load(tmp_path / "c.pt", weights_only=True)["sampler"]["progress"] == 8
         # Untracked, but saved at the epoch's end: every batch was consumed, nothing to warn about.
-        other, loader = _training(tmp_path, loader_kw={"num_workers": 2})
+        other, loader = _training(loader_kw={"num_workers": 2})
         other["sampler"].set_epoch(0)
         assert len(list(loader)) == 13
         ck.save(tmp_path / "c.pt", other)
 
 
 def test_untracked_workers_warn_after_a_break(tmp_path):
-    state, loader = _training(tmp_path, loader_kw={"num_workers": 2})
+    state, loader = _training(loader_kw={"num_workers": 2})
     for i, _ in enumerate(loader):
         if i == 1:
             break
@@ -269,7 +269,7 @@ def test_untracked_workers_warn_after_a_break(tmp_path):
 
 
 def test_a_new_pass_without_set_epoch_warns_once(tmp_path):
-    state, loader = _training(tmp_path)
+    state, loader = _training()
     sampler = state["sampler"]
     first = _batches(loader)
     with pytest.warns(ck.CheckpointWarning, match=r"without sampler.set_epoch.*repeats the last shuffle") as seen:
