@@ -22,7 +22,6 @@ import logging
 import os
 import random
 import sys
-import time
 import traceback
 from typing import NoReturn
 
@@ -78,11 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def log(*parts: object) -> None:
     # Rank 0 alone logs: N copies of every line help nobody.
     if ck.is_main_process():
-        print(f"[rank0 {time.strftime('%H:%M:%S')}]", *parts, flush=True)
+        logging.getLogger("train_ddp").info(" ".join(map(str, parts)))
 
 
 def setup_logging(rank: int) -> None:
-    """Show ckptools' own reports (each save and load: path, size, seconds, GB/s) and its warnings.
+    """One stream for this loop's lines, ckptools' own reports (each save and load: path, size,
+    seconds, GB/s) and its warnings.
 
     ckptools configures no logging handler itself; its records go to the "ckptools" logger, at
     INFO on rank 0 only. Its warnings (a CheckpointWarning: a resume that will not be bit-exact,
@@ -91,7 +91,7 @@ def setup_logging(rank: int) -> None:
     """
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(f"[rank{rank} %(asctime)s] %(name)s: %(message)s", datefmt="%H:%M:%S"))
-    for name in ("ckptools", "py.warnings"):
+    for name in ("train_ddp", "ckptools", "py.warnings"):
         logger = logging.getLogger(name)
         logger.addHandler(handler)
         logger.setLevel(logging.INFO)
