@@ -28,20 +28,25 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
-    from .checkpoint import load, load_state_dict, save
+    from .background import AsyncSave, release_snapshot_buffers
+    from .checkpoint import async_save, load, load_state_dict, save
     from .convert import convert_to_safetensors
     from .devices import resolve_map_location, to_cpu
     from .dist import barrier, get_local_rank, get_rank, get_world_size, init_distributed, is_main_process
     from .manager import CheckpointManager
+    from .preemption import Preemption
     from .sampler import ResumableDistributedSampler
     from .state_dict import add_prefix, strip_prefix, unwrap_model
 
 __version__ = "0.1.0"
 
 _LAZY = {
+    "AsyncSave": ".background",
     "CheckpointManager": ".manager",
+    "Preemption": ".preemption",
     "ResumableDistributedSampler": ".sampler",
     "add_prefix": ".state_dict",
+    "async_save": ".checkpoint",
     "barrier": ".dist",
     "convert_to_safetensors": ".convert",
     "get_local_rank": ".dist",
@@ -51,6 +56,7 @@ _LAZY = {
     "is_main_process": ".dist",
     "load": ".checkpoint",
     "load_state_dict": ".checkpoint",
+    "release_snapshot_buffers": ".background",
     "resolve_map_location": ".devices",
     "save": ".checkpoint",
     "strip_prefix": ".state_dict",
@@ -59,16 +65,19 @@ _LAZY = {
 }
 
 __all__ = [
+    "AsyncSave",
     "CheckpointError",
     "CheckpointFormatError",
     "CheckpointManager",
     "CheckpointNotFoundError",
     "CheckpointWarning",
     "KeyMismatchError",
+    "Preemption",
     "ResumableDistributedSampler",
     "UnsafeCheckpointError",
     "UnsafeStateError",
     "add_prefix",
+    "async_save",
     "barrier",
     "convert_to_safetensors",
     "get_local_rank",
@@ -78,6 +87,7 @@ __all__ = [
     "is_main_process",
     "load",
     "load_state_dict",
+    "release_snapshot_buffers",
     "resolve_map_location",
     "save",
     "strip_prefix",

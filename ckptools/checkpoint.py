@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from . import _log, rng
+from . import _log, background, rng
 from .devices import MapLocation, resolve_map_location
 from .dist import _all_gather_object, _broadcast_object, get_rank, get_world_size
 from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeStateError
@@ -20,7 +20,7 @@ from .storage import PathLike, _fspath
 from .torchzip import META_KEY
 from .torchzip import locate_weights as _locate
 
-__all__ = ["load", "load_state_dict", "save"]
+__all__ = ["async_save", "load", "load_state_dict", "save"]
 
 FORMAT_VERSION = 1
 # Objects that exist only to continue training: a load that restores one of them is a resume,
@@ -106,7 +106,107 @@ def _save(
     before_write: Callable[[], None] | None = None,
 ) -> str:
     """:func:`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
+    background.finish_pending()
     started = time.monotonic()
+    path, user_meta = _checked_args(path, state, metadata)
+    # Every rank's RNG is captured before rank 0 does anything that could draw from it.
+    rng_states = _all_gather_object(rng.get_rng_state())
+    error: BaseException | None = None
+    written = 0
+    if get_rank() == 0:
+        try:
+            payload = _payload(state, user_meta, rng_states)
+            if before_write is not None:
+                before_write()
+            written = save_file(path, payload)
+        except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
+            error = err
+    _share_outcome(error, path)
+    _log.report("saved", path, started, written)
+    return path
+
+
+def async_save(
+    path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None
+) -> background.AsyncSave:
+    """Save like :func:`save`, but return once the state is copied; rank 0 writes in the background.
+
+    Collective: every rank calls it. It returns as soon as global rank 0 has copied ``state``
+    into host memory that training never touches, so the caller may step the optimizer the
+    moment it returns: the file holds the values as of the call, bit for bit. The file, its
+    checks (an unsafe value raises :class:`UnsafeStateError` here, on every rank, before
+    anything is copied) and its atomic write are those of :func:`save`; tensors are stored as
+    CPU tensors (``load`` puts them where ``map_location`` says, as always).
+
+    At most one save is in flight. A later ``save``, ``async_save``, ``load`` or
+    ``CheckpointManager`` call first waits for it, collectively; if rank 0's background write
+    failed, *that* call raises :class:`CheckpointError` on every rank (naming the failed file)
+    before doing anything else. So a failure surfaces at ``handle.wait()`` or at the next
+    checkpoint call, whichever comes first, and it is also logged by rank 0 the moment it
+    happens. A process that ends with a save in flight finishes the write before it exits
+    (unless it leaves through ``os._exit``: then wait first).
+
+    The snapshot goes into buffers kept from the previous async save while sizes match (pinned
+    host memory for CUDA tensors, copied non-blocking, then one synchronize), so the steady
+    cost is one memory copy of the state; that memory (one state's size) stays held until
+    :func:`ckptools.release_snapshot_buffers`. Only rank 0 copies anything.
+
+    Args:
+        path, state, metadata: as for :func:`save`.
+
+    Returns:
+        An :class:`AsyncSave` handle: ``wait()`` (collective) returns the path on every rank or
+        raises :class:`CheckpointError` on every rank; ``done()`` is a local poll.
+
+    Example:
+        >>> import torch, ckptools as ck
+        >>> model = torch.nn.Linear(2, 2)
+        >>> handle = ck.async_save("/tmp/async.pt", {"model": model, "step": 10})
+        >>> with torch.no_grad():
+        ...     _ = model.weight.add_(1.0)  # at once: the file keeps the weights as of the call
+        >>> handle.wait()
+        '/tmp/async.pt'
+    """
+    return _async_save(path, state, metadata=metadata)
+
+
+def _async_save(
+    path: PathLike,
+    state: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    before_write: Callable[[], None] | None = None,
+    after_write: Callable[[], None] | None = None,
+) -> background.AsyncSave:
+    """:func:`async_save`; ``before_write``/``after_write`` run in rank 0's writer thread (file I/O)."""
+    background.finish_pending()
+    started = time.monotonic()
+    path, user_meta = _checked_args(path, state, metadata)
+    rng_states = _all_gather_object(rng.get_rng_state())
+    error: BaseException | None = None
+    snapshot: Any = None
+    if get_rank() == 0:
+        try:
+            snapshot = background._BUFFERS.take(_payload(state, user_meta, rng_states))
+        except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
+            error = err
+    _share_outcome(error, path)
+    handle = background.AsyncSave(path, started)
+    if get_rank() == 0:
+
+        def write() -> int:
+            if before_write is not None:
+                before_write()
+            return save_file(path, snapshot)
+
+        handle._start(write, after_write)
+    background.set_pending(handle)
+    return handle
+
+
+def _checked_args(
+    path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any] | None
+) -> tuple[str, dict[str, Any]]:
     path = _fspath(path)
     if not isinstance(state, Mapping):
         raise TypeError(f"state must be a mapping of names to objects, got {type(state).__name__}")
@@ -115,52 +215,50 @@ def _save(
     bad = [k for k in state if not isinstance(k, str)]
     if bad:
         raise TypeError(f"state keys must be strings, got {bad!r}")
-    user_meta = dict(metadata or {})
+    return path, dict(metadata or {})
 
-    # Every rank's RNG is captured before rank 0 does anything that could draw from it.
-    rng_states = _all_gather_object(rng.get_rng_state())
-    error: BaseException | None = None
-    written = 0
-    if get_rank() == 0:
-        try:
-            payload = {}
-            for name, obj in state.items():
-                payload[name] = entry = _entry(obj)
-                check_loadable(entry, f"state[{name!r}]" + (".state_dict()" if entry is not obj else ""))
-            check_loadable(user_meta, "metadata")
-            payload[META_KEY] = {
-                "format_version": FORMAT_VERSION,
-                "ckptools_version": _ckptools_version(),
-                "torch_version": str(torch.__version__),  # TorchVersion itself is refused by weights_only
-                "world_size": get_world_size(),
-                "created_unix": time.time(),
-                "rng": rng_states,
-                "metadata": user_meta,
-            }
-            if before_write is not None:
-                before_write()
-            written = save_file(path, payload)
-        except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
-            error = err
-    # The outcome travels to every rank, so a failure on rank 0 surfaces everywhere at once
-    # instead of leaving the other ranks in a barrier until the collective timeout.
+
+def _payload(state: Mapping[str, Any], user_meta: dict[str, Any], rng_states: list[Any]) -> dict[str, Any]:
+    """Rank 0: what goes into the file, every value checked to load back with weights_only."""
+    payload = {}
+    for name, obj in state.items():
+        payload[name] = entry = _entry(obj)
+        check_loadable(entry, f"state[{name!r}]" + (".state_dict()" if entry is not obj else ""))
+    check_loadable(user_meta, "metadata")
+    payload[META_KEY] = {
+        "format_version": FORMAT_VERSION,
+        "ckptools_version": _ckptools_version(),
+        "torch_version": str(torch.__version__),  # TorchVersion itself is refused by weights_only
+        "world_size": get_world_size(),
+        "created_unix": time.time(),
+        "rng": rng_states,
+        "metadata": user_meta,
+    }
+    return payload
+
+
+def _share_outcome(error: BaseException | None, path: str) -> None:
+    """Raise rank 0's ``error`` on every rank (collective).
+
+    A failure on rank 0 surfaces everywhere at once instead of leaving the other ranks in a
+    barrier until the collective timeout.
+    """
     outcome: tuple[bool, str] | None = None
     if error is not None:
         unsafe = isinstance(error, UnsafeStateError)
         outcome = (unsafe, str(error) if unsafe else f"{type(error).__name__}: {error}")
     outcome = _broadcast_object(outcome)
-    if outcome is not None:
-        unsafe, message = outcome
-        if unsafe:  # the same refusal on every rank: rank 0's own error, the others its text
-            if error is not None:
-                raise error
-            raise UnsafeStateError(message)
-        text = f"saving checkpoint {path} failed on rank 0: {message}; earlier checkpoints are untouched"
+    if outcome is None:
+        return
+    unsafe, message = outcome
+    if unsafe:  # the same refusal on every rank: rank 0's own error, the others its text
         if error is not None:
-            raise CheckpointError(text) from error
-        raise CheckpointError(text)
-    _log.report("saved", path, started, written)
-    return path
+            raise error
+        raise UnsafeStateError(message)
+    text = f"saving checkpoint {path} failed on rank 0: {message}; earlier checkpoints are untouched"
+    if error is not None:
+        raise CheckpointError(text) from error
+    raise CheckpointError(text)
 
 
 def _model_keys(model: torch.nn.Module) -> list[str]:
@@ -302,6 +400,7 @@ def load(
         >>> ck.load("/tmp/ckpt.pt", {"model": model})["step"]
         10
     """
+    background.finish_pending()  # the file may be the one still being written
     started = time.monotonic()
     path = _fspath(path)
     state = state or {}

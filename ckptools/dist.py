@@ -168,14 +168,36 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
     if backend == "nccl" and cuda:
         kwargs["device_id"] = device
     torch.distributed.init_process_group(**kwargs)
+    global _TIMEOUT
+    _TIMEOUT = timeout
     return device
 
 
-def _object_device() -> torch.device:
-    # NCCL can only move tensors that live on this rank's GPU; gloo wants CPU tensors.
-    if _dist_ready() and torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+# The timeout init_distributed was given, for the gloo side group (torch keeps no public record).
+_TIMEOUT: datetime.timedelta | None = None
+# (default group, gloo group made for it): ckptools' CPU-side exchanges when training uses nccl.
+_SIDE: tuple[Any, Any] | None = None
+
+
+def _object_group() -> Any:
+    """The group ckptools' own exchanges (objects, flags) run on: None for the default group.
+
+    When the default group has no gloo backend (nccl), a gloo group over the same ranks is made
+    once (collectively: the first ckptools collective is reached by every rank in the same
+    order) and reused. An exchange of Python objects or a preemption flag then stays on the CPU:
+    it never interleaves with the training's NCCL kernels, never waits for the GPU stream to
+    drain, and never needs a device synchronize to read the answer.
+    """
+    global _SIDE
+    if "gloo" in str(torch.distributed.get_backend()):
+        return None
+    default = torch.distributed.distributed_c10d._get_default_group()
+    if _SIDE is None or _SIDE[0] is not default:
+        kwargs: dict[str, Any] = {"backend": "gloo"}
+        if _TIMEOUT is not None:
+            kwargs["timeout"] = _TIMEOUT
+        _SIDE = (default, torch.distributed.new_group(**kwargs))
+    return _SIDE[1]
 
 
 def _broadcast_object(obj: Any, src: int = 0) -> Any:
@@ -184,7 +206,8 @@ def _broadcast_object(obj: Any, src: int = 0) -> Any:
         return obj
     box = [obj]
     try:
-        torch.distributed.broadcast_object_list(box, src=src, device=_object_device())
+        group = _object_group()
+        torch.distributed.broadcast_object_list(box, src=src, group=group, device=torch.device("cpu"))
     except RuntimeError as err:  # DistBackendError and friends
         raise _peer_error(err) from err
     return box[0]
@@ -195,12 +218,24 @@ def _all_gather_object(obj: Any) -> list[Any]:
     if not _dist_ready() or get_world_size() == 1:
         return [obj]
     out: list[Any] = [None] * get_world_size()
-    # all_gather_object picks this rank's GPU itself under NCCL (torch.cuda.current_device()).
     try:
-        torch.distributed.all_gather_object(out, obj)
+        # On a gloo group all_gather_object moves CPU tensors (see _object_group).
+        torch.distributed.all_gather_object(out, obj, group=_object_group())
     except RuntimeError as err:
         raise _peer_error(err) from err
     return out
+
+
+def _max_over_ranks(value: int) -> int:
+    """The largest ``value`` (0-255) of all ranks: one 1-byte all-reduce on the CPU-side group."""
+    if not _dist_ready() or get_world_size() == 1:
+        return value
+    box = torch.tensor([value], dtype=torch.uint8)
+    try:
+        torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX, group=_object_group())
+    except RuntimeError as err:
+        raise _peer_error(err) from err
+    return int(box.item())
 
 
 def _peer_error(err: BaseException) -> CheckpointError:

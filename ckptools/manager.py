@@ -6,8 +6,8 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import _log
-from .checkpoint import _save, load
+from . import _log, background
+from .checkpoint import _async_save, _save, load
 from .dist import _broadcast_object, get_rank
 from .errors import CheckpointError
 from .serialization import verify_torch_file
@@ -91,41 +91,86 @@ class CheckpointManager:
             if is_abandoned_tmp(path)
         ]
 
-    def save(self, state: Mapping[str, Any], step: int, **save_kwargs: Any) -> str:
+    def save(self, state: Mapping[str, Any], step: int, *, blocking: bool = True, **save_kwargs: Any) -> str:
         """Save ``state`` as the checkpoint for ``step`` (collective), then prune.
 
         ``step`` is also recorded in the file's metadata (``__ckptools__["metadata"]["step"]``).
+        With ``blocking=False`` the save goes through :func:`ckptools.async_save`: the call
+        returns once the state is snapshotted, rank 0 writes in the background, and pruning
+        happens in that background writer only after the new file is committed. The next
+        checkpoint call (any manager method but :meth:`checkpoints`, or ``ck.save``/``ck.load``)
+        finishes it first, and raises on every rank if it failed; :meth:`wait` does so now.
 
         Args:
             state: as for :func:`ckptools.save`.
             step: the training step (or any increasing counter).
+            blocking: False to save in the background.
             **save_kwargs: passed to :func:`ckptools.save` (``metadata=...``).
 
         Returns:
-            The new checkpoint's path.
+            The new checkpoint's path (where it will be, with ``blocking=False``).
 
         Raises:
-            CheckpointError: the save failed (on every rank); older checkpoints are untouched.
+            CheckpointError: the save failed (on every rank), or the async save before it did;
+                older checkpoints are untouched.
 
         Example:
             >>> manager.save({"model": model, "optimizer": opt}, step=200)  # doctest: +SKIP
+            >>> manager.save({"model": model, "optimizer": opt}, step=300, blocking=False)  # doctest: +SKIP
         """
         path = self.path_for(step)
         metadata = {**dict(save_kwargs.pop("metadata", None) or {}), "step": step}
+
         # Temporary files of a save that was killed: never loadable, only taking space (perhaps
         # the space this save needs). Rank 0 removes them once the state passed save's checks,
         # right before it writes; an error there must not escape, or the other ranks would wait
         # in save() for a rank that left.
-        _save(
-            path,
-            state,
-            metadata=metadata,
-            before_write=lambda: self._housekeeping(self._remove_leftovers, "clean up"),
-            **save_kwargs,
-        )
-        if get_rank() == 0:
+        def cleanup() -> None:
+            self._housekeeping(self._remove_leftovers, "clean up")
+
+        def prune() -> None:
             self._housekeeping(lambda: self._prune(step), "prune")
+
+        if not blocking:
+            _async_save(path, state, metadata=metadata, before_write=cleanup, after_write=prune, **save_kwargs)
+            return path
+        _save(path, state, metadata=metadata, before_write=cleanup, **save_kwargs)
+        if get_rank() == 0:
+            prune()
         return path
+
+    def wait(self) -> str | None:
+        """Finish the async save in flight, if any (collective); its path, or None if none was.
+
+        Raises:
+            CheckpointError: its background write failed (on every rank).
+
+        Example:
+            >>> manager.wait()  # doctest: +SKIP
+            'runs/x/ckpt-0000000300.pt'
+        """
+        return background.finish_pending()
+
+    @property
+    def pending(self) -> background.AsyncSave | None:
+        """The async save in flight (its ``done()`` is a local poll), or None."""
+        return background.pending()
+
+    def close(self) -> None:
+        """Finish the async save in flight (collective) and free the snapshot buffers it held.
+
+        Example:
+            >>> manager.close()  # doctest: +SKIP
+        """
+        self.wait()
+        background.release_snapshot_buffers()
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if exc[0] is None:  # an exception on its way out must not turn into a collective hang
+            self.close()
 
     def _remove_leftovers(self) -> None:
         for leftover in self._leftovers():
@@ -169,6 +214,9 @@ class CheckpointManager:
             >>> ck.CheckpointManager("/tmp/empty-run").latest() is None  # doctest: +SKIP
             True
         """
+        handle = background.pending()
+        if handle is not None:
+            handle._join()  # local: this rank's write (and pruning) in flight ends first
         for _, path in reversed(self.checkpoints()):
             try:
                 verify_torch_file(path)
@@ -199,6 +247,7 @@ class CheckpointManager:
             >>> ckpt = manager.restore({"model": model, "optimizer": opt})  # doctest: +SKIP
             >>> step = 0 if ckpt is None else ckpt["step"]  # doctest: +SKIP
         """
+        background.finish_pending()
         choice: tuple[str | None, str | None] = (None, None)
         failure: Exception | None = None
         if get_rank() == 0:

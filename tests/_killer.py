@@ -45,9 +45,11 @@ def _temp_files(directory: str) -> list[str]:
     return [name for name in list_files(directory) if TMP_MARKER in name]
 
 
-def _run_once(directory: str, numel: int, keep_last: int, delay: float, env: dict[str, str]) -> tuple[list[str], int]:
+def _run_once(
+    directory: str, numel: int, keep_last: int, delay: float, env: dict[str, str], mode: list[str]
+) -> tuple[list[str], int]:
     proc = subprocess.Popen(
-        [sys.executable, WRITER, directory, str(numel), str(keep_last)],
+        [sys.executable, WRITER, directory, str(numel), str(keep_last), *mode],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -75,9 +77,18 @@ def _run_once(directory: str, numel: int, keep_last: int, delay: float, env: dic
 
 
 def kill_loop(
-    directory: str, *, kills: int, numel: int, keep_last: int = 3, max_delay: float = 1.5, seed: int = 0
+    directory: str,
+    *,
+    kills: int,
+    numel: int,
+    keep_last: int = 3,
+    max_delay: float = 1.5,
+    seed: int = 0,
+    background: bool = False,
 ) -> Audit:
-    """Start the writer, SIGKILL it after a random delay, audit; ``kills`` times."""
+    """Start the writer, SIGKILL it after a random delay, audit; ``kills`` times.
+
+    ``background``: the writer saves with ``blocking=False`` (see ``_crash_writer.py``)."""
     rng = random.Random(seed)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     audit = Audit()
@@ -85,7 +96,8 @@ def kill_loop(
     outstanding: set[str] = set()  # temp files of killed saves, not yet seen removed
     expected_base = torch.randn(numel, generator=torch.Generator().manual_seed(0))
     for _ in range(kills):
-        lines, _pid = _run_once(directory, numel, keep_last, rng.uniform(0, max_delay), env)
+        mode = ["async"] if background else []
+        lines, _pid = _run_once(directory, numel, keep_last, rng.uniform(0, max_delay), env, mode)
         audit.kills += 1
         saved = [int(line.split()[1]) for line in lines if line.startswith("saved ")]
         begun = [int(line.split()[1]) for line in lines if line.startswith("begin ")]
@@ -110,8 +122,9 @@ def kill_loop(
                 latest = manager.latest()
         steps = [s for s, _ in manager.checkpoints()]
         latest_step = None if latest is None else int(os.path.basename(latest)[5:15])
-        # Newest completed step is there (or the next one, if the kill fell between its rename and its print).
-        allowed = {newest_reported} | ({begun[-1]} if begun else set())
+        # Newest completed step is there (or a later one begun, if the kill fell between its rename
+        # and its print; with background saves the one before the last begun may be that one too).
+        allowed = {newest_reported} | set(begun[-2:] if background else begun[-1:])
         if newest_reported is not None and latest_step not in allowed:
             audit.lost += 1
             audit.problems.append(f"latest is step {latest_step}, expected one of {allowed}; files {steps}")

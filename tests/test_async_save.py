@@ -1,0 +1,230 @@
+"""ck.async_save and the manager's blocking=False: snapshot semantics, one in flight, errors on every rank."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import ckptools as ck
+from ckptools import background
+from ckptools.checkpoint import _async_save
+from ckptools.storage import TMP_MARKER
+
+
+def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.BatchNorm1d(256), torch.nn.Linear(256, 4))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    _step(model, opt)
+    return model, opt
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(8, 64)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _assert_same(a, b, where="") -> None:
+    """Equal bit for bit, tensors (dtype, shape, bytes) and plain values, recursively."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.numpy().tobytes() == b.numpy().tobytes(), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            _assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def test_file_holds_the_state_as_of_the_call_bit_for_bit(tmp_path):
+    model, opt = _trained()
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    state = {"model": model, "optimizer": opt, "scheduler": sched, "step": 7}
+    ck.save(tmp_path / "sync.pt", state)
+    gate = threading.Event()
+    # The write is held back until training has moved on, so the test cannot pass by luck.
+    handle = _async_save(tmp_path / "async.pt", state, before_write=gate.wait)
+    assert not handle.done()
+    for _ in range(3):  # the optimizer steps in place: parameters, moments, step counters, lr
+        _step(model, opt)
+        sched.step()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(float("nan"))
+    gate.set()
+    assert handle.wait() == str(tmp_path / "async.pt") and handle.done()
+    sync, other = torch.load(tmp_path / "sync.pt"), torch.load(tmp_path / "async.pt")
+    for name in ("model", "optimizer", "scheduler", "step"):
+        _assert_same(sync[name], other[name], name)
+    assert other["model"]._metadata == sync["model"]._metadata  # BatchNorm's version survives
+    _assert_same(sync["__ckptools__"]["rng"], other["__ckptools__"]["rng"], "rng")
+    assert background.pending() is None
+
+
+def test_shared_storage_parameters_and_requires_grad_are_kept(tmp_path):
+    base = torch.arange(12.0)
+    param = torch.nn.Parameter(torch.ones(3))
+    state = {"base": base, "view": base[2:8].view(2, 3), "tied": base, "param": param}
+    ck.async_save(tmp_path / "a.pt", state).wait()
+    ck.save(tmp_path / "s.pt", state)
+    a, s = torch.load(tmp_path / "a.pt"), torch.load(tmp_path / "s.pt")
+    assert a["view"].untyped_storage().data_ptr() == a["base"].untyped_storage().data_ptr()
+    assert a["tied"] is a["base"]
+    assert type(a["param"]) is torch.nn.Parameter and a["param"].requires_grad
+    assert os.path.getsize(tmp_path / "a.pt") == os.path.getsize(tmp_path / "s.pt")
+    for k in ("base", "view", "param"):
+        assert torch.equal(a[k], s[k])
+
+
+def test_snapshot_buffers_are_reused_while_shapes_stay_and_can_be_released(tmp_path):
+    model, opt = _trained()
+    state = {"model": model, "optimizer": opt}
+    ck.async_save(tmp_path / "1.pt", state).wait()
+    first = [s.data_ptr() for s in background._BUFFERS._storages]
+    held = background._BUFFERS.nbytes
+    assert held >= 3 * sum(p.numel() * 4 for p in model.parameters())  # params + two AdamW moments
+    _step(model, opt)
+    ck.async_save(tmp_path / "2.pt", state).wait()
+    assert [s.data_ptr() for s in background._BUFFERS._storages] == first  # no new allocation
+    assert ck.release_snapshot_buffers() == held
+    assert background._BUFFERS.nbytes == 0
+    ck.async_save(tmp_path / "3.pt", {"w": torch.ones(5)}).wait()
+    # 20 bytes of w and the RNG states' tensors; nothing of the model's buffers kept.
+    assert 20 < background._BUFFERS.nbytes < 20_000 < held
+
+
+def test_unsafe_state_is_refused_at_the_call_and_nothing_is_in_flight(tmp_path):
+    import argparse
+
+    with pytest.raises(ck.UnsafeStateError, match="vars"):
+        ck.async_save(tmp_path / "a.pt", {"args": argparse.Namespace(lr=1)})
+    assert background.pending() is None and not (tmp_path / "a.pt").exists()
+
+
+def test_failed_background_write_is_raised_by_wait_and_again(tmp_path):
+    (tmp_path / "file").write_text("x")
+    handle = ck.async_save(tmp_path / "file" / "a.pt", {"w": torch.ones(3)})  # parent is a file
+    with pytest.raises(ck.CheckpointError, match="in the background failed on rank 0: NotADirectoryError"):
+        handle.wait()
+    with pytest.raises(ck.CheckpointError, match="NotADirectoryError"):
+        handle.wait()  # remembered, not lost
+    assert background.pending() is None
+
+
+def test_failed_background_write_surfaces_at_the_next_checkpoint_call(tmp_path):
+    ck.save(tmp_path / "good.pt", {"w": torch.ones(3)})
+    (tmp_path / "file").write_text("x")
+    ck.async_save(tmp_path / "file" / "a.pt", {"w": torch.ones(3)})
+    with pytest.raises(ck.CheckpointError, match=r"file/a\.pt in the background failed"):
+        ck.save(tmp_path / "next.pt", {"w": torch.zeros(3)})
+    assert not (tmp_path / "next.pt").exists()  # the new save did not run
+    assert torch.equal(ck.load(tmp_path / "good.pt")["w"], torch.ones(3))
+
+
+def test_a_later_call_finishes_the_save_in_flight_first(tmp_path):
+    gate = threading.Event()
+    first = _async_save(tmp_path / "1.pt", {"w": torch.ones(3)}, before_write=gate.wait)
+    threading.Timer(0.3, gate.set).start()
+    second = ck.async_save(tmp_path / "2.pt", {"w": torch.zeros(3)})
+    assert first.done() and (tmp_path / "1.pt").exists()  # finished before the second began
+    assert background.pending() is second
+    # load finishes the one in flight too: the file it asks for may be that one.
+    assert torch.equal(ck.load(tmp_path / "2.pt")["w"], torch.zeros(3))
+    assert background.pending() is None
+
+
+_EXITS_WITH_SAVE_IN_FLIGHT = """
+import sys, torch, ckptools as ck
+handle = ck.async_save(sys.argv[1], {"w": torch.full((32 << 20,), 3.0)})
+print("returned", handle.done(), flush=True)
+"""
+
+
+def test_a_script_that_ends_with_a_save_in_flight_still_gets_its_file(tmp_path):
+    path = tmp_path / "a.pt"
+    out = subprocess.run(
+        [sys.executable, "-c", _EXITS_WITH_SAVE_IN_FLIGHT, str(path)], capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    assert "returned False" in out.stdout  # the interpreter exited while the write was running
+    assert torch.equal(torch.load(path)["w"], torch.full((32 << 20,), 3.0))
+    assert not [p for p in tmp_path.iterdir() if TMP_MARKER in p.name]
+
+
+def _two_ranks(rank: int, world: int, directory: str) -> dict:
+    torch.manual_seed(rank)
+    w = torch.full((1000,), float(rank))
+    out: dict = {}
+    handle = ck.async_save(f"{directory}/a.pt", {"w": w, "rank_of_writer": rank})
+    w.fill_(-1.0)
+    out["path"] = handle.wait()
+    out["loaded"] = ck.load(f"{directory}/a.pt", restore_rng=False)["w"][0].item()
+    # Rank 0's write fails: every rank learns it, at the next checkpoint call.
+    open(f"{directory}/file", "w").close()
+    ck.async_save(f"{directory}/file/b.pt", {"w": w})
+    try:
+        ck.save(f"{directory}/c.pt", {"w": w})
+    except ck.CheckpointError as err:
+        out["error"] = str(err)
+    # The manager: background saves, pruned after commit; restore finishes the one in flight.
+    manager = ck.CheckpointManager(f"{directory}/run", keep_last=2)
+    for step in (1, 2, 3):
+        w.fill_(float(step))
+        manager.save({"w": w}, step, blocking=False)
+        w.fill_(-5.0)
+    box = torch.zeros(1000)
+    out["restored"] = manager.restore({"w": box})["__ckptools__"]["metadata"]["step"]
+    out["box"] = box[0].item()
+    out["files"] = sorted(p for p in os.listdir(f"{directory}/run"))
+    manager.close()
+    out["buffers"] = background._BUFFERS.nbytes
+    return out
+
+
+def test_two_ranks_rank0_writes_and_everyone_agrees(tmp_path):
+    results = run_ranks(_two_ranks, 2, str(tmp_path))
+    for out in results:
+        assert out["path"] == f"{tmp_path}/a.pt" and out["loaded"] == 0.0  # rank 0's values, pre-mutation
+        assert "file/b.pt in the background failed on rank 0: NotADirectoryError" in out["error"]
+        assert out["restored"] == 3 and out["box"] == 3.0
+        assert out["files"] == ["ckpt-0000000002.pt", "ckpt-0000000003.pt"]
+        assert out["buffers"] == 0
+    assert not (tmp_path / "c.pt").exists()
+
+
+def test_manager_blocking_false_prunes_only_after_the_commit(tmp_path):
+    manager = ck.CheckpointManager(tmp_path, keep_last=1)
+    manager.save({"w": torch.ones(2)}, 1)
+    gate = threading.Event()
+    from ckptools import checkpoint
+
+    real = checkpoint.save_file
+
+    def slow(path, obj):  # the write of step 2 waits until the test has looked
+        gate.wait()
+        return real(path, obj)
+
+    checkpoint.save_file = slow
+    try:
+        assert manager.save({"w": torch.zeros(2)}, 2, blocking=False).endswith("ckpt-0000000002.pt")
+        assert manager.pending is not None and not manager.pending.done()
+        assert [s for s, _ in manager.checkpoints()] == [1]  # step 1 is still there mid-write
+        gate.set()
+        assert manager.latest().endswith("ckpt-0000000002.pt")  # joins the local write first
+        assert [s for s, _ in manager.checkpoints()] == [2]  # pruned after the commit
+        assert manager.wait().endswith("ckpt-0000000002.pt") and manager.pending is None
+    finally:
+        checkpoint.save_file = real
+        gate.set()
