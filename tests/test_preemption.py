@@ -1,0 +1,128 @@
+"""ck.Preemption: every rank agrees at the same step, DataLoader workers survive, exit code, watchdog."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from _dist import run_ranks
+
+import ckptools as ck
+
+
+def _stop_step(rank: int, world: int, signalled: list[int], at: int, check_every: int, signum: int) -> dict:
+    preemption = ck.Preemption(check_every=check_every)
+    try:
+        for step in range(1, 50):
+            if step == at and rank in signalled:
+                os.kill(os.getpid(), signum)
+                time.sleep(0.05 * rank)  # the signal lands on the ranks at different moments
+            if preemption.should_stop():
+                return {"step": step, "signal": preemption.stop_signal, "code": preemption.exit_code,
+                        "received": preemption.received}  # fmt: skip
+        return {"step": None}
+    finally:
+        preemption.close()
+
+
+@pytest.mark.parametrize(
+    ("signalled", "check_every", "signum", "expect_step"),
+    [([1], 1, signal.SIGTERM, 5), ([0, 1, 2], 1, signal.SIGUSR1, 5), ([2], 3, signal.SIGTERM, 6)],
+)
+def test_every_rank_stops_at_the_same_step(signalled, check_every, signum, expect_step):
+    results = run_ranks(_stop_step, 3, signalled, 5, check_every, signum)
+    for rank, out in enumerate(results):
+        assert out["step"] == expect_step, results
+        assert out["signal"] == signum and out["code"] == 128 + signum
+        assert out["received"] == (signum if rank in signalled else None)
+
+
+def test_no_signal_never_stops_and_close_restores_the_handler():
+    previous = signal.getsignal(signal.SIGTERM)
+    preemption = ck.Preemption(check_every=2)
+    assert signal.getsignal(signal.SIGTERM) != previous
+    assert not any(preemption.should_stop() for _ in range(10))
+    preemption.close()
+    assert signal.getsignal(signal.SIGTERM) == previous
+    with pytest.raises(ValueError, match="check_every"):
+        ck.Preemption(check_every=0)
+
+
+_LOADER_SCRIPT = """
+import os, signal, sys, time, torch, ckptools as ck
+from torch.utils.data import DataLoader, Dataset
+
+class Slow(Dataset):
+    def __len__(self): return 400
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return torch.tensor([i])
+
+def init(worker_id):  # the loader's own worker_init_fn still runs
+    print("init", worker_id, flush=True)
+
+# The stop comes up to 20 batches after the signal (as after a long step or a slow save): more
+# than the workers prefetched, so the loop needs live workers to get there.
+preemption = ck.Preemption(grace_seconds=60, check_every=20)
+loader = DataLoader(Slow(), batch_size=4, num_workers=2, worker_init_fn=init)
+if sys.argv[1] == "protect":
+    loader = preemption.protect(loader)
+seen = 0
+for batch in loader:
+    seen += 1
+    if seen == 5:
+        print("ready", flush=True)  # the test now signals the whole process group
+    if preemption.should_stop():
+        print("stopping after", seen, "batches", flush=True)
+        preemption.exit()
+print("finished", flush=True)
+"""
+
+
+@pytest.mark.parametrize("mode", ["protect", "unprotected"])
+def test_dataloader_workers_survive_a_signal_to_the_process_group(tmp_path, mode):
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _LOADER_SCRIPT, mode],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group: the one signalled below
+    )
+    assert proc.stdout is not None
+    before = ""
+    for line in proc.stdout:
+        before += line
+        if line.startswith("ready"):
+            break
+    os.killpg(proc.pid, signal.SIGTERM)  # the trainer and its DataLoader workers at once
+    out, err = proc.communicate(timeout=60)
+    out = before + out
+    if mode == "protect":
+        assert proc.returncode == 143, err
+        assert "stopping after" in out and "init" in out  # workers print concurrently: lines may interleave
+    else:  # what protect() prevents: the workers die and take the loop down before any save
+        assert proc.returncode not in (0, 143)
+        assert "DataLoader worker" in err and "stopping after" not in out
+
+
+_STUCK_SCRIPT = """
+import os, signal, time, logging, ckptools as ck
+logging.basicConfig(level=logging.INFO)
+preemption = ck.Preemption(grace_seconds=1.0)
+os.kill(os.getpid(), signal.SIGTERM)
+time.sleep(3)  # no step boundary comes: a rank stuck in a collective looks like this
+print("received", preemption.received, flush=True)
+"""
+
+
+def test_watchdog_says_when_no_step_boundary_comes():
+    out = subprocess.run([sys.executable, "-c", _STUCK_SCRIPT], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "rank 0 received SIGTERM: stopping at the next step boundary" in out.stderr
+    assert "1 s after SIGTERM no step boundary was reached" in out.stderr
+    assert "time.sleep(3)" in out.stderr or 'File "<string>", line 6' in out.stderr  # the main thread's stack
+    assert f"received {int(signal.SIGTERM)}" in out.stdout
