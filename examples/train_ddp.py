@@ -9,6 +9,11 @@ and ends with the same weights, bit for bit, as a run that was never interrupted
 ``torchrun --max-restarts=1 ... --fail-at-step 23`` one rank dies after step 23 and torchrun
 restarts the job, which resumes by itself.
 
+Preemption is handled by default: SIGTERM or SIGUSR1 (to torchrun, to one rank, to every
+process) makes every rank stop at the same step, save it, and exit with code 143 (138 for
+SIGUSR1); the same command then resumes from that very step. ``--async-save`` writes periodic
+checkpoints in the background while training goes on.
+
 What each part is for is said where it happens. The batch size is per rank: the global batch is
 ``--batch-size * world_size`` and the learning rate ``--lr`` is for that global batch (gradients
 are averaged across ranks by DDP).
@@ -21,7 +26,9 @@ import datetime
 import logging
 import os
 import random
+import signal
 import sys
+import time
 import traceback
 from typing import NoReturn
 
@@ -45,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--ckpt-dir", default="runs/train_ddp", help="local path or fsspec URL (s3://...)")
     p.add_argument("--resume", default="auto", help="auto (newest good checkpoint in --ckpt-dir), none, or a PATH")
-    p.add_argument("--save-every-steps", type=int, default=5)
+    p.add_argument("--save-every-steps", type=int, default=5, help="0: no periodic or epoch-end saves")
     p.add_argument("--keep-last", type=int, default=3)
     p.add_argument(
         "--fail-at-step",
@@ -64,6 +71,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="keep DDP's gradient bucket layout fixed so a resume is bit-exact with 3+ ranks too",
     )
     p.add_argument("--log-every", type=int, default=8)
+    p.add_argument("--async-save", action="store_true", help="periodic saves in the background (blocking=False)")
+    p.add_argument(
+        "--preemption",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="on SIGTERM/SIGUSR1 every rank saves at the same step and exits with 128 + the signal number",
+    )
+    p.add_argument("--check-preemption-every", type=int, default=1, help="steps between preemption checks")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="model width")
+    p.add_argument("--depth", type=int, default=1, help="hidden layers (a bigger model for benchmarks)")
+    p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step: a slower model, for demos/tests")
     p.add_argument(
         "--pg-timeout",
         type=float,
@@ -112,17 +130,19 @@ def make_data(size: int, seed: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
-def make_model(seed: int) -> torch.nn.Module:
+def make_model(seed: int, hidden: int = HIDDEN, depth: int = 1) -> torch.nn.Module:
     # BatchNorm has per-rank statistics (SyncBatchNorm on GPU) and dropout makes the RNG state
     # part of what an exact resume must restore.
     torch.manual_seed(seed)  # same initial weights everywhere (DDP also broadcasts rank 0's)
-    return torch.nn.Sequential(
-        torch.nn.Linear(IN_FEATURES, HIDDEN),
-        torch.nn.BatchNorm1d(HIDDEN),
+    layers = [
+        torch.nn.Linear(IN_FEATURES, hidden),
+        torch.nn.BatchNorm1d(hidden),
         torch.nn.ReLU(),
         torch.nn.Dropout(0.2),
-        torch.nn.Linear(HIDDEN, CLASSES),
-    )
+    ]
+    for _ in range(depth - 1):  # only for a bigger state (benchmarks); depth 1 is the model above
+        layers += [torch.nn.Linear(hidden, hidden), torch.nn.ReLU()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(hidden, CLASSES))
 
 
 def main(argv: list[str] | None = None) -> NoReturn:
@@ -144,7 +164,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
         f"device {device.type}, attempt {attempt}, global batch {args.batch_size * world}, lr {args.lr}"
     )
 
-    model = make_model(args.seed)
+    # Installed first: a SIGTERM that comes while the job starts is caught too.
+    preemption = ck.Preemption(check_every=args.check_preemption_every) if args.preemption else None
+    model = make_model(args.seed, args.hidden, args.depth)
     if device.type == "cuda":
         model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
     model = model.to(device)
@@ -170,6 +192,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
     loader = DataLoader(
         dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers, drop_last=True
     )
+    if preemption is not None:
+        # Workers ignore the signals: torchrun's shutdown signals each rank's whole process
+        # group, and a dead worker would kill the loop before it could save.
+        loader = preemption.protect(loader)
 
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.8)  # stepped per step
@@ -194,10 +220,12 @@ def main(argv: list[str] | None = None) -> NoReturn:
             f"per rank)"
         )
 
-    def save() -> None:
-        manager.save({**state, "step": step}, step)  # ckptools logs "saved PATH (size in s, GB/s)"
+    def save(blocking: bool = True) -> None:
+        # ckptools logs "saved PATH (size in s, GB/s)"; in the background too, when it is done.
+        manager.save({**state, "step": step}, step, blocking=blocking)
 
-    last_saved = step
+    last_saved = first_step = step
+    started = time.monotonic()
     for epoch in range(sampler.epoch if ckpt is not None else 0, args.epochs):
         sampler.set_epoch(epoch)  # the restored epoch keeps its restored position
         ddp.train()
@@ -222,12 +250,33 @@ def main(argv: list[str] | None = None) -> NoReturn:
             if args.fail_at_step == step and attempt == 0 and ckpt is None and rank == _fail_rank(args, world):
                 print(f"[rank{rank}] simulated crash right after step {step}", flush=True)
                 os._exit(17)  # abrupt: no cleanup, no save, like a killed process
-            if step % args.save_every_steps == 0:
-                save()
+            if args.step_seconds:
+                time.sleep(args.step_seconds)
+            if args.save_every_steps and step % args.save_every_steps == 0:
+                save(blocking=not args.async_save)
                 last_saved = step
-        if last_saved != step:  # epoch end (unless that step was just saved)
-            save()
+            # A step boundary: every rank asks together whether any rank was signalled.
+            if preemption is not None and preemption.should_stop():
+                name = signal.Signals(preemption.stop_signal).name
+                if last_saved == step:  # this step's save was just made (or is being written)
+                    in_flight = manager.pending  # not yet waited for; done() is a local poll
+                    writing = "still being written" if in_flight and not in_flight.done() else "written"
+                    log(f"preempted at step {step} ({name}): finishing its background save ({writing})")
+                    manager.wait()
+                else:
+                    log(f"preempted at step {step} ({name}): saving it")
+                    save()  # blocking; an older background save in flight is finished first
+                preemption.exit()  # every rank leaves together, exit code 128 + signal number
+        if args.save_every_steps and last_saved != step:  # epoch end (unless that step was just saved)
+            save(blocking=not args.async_save)
             last_saved = step
+    seconds = time.monotonic() - started
+    closing = time.monotonic()
+    manager.close()  # the last background save is complete, its snapshot memory freed
+    log(
+        f"trained {step - first_step} steps in {seconds:.2f} s ({(step - first_step) / max(seconds, 1e-9):.2f} "
+        f"steps/s), then waited {time.monotonic() - closing:.2f} s for the last save"
+    )
 
     if ck.is_main_process():
         final = join(args.ckpt_dir, "final.safetensors")

@@ -8,7 +8,9 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping, Sequence
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 
 
 def torchrun(
@@ -73,3 +75,56 @@ def _stacks_and_kill(pid: int) -> str:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
     return "\n".join(stacks)
+
+
+def torchrun_signalled(
+    args: Sequence[str],
+    *,
+    cwd: str | os.PathLike[str],
+    when: str,
+    send: Callable[[int], None],
+    timeout: float = 150,
+) -> tuple[subprocess.CompletedProcess, float]:
+    """Run torchrun like :func:`torchrun`, and call ``send(torchrun_pid)`` once a line containing
+    ``when`` is printed. Returns the launch (stdout and stderr merged) and the seconds from
+    ``send`` to torchrun's exit (-1 if ``when`` never came)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", *args]
+    variables = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    variables.pop("TORCHELASTIC_RESTART_COUNT", None)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=variables, cwd=cwd,
+                            start_new_session=True)  # fmt: skip
+    lines: list[str] = []
+    sent: list[float] = []
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if not sent and when in line:
+                sent.append(time.monotonic())
+                send(proc.pid)
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        stacks = _stacks_and_kill(proc.pid)
+        proc.wait(30)
+        reader.join(10)
+        out = "".join(lines) + f"\n[test] launch killed after {timeout}s without finishing; stacks:\n{stacks}"
+        return subprocess.CompletedProcess(cmd, -9, out, ""), -1.0
+    exited = time.monotonic()
+    reader.join(30)
+    return subprocess.CompletedProcess(cmd, code, "".join(lines), ""), (exited - sent[0]) if sent else -1.0
+
+
+def job_processes(pid: int) -> list[int]:
+    """torchrun's pid, its ranks' and their DataLoader workers' (every process of the job)."""
+    return [pid, *_descendants(pid)]
+
+
+def rank_processes(pid: int) -> list[int]:
+    """The rank processes torchrun started (its direct children)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
+    return sorted(int(p) for p in out)

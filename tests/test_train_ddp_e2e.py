@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import re
+import signal
 import subprocess
 import threading
 from pathlib import Path
 
 import pytest
 from _dist import free_port
-from _torchrun import ok
+from _torchrun import job_processes, ok, rank_processes, torchrun_signalled
 from _torchrun import torchrun as _launch
 from safetensors.torch import load_file
 
@@ -33,16 +37,17 @@ def assert_bit_identical(a_dir, b_dir) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted runs, computed once: {(nproc, amp): ckpt_dir}."""
-    cache: dict[tuple[int, bool], Path] = {}
+    """Uninterrupted runs, computed once: {(nproc, amp, model args): ckpt_dir}."""
+    cache: dict[tuple[int, bool, tuple[str, ...]], Path] = {}
 
-    def get(nproc: int = 2, amp: bool = False) -> Path:
-        if (nproc, amp) not in cache:
+    def get(nproc: int = 2, amp: bool = False, model: tuple[str, ...] = ()) -> Path:
+        key = (nproc, amp, model)
+        if key not in cache:
             d = tmp_path_factory.mktemp(f"ref{nproc}{'amp' if amp else ''}")
-            out = ok(torchrun(d, *(["--amp"] if amp else []), nproc=nproc))
+            out = ok(torchrun(d, *(["--amp"] if amp else []), *model, nproc=nproc))
             assert "fresh start" in out and "resumed" not in out
-            cache[(nproc, amp)] = d
-        return cache[(nproc, amp)]
+            cache[key] = d
+        return cache[key]
 
     return get
 
@@ -117,3 +122,67 @@ def test_two_simulated_nodes(tmp_path, reference):
     assert "[rank1] local rank 0, writes checkpoints: False" in node1
     assert "resumed from step 20" in node0
     assert_bit_identical(reference(), tmp_path)
+
+
+def _signal(targets, signum: int):
+    def send(torchrun_pid: int) -> None:
+        for pid in targets(torchrun_pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    return send
+
+
+# Who gets the signal: torchrun (Kubernetes, or `kill` of the launcher; it forwards SIGTERM to
+# every rank's process group), every process of the job (SLURM signals a whole job step), or
+# one rank alone (the others learn it at the next step boundary).
+_TORCHRUN = (lambda pid: [pid], signal.SIGTERM)
+_EVERY_PROCESS = (job_processes, signal.SIGTERM)
+_ONE_RANK_USR1 = (lambda pid: rank_processes(pid)[-1:], signal.SIGUSR1)
+
+
+@pytest.mark.parametrize(
+    ("who", "extra", "model"),
+    [
+        pytest.param(_TORCHRUN, (), (), id="sigterm-to-torchrun"),
+        pytest.param(_TORCHRUN, ("--num-workers", "2"), (), id="sigterm-to-torchrun-workers2"),
+        pytest.param(_EVERY_PROCESS, ("--num-workers", "2"), (), id="sigterm-to-every-process-workers2"),
+        pytest.param(_ONE_RANK_USR1, (), (), id="sigusr1-to-one-rank"),
+        # Async saves every step of a ~55 MB state: the stop finds that step's save being
+        # written, and must finish it before every rank exits.
+        pytest.param(
+            _TORCHRUN,
+            ("--async-save", "--save-every-steps", "1"),
+            ("--hidden", "1536", "--depth", "4", "--batch-size", "2", "--dataset-size", "64"),
+            id="sigterm-async-save-in-flight",
+        ),
+    ],
+)
+def test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact(tmp_path, reference, who, extra, model):
+    targets, signum = who
+    # Periodic saves off (only the epoch-end one at step 16): only the preemption save can
+    # explain resuming at the step the signal stopped. With async saves, every step is saved,
+    # in the background; the stop's task is to make sure that save completes.
+    periodic = () if "--save-every-steps" in extra else ("--save-every-steps", "1000")
+    args = ["--standalone", "--nproc-per-node=2", "--max-restarts=0", SCRIPT, "--ckpt-dir", str(tmp_path),
+            "--step-seconds", "0.1", "--log-every", "1", *periodic, *extra, *model]  # fmt: skip
+    args[args.index("--step-seconds") + 1] = "0.01" if "--async-save" in extra else "0.1"
+    first, exit_seconds = torchrun_signalled(args, cwd=ROOT, when="epoch 1 step 20 ", send=_signal(targets, signum))
+    out = first.stdout
+    assert exit_seconds >= 0, out[-3000:]
+    how = "finishing its background save" if "--async-save" in extra else "saving it"
+    stopped = re.findall(rf"preempted at step (\d+) \({signal.Signals(signum).name}\): {how}", out)
+    assert len(stopped) == 1, out[-4000:]  # rank 0 logs it once; every rank stopped at that step
+    step = int(stopped[0])
+    assert 20 <= step < 32, out[-3000:]  # mid-epoch 1, not its end
+    assert f"every rank leaves with exit code {128 + signum}" in out, out[-3000:]
+    # No rank died of it (a dead DataLoader worker, a broken collective): only torchrun's own
+    # SignalException traceback, or its report that the ranks exited 138, may be there.
+    assert set(re.findall(r"\w+Error\b|DataLoader worker", out)) <= {"ChildFailedError"}, out[-4000:]
+    assert exit_seconds < 20, f"{exit_seconds:.1f} s from the signal to torchrun's exit"
+    if "--async-save" in extra:
+        # The save of that step had just begun: exiting without finishing it would lose it.
+        assert "finishing its background save (still being written)" in out, out[-3000:]
+    again = ok(torchrun(tmp_path, "--log-every", "1", *periodic, *extra, *model))
+    assert f"resumed from step {step} " in again, again[-3000:]  # 0 steps lost
+    assert_bit_identical(reference(model=model), tmp_path)
