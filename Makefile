@@ -30,7 +30,8 @@ e2e-loop: $(STAMP)
 	for i in $$(seq 1 $${N:-20}); do $(PY) -m pytest -q -x -p no:cacheprovider tests/test_train_ddp_e2e.py || exit 1; done
 
 # The long forms of the crash and fuzz tests (the short forms run in `make test`).
-# stress: kill -9 a saving process KILLS times (default 100) on local disk, and 10 times on S3;
+# stress: kill -9 a saving process KILLS times (default 100) on local disk, as many times during
+# background (async) saves, and 10 times on S3;
 # prints the kill count and the corrupt/lost counts, which must be 0.
 stress: $(STAMP)
 	CKPTOOLS_KILLS=$${KILLS:-100} CKPTOOLS_S3_KILLS=$${S3_KILLS:-10} CKPTOOLS_FLIPS=$${FLIPS:-2000} \
@@ -44,9 +45,15 @@ fuzz: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
 
+# bench: save/load and CLI against torch and cp; the stall of async saves (1 and 4 GiB) against sync
+# saves, DCP's async_save and the copy floor; the preemption check's cost; the reference loop's
+# throughput with no, sync and async checkpoints, and a preemption's exit time and steps lost.
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py --gib 1
 	$(PY) benchmarks/bench_cli.py --gib 1
+	$(PY) benchmarks/bench_async.py --gib 1 4
+	$(PY) benchmarks/bench_preemption.py
+	$(PY) benchmarks/bench_train.py
 
 demo: $(STAMP)
 	$(PY) examples/demo.py --workdir runs/demo

@@ -57,6 +57,8 @@ def _run(rank: int, world: int, port: int, calls: int, queue) -> None:
     dist.barrier()
     if rank == 0:
         queue.put(results)
+    queue.close()
+    queue.join_thread()  # the result is in the pipe before the process goes
     os._exit(0)  # see examples/train_ddp.py: no gloo teardown
 
 

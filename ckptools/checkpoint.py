@@ -66,7 +66,8 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
     them. The write is atomic (see :func:`ckptools.storage.atomic_write`) and every rank returns
     only after the file is complete. If rank 0 fails, every rank raises
     :class:`CheckpointError` (rank 0 chains the original exception): no rank is left waiting in a
-    barrier, and an earlier file at ``path`` is untouched. No RNG is advanced.
+    barrier, and an earlier file at ``path`` is untouched. No RNG is advanced. An
+    :func:`async_save` still in flight is finished first (and its failure raised, on every rank).
 
     Everything is checked before anything is written: an entry (or a value inside one, or
     inside ``metadata``) that ``torch.load(weights_only=True)`` would refuse, such as an

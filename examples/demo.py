@@ -1,15 +1,19 @@
 """`make demo`: train on 2 CPU processes, crash one rank mid-run, let torchrun restart the job,
-then train again without a crash and check that the final weights are bit-identical.
+then train again without a crash, then preempt a third run with SIGTERM mid-epoch and relaunch
+it; check that the final weights of all three are bit-identical.
 
 Usage: python examples/demo.py [--workdir runs/demo] [--fail-at-step 23]
-Exit status 0 only if both runs succeed and their final weights match bit for bit.
+Exit status 0 only if every run succeeds, the preempted one lost no step, and the final
+weights match bit for bit.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -24,12 +28,20 @@ def _interesting(line: str) -> str | None:
         return line
     if "failed (exitcode" in line or "Restarting worker group" in line or "closing signal" in line:
         return "[torchrun] " + line.split("] ", 1)[-1]
+    if "death signal" in line:
+        return "[torchrun] " + line.split("] ", 1)[-1]
     if line.startswith("[rank0]: RuntimeError"):  # the surviving rank notices its peer is gone
         return line[:150] + ("..." if len(line) > 150 else "")
     return None
 
 
-def run(title: str, ckpt_dir: Path, launcher: list[str], script: list[str]) -> float:
+def run(
+    title: str, ckpt_dir: Path, launcher: list[str], script: list[str], *, sigterm_at: str | None = None
+) -> tuple[float, str, float]:
+    """Launch the reference loop; with ``sigterm_at``, SIGTERM torchrun once a line contains it.
+
+    Returns the seconds it ran, its output, and the seconds from the SIGTERM to its exit.
+    """
     print(f"\n=== {title} ===", flush=True)
     args = ["--standalone", "--nproc-per-node=2", *launcher, str(HERE / "train_ddp.py"), "--ckpt-dir", str(ckpt_dir)]
     args += script
@@ -44,14 +56,24 @@ def run(title: str, ckpt_dir: Path, launcher: list[str], script: list[str]) -> f
         env=env,
     )
     assert proc.stdout is not None
+    output, sent = [], None
     for line in proc.stdout:
+        output.append(line)
         shown = _interesting(line.rstrip())
         if shown:
             print("  " + shown, flush=True)
+        if sigterm_at and sent is None and sigterm_at in line:
+            print("  [demo] sending SIGTERM to torchrun (as Kubernetes or scancel would)", flush=True)
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
     code = proc.wait()
-    if code != 0:
+    ended = time.monotonic()
+    text = "".join(output)
+    # A preempted torchrun exits non-zero (it re-raises the signal); the ranks' own exit is
+    # what says the save happened.
+    if code != 0 and not (sent and "every rank leaves with exit code 143" in text):
         raise SystemExit(f"demo: {title} failed with exit code {code}")
-    return time.monotonic() - start
+    return ended - start, text, (ended - sent) if sent else 0.0
 
 
 def main() -> int:
@@ -63,27 +85,54 @@ def main() -> int:
     shutil.rmtree(work, ignore_errors=True)
     crashed, clean = work / "crashed_and_resumed", work / "uninterrupted"
 
-    t1 = run(
+    preempted = work / "preempted_and_relaunched"
+    t1, _, _ = run(
         f"run 1: rank 1 dies after step {args.fail_at_step}; torchrun restarts the job, ckptools resumes it",
         crashed,
         ["--max-restarts=1"],
         ["--fail-at-step", args.fail_at_step],
     )
-    t2 = run("run 2: the same training, never interrupted", clean, [], [])
+    t2, _, _ = run("run 2: the same training, never interrupted", clean, [], [])
+    # Slowed to 50 ms a step (numerics unchanged) so the signal lands mid-epoch, not after the end.
+    t3, out3, exit_seconds = run(
+        "run 3: SIGTERM mid-epoch; every rank saves the step it reached and exits",
+        preempted,
+        [],
+        ["--step-seconds", "0.05", "--log-every", "6"],
+        sigterm_at=" step 18 ",
+    )
+    stopped = re.search(r"preempted at step (\d+)", out3)
+    t4, out4, _ = run("run 3, relaunched: the same command again", preempted, [], ["--log-every", "6"])
+    resumed = re.search(r"resumed from step (\d+)", out4)
+    if not stopped or not resumed:
+        raise SystemExit("demo: run 3 did not stop and resume as it should")
+    lost = int(stopped.group(1)) - int(resumed.group(1))
 
     from safetensors.torch import load_file
 
-    a = load_file(str(crashed / "final.safetensors"))
-    b = load_file(str(clean / "final.safetensors"))
-    same_keys = sorted(a) == sorted(b)
-    differing = [k for k in a if not same_keys or a[k].numpy().tobytes() != b[k].numpy().tobytes()]
-    max_delta = max(((a[k].double() - b[k].double()).abs().max().item() for k in a if k in b), default=0.0)
-    print(f"\n=== result ({t1:.1f}s + {t2:.1f}s) ===")
-    print(f"{len(a)} tensors compared, max |delta| = {max_delta}")
-    if same_keys and not differing:
-        print("final weights are BIT-IDENTICAL: the crash and the resume changed nothing")
+    ok = True
+    reference = load_file(str(clean / "final.safetensors"))
+    print(f"\n=== result ({t1:.1f}s + {t2:.1f}s + {t3:.1f}s + {t4:.1f}s) ===")
+    print(
+        f"preempted at step {stopped.group(1)}, torchrun exited {exit_seconds:.2f} s after SIGTERM; "
+        f"relaunch resumed from step {resumed.group(1)}: {lost} steps lost"
+    )
+    for name, run_dir in (("run 1 (crashed, restarted)", crashed), ("run 3 (preempted, relaunched)", preempted)):
+        other = load_file(str(run_dir / "final.safetensors"))
+        same_keys = sorted(other) == sorted(reference)
+        differing = [k for k in other if not same_keys or other[k].numpy().tobytes() != reference[k].numpy().tobytes()]
+        max_delta = max(
+            ((other[k].double() - reference[k].double()).abs().max().item() for k in other if k in reference),
+            default=0.0,
+        )
+        if same_keys and not differing:
+            print(f"{name}: {len(other)} tensors, max |delta| = {max_delta}: BIT-IDENTICAL to run 2")
+        else:
+            print(f"{name}: final weights DIFFER from run 2 in {differing}")
+            ok = False
+    if ok and lost == 0:
+        print("the crash, the preemption and the resumes changed nothing")
         return 0
-    print(f"final weights DIFFER in {differing}")
     return 1
 
 

@@ -130,7 +130,7 @@ def test_failed_background_write_surfaces_at_the_next_checkpoint_call(tmp_path):
     with pytest.raises(ck.CheckpointError, match=r"file/a\.pt in the background failed"):
         ck.save(tmp_path / "next.pt", {"w": torch.zeros(3)})
     assert not (tmp_path / "next.pt").exists()  # the new save did not run
-    assert torch.equal(ck.load(tmp_path / "good.pt")["w"], torch.ones(3))
+    assert torch.equal(ck.load(tmp_path / "good.pt", map_location="cpu")["w"], torch.ones(3))
 
 
 def test_a_later_call_finishes_the_save_in_flight_first(tmp_path):
@@ -141,7 +141,7 @@ def test_a_later_call_finishes_the_save_in_flight_first(tmp_path):
     assert first.done() and (tmp_path / "1.pt").exists()  # finished before the second began
     assert background.pending() is second
     # load finishes the one in flight too: the file it asks for may be that one.
-    assert torch.equal(ck.load(tmp_path / "2.pt")["w"], torch.zeros(3))
+    assert torch.equal(ck.load(tmp_path / "2.pt", map_location="cpu")["w"], torch.zeros(3))
     assert background.pending() is None
 
 
@@ -170,7 +170,7 @@ def _two_ranks(rank: int, world: int, directory: str) -> dict:
     handle = ck.async_save(f"{directory}/a.pt", {"w": w, "rank_of_writer": rank})
     w.fill_(-1.0)
     out["path"] = handle.wait()
-    out["loaded"] = ck.load(f"{directory}/a.pt", restore_rng=False)["w"][0].item()
+    out["loaded"] = ck.load(f"{directory}/a.pt", restore_rng=False, map_location="cpu")["w"][0].item()
     # Rank 0's write fails: every rank learns it, at the next checkpoint call.
     open(f"{directory}/file", "w").close()
     ck.async_save(f"{directory}/file/b.pt", {"w": w})
@@ -185,7 +185,7 @@ def _two_ranks(rank: int, world: int, directory: str) -> dict:
         manager.save({"w": w}, step, blocking=False)
         w.fill_(-5.0)
     box = torch.zeros(1000)
-    out["restored"] = manager.restore({"w": box})["__ckptools__"]["metadata"]["step"]
+    out["restored"] = manager.restore({"w": box}, map_location="cpu")["__ckptools__"]["metadata"]["step"]
     out["box"] = box[0].item()
     out["files"] = sorted(p for p in os.listdir(f"{directory}/run"))
     manager.close()

@@ -139,6 +139,10 @@ def _signal(targets, signum: int):
 _TORCHRUN = (lambda pid: [pid], signal.SIGTERM)
 _EVERY_PROCESS = (job_processes, signal.SIGTERM)
 _ONE_RANK_USR1 = (lambda pid: rank_processes(pid)[-1:], signal.SIGUSR1)
+# SLURM's `--signal=USR1@90` reaches every process of the step; torchrun forwards SIGUSR1 too
+# when told to handle it (by default SIGUSR1 would kill torchrun itself on the spot).
+_EVERY_PROCESS_USR1 = (job_processes, signal.SIGUSR1)
+_SLURM_TORCHRUN = ("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",)
 
 
 @pytest.mark.parametrize(
@@ -148,6 +152,7 @@ _ONE_RANK_USR1 = (lambda pid: rank_processes(pid)[-1:], signal.SIGUSR1)
         pytest.param(_TORCHRUN, ("--num-workers", "2"), (), id="sigterm-to-torchrun-workers2"),
         pytest.param(_EVERY_PROCESS, ("--num-workers", "2"), (), id="sigterm-to-every-process-workers2"),
         pytest.param(_ONE_RANK_USR1, (), (), id="sigusr1-to-one-rank"),
+        pytest.param(_EVERY_PROCESS_USR1, ("--num-workers", "2"), (), id="sigusr1-to-every-process-slurm"),
         # Async saves every step of a ~55 MB state: the stop finds that step's save being
         # written, and must finish it before every rank exits.
         pytest.param(
@@ -164,7 +169,8 @@ def test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact(tmp_path, ref
     # explain resuming at the step the signal stopped. With async saves, every step is saved,
     # in the background; the stop's task is to make sure that save completes.
     periodic = () if "--save-every-steps" in extra else ("--save-every-steps", "1000")
-    args = ["--standalone", "--nproc-per-node=2", "--max-restarts=0", SCRIPT, "--ckpt-dir", str(tmp_path),
+    launcher = _SLURM_TORCHRUN if who is _EVERY_PROCESS_USR1 else ()
+    args = ["--standalone", "--nproc-per-node=2", "--max-restarts=0", *launcher, SCRIPT, "--ckpt-dir", str(tmp_path),
             "--step-seconds", "0.1", "--log-every", "1", *periodic, *extra, *model]  # fmt: skip
     args[args.index("--step-seconds") + 1] = "0.01" if "--async-save" in extra else "0.1"
     first, exit_seconds = torchrun_signalled(args, cwd=ROOT, when="epoch 1 step 20 ", send=_signal(targets, signum))
