@@ -226,11 +226,17 @@ def _all_gather_object(obj: Any) -> list[Any]:
     return out
 
 
+# The preemption check's 1-byte tensor, made once: nothing is allocated per step, and gloo's
+# worker never needs the GIL to free it after the all-reduce.
+_FLAG = torch.zeros(1, dtype=torch.uint8)
+
+
 def _max_over_ranks(value: int) -> int:
     """The largest ``value`` (0-255) of all ranks: one 1-byte all-reduce on the CPU-side group."""
     if not _dist_ready() or get_world_size() == 1:
         return value
-    box = torch.tensor([value], dtype=torch.uint8)
+    box = _FLAG
+    box.fill_(value)
     try:
         torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX, group=_object_group())
     except RuntimeError as err:

@@ -226,7 +226,8 @@ class Preemption:
         DataLoader workers, and the main process would die fetching the next batch before it
         could save. The loader's own ``worker_init_fn`` still runs, after this one. A worker
         started with ``fork`` is covered from its first instruction (it inherits the handlers);
-        with ``spawn`` from the moment ``worker_init_fn`` runs.
+        with ``spawn`` from the moment ``worker_init_fn`` runs. Call it before the loader's first
+        iteration: ``persistent_workers`` already started keep the init function they had.
 
         Example:
             >>> loader = preemption.protect(DataLoader(dataset, num_workers=4))  # doctest: +SKIP

@@ -41,7 +41,9 @@ def torchrun(
 
 def ok(proc: subprocess.CompletedProcess) -> str:
     """The launch's output, after asserting it exited 0 without a teardown crash."""
-    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    # A launch killed as hung carries every process's stack: all of them, or the ranks' are cut.
+    keep = 60000 if proc.returncode == -9 else 6000
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-4000:]}\n{proc.stderr[-keep:]}"
     # A clean exit, not a teardown crash of a restarted rank.
     assert "terminate called" not in proc.stderr, proc.stderr[-3000:]
     return proc.stdout + proc.stderr

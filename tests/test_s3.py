@@ -88,6 +88,24 @@ def _model(value: float) -> torch.nn.Module:
     return m
 
 
+def test_background_saves_to_s3(s3_env):
+    # The writer thread talks to S3 through s3fs (whose own I/O loop runs in yet another thread).
+    manager = ck.CheckpointManager(f"s3://{BUCKET}/async", keep_last=2)
+    model = _model(0.0)
+    for step in (1, 2, 3):
+        with torch.no_grad():
+            model.weight.fill_(float(step))
+        manager.save({"model": model, "step": step}, step, blocking=False)
+        with torch.no_grad():
+            model.weight.fill_(-1.0)  # the upload in flight must not see it
+    assert manager.wait().endswith("ckpt-0000000003.pt")
+    assert _objects("async") == ["ckpt-0000000002.pt", "ckpt-0000000003.pt"]
+    target = _model(0.0)
+    assert manager.restore({"model": target}, map_location="cpu")["step"] == 3
+    assert torch.equal(target.weight, torch.full((4, 4), 3.0))
+    manager.close()
+
+
 def test_save_load_and_manager(s3_env):
     url = f"s3://{BUCKET}/single/model.pt"
     ck.save(url, {"model": _model(3.0), "step": 3})
