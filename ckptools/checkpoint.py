@@ -15,7 +15,7 @@ from .dist import _all_gather_object, _broadcast_object, get_rank, get_world_siz
 from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeStateError
 from .sampler import ResumableDistributedSampler
 from .serialization import check_loadable, load_file, save_file, verify_torch_file
-from .state_dict import add_prefix, strip_prefix, unwrap_model
+from .state_dict import WRAPPER_PREFIXES, add_prefix, strip_prefix, strip_wrappers, unwrap_model
 from .storage import PathLike, _fspath
 from .torchzip import META_KEY
 from .torchzip import locate_weights as _locate
@@ -266,16 +266,31 @@ def _model_keys(model: torch.nn.Module) -> list[str]:
     return list(model.state_dict().keys())
 
 
-def _fit_prefix(weights: Mapping[str, Any], target_keys: list[str]) -> Mapping[str, Any]:
-    """Add or strip ``module.`` so ``weights`` match ``target_keys``, judged by the keys themselves.
+def _prefix_candidates(weights: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """``weights`` with wrapper prefixes stripped or added, and with a leading component every
+    key shares (a LightningModule holding ``self.model`` saves ``model.0.weight``) stripped."""
+    bases = [weights, *(strip_prefix(weights, p) for p in WRAPPER_PREFIXES)]
+    found = [*bases, add_prefix(weights, "module.")]
+    for base in bases:
+        heads = {key.split(".", 1)[0] for key in base}
+        if len(heads) == 1 and all("." in key for key in base):
+            inner = strip_prefix(base, f"{heads.pop()}.")
+            found += [inner, strip_wrappers(inner)]  # "model._orig_mod.": a compiled inner network
+    return found
 
-    The prefix is changed only when that makes more keys match: a model whose own submodule is
-    really named ``module`` keeps its ``module.`` keys.
+
+def _fit_prefix(weights: Mapping[str, Any], target_keys: list[str]) -> Mapping[str, Any]:
+    """Strip or add prefixes so ``weights`` match ``target_keys``, judged by the keys themselves.
+
+    Candidates: ``module.``, ``_orig_mod.`` (``torch.compile``) and their nestings stripped,
+    ``module.`` added, and a leading component every key shares stripped. A candidate is taken
+    only when it makes more keys match, so a model whose own submodule is really named
+    ``module`` (or ``_orig_mod``, or ``model``) keeps its keys.
     """
     target = set(target_keys)
     best = weights
     best_hits = len(target.intersection(weights))
-    for candidate in (strip_prefix(weights, "module."), add_prefix(weights, "module.")):
+    for candidate in _prefix_candidates(weights):
         hits = len(target.intersection(candidate))
         if hits > best_hits:
             best, best_hits = candidate, hits
@@ -363,7 +378,10 @@ def load(
     decided against the model's own keys. Optimizer state lands on its parameters' device.
     Plain ``torch.save`` dicts load too: entries are matched by name, and a lone model in
     ``state`` also finds its weights in a bare state dict or under
-    ``state_dict``/``model``/``model_state_dict``/``module``.
+    ``state_dict``/``model``/``model_state_dict``/``module``, or in a ``.safetensors`` file.
+    Its keys may carry ``module.``, ``_orig_mod.`` (``torch.compile``) or a leading component
+    every key shares (a LightningModule's ``model.``): what to strip or add is decided
+    against the model's own keys.
 
     Restoring RNG is part of resuming training, not of looking at a file. By default
     (``restore_rng=None``) this rank's RNG states (python, numpy, torch, CUDA) are restored only
@@ -409,9 +427,17 @@ def load(
     ckpt: dict[str, Any] = {}
     try:
         location = resolve_map_location(map_location)
-        if verify:
-            verify_torch_file(path)
-        loaded = load_file(path, map_location=location, weights_only=weights_only)
+        if path.endswith(".safetensors"):
+            # Bare weights (a model entry finds them); no code can run from this format.
+            if verify:
+                from .convert import verify_safetensors
+
+                verify_safetensors(path)
+            loaded: Any = _load_safetensors(path, location)
+        else:
+            if verify:
+                verify_torch_file(path)
+            loaded = load_file(path, map_location=location, weights_only=weights_only)
         if not isinstance(loaded, dict):
             raise CheckpointFormatError(
                 f"{path} holds a {type(loaded).__name__}, not a checkpoint dict; "
@@ -500,7 +526,9 @@ def load_state_dict(
         path: file path or fsspec URL.
         map_location: where the tensors go (default ``"cpu"``); see :func:`resolve_map_location`.
         key: the entry holding the weights, when the usual names do not find it.
-        strip: prefix removed from every key that has it; None keeps keys as stored.
+        strip: prefix removed from every key that has it; None keeps keys as stored. The
+            default ``"module."`` removes every wrapper's prefix: DDP's ``module.``,
+            ``torch.compile``'s ``_orig_mod.``, and both nested (``module._orig_mod.``).
         verify: check checksums first: every zip record's CRC-32 of a ``.pt`` file, or the
             per-tensor CRC-32s ``ckpt convert`` stores in a ``.safetensors`` file (files from
             other tools carry none; then only their structure is checked).
@@ -533,7 +561,11 @@ def load_state_dict(
         ckpt = load_file(path, map_location=location, weights_only=True)
     weights = dict(_find_weights(ckpt, key=key, path=path))
     _log.report("loaded weights from", path, started)
-    return dict(strip_prefix(weights, strip)) if strip else weights
+    if not strip:
+        return weights
+    if strip == "module.":  # the default: every wrapper's prefix, DDP's and torch.compile's
+        return dict(strip_wrappers(weights))
+    return dict(strip_prefix(weights, strip))
 
 
 def _load_safetensors(path: str, location: Any) -> dict[str, torch.Tensor]:

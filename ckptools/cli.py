@@ -430,7 +430,10 @@ def strip_module(
     prefix: Annotated[str, typer.Option(help="the prefix to remove")] = "module.",
     force: Annotated[bool, _FORCE] = False,
 ) -> None:
-    """Remove the DDP 'module.' prefix from the weights' keys (other entries are kept)."""
+    """Remove the DDP 'module.' prefix from the weights' keys (other entries are kept).
+
+    --prefix _orig_mod. (or module._orig_mod.) removes torch.compile's prefix instead.
+    """
     _rename_command(path, output, in_place, prefix, add=False, force=force)
 
 
@@ -508,11 +511,12 @@ def diff(
 def _weights(path: str) -> Mapping[str, Any]:
     from .checkpoint import locate_weights
     from .convert import load_safetensors, load_torch
-    from .state_dict import strip_prefix
+    from .state_dict import strip_wrappers
 
+    # Compared without any wrapper's prefix: DDP's "module.", torch.compile's "_orig_mod.".
     if _is_safetensors(path):
-        return strip_prefix(load_safetensors(path))
-    return strip_prefix(locate_weights(load_torch(path), path=path)[2])
+        return strip_wrappers(load_safetensors(path))
+    return strip_wrappers(locate_weights(load_torch(path), path=path)[2])
 
 
 def _diff(a: str, b: str, atol: float) -> dict[str, Any]:

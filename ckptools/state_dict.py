@@ -105,6 +105,17 @@ def add_prefix(state_dict: M, prefix: str = "module.") -> M:
     return out
 
 
+# Prefixes wrappers put in front of a model's keys: DDP/DataParallel, torch.compile, both nested.
+WRAPPER_PREFIXES = ("module.", "_orig_mod.", "module._orig_mod.", "_orig_mod.module.")
+
+
+def strip_wrappers(state_dict: M) -> M:
+    """Strip every wrapper's prefix (``module.``, ``_orig_mod.``, nested ones first) from the keys having it."""
+    for prefix in WRAPPER_PREFIXES[::-1]:
+        state_dict = strip_prefix(state_dict, prefix)
+    return state_dict
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """Return the plain module under any nesting of DDP, DataParallel and ``torch.compile``.
 

@@ -151,27 +151,55 @@ class _Reader(pickle._Unpickler):  # type: ignore[name-defined]
         raise CheckpointFormatError(f"{self._path}: unexpected persistent id {pid!r} in data.pkl")
 
 
+_STRING_OPS = frozenset(
+    {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
+)
+_PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+_GET_OPS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+
+
 def _refused_globals(data: bytes) -> list[str]:
-    """Every global outside the allowlist that ``data`` names, found by reading opcodes only."""
+    """Every global outside the allowlist that ``data`` names, found by reading opcodes only.
+
+    ``STACK_GLOBAL`` (protocol 4+) takes its module and name from the stack, and a pickler
+    fetches a string it wrote before from the memo (``BINGET``) instead of writing it again: the
+    last two values pushed are followed through the memo, so the names are the real ones.
+    """
     import pickletools
 
     found: list[str] = []
-    strings: list[str] = []
+    memo: dict[int, Any] = {}
+    recent: list[Any] = []  # the values the latest opcodes pushed (None: not a string)
     try:
         for opcode, arg, _ in pickletools.genops(data):
-            if isinstance(arg, str):
-                strings.append(arg)
-            if opcode.name == "GLOBAL" and isinstance(arg, str):
+            name_ = opcode.name
+            if name_ in _STRING_OPS:
+                recent.append(arg if isinstance(arg, str) else None)
+            elif name_ == "MEMOIZE":
+                memo[len(memo)] = recent[-1] if recent else None
+            elif name_ in _PUT_OPS:
+                memo[arg] = recent[-1] if recent else None
+            elif name_ in _GET_OPS:
+                recent.append(memo.get(arg))
+            elif name_ == "GLOBAL" and isinstance(arg, str):
                 module, _, name = arg.partition(" ")
-            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-                module, name = strings[-2], strings[-1]
+                _note(found, module, name)
+                recent.append(None)
+            elif name_ == "STACK_GLOBAL":
+                if len(recent) >= 2 and isinstance(recent[-2], str) and isinstance(recent[-1], str):
+                    _note(found, recent[-2], recent[-1])
+                recent.append(None)
             else:
-                continue
-            if (module, name) not in _SAFE_REAL and not _allowed(module, name) and f"{module}.{name}" not in found:
-                found.append(f"{module}.{name}")
+                recent.append(None)
+            del recent[:-2]
     except (ValueError, EOFError, pickle.UnpicklingError):
         pass  # a corrupt tail: report what was found before it
     return found
+
+
+def _note(found: list[str], module: str, name: str) -> None:
+    if (module, name) not in _SAFE_REAL and not _allowed(module, name) and f"{module}.{name}" not in found:
+        found.append(f"{module}.{name}")
 
 
 def loads(data: bytes, path: str = "checkpoint") -> Any:

@@ -481,3 +481,57 @@ def test_a_notebook_look_at_a_two_rank_file_is_quiet(tmp_path):
         ck.load(path, {"model": model})  # looking at weights: no RNG, so nothing to say about world sizes
     with pytest.warns(ck.CheckpointWarning, match="saved by 2 ranks and is loaded by 1.*not bit-exactly"):
         ck.load(path, {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)})
+
+
+class _LitLike(torch.nn.Module):
+    """What a LightningModule holding ``self.model`` saves: every key under ``model.``."""
+
+    def __init__(self, net: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = net
+
+
+@pytest.mark.parametrize("wrap", ["compile", "ddp+compile", "lightning", "lightning+compile"])
+def test_compile_and_lightning_prefixes_load_into_the_plain_model(tmp_path, gloo_group, wrap):
+    src = _net()
+    if wrap == "compile":
+        saved = torch.compile(src).state_dict()  # keys "_orig_mod.0.weight", made by torch itself
+    elif wrap == "ddp+compile":
+        saved = torch.nn.parallel.DistributedDataParallel(torch.compile(src)).state_dict()
+    elif wrap == "lightning":
+        saved = _LitLike(src).state_dict()
+    else:
+        saved = _LitLike(torch.compile(src)).state_dict()
+    prefix = {"compile": "_orig_mod.", "ddp+compile": "module._orig_mod.", "lightning": "model.",
+              "lightning+compile": "model._orig_mod."}[wrap]  # fmt: skip
+    assert all(k.startswith(prefix) for k in saved)
+    path = tmp_path / "foreign.ckpt"
+    torch.save({"state_dict": saved, "epoch": 3}, path)
+    target = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    ck.load(path, {"model": target}, map_location="cpu")  # strict: every key must have matched
+    assert _equal_state(target, src)
+    if "lightning" not in wrap:  # weights-only reads drop every wrapper's prefix by default
+        assert sorted(ck.load_state_dict(path)) == sorted(src.state_dict())
+
+
+def test_a_submodule_really_named_orig_mod_keeps_its_name(tmp_path):
+    model = torch.nn.Module()
+    model._orig_mod = torch.nn.Linear(2, 2)  # a real child, not a compile wrapper's attribute
+    model.head = torch.nn.Linear(2, 2)
+    ck.save(tmp_path / "m.pt", {"model": model})
+    other = torch.nn.Module()
+    other._orig_mod = torch.nn.Linear(2, 2)
+    other.head = torch.nn.Linear(2, 2)
+    ck.load(tmp_path / "m.pt", {"model": other}, map_location="cpu")
+    assert torch.equal(other._orig_mod.weight, model._orig_mod.weight)
+
+
+def test_load_a_safetensors_file_into_a_model(tmp_path):
+    from safetensors.torch import save_file
+
+    src = _net()
+    save_file(dict(torch.compile(src).state_dict()), str(tmp_path / "w.safetensors"))  # valid, and "_orig_mod."
+    target = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    ckpt = ck.load(tmp_path / "w.safetensors", {"model": target}, map_location="cpu", verify=True)
+    assert _equal_state(target, src)
+    assert "__ckptools__" not in ckpt  # bare weights: nothing else was restored

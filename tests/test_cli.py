@@ -235,3 +235,18 @@ def test_legacy_format_files(tmp_path):
     assert set(torch.load(tmp_path / "new.pt", weights_only=True)) == {"weight", "bias"}
     result = _run("verify", tmp_path / "old.pt")
     assert result.exit_code == 0 and "no checksums" in result.output
+
+
+def test_compile_prefix_is_no_difference_and_convert_drops_it(tmp_path):
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    torch.save({"state_dict": net.state_dict()}, tmp_path / "plain.pt")
+    torch.save({"state_dict": torch.compile(net).state_dict()}, tmp_path / "compiled.pt")  # "_orig_mod." keys
+    assert _run("diff", tmp_path / "plain.pt", tmp_path / "compiled.pt").exit_code == 0
+    ck.convert_to_safetensors(tmp_path / "compiled.pt", tmp_path / "c.safetensors")
+    from safetensors.torch import load_file
+
+    assert sorted(load_file(str(tmp_path / "c.safetensors"))) == sorted(net.state_dict())
+    stripped = _run("strip-module", tmp_path / "compiled.pt", "--prefix", "_orig_mod.", "-o", tmp_path / "s.pt")
+    assert stripped.exit_code == 0
+    assert sorted(torch.load(tmp_path / "s.pt")["state_dict"]) == sorted(net.state_dict())

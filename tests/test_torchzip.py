@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import argparse
 import io
 import os
 import pickle
@@ -148,3 +149,23 @@ def test_unsafe_message_lists_every_refused_global():
     data = pickle.dumps({"a": os.system, "b": eval, "c": OrderedDict()}, protocol=4)  # STACK_GLOBAL too
     with pytest.raises(ck.UnsafeCheckpointError, match=r"needs posix\.system, builtins\.eval to load"):
         tz.loads(data, "evil.pt")
+
+
+def test_refused_globals_are_named_right_through_the_memo(tmp_path):
+    # DCP's .metadata is a protocol-4 pickle whose STACK_GLOBALs fetch module names from the memo:
+    # written here by torch's own DCP, not by hand.
+    import torch.distributed.checkpoint as dcp
+
+    from ckptools.torchzip import _refused_globals
+
+    dcp.save({"model.0.weight": torch.ones(2, 2), "model.0.bias": torch.zeros(2)}, checkpoint_id=str(tmp_path),
+             no_dist=True)  # fmt: skip
+    names = _refused_globals((tmp_path / ".metadata").read_bytes())
+    assert "torch.distributed.checkpoint.metadata.Metadata" in names
+    assert "torch.distributed.checkpoint.metadata.TensorStorageMetadata" in names
+    assert "pathlib.PosixPath" in names  # DCP stores its checkpoint_id
+    # The old reader took the last two strings seen: "model.0.weight.TensorStorageMetadata".
+    assert not any("model.0" in n for n in names), names
+    for protocol in (2, 3, 4, 5):  # every protocol torch can write
+        data = pickle.dumps([argparse.Namespace(a=1), {"model.0.weight": 1}, argparse.Namespace(b=2)], protocol)
+        assert _refused_globals(data) == ["argparse.Namespace"], protocol
