@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -12,7 +13,7 @@ from torch.utils.data.distributed import DistributedSampler
 from . import _log, background, rng
 from .devices import MapLocation, resolve_map_location
 from .dist import _all_gather_object, _broadcast_object, get_rank, get_world_size
-from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeStateError
+from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError, UnsafeStateError
 from .sampler import ResumableDistributedSampler
 from .serialization import check_loadable, load_file, save_file, verify_torch_file
 from .state_dict import WRAPPER_PREFIXES, add_prefix, strip_prefix, strip_wrappers, unwrap_model
@@ -557,15 +558,65 @@ def load_state_dict(
             verify_torch_file(path)
     if path.endswith(".safetensors"):
         ckpt: Any = _load_safetensors(path, location)
+        weights = dict(_find_weights(ckpt, key=key, path=path))
     else:
-        ckpt = load_file(path, map_location=location, weights_only=True)
-    weights = dict(_find_weights(ckpt, key=key, path=path))
+        try:
+            ckpt = load_file(path, map_location=location, weights_only=True)
+            weights = dict(_find_weights(ckpt, key=key, path=path))
+        except UnsafeCheckpointError as err:
+            # The weights never need the other entries' classes: read them without running code.
+            weights = _weights_without_code(path, key, location, err)
     _log.report("loaded weights from", path, started)
     if not strip:
         return weights
     if strip == "module.":  # the default: every wrapper's prefix, DDP's and torch.compile's
         return dict(strip_wrappers(weights))
     return dict(strip_prefix(weights, strip))
+
+
+def _weights_without_code(path: str, key: str | None, location: Any, refusal: UnsafeCheckpointError) -> dict[str, Any]:
+    """The weights of a local zip checkpoint whose *other* entries need refused classes.
+
+    The pickle is read with inert placeholders for those classes (nothing is imported or run),
+    the weights are found as usual, and each tensor's bytes come straight from its zip record.
+    Raises ``refusal`` when that cannot be done (a remote or legacy file, the weights themselves
+    needing such a class, a tensor that is not dense).
+    """
+    from .convert import _torch_dtypes, _zip_specs
+    from .storage import get_filesystem, is_local
+    from .torchzip import TorchZip, loads_lenient
+
+    fs, fpath = get_filesystem(path)
+    if not is_local(fs):
+        raise refusal
+    try:
+        archive = TorchZip(fpath)
+        tree, skipped = loads_lenient(archive.read_pickle(), path)
+        _, _, parsed = _locate(tree, key=key, path=path)
+        planned = _zip_specs(archive, parsed)
+    except CheckpointFormatError:
+        raise refusal from None
+    if planned is None:
+        raise refusal
+    specs, aliases = planned
+    weights: dict[str, Any] = {}
+    for name, spec in specs.items():
+        dtype = _torch_dtypes()[spec.dtype]
+        if spec.nbytes == 0:
+            tensor = torch.empty(spec.shape, dtype=dtype)
+        else:
+            buffer = io.BytesIO()
+            spec.write(buffer)
+            tensor = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=dtype).reshape(spec.shape)
+        weights[name] = tensor.to(location) if isinstance(location, torch.device) else tensor
+    for alias, target in aliases.items():
+        weights[alias] = weights[target]  # tied in the file, tied here
+    _log.warn(
+        f"{path}: read the weights without loading {', '.join(skipped)} (other entries need them; nothing "
+        "was executed). To load the whole file, trust it and use torch.load(..., weights_only=False)",
+        once=f"weights {path}",
+    )
+    return weights
 
 
 def _load_safetensors(path: str, location: Any) -> dict[str, torch.Tensor]:

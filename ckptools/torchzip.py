@@ -21,7 +21,7 @@ import zipfile
 import zlib
 from collections import OrderedDict
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, Any, ClassVar
 
 from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from .storage import copy_range
@@ -200,6 +200,85 @@ def _refused_globals(data: bytes) -> list[str]:
 def _note(found: list[str], module: str, name: str) -> None:
     if (module, name) not in _SAFE_REAL and not _allowed(module, name) and f"{module}.{name}" not in found:
         found.append(f"{module}.{name}")
+
+
+class Opaque:
+    """An object of a class the strict reader refuses, in a lenient read: inert, never built.
+
+    Holds what the pickle said about it (constructor arguments, state, items), so reading the
+    *weights* of a file never needs the classes of its other entries (a Lightning checkpoint's
+    ``hyper_parameters`` holding a ``pathlib.Path`` or an ``argparse.Namespace``).
+    """
+
+    __slots__ = ("args", "items", "name", "state")
+
+    def __init__(self, name: str, args: tuple = ()) -> None:
+        self.name, self.args, self.state, self.items = name, args, None, []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
+        return Opaque(self.name, args)
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.items.append((key, value))
+
+    def append(self, value: Any) -> None:
+        self.items.append(value)
+
+    def extend(self, values: Any) -> None:
+        self.items.extend(values)
+
+    def __repr__(self) -> str:
+        return f"<{self.name}, not loaded>"
+
+
+class _LenientReader(_Reader):  # type: ignore[misc]
+    """The strict reader, except that a refused global becomes an :class:`Opaque` placeholder."""
+
+    dispatch: ClassVar[dict[int, Any]] = dict(_Reader.dispatch)  # type: ignore[attr-defined]
+
+    def __init__(self, data: bytes, path: str) -> None:
+        super().__init__(data, path)
+        self.skipped: list[str] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _SAFE_REAL or _allowed(module, name):
+            return super().find_class(module, name)
+        if f"{module}.{name}" not in self.skipped:
+            self.skipped.append(f"{module}.{name}")
+        return Opaque(f"{module}.{name}")
+
+    # NEWOBJ calls cls.__new__(cls, ...), which a placeholder instance cannot answer.
+    def _load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self.append(cls(*args) if isinstance(cls, Opaque) else cls.__new__(cls, *args))
+
+    def _load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self.append(cls(*args) if isinstance(cls, Opaque) else cls.__new__(cls, *args, **kwargs))
+
+    dispatch[pickle.NEWOBJ[0]] = _load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+
+
+def loads_lenient(data: bytes, path: str = "checkpoint") -> tuple[Any, list[str]]:
+    """Like :func:`loads`, with refused globals read as inert :class:`Opaque` placeholders.
+
+    Returns the tree and the globals that were skipped. Nothing is imported or executed.
+    """
+    reader = _LenientReader(data, path)
+    try:
+        return reader.load(), reader.skipped
+    except (UnsafeCheckpointError, CheckpointFormatError):
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            RecursionError, MemoryError, struct.error) as err:  # fmt: skip
+        raise CheckpointFormatError(f"{path}: data.pkl is corrupt ({type(err).__name__}: {err})") from err
 
 
 def loads(data: bytes, path: str = "checkpoint") -> Any:

@@ -6,6 +6,7 @@ import datetime
 import logging
 import os
 import pathlib
+import pickle
 import random
 import time
 import warnings
@@ -341,8 +342,10 @@ def test_malicious_pickle_is_refused_and_nothing_runs(tmp_path):
     torch.save({"model": {"w": torch.ones(1)}, "evil": _Canary()}, tmp_path / "evil.pt")
     with pytest.raises(ck.UnsafeCheckpointError, match=r"evil\.pt needs .*system.*weights_only=False"):
         ck.load(tmp_path / "evil.pt")
-    with pytest.raises(ck.UnsafeCheckpointError):
-        ck.load_state_dict(tmp_path / "evil.pt")
+    # The weights alone need none of it: they come out, the payload is skipped, named, never run.
+    with pytest.warns(ck.CheckpointWarning, match=r"without loading .*system.*nothing was executed"):
+        weights = ck.load_state_dict(tmp_path / "evil.pt", key="model")
+    assert list(weights) == ["w"] and torch.equal(weights["w"], torch.ones(1))
     assert not canary.exists()
 
 
@@ -535,3 +538,25 @@ def test_load_a_safetensors_file_into_a_model(tmp_path):
     ckpt = ck.load(tmp_path / "w.safetensors", {"model": target}, map_location="cpu", verify=True)
     assert _equal_state(target, src)
     assert "__ckptools__" not in ckpt  # bare weights: nothing else was restored
+
+
+def test_weights_come_out_of_a_file_whose_other_entries_need_refused_classes(tmp_path):
+    # A Lightning-style checkpoint whose hyper_parameters hold a Path and a Namespace (what
+    # save_hyperparameters() stores from a script's argparse args), written by torch.save.
+    net = _net()
+    tied = torch.nn.Linear(2, 2)
+    weights = {f"model.{k}": v for k, v in net.state_dict().items()}
+    weights.update({"a.weight": tied.weight, "b.weight": tied.weight})
+    hparams = {"args": argparse.Namespace(lr=0.1, out=pathlib.Path("/runs/x")), "root": pathlib.Path("/data")}
+    path = tmp_path / "lightning.ckpt"
+    torch.save({"state_dict": weights, "hyper_parameters": hparams, "epoch": 2}, path)
+    with pytest.raises(pickle.UnpicklingError, match="argparse.Namespace"):
+        torch.load(path, weights_only=True)  # what torch itself does
+    with pytest.warns(ck.CheckpointWarning, match=r"argparse\.Namespace, pathlib\.PosixPath.*nothing was executed"):
+        got = ck.load_state_dict(path)
+    assert sorted(got) == sorted(weights)
+    for k, v in weights.items():
+        assert got[k].dtype == v.dtype and torch.equal(got[k], v), k
+    assert got["a.weight"].data_ptr() == got["b.weight"].data_ptr()  # tied in the file, tied here
+    with pytest.raises(ck.UnsafeCheckpointError):  # a full training load stays strict
+        ck.load(path, {"model": net})
