@@ -16,7 +16,7 @@ from .dist import _all_gather_object, _broadcast_object, get_rank, get_world_siz
 from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError, UnsafeStateError
 from .sampler import ResumableDistributedSampler
 from .serialization import check_loadable, load_file, save_file, verify_torch_file
-from .state_dict import WRAPPER_PREFIXES, add_prefix, strip_prefix, strip_wrappers, unwrap_model
+from .state_dict import WRAPPER_PREFIXES, add_prefix, strip_for_reading, strip_prefix, strip_wrappers, unwrap_model
 from .storage import PathLike, _fspath
 from .torchzip import META_KEY
 from .torchzip import locate_weights as _locate
@@ -108,24 +108,44 @@ def _save(
     before_write: Callable[[], None] | None = None,
 ) -> str:
     """:func:`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
+    path, started, written = _on_rank0(path, state, metadata, lambda p, payload: _write(p, payload, before_write))
+    _log.report("saved", path, started, written)
+    return path
+
+
+def _write(path: str, payload: Any, before_write: Callable[[], None] | None) -> int:
+    """Rank 0: housekeeping, then the atomic write; the bytes written."""
+    if before_write is not None:
+        before_write()
+    return save_file(path, payload)
+
+
+def _on_rank0(
+    path: PathLike,
+    state: Mapping[str, Any],
+    metadata: Mapping[str, Any] | None,
+    then: Callable[[str, dict[str, Any]], Any],
+) -> tuple[str, float, Any]:
+    """The collective part every save shares: finish a save in flight, check the arguments,
+    gather every rank's RNG, and on rank 0 build the checked payload and pass it to ``then``.
+
+    Returns the path, when the save started, and what ``then`` returned (None off rank 0); an
+    error on rank 0 is raised on every rank.
+    """
     background.finish_pending()
     started = time.monotonic()
     path, user_meta = _checked_args(path, state, metadata)
     # Every rank's RNG is captured before rank 0 does anything that could draw from it.
     rng_states = _all_gather_object(rng.get_rng_state())
     error: BaseException | None = None
-    written = 0
+    result: Any = None
     if get_rank() == 0:
         try:
-            payload = _payload(state, user_meta, rng_states)
-            if before_write is not None:
-                before_write()
-            written = save_file(path, payload)
+            result = then(path, _payload(state, user_meta, rng_states))
         except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
             error = err
     _share_outcome(error, path)
-    _log.report("saved", path, started, written)
-    return path
+    return path, started, result
 
 
 def async_save(
@@ -181,27 +201,10 @@ def _async_save(
     after_write: Callable[[], None] | None = None,
 ) -> background.AsyncSave:
     """:func:`async_save`; ``before_write``/``after_write`` run in rank 0's writer thread (file I/O)."""
-    background.finish_pending()
-    started = time.monotonic()
-    path, user_meta = _checked_args(path, state, metadata)
-    rng_states = _all_gather_object(rng.get_rng_state())
-    error: BaseException | None = None
-    snapshot: Any = None
-    if get_rank() == 0:
-        try:
-            snapshot = background._BUFFERS.take(_payload(state, user_meta, rng_states))
-        except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
-            error = err
-    _share_outcome(error, path)
+    path, started, snapshot = _on_rank0(path, state, metadata, lambda _, payload: background._BUFFERS.take(payload))
     handle = background.AsyncSave(path, started)
     if get_rank() == 0:
-
-        def write() -> int:
-            if before_write is not None:
-                before_write()
-            return save_file(path, snapshot)
-
-        handle._start(write, after_write)
+        handle._start(lambda: _write(path, snapshot, before_write), after_write)
     background.set_pending(handle)
     return handle
 
@@ -567,11 +570,7 @@ def load_state_dict(
             # The weights never need the other entries' classes: read them without running code.
             weights = _weights_without_code(path, key, location, err)
     _log.report("loaded weights from", path, started)
-    if not strip:
-        return weights
-    if strip == "module.":  # the default: every wrapper's prefix, DDP's and torch.compile's
-        return dict(strip_wrappers(weights))
-    return dict(strip_prefix(weights, strip))
+    return dict(strip_for_reading(weights, strip))
 
 
 def _weights_without_code(path: str, key: str | None, location: Any, refusal: UnsafeCheckpointError) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from .errors import CheckpointFormatError
-from .state_dict import strip_prefix, strip_wrappers
+from .state_dict import strip_for_reading
 from .storage import PathLike, _fspath, atomic_write, copy_range, crc32_range, open_for_read, report_progress
 from .torchzip import META_KEY, TorchZip, loads, locate_weights, simple_tensor
 
@@ -442,7 +442,7 @@ def convert_to_safetensors(
         archive = TorchZip(src)
         tree = loads(archive.read_pickle(), src)
         _, _, parsed = locate_weights(tree, key=key, path=src)
-        planned = _zip_specs(archive, _stripped(parsed, strip))
+        planned = _zip_specs(archive, strip_for_reading(parsed, strip))
         if planned is not None:
             meta = {"format": "pt", **(_scalars(tree) if isinstance(tree, Mapping) else {}), **dict(metadata or {})}
             return _write_file(dst, planned[0], planned[1], meta)
@@ -450,16 +450,9 @@ def convert_to_safetensors(
 
     ckpt = load_safetensors(src) if src.endswith(".safetensors") else load_torch(src)
     _, _, weights = locate_weights(ckpt, key=key, path=src, is_leaf=lambda v: isinstance(v, torch.Tensor))
-    weights = _stripped(weights, strip)
+    weights = strip_for_reading(weights, strip)
     meta = {"format": "pt", **(_scalars(ckpt) if isinstance(ckpt, Mapping) else {}), **dict(metadata or {})}
     return save_safetensors(dst, weights, metadata=meta)
-
-
-def _stripped(weights: Any, strip: str | None) -> Any:
-    if not strip:
-        return weights
-    # The default also removes torch.compile's "_orig_mod." (alone or under "module.").
-    return strip_wrappers(weights) if strip == "module." else strip_prefix(weights, strip)
 
 
 def _local_zip(path: str) -> bool:

@@ -116,6 +116,15 @@ def strip_wrappers(state_dict: M) -> M:
     return state_dict
 
 
+def strip_for_reading(state_dict: M, strip: str | None) -> M:
+    """What weights-only readers do with their ``strip`` argument: None keeps the keys; the
+    default ``"module."`` removes every wrapper's prefix (DDP's and torch.compile's); any other
+    prefix is removed as given."""
+    if not strip:
+        return state_dict
+    return strip_wrappers(state_dict) if strip == "module." else strip_prefix(state_dict, strip)
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """Return the plain module under any nesting of DDP, DataParallel and ``torch.compile``.
 
