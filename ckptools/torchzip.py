@@ -172,20 +172,20 @@ def _refused_globals(data: bytes) -> list[str]:
     recent: list[Any] = []  # the values the latest opcodes pushed (None: not a string)
     try:
         for opcode, arg, _ in pickletools.genops(data):
-            name_ = opcode.name
-            if name_ in _STRING_OPS:
+            op = opcode.name
+            if op in _STRING_OPS:
                 recent.append(arg if isinstance(arg, str) else None)
-            elif name_ == "MEMOIZE":
+            elif op == "MEMOIZE":
                 memo[len(memo)] = recent[-1] if recent else None
-            elif name_ in _PUT_OPS:
+            elif op in _PUT_OPS:
                 memo[arg] = recent[-1] if recent else None
-            elif name_ in _GET_OPS:
+            elif op in _GET_OPS:
                 recent.append(memo.get(arg))
-            elif name_ == "GLOBAL" and isinstance(arg, str):
+            elif op == "GLOBAL" and isinstance(arg, str):
                 module, _, name = arg.partition(" ")
                 _note(found, module, name)
                 recent.append(None)
-            elif name_ == "STACK_GLOBAL":
+            elif op == "STACK_GLOBAL":
                 if len(recent) >= 2 and isinstance(recent[-2], str) and isinstance(recent[-1], str):
                     _note(found, recent[-2], recent[-1])
                 recent.append(None)
@@ -197,8 +197,12 @@ def _refused_globals(data: bytes) -> list[str]:
     return found
 
 
+def _refused(module: str, name: str) -> bool:
+    return (module, name) not in _SAFE_REAL and not _allowed(module, name)
+
+
 def _note(found: list[str], module: str, name: str) -> None:
-    if (module, name) not in _SAFE_REAL and not _allowed(module, name) and f"{module}.{name}" not in found:
+    if _refused(module, name) and f"{module}.{name}" not in found:
         found.append(f"{module}.{name}")
 
 
@@ -244,7 +248,7 @@ class _LenientReader(_Reader):  # type: ignore[misc]
         self.skipped: list[str] = []
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _SAFE_REAL or _allowed(module, name):
+        if not _refused(module, name):
             return super().find_class(module, name)
         if f"{module}.{name}" not in self.skipped:
             self.skipped.append(f"{module}.{name}")
@@ -272,19 +276,17 @@ def loads_lenient(data: bytes, path: str = "checkpoint") -> tuple[Any, list[str]
     Returns the tree and the globals that were skipped. Nothing is imported or executed.
     """
     reader = _LenientReader(data, path)
-    try:
-        return reader.load(), reader.skipped
-    except (UnsafeCheckpointError, CheckpointFormatError):
-        raise
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            RecursionError, MemoryError, struct.error) as err:  # fmt: skip
-        raise CheckpointFormatError(f"{path}: data.pkl is corrupt ({type(err).__name__}: {err})") from err
+    return _parse(reader, path), reader.skipped
 
 
 def loads(data: bytes, path: str = "checkpoint") -> Any:
     """Parse a torch ``data.pkl`` into plain containers, :class:`Call` and :class:`StorageRef`."""
+    return _parse(_Reader(data, path), path)
+
+
+def _parse(reader: _Reader, path: str) -> Any:
     try:
-        return _Reader(data, path).load()
+        return reader.load()
     except (UnsafeCheckpointError, CheckpointFormatError):
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
