@@ -76,6 +76,8 @@ for batch in loader:
     seen += 1
     if seen == 5:
         print("ready", flush=True)  # the test now signals the whole process group
+        while not preemption.requested():  # however late the signal comes, it lands mid-epoch
+            time.sleep(0.01)
     if preemption.should_stop():
         print("stopping after", seen, "batches", flush=True)
         preemption.exit()
