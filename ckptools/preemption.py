@@ -9,6 +9,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
@@ -109,7 +110,7 @@ class Preemption:
         self._left = threading.Event()
         self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
         self._wakeup: tuple[int, int] | None = None
-        self._previous_wakeup = -1
+        self._thread: threading.Thread | None = None
         self._start_watchdog()
 
     def __repr__(self) -> str:
@@ -146,19 +147,31 @@ class Preemption:
             os.close(write_fd)
             return
         self._wakeup = (read_fd, write_fd)
-        threading.Thread(target=self._watch, args=(read_fd,), name="ckptools-preemption", daemon=True).start()
+        _LIVE.add(self)
+        self._thread = threading.Thread(target=self._watch, args=(read_fd,), name="ckptools-preemption", daemon=True)
+        self._thread.start()
 
     def _watch(self, read_fd: int) -> None:
         # Woken by the C-level signal handler itself, so this runs even while the main thread
         # is blocked in a collective and the Python-level handler cannot run.
+        # The thread owns read_fd and closes it on its way out: were close() to close it, the
+        # number could be reused (by a subprocess's stdout pipe, say) before this thread's next
+        # os.read, which would then swallow someone else's data.
+        try:
+            self._watch_fd(read_fd)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(read_fd)
+
+    def _watch_fd(self, read_fd: int) -> None:
         ours = {int(s) for s in self.signals}
         while True:
             try:
                 data = os.read(read_fd, 64)
             except OSError:
                 return
-            if not data:
-                return  # closed
+            if not data or self._left.is_set():
+                return  # close(): the write end is closed
             hits = [b for b in data if b in ours]
             if not hits:
                 continue
@@ -266,12 +279,45 @@ class Preemption:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
+        _LIVE.discard(self)
         if self._wakeup is not None:
             signal.set_wakeup_fd(-1)
-            for fd in reversed(self._wakeup):  # the write end first: the watchdog's read sees EOF
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            # The write end only: the watchdog's read sees EOF and the thread closes the read end.
+            with contextlib.suppress(OSError):
+                os.close(self._wakeup[1])
             self._wakeup = None
+
+
+# Open Preemptions, for the fork hook below.
+_LIVE: weakref.WeakSet[Preemption] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (a DataLoader worker) inherits the wakeup fd and both ends of the pipe but
+    # not the watchdog thread. Holding the write end would keep the parent's watchdog from ever
+    # seeing EOF after close(), and a signal to the child would wake the parent's watchdog as if
+    # the parent had got it. Drop the wakeup fd, then the copies (the write end only once it is no
+    # longer the wakeup fd: a signal must never write into a reused descriptor).
+    for preemption in list(_LIVE):
+        if preemption._wakeup is None:
+            continue
+        read_fd, write_fd = preemption._wakeup
+        with contextlib.suppress(OSError):
+            os.close(read_fd)
+        try:
+            previous = signal.set_wakeup_fd(-1)
+            if previous not in (write_fd, -1):  # someone else's: put it back, keep ours open
+                signal.set_wakeup_fd(previous)
+                continue
+        except ValueError:  # forked from a thread other than the main one: keep the write end
+            continue
+        with contextlib.suppress(OSError):
+            os.close(write_fd)
+        preemption._wakeup = None
+    _LIVE.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 def _flush_logging() -> None:

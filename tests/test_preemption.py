@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -50,6 +51,59 @@ def test_no_signal_never_stops_and_close_restores_the_handler():
     assert signal.getsignal(signal.SIGTERM) == previous
     with pytest.raises(ValueError, match="check_every"):
         ck.Preemption(check_every=0)
+
+
+def test_a_closed_watchdog_never_reads_a_reused_descriptor(monkeypatch):
+    # CI once hung here: a Preemption closed before its watchdog thread reached os.read left that
+    # thread reading a descriptor number the next test's subprocess pipe then got, and the thread
+    # swallowed the child's output. The watchdog's first read is held back to recreate that.
+    import ckptools.preemption as module
+
+    real_read = os.read
+    held = threading.Event()
+
+    def late_read(fd: int, n: int) -> bytes:
+        if threading.current_thread().name == "ckptools-preemption" and not held.is_set():
+            held.set()
+            time.sleep(0.3)
+        return real_read(fd, n)
+
+    monkeypatch.setattr(module.os, "read", late_read)
+    preemption = ck.Preemption()
+    preemption.close()
+    read_fd, write_fd = os.pipe()
+    try:
+        os.write(write_fd, b"ready\n")
+        assert preemption._thread is not None
+        preemption._thread.join(5)
+        assert not preemption._thread.is_alive()
+        os.set_blocking(read_fd, False)
+        assert real_read(read_fd, 64) == b"ready\n"
+    finally:
+        os.close(read_fd)
+        os.close(write_fd)
+
+
+def _sleep(seconds: float) -> None:
+    time.sleep(seconds)
+
+
+def test_a_forked_child_does_not_keep_the_watchdog_alive():
+    # DataLoader workers are forked while the Preemption is open; their copies of the pipe must
+    # not keep the parent's watchdog waiting after close().
+    import multiprocessing
+
+    preemption = ck.Preemption()
+    child = multiprocessing.get_context("fork").Process(target=_sleep, args=(20,))
+    child.start()
+    try:
+        preemption.close()
+        assert preemption._thread is not None
+        preemption._thread.join(5)
+        assert not preemption._thread.is_alive()
+    finally:
+        child.kill()
+        child.join()
 
 
 _LOADER_SCRIPT = """
