@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
+    CheckpointLayoutError,
     CheckpointNotFoundError,
     CheckpointWarning,
     KeyMismatchError,
@@ -30,11 +31,13 @@ from .errors import (
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .background import AsyncSave, release_snapshot_buffers
     from .checkpoint import async_save, load, load_state_dict, save
-    from .convert import convert_to_safetensors
+    from .convert import convert_to_safetensors, export_huggingface
     from .devices import resolve_map_location, to_cpu
     from .dist import barrier, get_local_rank, get_rank, get_world_size, init_distributed, is_main_process
     from .manager import CheckpointManager
     from .preemption import Preemption
+    from .reading import CheckpointView, TensorInfo, diff, inspect, open_checkpoint, verify
+    from .rewrite import rename_checkpoint
     from .sampler import ResumableDistributedSampler
     from .state_dict import add_prefix, strip_prefix, unwrap_model
 
@@ -42,6 +45,13 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "AsyncSave": ".background",
+    "CheckpointView": ".reading",
+    "TensorInfo": ".reading",
+    "diff": ".reading",
+    "export_huggingface": ".convert",
+    "inspect": ".reading",
+    "open_checkpoint": ".reading",
+    "verify": ".reading",
     "CheckpointManager": ".manager",
     "Preemption": ".preemption",
     "ResumableDistributedSampler": ".sampler",
@@ -57,6 +67,7 @@ _LAZY = {
     "load": ".checkpoint",
     "load_state_dict": ".checkpoint",
     "release_snapshot_buffers": ".background",
+    "rename_checkpoint": ".rewrite",
     "resolve_map_location": ".devices",
     "save": ".checkpoint",
     "strip_prefix": ".state_dict",
@@ -68,31 +79,40 @@ __all__ = [
     "AsyncSave",
     "CheckpointError",
     "CheckpointFormatError",
+    "CheckpointLayoutError",
     "CheckpointManager",
     "CheckpointNotFoundError",
+    "CheckpointView",
     "CheckpointWarning",
     "KeyMismatchError",
     "Preemption",
     "ResumableDistributedSampler",
+    "TensorInfo",
     "UnsafeCheckpointError",
     "UnsafeStateError",
     "add_prefix",
     "async_save",
     "barrier",
     "convert_to_safetensors",
+    "diff",
+    "export_huggingface",
     "get_local_rank",
     "get_rank",
     "get_world_size",
     "init_distributed",
+    "inspect",
     "is_main_process",
     "load",
     "load_state_dict",
+    "open_checkpoint",
     "release_snapshot_buffers",
+    "rename_checkpoint",
     "resolve_map_location",
     "save",
     "strip_prefix",
     "to_cpu",
     "unwrap_model",
+    "verify",
 ]
 
 

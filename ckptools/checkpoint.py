@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -431,17 +430,22 @@ def load(
     ckpt: dict[str, Any] = {}
     try:
         location = resolve_map_location(map_location)
-        if path.endswith(".safetensors"):
-            # Bare weights (a model entry finds them); no code can run from this format.
-            if verify:
-                from .convert import verify_safetensors
-
-                verify_safetensors(path)
-            loaded: Any = _load_safetensors(path, location)
+        if path.endswith(".safetensors") or _is_layout(path):
+            # Bare weights (a model entry finds them): a .safetensors file, a Hugging Face or
+            # Accelerate folder, a sharded index, a DCP folder. No code can run from these.
+            loaded: Any = dict(read_weights(path, key=None, map_location=location, verify=verify))
         else:
             if verify:
                 verify_torch_file(path)
-            loaded = load_file(path, map_location=location, weights_only=weights_only)
+            try:
+                loaded = load_file(path, map_location=location, weights_only=weights_only)
+            except UnsafeCheckpointError as err:
+                if any(isinstance(obj, torch.nn.Module) for obj in state.values()):
+                    raise UnsafeCheckpointError(
+                        f"{err}. To load just a model's weights, which need none of it: "
+                        "model.load_state_dict(ck.load_state_dict(path)), which runs nothing"
+                    ) from None
+                raise
         if not isinstance(loaded, dict):
             raise CheckpointFormatError(
                 f"{path} holds a {type(loaded).__name__}, not a checkpoint dict; "
@@ -513,6 +517,18 @@ def _restore_rng(ckpt: dict[str, Any], path: str) -> bool:
     return True
 
 
+def _is_layout(path: str) -> bool:
+    from .reading import _is_layout as is_layout
+
+    return is_layout(path)
+
+
+def read_weights(path: str, *, key: str | None, map_location: Any, verify: bool) -> Any:
+    from .reading import read_weights as read
+
+    return read(path, key=key, map_location=map_location, verify=verify)
+
+
 def load_state_dict(
     path: PathLike,
     *,
@@ -521,13 +537,19 @@ def load_state_dict(
     strip: str | None = "module.",
     verify: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """Return just the model weights from a ``.pt/.pth/.bin/.ckpt`` or ``.safetensors`` file.
+    """Return just the model weights, from a file or folder of any layout ckptools reads.
 
-    Weights are found as a bare state dict, or under ``state_dict``, ``model_state_dict``,
-    ``model`` or ``module`` (or ``key``, dotted for deeper nesting: ``"ema.model"``).
+    A ``.pt/.pth/.bin/.ckpt`` or ``.safetensors`` file, a sharded index
+    (``model.safetensors.index.json``), a Hugging Face ``save_pretrained`` or Accelerate
+    ``save_state`` folder, or a DCP folder (see :func:`ckptools.open_checkpoint`). Weights are
+    found as a bare state dict, or under ``state_dict``, ``model_state_dict``, ``model`` or
+    ``module`` (or ``key``, dotted for deeper nesting: ``"ema.model"``). A file whose *other*
+    entries need classes torch's safe unpickler refuses (a Lightning checkpoint whose
+    ``hyper_parameters`` hold a ``pathlib.Path``) still gives its weights: they are read without
+    running any code, with a warning naming what was skipped.
 
     Args:
-        path: file path or fsspec URL.
+        path: file path, folder, or fsspec URL of a file.
         map_location: where the tensors go (default ``"cpu"``); see :func:`resolve_map_location`.
         key: the entry holding the weights, when the usual names do not find it.
         strip: prefix removed from every key that has it; None keeps keys as stored. The
@@ -535,7 +557,8 @@ def load_state_dict(
             ``torch.compile``'s ``_orig_mod.``, and both nested (``module._orig_mod.``).
         verify: check checksums first: every zip record's CRC-32 of a ``.pt`` file, or the
             per-tensor CRC-32s ``ckpt convert`` stores in a ``.safetensors`` file (files from
-            other tools carry none; then only their structure is checked).
+            other tools carry none; then only their structure is checked); for a folder, every
+            shard and the index's agreement with them (:func:`ckptools.verify`).
 
     Returns:
         A dict of tensors.
@@ -552,80 +575,6 @@ def load_state_dict(
     started = time.monotonic()
     path = _fspath(path)
     location = resolve_map_location(map_location)
-    if verify:
-        if path.endswith(".safetensors"):
-            from .convert import verify_safetensors
-
-            verify_safetensors(path)
-        else:
-            verify_torch_file(path)
-    if path.endswith(".safetensors"):
-        ckpt: Any = _load_safetensors(path, location)
-        weights = dict(_find_weights(ckpt, key=key, path=path))
-    else:
-        try:
-            ckpt = load_file(path, map_location=location, weights_only=True)
-            weights = dict(_find_weights(ckpt, key=key, path=path))
-        except UnsafeCheckpointError as err:
-            # The weights never need the other entries' classes: read them without running code.
-            weights = _weights_without_code(path, key, location, err)
+    weights = dict(read_weights(path, key=key, map_location=location, verify=verify))
     _log.report("loaded weights from", path, started)
     return dict(strip_for_reading(weights, strip))
-
-
-def _weights_without_code(path: str, key: str | None, location: Any, refusal: UnsafeCheckpointError) -> dict[str, Any]:
-    """The weights of a local zip checkpoint whose *other* entries need refused classes.
-
-    The pickle is read with inert placeholders for those classes (nothing is imported or run),
-    the weights are found as usual, and each tensor's bytes come straight from its zip record.
-    Raises ``refusal`` when that cannot be done (a remote or legacy file, the weights themselves
-    needing such a class, a tensor that is not dense).
-    """
-    from .convert import _torch_dtypes, _zip_specs
-    from .storage import get_filesystem, is_local
-    from .torchzip import TorchZip, loads_lenient
-
-    fs, fpath = get_filesystem(path)
-    if not is_local(fs):
-        raise refusal
-    try:
-        archive = TorchZip(fpath)
-        tree, skipped = loads_lenient(archive.read_pickle(), path)
-        _, _, parsed = _locate(tree, key=key, path=path)
-        planned = _zip_specs(archive, parsed)
-    except CheckpointFormatError:
-        raise refusal from None
-    if planned is None:
-        raise refusal
-    specs, aliases = planned
-    weights: dict[str, Any] = {}
-    for name, spec in specs.items():
-        dtype = _torch_dtypes()[spec.dtype]
-        if spec.nbytes == 0:
-            tensor = torch.empty(spec.shape, dtype=dtype)
-        else:
-            buffer = io.BytesIO()
-            spec.write(buffer)
-            tensor = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=dtype).reshape(spec.shape)
-        weights[name] = tensor.to(location) if isinstance(location, torch.device) else tensor
-    for alias, target in aliases.items():
-        weights[alias] = weights[target]  # tied in the file, tied here
-    _log.warn(
-        f"{path}: read the weights without loading {', '.join(skipped)} (other entries need them; nothing "
-        "was executed). To load the whole file, trust it and use torch.load(..., weights_only=False)",
-        once=f"weights {path}",
-    )
-    return weights
-
-
-def _load_safetensors(path: str, location: Any) -> dict[str, torch.Tensor]:
-    # The strict reader: duplicate names, overlapping offsets and the like are refused before
-    # safetensors (which accepts some of them) decodes anything; aliases are re-tied.
-    from .convert import load_safetensors
-
-    tensors = load_safetensors(path)
-    # A dict or callable map_location describes torch storage tags, which safetensors files do
-    # not have: their tensors stay on CPU.
-    if isinstance(location, torch.device) and location.type != "cpu":
-        tensors = {k: v.to(location) for k, v in tensors.items()}
-    return tensors

@@ -139,26 +139,11 @@ def _is_safetensors(path: str) -> bool:
     return path.endswith(".safetensors")
 
 
-# --- reading -------------------------------------------------------------------------------------
-
-
-def _load_torch_with_devices(path: str) -> tuple[Any, dict[int, str]]:
-    """Load a torch file on CPU, remembering the device each storage was saved from."""
-    from .serialization import load_file
-    from .storage import open_for_read
-
-    devices: dict[int, str] = {}
-
-    def remember(storage: Any, location: str) -> Any:
-        devices[storage.data_ptr()] = location
-        return storage
-
-    source, local = open_for_read(path)
-    is_zip = False
-    if local:
-        with open(source, "rb") as f:
-            is_zip = f.read(4) == b"PK\x03\x04"
-    return load_file(path, map_location=remember, mmap=is_zip), devices
+_TRUST = typer.Option(
+    "--trust-pickled-code",
+    help="UNSAFE: let torch unpickle any class the file names, running its code. Only for files you trust; "
+    "without it such entries are skipped and the weights are read without running anything.",
+)
 
 
 # --- info ----------------------------------------------------------------------------------------
@@ -166,13 +151,16 @@ def _load_torch_with_devices(path: str) -> tuple[Any, dict[int, str]]:
 
 @app.command()
 def info(
-    path: Annotated[str, typer.Argument(help="checkpoint file or URL")],
+    path: Annotated[str, typer.Argument(help="checkpoint file, folder (Hugging Face, Accelerate, DCP) or URL")],
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    trust: Annotated[bool, _TRUST] = False,
 ) -> None:
     """Show format, entries, tensors (name, shape, dtype, bytes, saved device), totals and metadata."""
 
     def body() -> None:
-        report = _info(path)
+        from .reading import inspect
+
+        report = inspect(path, trust_code=trust)
         if as_json:
             out.print_json(json.dumps(report, default=repr))
             return
@@ -181,158 +169,41 @@ def info(
     _run(body)
 
 
-def _info(path: str) -> dict[str, Any]:
-    if _is_safetensors(path):
-        from .convert import read_safetensors_header
-
-        header, metadata, _, size = read_safetensors_header(path)
-        tensors = [
-            {"name": n, "shape": e["shape"], "dtype": e["dtype"], "bytes": e["data_offsets"][1] - e["data_offsets"][0]}
-            for n, e in sorted(header.items())
-        ]
-        for t in tensors:
-            t["device"] = "cpu"  # safetensors files carry no device
-        return _report(path, "safetensors", size, entries={}, tensors=tensors, metadata=metadata)
-    if _local_zip(path):
-        # From data.pkl alone: no torch import, no tensor read.
-        from .torchzip import TorchZip, is_tensor, loads, tensor_info
-
-        archive = TorchZip(path)
-        tree = loads(archive.read_pickle(), path)
-        return _tree_report(path, "torch zip", archive.size, tree, lambda n: tensor_info(n) if is_tensor(n) else None)
-    ckpt, devices = _load_torch_with_devices(path)
-    return _loaded_report(path, ckpt, devices)
-
-
-def _loaded_report(path: str, ckpt: Any, devices: Mapping[int, str]) -> dict[str, Any]:
-    """The ``info`` report of a checkpoint loaded by torch (``devices``: storage -> saved device)."""
-    import torch
-
-    def describe(node: Any) -> dict[str, Any] | None:
-        if not isinstance(node, torch.Tensor):
-            return None
-        ptr = node.untyped_storage().data_ptr()
-        dtype = str(node.dtype).removeprefix("torch.")
-        nbytes = node.numel() * node.element_size()
-        return {
-            "shape": list(node.shape),
-            "dtype": dtype,
-            "bytes": nbytes,
-            "device": devices.get(ptr, "cpu"),
-            "storage": ptr,
-        }
-
-    size = os.path.getsize(path) if "://" not in path else None
-    return _tree_report(path, "torch zip" if _zip(path) else "torch legacy", size, ckpt, describe)
-
-
-def _tree_report(
-    path: str, fmt: str, size: int | None, tree: Any, describe: Callable[[Any], dict[str, Any] | None]
-) -> dict[str, Any]:
-    """The ``info`` report of a checkpoint tree, loaded by torch or parsed without it.
-
-    ``describe(node)`` returns shape, dtype, bytes, device and a storage identity for a tensor
-    (a repeated storage marks the tensor as shared), None for anything else.
-    """
-    from .torchzip import META_KEY
-
-    tensors: list[dict[str, Any]] = []
-    seen: set[Any] = set()
-
-    def walk(node: Any, prefix: str) -> None:
-        info = describe(node)
-        if info is not None:
-            storage = info.pop("storage")
-            info["shared"] = storage is not None and storage in seen and info["bytes"] > 0
-            seen.add(storage)
-            tensors.append({"name": prefix, **info})
-        elif isinstance(node, Mapping):
-            for key, value in node.items():
-                walk(value, f"{prefix}.{key}" if prefix else str(key))
-        elif isinstance(node, (list, tuple)):
-            for i, value in enumerate(node):
-                walk(value, f"{prefix}.{i}" if prefix else str(i))
-
-    entries: dict[str, str] = {}
-    metadata: dict[str, Any] = {}
-    if isinstance(tree, Mapping):
-        for key, value in tree.items():
-            if key == META_KEY and isinstance(value, Mapping):
-                metadata = {k: v for k, v in value.items() if k != "rng"}
-                metadata["rng_ranks"] = len(value.get("rng", []))
-                continue
-            first = len(tensors)
-            walk(value, str(key))
-            entries[str(key)] = _describe(value, tensors[first:])
-    else:
-        walk(tree, "")
-    return _report(path, fmt, size, entries=entries, tensors=tensors, metadata=metadata)
-
-
-def _describe(value: Any, tensors: list[dict[str, Any]]) -> str:
-    """One line about a top-level entry, given the tensors found under it."""
-    if tensors and not isinstance(value, (Mapping, list, tuple)):  # the entry is itself a tensor
-        return f"tensor {tensors[0]['shape']} {tensors[0]['dtype']}"
-    if isinstance(value, Mapping):
-        return f"dict, {len(value)} keys" + (f", {len(tensors)} tensors" if tensors else "")
-    if isinstance(value, (list, tuple)):
-        return f"{type(value).__name__} of {len(value)}"
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _zip(path: str) -> bool:
-    # Remote files are taken as zip (the pre-1.6 format predates object-store checkpoints).
-    return "://" in path or _local_zip(path)
-
-
-def _report(path: str, fmt: str, size: int | None, **parts: Any) -> dict[str, Any]:
-    tensors = parts["tensors"]
-    total = sum(t["bytes"] for t in tensors if not t.get("shared"))
-    prefixed = [t["name"] for t in tensors if _has_module_prefix(t["name"])]
-    return {
-        "path": path,
-        "format": fmt,
-        "file_bytes": size,
-        "entries": parts["entries"],
-        "tensors": tensors,
-        "totals": {"tensors": len(tensors), "bytes": total, "module_prefixed": len(prefixed)},
-        "metadata": parts["metadata"],
-    }
-
-
-def _has_module_prefix(name: str) -> bool:
-    return name.startswith("module.") or ".module." in name
-
-
 def _render_info(report: dict[str, Any]) -> None:
     from .storage import human_size
 
     size = report["file_bytes"]
     out.print(f"[bold]{report['path']}[/]  {report['format']}" + (f", {human_size(size)}" if size is not None else ""))
+    if len(report.get("files", [])) > 1:
+        out.print(f"{len(report['files'])} files: " + ", ".join(os.path.basename(f) for f in report["files"][:8]))
     if report["entries"]:
         table = Table("entry", "content", title="entries", title_justify="left")
         for key, text in report["entries"].items():
             table.add_row(key, text)
         out.print(table)
-    table = Table("tensor", "shape", "dtype", "bytes", "saved on", title="tensors", title_justify="left")
+    sharded = any("file" in t for t in report["tensors"])
+    columns = ["tensor", "shape", "dtype", "bytes", "saved on"] + (["file"] if sharded else [])
+    table = Table(*columns, title="tensors", title_justify="left")
     for t in report["tensors"]:
-        table.add_row(
-            t["name"],
-            str(t["shape"]),
-            t["dtype"],
-            human_size(t["bytes"]),
-            t["device"] + (" (shared)" if t.get("shared") else ""),
-        )
+        row = [t["name"], str(t["shape"]), t["dtype"], human_size(t["bytes"]),
+               t["device"] + (" (shared)" if t.get("shared") else "")]  # fmt: skip
+        table.add_row(*row, *([t.get("file") or ""] if sharded else []))
     out.print(table)
     totals = report["totals"]
     out.print(f"{totals['tensors']} tensors, {human_size(totals['bytes'])}")
     if report["metadata"]:
         out.print("metadata: " + json.dumps(report["metadata"], default=str))
+    for name, what in report.get("extras", {}).items():
+        out.print(f"also in the folder: {name} ({what})")
+    if report.get("skipped_globals"):
+        out.print(
+            "[yellow]not loaded[/] (they need classes torch's safe loader refuses; nothing was run): "
+            + ", ".join(report["skipped_globals"])
+        )
     if totals["module_prefixed"]:
         out.print(
-            f"[yellow]{totals['module_prefixed']} tensor names carry the DDP 'module.' prefix[/]; remove it with: "
-            f"ckpt strip-module {report['path']} -o OUT"
+            f"[yellow]{totals['module_prefixed']} tensor names carry a wrapper's prefix (DDP's 'module.', "
+            f"torch.compile's '_orig_mod.')[/]; remove it with: ckpt strip-module {report['path']} -o OUT"
         )
 
 
@@ -346,8 +217,15 @@ def _target(path: str, output: Optional[str], in_place: bool, force: bool) -> st
         raise _Fail("give -o OUT to write a new file, or --in-place to rewrite the input")
     if in_place:
         return path
-    _check_output(str(output), force, suggestion=os.path.basename(path))
+    if _is_folder(path):
+        _check_folder_output(str(output), force)
+    else:
+        _check_output(str(output), force, suggestion=os.path.basename(path))
     return str(output)
+
+
+def _is_folder(path: str) -> bool:
+    return "://" not in path and os.path.isdir(path)
 
 
 def _check_output(dst: str, force: bool, *, suggestion: str) -> None:
@@ -361,80 +239,62 @@ def _check_output(dst: str, force: bool, *, suggestion: str) -> None:
         raise _Fail(f"{dst} already exists; pass --force to overwrite it")
 
 
+def _check_folder_output(dst: str, force: bool) -> None:
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise _Fail(f"{dst} is a file; the input is a folder, so name a folder to write")
+    if os.path.isdir(dst) and os.listdir(dst) and not force:
+        raise _Fail(f"{dst} already exists and is not empty; pass --force to write into it")
+
+
 _FORCE = typer.Option("--force", "-f", help="overwrite OUT if it exists")
 
 
-def _rename_command(path: str, output: Optional[str], in_place: bool, prefix: str, add: bool, force: bool) -> None:
+def _rename_command(
+    path: str, output: Optional[str], in_place: bool, prefixes: list[str], add: bool, force: bool
+) -> None:
     def body() -> None:
         from .state_dict import add_prefix, strip_prefix
 
         dst = _target(path, output, in_place, force)
-        transform = (lambda sd: add_prefix(sd, prefix)) if add else (lambda sd: strip_prefix(sd, prefix))
-        with _progress("renaming", path):
-            if _is_safetensors(path):
-                from .convert import rename_safetensors
 
-                changed = rename_safetensors(path, dst, transform)
-            else:
-                changed = _rename_torch(path, dst, transform)
+        def transform(sd: Mapping[str, Any]) -> Mapping[str, Any]:
+            for prefix in prefixes:
+                sd = add_prefix(sd, prefix) if add else strip_prefix(sd, prefix)
+            return sd
+
+        with _progress("renaming", path):
+            from .rewrite import rename_checkpoint
+
+            changed = rename_checkpoint(path, dst, transform)
         verb = "added to" if add else "removed from"
-        out.print(f"{dst}: prefix {prefix!r} {verb} {changed} keys")
+        said = " / ".join(repr(p) for p in prefixes)
+        out.print(f"{dst}: prefix {said} {verb} {changed} keys")
 
     _run(body)
 
 
-def _rename_torch(path: str, dst: str, transform: Callable[[Mapping[str, Any]], Mapping[str, Any]]) -> int:
-    from .storage import atomic_write
-
-    if _local_zip(path):
-        # Only data.pkl names the keys: rewrite it, copy every tensor record byte for byte.
-        from .torchzip import TorchZip, dumps, loads, locate_weights
-
-        archive = TorchZip(path)
-        tree = loads(archive.read_pickle(), path)
-        parent, key, weights = locate_weights(tree, path=path)
-        renamed = transform(weights)
-        if parent is None:
-            tree = renamed
-        else:
-            parent[key] = renamed
-        payload = dumps(tree)
-        atomic_write(dst, lambda f: archive.write_with_pickle(f, payload))
-    else:  # legacy (pre-1.6) format or a remote URL: through torch
-        from .checkpoint import locate_weights as locate_loaded
-        from .convert import load_torch
-        from .serialization import save_file
-
-        ckpt = load_torch(path)
-        parent, key, weights = locate_loaded(ckpt, path=path)
-        renamed = transform(weights)
-        if parent is None:
-            ckpt = renamed
-        else:
-            parent[key] = renamed
-        save_file(dst, ckpt)
-    return sum(1 for a, b in zip(weights, renamed) if a != b)
-
-
-def _local_zip(path: str) -> bool:
-    from .convert import _local_zip as local_zip  # one definition; raises the clear not-found errors
-
-    return local_zip(path)
-
-
 @app.command("strip-module")
 def strip_module(
-    path: Annotated[str, typer.Argument(help="input checkpoint")],
+    path: Annotated[str, typer.Argument(help="input checkpoint: a file, a sharded index or a Hugging Face folder")],
     output: Annotated[Optional[str], typer.Option("-o", "--output", help="write the result here")] = None,
     in_place: Annotated[bool, typer.Option("--in-place", help="rewrite the input (atomically)")] = False,
     prefix: Annotated[str, typer.Option(help="the prefix to remove")] = "module.",
+    compile_prefix: Annotated[
+        bool, typer.Option("--compile", help="also remove torch.compile's '_orig_mod.' (alone or after 'module.')")
+    ] = False,
     force: Annotated[bool, _FORCE] = False,
 ) -> None:
     """Remove the DDP 'module.' prefix from the weights' keys (other entries are kept).
 
-    --prefix _orig_mod. (or module._orig_mod.) removes torch.compile's prefix instead.
+    --compile removes torch.compile's '_orig_mod.' too (module._orig_mod.x, _orig_mod.module.x and
+    _orig_mod.x all become x); --prefix P removes another prefix instead. A folder (sharded or
+    not) is written as a folder: shards renamed without decoding, the index rewritten, config and
+    tokenizer files copied.
     """
-    _rename_command(path, output, in_place, prefix, add=False, force=force)
+    from .state_dict import WRAPPER_PREFIXES
+
+    prefixes = list(WRAPPER_PREFIXES[::-1]) if compile_prefix else [prefix]
+    _rename_command(path, output, in_place, prefixes, add=False, force=force)
 
 
 @app.command("add-module")
@@ -446,7 +306,7 @@ def add_module(
     force: Annotated[bool, _FORCE] = False,
 ) -> None:
     """Add the 'module.' prefix to the weights' keys (keys that have it are left alone)."""
-    _rename_command(path, output, in_place, prefix, add=True, force=force)
+    _rename_command(path, output, in_place, [prefix], add=True, force=force)
 
 
 # --- convert -------------------------------------------------------------------------------------
@@ -454,32 +314,47 @@ def add_module(
 
 @app.command()
 def convert(
-    src: Annotated[str, typer.Argument(help="input: .pt/.pth/.bin/.ckpt or .safetensors")],
-    dst: Annotated[str, typer.Argument(help="output; its suffix picks the format")],
+    src: Annotated[str, typer.Argument(help="input: a torch file, .safetensors, sharded index, or a folder")],
+    dst: Annotated[str, typer.Argument(help="output: .safetensors, .pt/.pth/.bin, or a folder OUT_DIR/")],
     key: Annotated[Optional[str], typer.Option(help="entry holding the weights (dotted for nesting)")] = None,
     no_strip: Annotated[bool, typer.Option("--no-strip", help="keep the 'module.' prefix")] = False,
+    max_shard_size: Annotated[
+        Optional[str], typer.Option("--max-shard-size", help="write a Hugging Face folder with shards up to this size")
+    ] = None,
     force: Annotated[bool, _FORCE] = False,
+    trust: Annotated[bool, _TRUST] = False,
 ) -> None:
-    """Convert .pt -> .safetensors (tied tensors once, scalars and checksums in metadata), or back."""
+    """Convert the weights: to .safetensors (tied tensors once, scalars and checksums in metadata),
+    to a Hugging Face folder (OUT_DIR/ or --max-shard-size: model.safetensors or shards and
+    model.safetensors.index.json, which from_pretrained reads), or to a torch file."""
 
     def body() -> None:
         strip = None if no_strip else "module."
-        stem = os.path.basename(src).rsplit(".", 1)[0] or "model"
-        _check_output(dst, force, suggestion=f"{stem}.pt" if _is_safetensors(src) else f"{stem}.safetensors")
+        to_folder = dst.endswith("/") or _is_folder(dst) or max_shard_size is not None
+        if to_folder:
+            from .convert import export_huggingface
+
+            with _progress("converting", src):
+                written = export_huggingface(src, dst, max_shard_size=max_shard_size or "5GB", key=key, strip=strip,
+                                             force=force)  # fmt: skip
+            out.print(f"wrote {dst.rstrip('/')}/: " + ", ".join(os.path.basename(w) for w in written))
+            return
+        stem = os.path.basename(src.rstrip("/")).rsplit(".", 1)[0] or "model"
+        _check_output(dst, force, suggestion=f"{stem}.safetensors")
         if _is_safetensors(dst):
             from .convert import convert_to_safetensors
 
             with _progress("converting", src):
                 convert_to_safetensors(src, dst, key=key, strip=strip)
-        elif dst.endswith(TORCH_SUFFIXES) and _is_safetensors(src):
-            from .convert import load_safetensors
+        elif dst.endswith(TORCH_SUFFIXES):
+            from .reading import open_checkpoint
             from .serialization import save_file
-            from .state_dict import strip_prefix
+            from .state_dict import strip_for_reading
 
-            tensors = load_safetensors(src)
-            save_file(dst, strip_prefix(tensors, strip) if strip else tensors)
+            weights = dict(open_checkpoint(src, trust_code=trust).weights(key))
+            save_file(dst, dict(strip_for_reading(weights, strip)))
         else:
-            raise _Fail(f"cannot convert {src} to {dst}: use a .safetensors OUT, or a .safetensors IN with a .pt OUT")
+            raise _Fail(f"cannot convert {src} to {dst}: name a .safetensors or .pt file, or a folder ending in /")
         out.print(f"wrote {dst}")
 
     _run(body)
@@ -490,15 +365,18 @@ def convert(
 
 @app.command()
 def diff(
-    a: Annotated[str, typer.Argument(help="first checkpoint")],
-    b: Annotated[str, typer.Argument(help="second checkpoint")],
+    a: Annotated[str, typer.Argument(help="first checkpoint (file or folder)")],
+    b: Annotated[str, typer.Argument(help="second checkpoint (file or folder)")],
     atol: Annotated[float, typer.Option(help="largest absolute difference still counted as equal")] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
+    trust: Annotated[bool, _TRUST] = False,
 ) -> None:
-    """Compare the weights of two checkpoints ('module.' ignored); exit 1 if they differ."""
+    """Compare the weights of two checkpoints ('module.' and '_orig_mod.' ignored); exit 1 if they differ."""
 
     def body() -> int:
-        result = _diff(a, b, atol)
+        from .reading import diff as compare
+
+        result = compare(a, b, atol=atol, trust_code=trust)
         if as_json:
             out.print_json(json.dumps(result))
         else:
@@ -506,45 +384,6 @@ def diff(
         return 1 if result["differ"] else 0
 
     _run(body)
-
-
-def _weights(path: str) -> Mapping[str, Any]:
-    from .checkpoint import locate_weights
-    from .convert import load_safetensors, load_torch
-    from .state_dict import strip_wrappers
-
-    # Compared without any wrapper's prefix: DDP's "module.", torch.compile's "_orig_mod.".
-    if _is_safetensors(path):
-        return strip_wrappers(load_safetensors(path))
-    return strip_wrappers(locate_weights(load_torch(path), path=path)[2])
-
-
-def _diff(a: str, b: str, atol: float) -> dict[str, Any]:
-    import torch
-
-    wa, wb = _weights(a), _weights(b)
-    missing = sorted(set(wa) - set(wb))
-    unexpected = sorted(set(wb) - set(wa))
-    mismatched, changed, max_abs = [], [], {}
-    for name in sorted(set(wa) & set(wb)):
-        ta, tb = wa[name], wb[name]
-        if ta.shape != tb.shape or ta.dtype != tb.dtype:
-            mismatched.append(
-                {"name": name, "a": [list(ta.shape), str(ta.dtype)], "b": [list(tb.shape), str(tb.dtype)]}
-            )
-            continue
-        if ta.numel() == 0:
-            continue
-        if ta.dtype.is_floating_point or ta.dtype.is_complex:
-            delta = (ta.double() - tb.double()).abs().max().item() if not torch.equal(ta, tb) else 0.0
-        else:
-            delta = float((ta.long() - tb.long()).abs().max().item()) if not torch.equal(ta, tb) else 0.0
-        if delta != delta or delta > atol:  # NaN counts as different
-            changed.append(name)
-        max_abs[name] = delta
-    differ = bool(missing or unexpected or mismatched or changed)
-    return {"a": a, "b": b, "atol": atol, "differ": differ, "missing_in_b": missing, "only_in_b": unexpected,
-            "shape_or_dtype_mismatch": mismatched, "changed": changed, "max_abs_diff": max_abs}  # fmt: skip
 
 
 def _render_diff(result: dict[str, Any]) -> None:
@@ -566,15 +405,21 @@ def _render_diff(result: dict[str, Any]) -> None:
 
 
 @app.command()
-def verify(path: Annotated[str, typer.Argument(help="checkpoint file or URL")]) -> None:
+def verify(
+    path: Annotated[str, typer.Argument(help="checkpoint file, folder or URL")],
+    trust: Annotated[bool, _TRUST] = False,
+) -> None:
     """Read everything and check integrity: exit 0 good, 1 damaged, 2 missing/unsafe/bad arguments."""
 
     def body() -> None:
-        from .errors import CheckpointFormatError
+        from .errors import CheckpointFormatError, CheckpointLayoutError
+        from .reading import verify as check
 
         try:
             with _progress("verifying", path):
-                what = _verify(path)
+                what = check(path, trust_code=trust)
+        except CheckpointLayoutError:
+            raise  # a valid file of another kind is never called damaged
         except CheckpointFormatError as error:
             if "is a directory" in str(error):
                 raise
@@ -582,30 +427,6 @@ def verify(path: Annotated[str, typer.Argument(help="checkpoint file or URL")]) 
         out.print(f"OK {path}: {what}")
 
     _run(body)
-
-
-def _verify(path: str) -> str:
-    # Tensors are counted as `info` counts them (its report, from what was just loaded), so the
-    # two commands never disagree about one file.
-    if _is_safetensors(path):
-        from .convert import load_safetensors, read_safetensors_header, verify_safetensors
-
-        checked = verify_safetensors(path)
-        load_safetensors(path)
-        n = len(read_safetensors_header(path)[0])
-        return f"safetensors, {n} tensors" + (
-            f", {checked} CRC-32s match" if checked else ", structure checked (no checksums stored)"
-        )
-    from .convert import load_torch
-    from .serialization import verify_torch_file
-
-    zipped = _zip(path)
-    if zipped:
-        verify_torch_file(path)
-    n = _loaded_report(path, load_torch(path), {})["totals"]["tensors"]
-    if zipped:
-        return f"torch zip, every record's CRC-32 matches, {n} tensors load"
-    return f"torch legacy format (no checksums), {n} tensors load"
 
 
 def main() -> None:

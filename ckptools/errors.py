@@ -27,6 +27,7 @@ from __future__ import annotations
 __all__ = [
     "CheckpointError",
     "CheckpointFormatError",
+    "CheckpointLayoutError",
     "CheckpointNotFoundError",
     "CheckpointWarning",
     "KeyMismatchError",
@@ -50,6 +51,15 @@ class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
 
 class CheckpointFormatError(CheckpointError, ValueError):
     """The file exists but is truncated, corrupt, or not a checkpoint at all."""
+
+
+class CheckpointLayoutError(CheckpointFormatError):
+    """A valid file or folder, but not a checkpoint ckptools reads as given.
+
+    One shard of a DCP checkpoint (``__0_0.distcp``: pass its folder), a folder that holds no
+    model file, a JSON file that is no sharded index. Never a damaged file: ``ckpt verify`` exits
+    2 for these, not 1, and the message says what to pass instead.
+    """
 
 
 class UnsafeCheckpointError(CheckpointError, ValueError):

@@ -209,30 +209,36 @@ def _note(found: list[str], module: str, name: str) -> None:
 class Opaque:
     """An object of a class the strict reader refuses, in a lenient read: inert, never built.
 
-    Holds what the pickle said about it (constructor arguments, state, items), so reading the
-    *weights* of a file never needs the classes of its other entries (a Lightning checkpoint's
-    ``hyper_parameters`` holding a ``pathlib.Path`` or an ``argparse.Namespace``).
+    Holds what the pickle said about it (class, constructor arguments, items, state), so reading
+    the *weights* of a file never needs the classes of its other entries (a Lightning
+    checkpoint's ``hyper_parameters`` holding a ``pathlib.Path`` or an ``argparse.Namespace``),
+    and :func:`dumps` writes it back as it was read (``ckpt strip-module`` keeps such entries).
+    ``cls`` is None for the class reference itself.
     """
 
-    __slots__ = ("args", "items", "name", "state")
+    __slots__ = ("args", "cls", "dictitems", "listitems", "module", "name", "newobj", "qualname", "state")
 
-    def __init__(self, name: str, args: tuple = ()) -> None:
-        self.name, self.args, self.state, self.items = name, args, None, []
+    def __init__(self, module: str, qualname: str, cls: Opaque | None = None, args: tuple = ()) -> None:
+        self.module, self.qualname, self.name = module, qualname, f"{module}.{qualname}"
+        self.cls, self.args, self.newobj = cls, args, False
+        self.state: Any = None
+        self.listitems: list[Any] = []
+        self.dictitems: list[tuple[Any, Any]] = []
 
     def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
-        return Opaque(self.name, args)
+        return Opaque(self.module, self.qualname, self, args)
 
     def __setstate__(self, state: Any) -> None:
         self.state = state
 
     def __setitem__(self, key: Any, value: Any) -> None:
-        self.items.append((key, value))
+        self.dictitems.append((key, value))
 
     def append(self, value: Any) -> None:
-        self.items.append(value)
+        self.listitems.append(value)
 
     def extend(self, values: Any) -> None:
-        self.items.extend(values)
+        self.listitems.extend(values)
 
     def __repr__(self) -> str:
         return f"<{self.name}, not loaded>"
@@ -252,22 +258,49 @@ class _LenientReader(_Reader):  # type: ignore[misc]
             return super().find_class(module, name)
         if f"{module}.{name}" not in self.skipped:
             self.skipped.append(f"{module}.{name}")
-        return Opaque(f"{module}.{name}")
+        return Opaque(module, name)
 
     # NEWOBJ calls cls.__new__(cls, ...), which a placeholder instance cannot answer.
     def _load_newobj(self) -> None:
         args = self.stack.pop()
         cls = self.stack.pop()
-        self.append(cls(*args) if isinstance(cls, Opaque) else cls.__new__(cls, *args))
+        self.append(_new_opaque(cls, args) if isinstance(cls, Opaque) else cls.__new__(cls, *args))
 
     def _load_newobj_ex(self) -> None:
         kwargs = self.stack.pop()
         args = self.stack.pop()
         cls = self.stack.pop()
-        self.append(cls(*args) if isinstance(cls, Opaque) else cls.__new__(cls, *args, **kwargs))
+        if isinstance(cls, Opaque) and kwargs:
+            raise CheckpointFormatError(f"{self._path}: {cls.name} is built with keyword arguments; it cannot be kept")
+        self.append(_new_opaque(cls, args) if isinstance(cls, Opaque) else cls.__new__(cls, *args, **kwargs))
 
     dispatch[pickle.NEWOBJ[0]] = _load_newobj
     dispatch[pickle.NEWOBJ_EX[0]] = _load_newobj_ex
+
+
+# Modules whose callables exist to run code, spawn processes or reach the network: a legitimate
+# checkpoint never names them, so a file that does is refused even by the lenient reader (which
+# would not run them either) and called what it is.
+_HOSTILE_MODULES = ("os", "posix", "nt", "subprocess", "builtins", "__builtin__", "sys", "runpy", "importlib",
+                    "shutil", "socket", "pty", "code", "codeop", "pickle", "_pickle", "marshal", "ctypes",
+                    "webbrowser", "pdb", "timeit", "multiprocessing", "asyncio", "signal", "urllib", "http",
+                    "requests", "functools", "operator", "types", "inspect", "torch._dynamo", "torch.jit")  # fmt: skip
+
+
+def hostile(globals_: list[str]) -> list[str]:
+    """Those of ``globals_`` (``module.name``) that belong to code-running modules.
+
+    Example:
+        >>> hostile(["pathlib.PosixPath", "posix.system"])
+        ['posix.system']
+    """
+    return [g for g in globals_ if any(g == m or g.startswith(m + ".") for m in _HOSTILE_MODULES)]
+
+
+def _new_opaque(cls: Opaque, args: tuple) -> Opaque:
+    made = cls(*args)
+    made.newobj = True  # written back with NEWOBJ: cls.__new__, no __init__, as it was read
+    return made
 
 
 def loads_lenient(data: bytes, path: str = "checkpoint") -> tuple[Any, list[str]]:
@@ -418,8 +451,30 @@ class _Writer(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Python
             self.save(obj.state)
             self.write(pickle.BUILD)
 
+    def _save_opaque(self, obj: Opaque) -> None:
+        # As the pickler wrote it: class, arguments, NEWOBJ or REDUCE, then items, then state.
+        if obj.cls is None:
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.qualname}\n".encode())
+            self.memoize(obj)
+            return
+        self.save(obj.cls)
+        self.save(tuple(obj.args))
+        self.write(pickle.NEWOBJ if obj.newobj else pickle.REDUCE)
+        self.memoize(obj)
+        for value in obj.listitems:
+            self.save(value)
+            self.write(pickle.APPEND)
+        for key, value in obj.dictitems:
+            self.save(key)
+            self.save(value)
+            self.write(pickle.SETITEM)
+        if obj.state is not None:
+            self.save(obj.state)
+            self.write(pickle.BUILD)
+
     dispatch[Global] = _save_global_ref
     dispatch[Call] = _save_call
+    dispatch[Opaque] = _save_opaque
 
 
 def dumps(obj: Any) -> bytes:

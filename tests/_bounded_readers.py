@@ -40,7 +40,12 @@ def main() -> None:
     import torch  # noqa: F401 - loaded before measuring the baseline
 
     import ckptools as ck
-    from ckptools.convert import load_safetensors, read_safetensors_header, rename_safetensors, verify_safetensors
+    from ckptools.safetensors_file import (
+        load_safetensors,
+        read_safetensors_header,
+        rename_safetensors,
+        verify_safetensors,
+    )
     from ckptools.serialization import verify_torch_file
     from ckptools.state_dict import strip_prefix
     from ckptools.torchzip import TorchZip, loads
@@ -60,6 +65,7 @@ def main() -> None:
             "verify_torch_file": verify_torch_file,
             "convert_to_safetensors": lambda p: ck.convert_to_safetensors(p, out),
             "torchzip (ckpt info)": torch_free_info,
+            "inspect (ckpt info)": ck.inspect,
             **both,
         },
         ".safetensors": {
@@ -67,6 +73,7 @@ def main() -> None:
             "verify_safetensors": verify_safetensors,
             "load_safetensors": load_safetensors,
             "rename_safetensors": lambda p: rename_safetensors(p, out, lambda sd: strip_prefix(sd, "a.")),
+            "inspect (ckpt info)": ck.inspect,
             **both,
         },
     }

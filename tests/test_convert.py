@@ -9,7 +9,7 @@ import safetensors.torch
 import torch
 
 import ckptools as ck
-from ckptools.convert import (
+from ckptools.safetensors_file import (
     ALIAS_KEY,
     CRC_KEY,
     load_safetensors,

@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 
 import ckptools as ck
 from ckptools.cli import app
-from ckptools.convert import load_safetensors, read_safetensors_header, verify_safetensors
+from ckptools.safetensors_file import load_safetensors, read_safetensors_header, verify_safetensors
 from ckptools.serialization import verify_torch_file
 
 EXAMPLES = int(os.environ.get("CKPTOOLS_FUZZ_EXAMPLES", "40"))

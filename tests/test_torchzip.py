@@ -98,7 +98,8 @@ def test_tensor_info_without_torch_semantics(tmp_path, cuda_tagged_file):
     info = tz.tensor_info(tree["model"]["weight"])
     assert info["shape"] == [3, 3] and info["dtype"] == "float32" and info["bytes"] == 36 and info["device"] == "cuda:1"
     code = (
-        f"import sys; from ckptools.cli import _info; _info({str(cuda_tagged_file)!r}); print('torch' in sys.modules)"
+        "import sys; from ckptools.reading import inspect; "
+        f"inspect({str(cuda_tagged_file)!r}); print('torch' in sys.modules)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False", proc.stderr

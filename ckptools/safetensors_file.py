@@ -1,0 +1,334 @@
+"""The safetensors format: a streaming writer, a strict header reader, lazy reads, checks, renames.
+
+The format is an 8-byte little-endian header length N, N bytes of JSON
+(``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``,
+padded with spaces to a multiple of 8), then the raw little-endian tensor bytes. ckptools
+writes it itself, tensor by tensor, because ``safetensors.torch.save_file`` builds the whole
+payload in memory; files are read back with the official library in tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import zlib
+from collections.abc import Callable, Mapping
+from typing import IO, Any
+
+from .errors import CheckpointFormatError
+from .storage import PathLike, _fspath, atomic_write, copy_range, crc32_range, open_for_read, report_progress
+
+__all__ = ["load_safetensors", "read_safetensors_header", "save_safetensors", "verify_safetensors"]
+
+# Metadata keys ckptools adds to the files it writes.
+CRC_KEY = "ckptools.crc32"  # {tensor name: CRC-32 of its bytes as 8 hex digits}
+ALIAS_KEY = "ckptools.aliases"  # {dropped name: stored name} for tied tensors stored once
+# The official reader refuses headers above 100 MB; so do we, before allocating anything.
+MAX_HEADER = 100_000_000
+_CHUNK = 16 << 20
+
+ITEMSIZE = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+    "C64": 8, "U64": 8, "U32": 4, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+}  # fmt: skip
+
+
+def torch_dtypes() -> dict[str, Any]:
+    import torch
+
+    names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+             "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "C64": "complex64", "U64": "uint64",
+             "U32": "uint32", "U16": "uint16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # fmt: skip
+    return {st: getattr(torch, attr) for st, attr in names.items() if hasattr(torch, attr)}
+
+
+class Spec:
+    """One tensor to write: safetensors dtype, shape, byte count, and how to write its bytes."""
+
+    __slots__ = ("dtype", "nbytes", "shape", "write")
+
+    def __init__(self, dtype: str, shape: list[int], nbytes: int, write: Callable[[IO[bytes]], int]) -> None:
+        self.dtype, self.shape, self.nbytes, self.write = dtype, shape, nbytes, write
+
+
+def _header(specs: Mapping[str, Spec], metadata: Mapping[str, str]) -> tuple[list[str], bytes]:
+    # Widest dtypes first keeps every tensor aligned to its item size (the header is padded to 8).
+    order = sorted(specs, key=lambda n: (-ITEMSIZE[specs[n].dtype], n))
+    header: dict[str, Any] = {"__metadata__": dict(metadata)}
+    offset = 0
+    for name in order:
+        spec = specs[name]
+        header[name] = {"dtype": spec.dtype, "shape": spec.shape, "data_offsets": [offset, offset + spec.nbytes]}
+        offset += spec.nbytes
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    return order, raw
+
+
+def write_specs(
+    path: PathLike, specs: Mapping[str, Spec], aliases: Mapping[str, str], metadata: Mapping[str, str] | None
+) -> str:
+    meta = {str(k): str(v) for k, v in (metadata or {}).items()}
+    # CRC-32s are 8 hex digits: the header's length is known before any tensor is read, so
+    # the placeholders are overwritten in place once the data is written.
+    meta[CRC_KEY] = json.dumps({name: "00000000" for name in sorted(specs)}, separators=(",", ":"))
+    if aliases:
+        meta[ALIAS_KEY] = json.dumps(dict(aliases), separators=(",", ":"), sort_keys=True)
+    order, raw = _header(specs, meta)
+
+    def write(f: IO[bytes]) -> None:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        crcs = {name: f"{specs[name].write(f):08x}" for name in order}
+        meta[CRC_KEY] = json.dumps(dict(sorted(crcs.items())), separators=(",", ":"))
+        _, final = _header(specs, meta)
+        if len(final) != len(raw):  # pragma: no cover - fixed-width fields guarantee equality
+            raise RuntimeError("safetensors header changed size while writing")
+        f.seek(8)
+        f.write(final)
+        f.seek(0, os.SEEK_END)
+
+    return atomic_write(path, write)
+
+
+def _write_chunks(f: IO[bytes], view: memoryview) -> int:
+    crc = 0
+    for start in range(0, len(view), _CHUNK):
+        chunk = view[start : start + _CHUNK]
+        crc = zlib.crc32(chunk, crc)
+        f.write(chunk)
+        report_progress(len(chunk))
+    return crc
+
+
+def save_safetensors(path: PathLike, tensors: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None) -> str:
+    """Write ``tensors`` as a safetensors file, one tensor at a time, atomically.
+
+    Tied tensors (the same view of one storage) are stored once and the dropped names recorded
+    in ``ckptools.aliases``; each stored tensor's CRC-32 goes into ``ckptools.crc32`` so that
+    :func:`verify_safetensors` can detect bit rot later. Memory stays at one tensor's
+    contiguous copy at most (none for tensors that are already contiguous on CPU).
+    """
+    specs, aliases = tensor_specs(tensors)
+    return write_specs(path, specs, aliases, metadata)
+
+
+def tensor_specs(tensors: Mapping[str, Any], order: list[str] | None = None) -> tuple[dict[str, Spec], dict[str, str]]:
+    """Specs that write each tensor's bytes, and ``{dropped name: kept name}`` for tied tensors.
+
+    Of tied names the first in ``order`` is kept (default: sorted names).
+    """
+    import torch
+
+    names = {dtype: name for name, dtype in torch_dtypes().items()}
+    specs: dict[str, Spec] = {}
+    aliases: dict[str, str] = {}
+    seen: dict[tuple, str] = {}
+    for name in order if order is not None else sorted(tensors):
+        t = tensors[name]
+        if not isinstance(t, torch.Tensor):
+            raise CheckpointFormatError(
+                f"entry {name!r} is a {type(t).__name__}, not a tensor; pass key=... to pick the weights"
+            )
+        if t.layout != torch.strided:
+            raise CheckpointFormatError(
+                f"tensor {name!r} is {t.layout}; safetensors stores dense tensors only (call .to_dense())"
+            )
+        if t.dtype not in names:
+            raise CheckpointFormatError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
+        identity = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        if t.numel() and identity in seen:
+            aliases[name] = seen[identity]
+            continue
+        seen[identity] = name
+
+        def write(f: IO[bytes], t: torch.Tensor = t) -> int:
+            if sys.byteorder != "little":  # pragma: no cover - no big-endian machine to test on
+                raise NotImplementedError("writing safetensors on a big-endian machine is not supported")
+            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            return _write_chunks(f, memoryview(data))
+
+        specs[name] = Spec(names[t.dtype], list(t.shape), t.numel() * t.element_size(), write)
+    return specs, aliases
+
+
+def read_safetensors_header(path: PathLike) -> tuple[dict[str, Any], dict[str, str], int, int]:
+    """Read and validate a safetensors header without reading tensor data.
+
+    Returns:
+        ``(entries, metadata, data_start, file_size)``; entries map names to
+        ``{"dtype", "shape", "data_offsets"}``.
+
+    Raises:
+        CheckpointNotFoundError: the file does not exist.
+        CheckpointFormatError: header length absurd or past the end, invalid JSON, duplicate
+            names, unknown dtype, offsets that overlap, leave gaps or run past the end, or
+            shapes that do not match their byte ranges.
+    """
+    path = _fspath(path)
+    source, local = open_for_read(path)
+    handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
+    try:
+        size = os.fstat(handle.fileno()).st_size if local else len(source.getbuffer())
+        head = handle.read(8)
+        if len(head) < 8:
+            raise CheckpointFormatError(f"{path} is too short to be a safetensors file ({size} bytes)")
+        n = int.from_bytes(head, "little")
+        if n > MAX_HEADER or n > size - 8:
+            raise CheckpointFormatError(
+                f"{path}: safetensors header claims {n} bytes but the file has {size - 8} after the length field "
+                "(truncated or not a safetensors file)"
+            )
+        raw = handle.read(n)
+    finally:
+        handle.close()
+
+    def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in out:
+                raise CheckpointFormatError(f"{path}: safetensors header names {key!r} twice")
+            out[key] = value
+        return out
+
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
+        raise CheckpointFormatError(f"{path}: safetensors header is not valid JSON ({err})") from err
+    if not isinstance(header, dict):
+        raise CheckpointFormatError(f"{path}: safetensors header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointFormatError(f"{path}: safetensors __metadata__ must map strings to strings")
+    data_len = size - 8 - n
+    spans = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+            raise CheckpointFormatError(f"{path}: safetensors entry {name!r} is malformed")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if dtype not in ITEMSIZE:
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
+        begin, end = offsets
+        numel = 1
+        for d in shape:
+            numel *= d
+        if not 0 <= begin <= end <= data_len or end - begin != numel * ITEMSIZE[dtype]:
+            raise CheckpointFormatError(
+                f"{path}: tensor {name!r} has data_offsets {offsets} that do not fit its shape {shape} and dtype "
+                f"{dtype} inside the {data_len}-byte data section (truncated or corrupt file)"
+            )
+        spans.append((begin, end, name))
+    position = 0
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            what = "overlaps the previous tensor" if begin < position else "leaves a gap before it"
+            raise CheckpointFormatError(f"{path}: tensor {name!r} {what} (corrupt safetensors file)")
+        position = end
+    if position != data_len:
+        raise CheckpointFormatError(f"{path}: {data_len - position} bytes after the last tensor (corrupt file)")
+    return header, metadata, 8 + n, size
+
+
+def verify_safetensors(path: PathLike) -> int:
+    """Validate a safetensors file's structure and, where ckptools stored them, its checksums.
+
+    Returns:
+        The number of tensors whose CRC-32 was checked (0 for files from other tools, which
+        carry none: then only the structure is checked).
+
+    Raises:
+        CheckpointFormatError: the structure is invalid or a checksum does not match.
+    """
+    path = _fspath(path)
+    header, metadata, start, _ = read_safetensors_header(path)
+    if CRC_KEY not in metadata:
+        return 0
+    try:
+        expected = json.loads(metadata[CRC_KEY])
+    except json.JSONDecodeError as err:
+        raise CheckpointFormatError(f"{path}: {CRC_KEY} metadata is not valid JSON") from err
+    if not isinstance(expected, dict) or set(expected) != set(header):
+        raise CheckpointFormatError(f"{path}: {CRC_KEY} metadata does not list exactly the stored tensors")
+    source, local = open_for_read(path)
+    handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
+    try:
+        for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+            begin, end = entry["data_offsets"]
+            crc = crc32_range(handle, start + begin, end - begin, what=f"{path}: tensor {name!r}")
+            if f"{crc:08x}" != expected[name]:
+                raise CheckpointFormatError(
+                    f"{path}: tensor {name!r} fails its CRC-32 check (bit rot or a partial copy); the file is damaged"
+                )
+    finally:
+        handle.close()
+    return len(header)
+
+
+def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
+    """Rename the tensors of a safetensors file without decoding them; return how many changed.
+
+    Only the JSON header is rewritten (names, and the names inside ckptools' checksum and alias
+    metadata); the data section is copied byte for byte (``copy_file_range`` between local
+    files). ``transform`` maps ``{name: name}`` to ``{new name: old name}`` (e.g.
+    :func:`ckptools.strip_prefix`). Writing is atomic, so ``dst`` may be ``src``.
+
+    Raises:
+        CheckpointFormatError: the file is invalid, or two names would become one.
+    """
+    src, dst = _fspath(src), _fspath(dst)
+    header, metadata, start, size = read_safetensors_header(src)
+    renamed = transform({name: name for name in header})
+    if len(renamed) != len(header):
+        raise CheckpointFormatError(f"{src}: renaming would give two tensors the same name; nothing was written")
+    new_name = {old: new for new, old in renamed.items()}
+    meta = dict(metadata)
+    if CRC_KEY in meta:
+        meta[CRC_KEY] = json.dumps(
+            {new_name.get(k, k): v for k, v in json.loads(meta[CRC_KEY]).items()}, separators=(",", ":")
+        )
+    if ALIAS_KEY in meta:
+        aliases = json.loads(meta[ALIAS_KEY])
+        renamed_aliases = transform(dict(aliases.items()))
+        meta[ALIAS_KEY] = json.dumps({k: new_name.get(v, v) for k, v in renamed_aliases.items()}, separators=(",", ":"))
+    entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
+    new_header: dict[str, Any] = {"__metadata__": meta} if meta else {}
+    new_header.update({new_name[name]: entry for name, entry in entries})
+    raw = json.dumps(new_header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    source, local = open_for_read(src)
+
+    def write(f: IO[bytes]) -> None:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        with open(source, "rb") if local else source as handle:
+            copy_range(handle, f, start, size - start)
+
+    atomic_write(dst, write)
+    return sum(1 for old, new in new_name.items() if old != new)
+
+
+def load_safetensors(path: PathLike) -> dict[str, Any]:
+    """Load every tensor of a safetensors file on CPU, re-tying aliases recorded by ckptools."""
+    import safetensors.torch
+
+    path = _fspath(path)
+    _, metadata, _, _ = read_safetensors_header(path)  # strict checks first: clear errors, no huge allocations
+    source, local = open_for_read(path)
+    try:
+        tensors = safetensors.torch.load_file(source) if local else safetensors.torch.load(source.getvalue())
+    except (safetensors.SafetensorError, OSError, ValueError) as err:
+        raise CheckpointFormatError(f"{path} is not a valid safetensors file ({err})") from err
+    if ALIAS_KEY in metadata:
+        try:
+            aliases = json.loads(metadata[ALIAS_KEY])
+            for alias, target in aliases.items():
+                if target in tensors:
+                    tensors[alias] = tensors[target]
+        except (ValueError, AttributeError, TypeError) as err:
+            raise CheckpointFormatError(f"{path}: {ALIAS_KEY} metadata is corrupt ({err})") from err
+    return tensors
