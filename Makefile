@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint e2e-loop stress fuzz bench demo venv clean
+.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,23 @@ fuzz: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
+
+# interop: install transformers, accelerate and pytorch-lightning (torch held at the pin), write
+# fresh golden files with them into build/golden, and run the interop tests against those,
+# including transformers' from_pretrained on folders ckptools exports. `make golden` then
+# replaces the committed files (tests/interop/golden) with the fresh ones.
+INTEROP_STAMP := $(VENV)/.interop
+$(INTEROP_STAMP): $(STAMP)
+	echo "$(TORCH_PIN)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[dev,s3,interop]'
+	touch $(INTEROP_STAMP)
+
+interop: $(INTEROP_STAMP)
+	$(PY) tests/interop/make_golden.py build/golden
+	CKPTOOLS_GOLDEN=build/golden $(PY) -m pytest -q -p no:cacheprovider tests/test_interop.py
+
+golden: interop
+	rm -rf tests/interop/golden && cp -r build/golden tests/interop/golden
 
 # bench: save/load and CLI against torch and cp; the stall of async saves (1 and 4 GiB) against sync
 # saves, DCP's async_save and the copy floor; the preemption check's cost; the reference loop's

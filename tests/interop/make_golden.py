@@ -1,0 +1,141 @@
+"""Write the interop golden files with the real libraries: ``make interop`` runs this.
+
+Every artifact is written by the library that owns its format (transformers' ``save_pretrained``,
+Accelerate's ``save_state``, Lightning's ``Trainer.save_checkpoint``, torch's DCP and
+``torch.compile``), from tiny models built from configs (nothing is downloaded). Beside each, the
+weights the library held in memory are written with the official ``safetensors`` library as
+``reference/<name>.safetensors``: the tests compare what ckptools reads with those, bit for bit.
+``VERSIONS.json`` records the library versions that made the files.
+
+Usage: python tests/interop/make_golden.py OUT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import shutil
+import sys
+import warnings
+
+import safetensors.torch
+import torch
+
+
+def _reference(out: str, name: str, state_dict: dict) -> None:
+    # Tied tensors are one storage; safetensors refuses shared storages, so each is cloned.
+    tensors = {k: v.detach().clone().contiguous() for k, v in state_dict.items()}
+    os.makedirs(os.path.join(out, "reference"), exist_ok=True)
+    safetensors.torch.save_file(tensors, os.path.join(out, "reference", f"{name}.safetensors"))
+
+
+def _tiny_gpt2() -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, tie_word_embeddings=True)
+    return GPT2LMHeadModel(config).eval()
+
+
+def transformers_files(out: str) -> None:
+    model = _tiny_gpt2()
+    model.save_pretrained(os.path.join(out, "hf_single"))
+    model.save_pretrained(os.path.join(out, "hf_sharded"), max_shard_size="20KB")
+    _reference(out, "hf", model.state_dict())
+
+
+def accelerate_files(out: str) -> None:
+    from accelerate import Accelerator
+
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    accelerator = Accelerator(cpu=True)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    accelerator.backward(loss)
+    optimizer.step()
+    scheduler.step()
+    accelerator.save_state(os.path.join(out, "accelerate_state"))
+    _reference(out, "accelerate", accelerator.unwrap_model(model).state_dict())
+
+
+def lightning_files(out: str) -> None:
+    import pytorch_lightning as pl
+
+    class Classifier(pl.LightningModule):
+        def __init__(self, root: pathlib.Path, args: argparse.Namespace) -> None:
+            super().__init__()
+            # A Path and a Namespace in hyper_parameters: what torch's safe loader refuses.
+            self.save_hyperparameters()
+            self.model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+        def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
+            return self.model(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    torch.manual_seed(2)
+    module = Classifier(pathlib.Path("/data/runs"), argparse.Namespace(lr=0.1, depth=2))
+    loader = torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=4)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)  # fmt: skip
+    trainer.fit(module, loader)
+    trainer.save_checkpoint(os.path.join(out, "lightning.ckpt"))
+    _reference(out, "lightning", module.model.state_dict())  # the inner network's own names
+
+
+def dcp_files(out: str) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 8)).sum().backward()
+    optimizer.step()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "no process group: saving in a single process"
+        dcp.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()},
+                 checkpoint_id=os.path.join(out, "dcp"))  # fmt: skip
+    _reference(out, "dcp", model.state_dict())
+
+
+def compile_files(out: str) -> None:
+    torch.manual_seed(4)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    compiled = torch.compile(model)  # state_dict() names carry _orig_mod.
+    torch.save(compiled.state_dict(), os.path.join(out, "compiled.pt"))
+    wrapped = torch.nn.DataParallel(compiled)  # what DDP(torch.compile(m)) names: module._orig_mod.
+    torch.save({"model": wrapped.state_dict(), "step": 7}, os.path.join(out, "ddp_compiled.pt"))
+    _reference(out, "compiled", model.state_dict())
+
+
+def main() -> None:
+    out = sys.argv[1]
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    transformers_files(out)
+    accelerate_files(out)
+    lightning_files(out)
+    dcp_files(out)
+    compile_files(out)
+    import accelerate
+    import pytorch_lightning
+    import transformers
+
+    versions = {"torch": torch.__version__, "transformers": transformers.__version__,
+                "accelerate": accelerate.__version__, "pytorch-lightning": pytorch_lightning.__version__,
+                "safetensors": safetensors.__version__}  # fmt: skip
+    with open(os.path.join(out, "VERSIONS.json"), "w") as f:
+        json.dump(versions, f, indent=2, sort_keys=True)
+        f.write("\n")
+    total = sum(p.stat().st_size for p in pathlib.Path(out).rglob("*") if p.is_file())
+    print(f"wrote {out}: {total} bytes; {versions}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,231 @@
+"""Files written by the real libraries: transformers, Accelerate, Lightning, DCP, torch.compile.
+
+The golden files under tests/interop/golden were written by tests/interop/make_golden.py with
+the versions in VERSIONS.json; beside each, reference/*.safetensors holds the weights the
+library held in memory, written by the official safetensors library. `make interop` writes them
+afresh with the installed libraries and runs this file against those (CKPTOOLS_GOLDEN), where
+the from_pretrained tests run too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+from typer.testing import CliRunner
+
+import ckptools as ck
+from ckptools.cli import app
+
+HERE = os.path.dirname(__file__)
+GOLDEN = os.environ.get("CKPTOOLS_GOLDEN") or os.path.join(HERE, "interop", "golden")
+CKPT = os.path.join(os.path.dirname(sys.executable), "ckpt")
+
+
+def _g(*parts: str) -> str:
+    return os.path.join(GOLDEN, *parts)
+
+
+def _reference(name: str) -> dict[str, torch.Tensor]:
+    return safetensors.torch.load_file(_g("reference", f"{name}.safetensors"))
+
+
+def _run(*args: object):
+    return CliRunner().invoke(app, [str(a) for a in args])
+
+
+# artifact, reference, how reference names read in the file, format, names the file leaves out
+HF_TIED = {"lm_head.weight"}  # transformers stores the tied output embedding once, under wte
+CASES = {
+    "hf_single": ("hf", "", "Hugging Face folder, safetensors", HF_TIED),
+    "hf_single/model.safetensors": ("hf", "", "safetensors", HF_TIED),
+    "hf_sharded": ("hf", "", "Hugging Face folder, sharded safetensors (2 shards)", HF_TIED),
+    "hf_sharded/model.safetensors.index.json": ("hf", "", "sharded safetensors (2 shards)", HF_TIED),
+    "accelerate_state": ("accelerate", "", "Accelerate save_state folder, safetensors", set()),
+    "lightning.ckpt": ("lightning", "model.", "torch zip", set()),
+    "dcp": ("dcp", "", "DCP folder", set()),
+    "compiled.pt": ("compiled", "", "torch zip", set()),
+    "ddp_compiled.pt": ("compiled", "", "torch zip", set()),
+}
+
+
+def _expected(artifact: str) -> dict[str, torch.Tensor]:
+    ref, prefix, _, left_out = CASES[artifact]
+    return {prefix + k: v for k, v in _reference(ref).items() if k not in left_out}
+
+
+def _same(got: dict, want: dict) -> None:
+    assert set(got) == set(want), (sorted(set(got) ^ set(want)))[:5]
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+
+
+def test_golden_files_record_their_versions():
+    versions = json.loads(pathlib.Path(_g("VERSIONS.json")).read_text())
+    assert set(versions) >= {"torch", "transformers", "accelerate", "pytorch-lightning"}
+    size = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(GOLDEN) for f in fs)
+    assert size < 2 * 2**20
+
+
+@pytest.mark.parametrize("artifact", sorted(CASES))
+def test_library_reads_every_layout_bit_exactly(artifact):
+    ref, _, fmt, left_out = CASES[artifact]
+    with pytest.warns(ck.CheckpointWarning) if artifact == "lightning.ckpt" else _no_warning():
+        weights = ck.load_state_dict(_g(artifact))
+    _same(weights, _expected(artifact))
+    if left_out:  # tied in memory: the name left out holds the same values as the one stored
+        reference = _reference(ref)
+        assert torch.equal(reference["lm_head.weight"], reference["transformer.wte.weight"])
+    report = ck.inspect(_g(artifact))
+    assert report["format"].startswith(fmt), report["format"]
+    names = [t["name"] for t in report["tensors"]]  # as stored: entry and wrapper prefixes kept
+    assert all(any(n == k or n.endswith("." + k) for n in names) for k in _expected(artifact))
+    assert ck.verify(_g(artifact))  # reads every byte; raises on damage
+
+
+class _no_warning:
+    def __enter__(self):
+        import warnings
+
+        self._catch = warnings.catch_warnings()
+        self._catch.__enter__()
+        warnings.simplefilter("error", ck.CheckpointWarning)
+
+    def __exit__(self, *exc):
+        self._catch.__exit__(*exc)
+
+
+@pytest.mark.parametrize("artifact", sorted(CASES))
+def test_cli_info_verify_and_convert_every_layout(artifact, tmp_path):
+    path = _g(artifact)
+    info = subprocess.run([CKPT, "info", path, "--json"], capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0, info.stderr
+    assert json.loads(info.stdout)["totals"]["tensors"] >= len(_expected(artifact)) - 1
+    verify = subprocess.run([CKPT, "verify", path], capture_output=True, text=True, timeout=120)
+    assert verify.returncode == 0 and verify.stdout.startswith("OK "), verify.stderr
+    out = tmp_path / "out.safetensors"
+    assert _run("convert", path, out).exit_code == 0
+    _same(safetensors.torch.load_file(str(out)), _expected(artifact))  # read by the official library
+    folder = tmp_path / "hf"
+    result = _run("convert", path, f"{folder}/", "--max-shard-size", "4KB")
+    assert result.exit_code == 0, result.output
+    _same(ck.load_state_dict(folder), _expected(artifact))
+    assert _run("verify", folder).exit_code == 0
+    if not CASES[artifact][1]:  # same names: diff against the reference itself
+        assert _run("diff", path, _g("reference", CASES[artifact][0] + ".safetensors")).exit_code == (
+            1 if CASES[artifact][3] else 0  # hf: lm_head.weight is only in the reference
+        )
+        assert _run("diff", path, folder).exit_code == 0
+
+
+def test_models_load_through_ck_load_whatever_the_layout():
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    for artifact, ref in (("dcp", "dcp"), ("ddp_compiled.pt", "compiled"), ("accelerate_state", "accelerate")):
+        ck.load(_g(artifact), {"model": net})
+        _same(net.state_dict(), _reference(ref))
+    # Lightning: the inner network loads from "model.0.weight" without strip=; the Path in
+    # hyper_parameters keeps ck.load strict (it says how to get the weights without it) ...
+    with pytest.raises(ck.UnsafeCheckpointError, match="pathlib.PosixPath.*ck.load_state_dict"):
+        ck.load(_g("lightning.ckpt"), {"model": net})
+    ck.load(_g("lightning.ckpt"), {"model": net}, weights_only=False)  # ... unless trusted
+    _same(net.state_dict(), _reference("lightning"))
+
+
+def test_a_distcp_shard_is_not_a_checkpoint_and_never_damaged():
+    for command in ("info", "verify", "convert"):
+        args = [CKPT, command, _g("dcp", "__0_0.distcp")] + (["/tmp/never.safetensors"] if command == "convert" else [])
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2, (command, proc.stdout)
+        assert (
+            "one shard of a torch.distributed.checkpoint (DCP) folder" in proc.stderr
+            and "pass the folder" in proc.stderr
+        )
+    assert not os.path.exists("/tmp/never.safetensors")
+
+
+def test_verify_finds_every_disagreement_between_index_and_shards(tmp_path):
+    def copy() -> str:
+        folder = tmp_path / f"c{len(os.listdir(tmp_path))}"
+        shutil.copytree(_g("hf_sharded"), folder)
+        return str(folder)
+
+    missing = copy()
+    os.remove(os.path.join(missing, "model-00002-of-00002.safetensors"))
+    stray = copy()
+    shutil.copy(
+        os.path.join(stray, "model-00001-of-00002.safetensors"), os.path.join(stray, "model-00003-of-00003.safetensors")
+    )
+    unlisted = copy()
+    index_path = os.path.join(unlisted, "model.safetensors.index.json")
+    index = json.loads(pathlib.Path(index_path).read_text())
+    index["weight_map"].pop("transformer.wte.weight")
+    pathlib.Path(index_path).write_text(json.dumps(index))
+    for folder, words in ((missing, "is missing"), (stray, "stray shard files"), (unlisted, "the index does not list")):
+        proc = subprocess.run([CKPT, "verify", folder], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 1 and proc.stderr.startswith("ckpt: DAMAGED: "), proc.stdout
+        assert words in proc.stderr, proc.stderr
+    # Every other command refuses the incomplete folder too, naming the file to fetch again.
+    proc = subprocess.run([CKPT, "info", missing], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "names shard model-00002-of-00002.safetensors, which is missing" in proc.stderr
+
+
+def test_strip_module_and_add_module_on_a_sharded_folder(tmp_path):
+    added, stripped = tmp_path / "added", tmp_path / "stripped"
+    assert _run("add-module", _g("hf_sharded"), "-o", added).exit_code == 0
+    assert all(n.startswith("module.") for n in ck.load_state_dict(added, strip=None))
+    assert sorted(os.listdir(added)) == sorted(os.listdir(_g("hf_sharded")))  # config files copied
+    assert _run("verify", added).exit_code == 0
+    result = _run("strip-module", added, "-o", stripped)
+    assert result.exit_code == 0, result.output
+    _same(ck.load_state_dict(stripped, strip=None), _expected("hf_sharded"))
+    assert (stripped / "config.json").read_bytes() == pathlib.Path(_g("hf_sharded", "config.json")).read_bytes()
+
+
+def test_strip_module_compile_prefixes(tmp_path):
+    out = tmp_path / "plain.pt"
+    assert _run("strip-module", _g("ddp_compiled.pt"), "-o", out).exit_code == 0
+    assert all(k.startswith("_orig_mod.") for k in torch.load(out, weights_only=True)["model"])
+    assert _run("strip-module", _g("ddp_compiled.pt"), "-o", out, "--compile", "--force").exit_code == 0
+    saved = torch.load(out, weights_only=True)
+    _same(saved["model"], _reference("compiled"))
+    assert saved["step"] == 7
+
+
+def test_lightning_checkpoint_with_a_path_in_hyper_parameters(tmp_path):
+    path = _g("lightning.ckpt")
+    info = subprocess.run([CKPT, "info", path], capture_output=True, text=True, timeout=120)
+    assert info.returncode == 0 and "pathlib.PosixPath" in info.stdout and "argparse.Namespace" in info.stdout
+    # strip-module keeps the entries it could not load, byte for byte as torch reads them back
+    out = tmp_path / "renamed.ckpt"
+    assert _run("strip-module", path, "-o", out, "--prefix", "model.").exit_code == 0
+    before = torch.load(path, weights_only=False)
+    after = torch.load(out, weights_only=False)
+    assert after["hyper_parameters"] == before["hyper_parameters"]
+    assert set(after) == set(before)
+    _same(after["state_dict"], _reference("lightning"))
+    # the opt-in for trusted files: everything loads, nothing is skipped
+    trusted = subprocess.run([CKPT, "info", path, "--json", "--trust-pickled-code"], capture_output=True, text=True)
+    assert trusted.returncode == 0 and "skipped_globals" not in json.loads(trusted.stdout)
+
+
+def test_export_for_transformers_is_what_from_pretrained_reads(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    reference = transformers.GPT2LMHeadModel.from_pretrained(_g("hf_single")).state_dict()
+    # What a DDP training script saves: "module." names, optimizer-free here, a step counter.
+    torch.save({"model": {"module." + k: v for k, v in reference.items()}, "step": 5}, tmp_path / "train.pt")
+    out = tmp_path / "out"
+    out.mkdir()
+    shutil.copy(_g("hf_single", "config.json"), out)
+    result = _run("convert", tmp_path / "train.pt", f"{out}/", "--max-shard-size", "20KB")
+    assert result.exit_code == 0, result.output
+    assert "model.safetensors.index.json" in os.listdir(out)
+    model = transformers.GPT2LMHeadModel.from_pretrained(out)
+    _same(model.state_dict(), reference)
+    assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # tied again
