@@ -53,10 +53,13 @@ INTEROP_STAMP := $(VENV)/.interop
 $(INTEROP_STAMP): $(STAMP)
 	echo "$(TORCH_PIN)" > $(VENV)/torch-constraint.txt
 	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[dev,s3,interop]'
+	# transformers 5 writes safetensors only; the .bin shards come from transformers 4, kept apart.
+	$(PY) -m pip install -q --target build/transformers4 --no-deps 'transformers>=4.50,<5' \
+		'huggingface_hub>=0.30,<1.0' 'tokenizers>=0.21,<0.23'
 	touch $(INTEROP_STAMP)
 
 interop: $(INTEROP_STAMP)
-	$(PY) tests/interop/make_golden.py build/golden
+	$(PY) tests/interop/make_golden.py build/golden --transformers4 build/transformers4
 	CKPTOOLS_GOLDEN=build/golden $(PY) -m pytest -q -p no:cacheprovider tests/test_interop.py
 
 golden: interop

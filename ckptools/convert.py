@@ -40,12 +40,10 @@ def _scalars(ckpt: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def _zip_specs(
-    archive: TorchZip, weights: Mapping[str, Any], order: list[str] | None = None
-) -> tuple[dict[str, Spec], dict[str, str]] | None:
+def _zip_specs(archive: TorchZip, weights: Mapping[str, Any]) -> tuple[dict[str, Spec], dict[str, str]] | None:
     """Specs that copy each tensor's bytes straight out of its zip record, or None if one can't be.
 
-    Of tied names the first in ``order`` is kept (default: sorted names).
+    Of tied names the first in ``weights``' order is kept (see :func:`tensor_specs`).
 
     Works for dense, contiguous tensors of a dtype safetensors knows (what state dicts hold);
     anything else (views with gaps, quantized, sparse) makes the caller go through torch.
@@ -58,7 +56,7 @@ def _zip_specs(
     specs: dict[str, Spec] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
-    for name in order if order is not None else sorted(weights):
+    for name in weights:
         simple = simple_tensor(weights[name])
         if simple is None:
             return None
@@ -113,7 +111,8 @@ def convert_to_safetensors(
     index, a Hugging Face, Accelerate or DCP folder). The weights are found as in
     :func:`ckptools.load_state_dict` (bare, or under ``state_dict``, ``model_state_dict``,
     ``model``, ``module``, or ``key``), the prefix is stripped, tied tensors are stored once (the
-    dropped names in the ``ckptools.aliases`` metadata), scalar entries such as ``epoch`` and
+    dropped names in the ``ckptools.aliases`` metadata; the first name in the checkpoint's order
+    is kept, so a tied ``lm_head`` is the one dropped, as transformers expects), scalar entries such as ``epoch`` and
     ``step`` are kept as JSON strings in the metadata, and each tensor's CRC-32 is recorded so
     ``ckpt verify`` can detect bit rot. A local zip checkpoint is streamed: each tensor's bytes
     are copied straight out of its zip record (torch is not even imported); other sources are
@@ -146,16 +145,13 @@ def convert_to_safetensors(
     if dst.endswith("/") or os.path.isdir(dst) or max_shard_size is not None:
         export_huggingface(src, dst, key=key, strip=strip, max_shard_size=max_shard_size or "5GB", metadata=metadata)
         return dst
-    specs, aliases, meta = _plan(src, key, strip, order=None)
+    specs, aliases, meta = _plan(src, key, strip)
     return write_specs(dst, specs, aliases, {**meta, **dict(metadata or {})})
 
 
-def _plan(
-    src: str, key: str | None, strip: str | None, *, order: str | None
-) -> tuple[dict[str, Spec], dict[str, str], dict[str, str]]:
-    """What to write for ``src``'s weights: specs, aliases, metadata. ``order="stored"`` keeps
-    the first of tied names in the checkpoint's own order (what transformers expects), None the
-    first in sorted order."""
+def _plan(src: str, key: str | None, strip: str | None) -> tuple[dict[str, Spec], dict[str, str], dict[str, str]]:
+    """What to write for ``src``'s weights: specs, aliases (the first of tied names in the
+    checkpoint's own order is kept, as transformers expects), metadata."""
     from .reading import _is_layout
 
     if not _is_layout(src) and _local_zip(src):
@@ -168,7 +164,7 @@ def _plan(
         if tree is not None:
             _, _, parsed = locate_weights(tree, key=key, path=src)
             weights = strip_for_reading(parsed, strip)
-            planned = _zip_specs(archive, weights, list(weights) if order == "stored" else None)
+            planned = _zip_specs(archive, weights)
             if planned is not None:
                 meta = {"format": "pt", **(_scalars(tree) if isinstance(tree, Mapping) else {})}
                 return planned[0], planned[1], meta
@@ -177,7 +173,7 @@ def _plan(
 
     view = open_checkpoint(src)
     weights = dict(strip_for_reading(dict(view.weights(key)), strip))
-    specs, aliases = tensor_specs(weights, list(weights) if order == "stored" else None)
+    specs, aliases = tensor_specs(weights)
     meta = {"format": "pt"}
     if view.format in ("torch zip", "torch legacy"):
         meta.update(_scalar_entries(src))
@@ -268,7 +264,7 @@ def export_huggingface(
     old = sorted(n for n in os.listdir(out) if _WEIGHT_FILES.fullmatch(n)) if os.path.isdir(out) else []
     if old and not force:
         raise FileExistsError(f"{out} already holds weights ({', '.join(old[:3])}); pass --force to replace them")
-    specs, aliases, meta = _plan(src, key, strip, order="stored")
+    specs, aliases, meta = _plan(src, key, strip)
     meta = {**meta, **dict(metadata or {}), "format": "pt"}  # transformers refuses files without format=pt
     shards: list[list[str]] = [[]]
     filled = 0

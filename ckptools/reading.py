@@ -609,7 +609,11 @@ def _sharded_view(index_path: str, trust_code: bool) -> CheckpointView:
         where = {n: views[s] for n, s in weight_map.items()}
         for shard in shards:  # names ckptools stored once (tied), listed in a shard's metadata only
             where.update({t.name: views[shard] for t in views[shard].tensors if t.shared and t.name not in where})
-        return _ShardedWeights(where, map_location)
+        # Shard by shard, each in its own stored order (an index's weight_map is sorted by name,
+        # which would put lm_head before the embedding it is tied to).
+        order = [t.name for shard in shards for t in views[shard].tensors if t.name in where]
+        order += [n for n in where if n not in set(order)]
+        return _ShardedWeights(where, map_location, list(dict.fromkeys(order)))
 
     def check() -> str:
         problems = _index_problems(index_path, weight_map, views, fs, folder)
@@ -634,7 +638,10 @@ def _index_problems(
 ) -> list[str]:
     problems = []
     for shard, view in views.items():
-        held = {t.name for t in view.tensors if not t.shared}
+        # Every name a torch shard holds is an entry (tied ones share a storage); in a safetensors
+        # shard a "shared" name is only an alias in ckptools' metadata, which no index lists.
+        metadata_only = shard.endswith(".safetensors")
+        held = {t.name for t in view.tensors if not (metadata_only and t.shared)}
         listed = {n for n, s in weight_map.items() if s == shard}
         if listed - held:
             problems.append(f"{len(listed - held)} tensors the index puts in {shard} are not there "
@@ -661,8 +668,9 @@ def _index_problems(
 class _ShardedWeights(Mapping[str, Any]):
     """Weights of a sharded checkpoint, read one shard at a time (the last shard read is kept)."""
 
-    def __init__(self, where: dict[str, CheckpointView], map_location: Any) -> None:
+    def __init__(self, where: dict[str, CheckpointView], map_location: Any, order: list[str]) -> None:
         self._where = where
+        self._order = order
         self._location = map_location
         self._shard: tuple[str, Mapping[str, Any]] | None = None
 
@@ -678,8 +686,7 @@ class _ShardedWeights(Mapping[str, Any]):
             ) from None
 
     def __iter__(self) -> Iterator[str]:
-        # Shard by shard, so iterating reads each shard once.
-        return iter(sorted(self._where, key=lambda n: (self._where[n].path, n)))
+        return iter(self._order)  # shard by shard: iterating reads each shard once
 
     def __len__(self) -> int:
         return len(self._where)

@@ -105,19 +105,22 @@ def _write_chunks(f: IO[bytes], view: memoryview) -> int:
 def save_safetensors(path: PathLike, tensors: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None) -> str:
     """Write ``tensors`` as a safetensors file, one tensor at a time, atomically.
 
-    Tied tensors (the same view of one storage) are stored once and the dropped names recorded
-    in ``ckptools.aliases``; each stored tensor's CRC-32 goes into ``ckptools.crc32`` so that
-    :func:`verify_safetensors` can detect bit rot later. Memory stays at one tensor's
+    Tied tensors (the same view of one storage) are stored once, under the first of their names
+    in ``tensors``' order, and the dropped names recorded in ``ckptools.aliases``; each stored
+    tensor's CRC-32 goes into ``ckptools.crc32`` so that :func:`verify_safetensors` can detect bit
+    rot later. Memory stays at one tensor's
     contiguous copy at most (none for tensors that are already contiguous on CPU).
     """
     specs, aliases = tensor_specs(tensors)
     return write_specs(path, specs, aliases, metadata)
 
 
-def tensor_specs(tensors: Mapping[str, Any], order: list[str] | None = None) -> tuple[dict[str, Spec], dict[str, str]]:
+def tensor_specs(tensors: Mapping[str, Any]) -> tuple[dict[str, Spec], dict[str, str]]:
     """Specs that write each tensor's bytes, and ``{dropped name: kept name}`` for tied tensors.
 
-    Of tied names the first in ``order`` is kept (default: sorted names).
+    Of tied names the first in ``tensors``' own order is kept: in a state dict that is the input
+    embedding, not ``lm_head``, which is the name transformers ties *to* the embedding (keeping
+    ``lm_head`` would leave ``from_pretrained`` a freshly initialised embedding).
     """
     import torch
 
@@ -125,7 +128,7 @@ def tensor_specs(tensors: Mapping[str, Any], order: list[str] | None = None) -> 
     specs: dict[str, Spec] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
-    for name in order if order is not None else sorted(tensors):
+    for name in tensors:
         t = tensors[name]
         if not isinstance(t, torch.Tensor):
             raise CheckpointFormatError(

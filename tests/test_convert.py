@@ -175,7 +175,7 @@ def test_zip_fast_path_copies_records_without_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False", proc.stderr
     official = safetensors.torch.load_file(str(dst))
-    assert set(official) == {"tied", "rows", "h", "b", "scalar", "p"}  # w and tied: stored once (first name)
+    assert set(official) == {"w", "rows", "h", "b", "scalar", "p"}  # w and tied: stored once (the first name)
     for name, tensor in weights.items():
         short = name.removeprefix("module.")
         got = load_safetensors(dst)[short]

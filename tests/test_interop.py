@@ -48,6 +48,8 @@ CASES = {
     "hf_single/model.safetensors": ("hf", "", "safetensors", HF_TIED),
     "hf_sharded": ("hf", "", "Hugging Face folder, sharded safetensors (2 shards)", HF_TIED),
     "hf_sharded/model.safetensors.index.json": ("hf", "", "sharded safetensors (2 shards)", HF_TIED),
+    "hf_bin_sharded": ("hf_bin", "", "Hugging Face folder, sharded torch (2 shards)", set()),
+    "hf_bin_sharded/pytorch_model.bin.index.json": ("hf_bin", "", "sharded torch (2 shards)", set()),
     "accelerate_state": ("accelerate", "", "Accelerate save_state folder, safetensors", set()),
     "lightning.ckpt": ("lightning", "model.", "torch zip", set()),
     "dcp": ("dcp", "", "DCP folder", set()),
@@ -112,7 +114,11 @@ def test_cli_info_verify_and_convert_every_layout(artifact, tmp_path):
     assert verify.returncode == 0 and verify.stdout.startswith("OK "), verify.stderr
     out = tmp_path / "out.safetensors"
     assert _run("convert", path, out).exit_code == 0
-    _same(safetensors.torch.load_file(str(out)), _expected(artifact))  # read by the official library
+    official = safetensors.torch.load_file(str(out))  # the bytes, read by the official library
+    with safetensors.safe_open(str(out), "pt") as f:
+        aliases = json.loads(f.metadata().get("ckptools.aliases", "{}"))
+    assert set(aliases) <= {"lm_head.weight"}  # a tie keeps the embedding, as transformers expects
+    _same({**official, **{a: official[t] for a, t in aliases.items()}}, _expected(artifact))
     folder = tmp_path / "hf"
     result = _run("convert", path, f"{folder}/", "--max-shard-size", "4KB")
     assert result.exit_code == 0, result.output

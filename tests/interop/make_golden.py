@@ -7,7 +7,12 @@ weights the library held in memory are written with the official ``safetensors``
 ``reference/<name>.safetensors``: the tests compare what ckptools reads with those, bit for bit.
 ``VERSIONS.json`` records the library versions that made the files.
 
-Usage: python tests/interop/make_golden.py OUT_DIR
+transformers 5 writes safetensors only, so the ``pytorch_model-0000k-of-0000n.bin`` shards and
+``pytorch_model.bin.index.json`` that many Hub models still carry come from transformers 4,
+installed beside it (``--transformers4 DIR``, a ``pip install --target`` folder; ``make interop``
+makes it) and run in a subprocess.
+
+Usage: python tests/interop/make_golden.py OUT_DIR [--transformers4 DIR]
 """
 
 from __future__ import annotations
@@ -35,7 +40,8 @@ def _tiny_gpt2() -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, tie_word_embeddings=True)
+    config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, tie_word_embeddings=True,
+                        bos_token_id=0, eos_token_id=0)  # fmt: skip
     return GPT2LMHeadModel(config).eval()
 
 
@@ -44,6 +50,29 @@ def transformers_files(out: str) -> None:
     model.save_pretrained(os.path.join(out, "hf_single"))
     model.save_pretrained(os.path.join(out, "hf_sharded"), max_shard_size="20KB")
     _reference(out, "hf", model.state_dict())
+
+
+_BIN_SHARDS = """
+import sys, torch, safetensors.torch, transformers
+from transformers import GPT2Config, GPT2LMHeadModel
+out = sys.argv[1]
+torch.manual_seed(0)
+config = GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, tie_word_embeddings=True,
+                    bos_token_id=0, eos_token_id=0)
+model = GPT2LMHeadModel(config).eval()
+model.save_pretrained(out + "/hf_bin_sharded", safe_serialization=False, max_shard_size="20KB")
+tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
+safetensors.torch.save_file(tensors, out + "/reference/hf_bin.safetensors")
+print(transformers.__version__)
+"""
+
+
+def transformers4_bin_files(out: str, site: str) -> str:
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([site, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _BIN_SHARDS, out], env=env, capture_output=True, text=True, check=True)
+    return done.stdout.strip().splitlines()[-1]
 
 
 def accelerate_files(out: str) -> None:
@@ -115,7 +144,11 @@ def compile_files(out: str) -> None:
 
 
 def main() -> None:
-    out = sys.argv[1]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--transformers4", help="a folder holding transformers 4 (pip install --target)")
+    args = parser.parse_args()
+    out = args.out
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     transformers_files(out)
@@ -123,6 +156,7 @@ def main() -> None:
     lightning_files(out)
     dcp_files(out)
     compile_files(out)
+    bin_version = transformers4_bin_files(out, args.transformers4) if args.transformers4 else None
     import accelerate
     import pytorch_lightning
     import transformers
@@ -130,6 +164,8 @@ def main() -> None:
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
                 "accelerate": accelerate.__version__, "pytorch-lightning": pytorch_lightning.__version__,
                 "safetensors": safetensors.__version__}  # fmt: skip
+    if bin_version:
+        versions["transformers (pytorch_model.bin shards)"] = bin_version
     with open(os.path.join(out, "VERSIONS.json"), "w") as f:
         json.dump(versions, f, indent=2, sort_keys=True)
         f.write("\n")
