@@ -245,6 +245,19 @@ def _open_folder(folder: str, trust_code: bool) -> CheckpointView:
         if re.fullmatch(r"(model|pytorch_model)_\d+\.(safetensors|bin)", n):
             extras[n] = "another model's weights (read it by passing the file)"
     view.extras = extras
+    checked = [os.path.join(folder, n) for n in extras if n.endswith((".bin", ".pt")) and "model" not in n]
+    if checked:  # Accelerate's optimizer/scheduler/scaler states are torch zips: their CRC-32s too
+        verify_model = view._verify
+
+        def check() -> str:
+            from .serialization import verify_torch_file
+
+            said = verify_model() if verify_model is not None else ""
+            for path in checked:
+                verify_torch_file(path)
+            return f"{said}; {', '.join(os.path.basename(p) for p in checked)}: every record's CRC-32 matches"
+
+        view._verify = check
     return view
 
 

@@ -235,3 +235,18 @@ def test_export_for_transformers_is_what_from_pretrained_reads(tmp_path):
     model = transformers.GPT2LMHeadModel.from_pretrained(out)
     _same(model.state_dict(), reference)
     assert model.lm_head.weight.data_ptr() == model.transformer.wte.weight.data_ptr()  # tied again
+
+
+def test_verify_checks_an_accelerate_folders_optimizer_state_too(tmp_path):
+    from ckptools.torchzip import TorchZip
+
+    folder = tmp_path / "state"
+    shutil.copytree(_g("accelerate_state"), folder)
+    assert "optimizer.bin, scheduler.bin: every record's CRC-32 matches" in ck.verify(folder)
+    archive = TorchZip(str(folder / "optimizer.bin"))
+    info, start = next((i, s) for i, s in zip(archive.infos, archive.starts) if "/data/" in i.filename)
+    data = bytearray((folder / "optimizer.bin").read_bytes())
+    data[start + info.file_size // 2] ^= 1  # inside a tensor record (records are 64-byte aligned)
+    (folder / "optimizer.bin").write_bytes(bytes(data))
+    proc = subprocess.run([CKPT, "verify", str(folder)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "optimizer.bin: record optimizer/data/" in proc.stderr, proc.stderr
