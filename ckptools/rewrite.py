@@ -63,12 +63,7 @@ def rename_file(path: str, dst: str, transform: Transform) -> int:
             from .reading import _lenient_tree
 
             tree, _ = _lenient_tree(data, path, refusal)  # other entries are written back as they were read
-        parent, key, weights = locate_weights(tree, path=path)
-        renamed = transform(weights)
-        if parent is None:
-            tree = renamed
-        else:
-            parent[key] = renamed
+        tree, weights, renamed = _rename_in_tree(tree, locate_weights(tree, path=path), transform)
         payload = dumps(tree)
         atomic_write(dst, lambda f: archive.write_with_pickle(f, payload))
     else:  # legacy (pre-1.6) format or a remote URL: through torch
@@ -77,14 +72,20 @@ def rename_file(path: str, dst: str, transform: Transform) -> int:
         from .serialization import save_file
 
         ckpt = load_torch(path)
-        parent, key, weights = locate_loaded(ckpt, path=path)
-        renamed = transform(weights)
-        if parent is None:
-            ckpt = renamed
-        else:
-            parent[key] = renamed
+        ckpt, weights, renamed = _rename_in_tree(ckpt, locate_loaded(ckpt, path=path), transform)
         save_file(dst, ckpt)
     return sum(1 for a, b in zip(weights, renamed) if a != b)
+
+
+def _rename_in_tree(tree: Any, located: tuple[Any, Any, Any], transform: Transform) -> tuple[Any, Any, Any]:
+    """Put the renamed weights where ``located`` (parent, key, weights) found them; return the
+    tree (the renamed weights themselves when the tree was a bare state dict), old and new."""
+    parent, key, weights = located
+    renamed = transform(weights)
+    if parent is None:
+        return renamed, weights, renamed
+    parent[key] = renamed
+    return tree, weights, renamed
 
 
 def rename_folder(path: str, dst: str, transform: Transform) -> int:
