@@ -52,9 +52,21 @@ class ResumableDistributedSampler(DistributedSampler):
 
     Every rank consumes the same number of batches under DDP, so the progress rank 0 saves is
     every rank's progress. An epoch whose progress equals ``num_samples`` is complete: resuming
-    it yields nothing. Restoring under a different world size resumes each rank at
-    ``progress * old_world // new_world`` of its new share: no sample of the epoch is skipped,
-    up to ``new_world - 1`` are seen twice (a warning says so).
+    it yields nothing.
+
+    **A different world size resumes exactly.** Rank r of W takes positions r, r+W, r+2W, ... of
+    the epoch's permutation, so the samples a run consumed are always a *prefix* of it
+    (``state_dict()["consumed"]`` long). Restored with another world size, the rest of the
+    permutation is dealt out again to the new ranks the same way: every rank gets the same
+    number of samples; with ``drop_last=True`` none of the epoch is seen twice and only the
+    unavoidable remainder (fewer than the new world size) is dropped; with ``drop_last=False``
+    none is skipped and only the padding repeats samples, as ``DistributedSampler``'s does.
+    With the old world size this is exactly ``DistributedSampler``'s own layout, and the prefix
+    property holds again for the next change; the next epoch is what a fresh run at the new
+    world size sees. The saved per-rank RNG states have no meaning for other ranks, so
+    :func:`ckptools.load` leaves each new rank's RNG as it is (and warns); the global batch
+    (per-rank batch x world size) changes with the world size: keep it with gradient
+    accumulation or scale the learning rate, as for any change of world size.
 
     Example:
         >>> import torch, ckptools as ck
@@ -71,6 +83,9 @@ class ResumableDistributedSampler(DistributedSampler):
     def __init__(self, dataset: torch.utils.data.Dataset, *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
         self._offset = 0  # where the current (or next) iteration starts in this rank's share
+        # Samples of the epoch's permutation consumed before a resume at a world size that does
+        # not divide it: the rest of the epoch is dealt out again from there (see _dealt).
+        self._base = 0
         self._drawn = 0  # indices handed out by the current iteration
         self._reported = 0  # samples the loop reported consumed in the current iteration
         self._reporting = False  # sticky: once the loop reports, drawn indices no longer count
@@ -86,17 +101,57 @@ class ResumableDistributedSampler(DistributedSampler):
         """Samples of this rank's share of the current epoch that the loop has consumed."""
         return self._offset + (self._reported if self._reporting else self._drawn)
 
+    @property
+    def consumed(self) -> int:
+        """Samples of the epoch consumed by all ranks together: a prefix of the epoch's order.
+
+        Example:
+            >>> import torch, ckptools as ck
+            >>> data = torch.utils.data.TensorDataset(torch.arange(10.0))
+            >>> sampler = ck.ResumableDistributedSampler(data, num_replicas=2, rank=0)
+            >>> sampler.record_consumed(3); sampler.consumed
+            6
+        """
+        return self._base + self.progress * self.num_replicas
+
+    def _share(self) -> int:
+        """How many samples this rank's share of the current epoch holds."""
+        if self._base == 0:
+            return self.num_samples
+        left = len(self.dataset) - self._base  # type: ignore[arg-type]
+        if left <= 0:
+            return 0
+        return left // self.num_replicas if self.drop_last else -(-left // self.num_replicas)
+
+    def _dealt(self) -> list[int]:
+        """This rank's share of the rest of the epoch, after the first ``_base`` samples of its
+        permutation: dealt out as DistributedSampler deals a whole epoch (rank r takes positions
+        r, r+W, ...), padded from the start of the permutation or cut to a multiple of W."""
+        n = len(self.dataset)  # type: ignore[arg-type]
+        if self.shuffle:
+            generator = torch.Generator()
+            generator.manual_seed(self.seed + self.epoch)  # DistributedSampler's permutation
+            order = torch.randperm(n, generator=generator).tolist()
+        else:
+            order = list(range(n))
+        rest = order[self._base :]
+        size = self._share() * self.num_replicas
+        if len(rest) < size:  # padding: samples from the start of the epoch, cyclically, as torch pads
+            padding = size - len(rest)
+            rest += (order * (padding // max(n, 1) + 1))[:padding]
+        return rest[:size][self.rank :: self.num_replicas]
+
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning, unless it is the epoch just restored."""
         if epoch != self.epoch:
-            self._offset = self._drawn = self._reported = 0
+            self._offset = self._drawn = self._reported = self._base = 0
             self._fresh = True
         super().set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
         if not self._fresh:
-            self._offset = 0  # a second pass over the same epoch starts over, as DistributedSampler does
+            # a second pass over the same epoch starts over, as DistributedSampler does
+            self._offset = self._base = 0
             if self.shuffle:
                 _log.warn(
                     f"a new pass over epoch {self.epoch} started without sampler.set_epoch(...) since the last "
@@ -104,6 +159,7 @@ class ResumableDistributedSampler(DistributedSampler):
                     "sampler.set_epoch(epoch) at the start of every epoch",
                     once="set_epoch",
                 )
+        indices = self._dealt() if self._base else list(super().__iter__())
         self._fresh = False
         self._drawn = self._reported = 0
         self._check_rng_after_restore()
@@ -125,7 +181,7 @@ class ResumableDistributedSampler(DistributedSampler):
         # A run resumed mid-epoch is exact only if nothing drew from the global torch RNG between
         # the restore and the first batch: the uninterrupted run drew nothing there.
         expected, self._rng_after_restore = self._rng_after_restore, None
-        if expected is None or self._offset == 0:  # resumed at an epoch's start: it drew there too
+        if expected is None or (self._offset == 0 and self._base == 0):  # at an epoch's start: it drew there too
             return
         now = torch.get_rng_state()
         if torch.equal(now, expected):
@@ -155,7 +211,7 @@ class ResumableDistributedSampler(DistributedSampler):
             yield index
 
     def __len__(self) -> int:
-        return self.num_samples - self._offset
+        return self._share() - self._offset
 
     def record_consumed(self, num_samples: int) -> None:
         """Tell the sampler the loop has just taken a batch of ``num_samples`` samples.
@@ -171,7 +227,7 @@ class ResumableDistributedSampler(DistributedSampler):
         if num_samples < 0:
             raise ValueError(f"num_samples must be >= 0, got {num_samples}")
         self._reporting = True
-        self._reported = min(self._reported + num_samples, self.num_samples - self._offset)
+        self._reported = min(self._reported + num_samples, self._share() - self._offset)
 
     def track(self, loader: Iterable[T]) -> Iterator[T]:
         """Iterate ``loader`` the way an exact resume needs: the loop's way to write ``in loader``.
@@ -233,6 +289,7 @@ class ResumableDistributedSampler(DistributedSampler):
             "epoch": int(self.epoch),
             "seed": int(self.seed),
             "progress": int(self.progress),
+            "consumed": int(min(self.consumed, len(self.dataset))),  # type: ignore[arg-type]
             "num_replicas": int(self.num_replicas),
             "num_samples": int(self.num_samples),
             "dataset_len": len(self.dataset),  # type: ignore[arg-type]
@@ -257,15 +314,25 @@ class ResumableDistributedSampler(DistributedSampler):
                 )
         self.seed = int(state.get("seed", self.seed))
         self.epoch = int(state["epoch"])
-        progress = int(state.get("progress", 0))
         saved_world = int(state.get("num_replicas", self.num_replicas))
+        # The samples consumed are a prefix of the epoch's order (files from before "consumed"
+        # was saved: progress x world, which is the same thing for them).
+        consumed = int(state.get("consumed", int(state.get("progress", 0)) * saved_world))
+        n = len(self.dataset)  # type: ignore[arg-type]
         if saved_world != self.num_replicas:
-            progress = progress * saved_world // self.num_replicas
             _log.warn(
-                f"sampler saved with {saved_world} replicas, restored with {self.num_replicas}: resuming each "
-                f"rank at sample {progress} of its share; a few samples of this epoch may be seen twice",
+                f"sampler saved with {saved_world} replicas, restored with {self.num_replicas}: the rest of epoch "
+                f"{self.epoch} ({max(n - consumed, 0)} of {n} samples) is dealt out again to the new ranks, so no "
+                "sample is skipped or repeated beyond drop_last's remainder or the padding; the global batch "
+                "changes with the world size (keep it with gradient accumulation, or scale the learning rate)",
             )
-        self._offset = min(progress, self.num_samples)
+        finished = int(state.get("progress", 0)) >= int(state.get("num_samples", n + 1))
+        if consumed >= n or finished:  # the whole epoch was consumed (drop_last's remainder stays dropped)
+            self._base, self._offset = 0, self.num_samples
+        elif consumed % self.num_replicas == 0:  # DistributedSampler's own layout continues exactly
+            self._base, self._offset = 0, min(consumed // self.num_replicas, self.num_samples)
+        else:
+            self._base, self._offset = consumed, 0
         self._drawn = self._reported = 0
         self._fresh = True
 
@@ -279,7 +346,7 @@ class ResumableDistributedSampler(DistributedSampler):
         try:
             running = driver._num_yielded < len(driver)
         except (AttributeError, TypeError):  # gone (None), or another torch's iterator: judge by what was drawn
-            running = self._drawn < self.num_samples - self._offset
+            running = self._drawn < self._share() - self._offset
         if running:
             _log.warn(
                 f"this checkpoint records sample {self.progress} of epoch {self.epoch}, but the DataLoader's "

@@ -83,6 +83,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--depth", type=int, default=1, help="hidden layers (a bigger model for benchmarks)")
     p.add_argument("--step-seconds", type=float, default=0.0, help="sleep per step: a slower model, for demos/tests")
     p.add_argument(
+        "--record-samples",
+        default=None,
+        metavar="DIR",
+        help="each rank appends 'step epoch index...' per step to DIR/samples-rankR-of-W.txt (data coverage tests)",
+    )
+    p.add_argument(
         "--pg-timeout",
         type=float,
         default=10.0,
@@ -188,6 +194,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
     torch.manual_seed(args.seed + rank)
 
     dataset = make_data(args.dataset_size, args.seed)
+    record = None
+    if args.record_samples:  # each sample's index travels with it, so the loop can say what it trained on
+        dataset = TensorDataset(*dataset.tensors, torch.arange(len(dataset)))
+        os.makedirs(args.record_samples, exist_ok=True)
+        record = open(os.path.join(args.record_samples, f"samples-rank{rank}-of-{world}.txt"), "a")  # noqa: SIM115
     sampler = ck.ResumableDistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
     loader = DataLoader(
         dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers, drop_last=True
@@ -216,8 +227,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
     else:
         step = int(ckpt["step"])
         log(
-            f"resumed from step {step} (epoch {sampler.epoch}, sample {sampler.progress} of {sampler.num_samples} "
-            f"per rank)"
+            f"resumed from step {step} (epoch {sampler.epoch}: {sampler.consumed} of its {len(dataset)} samples "
+            f"consumed, {len(sampler)} left for each rank)"
         )
 
     def save(blocking: bool = True) -> None:
@@ -232,8 +243,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
         # track() counts the batches the loop received (workers prefetch ahead of it) and lends
         # the DataLoader a seed of its own for the epoch (else iter(loader) draws one from the
         # global RNG, at a different point of the stream in a run resumed mid-epoch).
-        for x, y in sampler.track(loader):
-            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        for batch in sampler.track(loader):
+            x, y = batch[0].to(device, non_blocking=True), batch[1].to(device, non_blocking=True)
             with torch.autocast(device.type, dtype=amp_dtype, enabled=args.amp):
                 loss = loss_fn(ddp(x), y)
             optimizer.zero_grad(set_to_none=True)
@@ -242,6 +253,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
             scaler.update()
             scheduler.step()
             step += 1
+            if record is not None:
+                record.write(f"{step} {epoch} {' '.join(map(str, batch[2].tolist()))}\n")
+                record.flush()
             if step % args.log_every == 0:
                 log(f"epoch {epoch} step {step} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.5f}")
             # A simulated crash fires once: not after torchrun restarted the job (attempt > 0) and

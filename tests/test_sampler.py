@@ -305,3 +305,83 @@ def test_warnings_come_from_rank_0_only():
     rank0, rank1 = run_ranks(_hazards_per_rank, 2)
     assert len(rank0) == 2 and "set_epoch" in rank0[0] and "saved with 3 replicas" in rank0[1]
     assert rank1 == []
+
+
+def _consume(samplers, p):
+    """Each rank takes its next p samples (the same p everywhere, as DDP's equal batch counts)."""
+    taken = []
+    for sampler in samplers:
+        it = iter(sampler)
+        taken.append([next(it) for _ in range(p)])
+    return taken
+
+
+def _resize(state, n, world, **kw):
+    data = TensorDataset(torch.arange(n))
+    new = [ck.ResumableDistributedSampler(data, num_replicas=world, rank=r, seed=3, **kw) for r in range(world)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "saved with W replicas, restored with W'"
+        for sampler in new:
+            sampler.load_state_dict(state)
+    return new
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_a_new_world_size_resumes_exactly(shuffle, drop_last):
+    kw = {"shuffle": shuffle, "drop_last": drop_last}
+    cases = 0
+    for n in (1, 5, 12, 13, 31, 64):
+        for old_world, new_world in ((1, 4), (4, 1), (2, 3), (8, 5), (3, 2), (3, 3), (5, 8), (2, 7)):
+            data = TensorDataset(torch.arange(n))
+            old = [ck.ResumableDistributedSampler(data, num_replicas=old_world, rank=r, seed=3, **kw)
+                   for r in range(old_world)]  # fmt: skip
+            share = old[0].num_samples
+            for p in sorted({0, min(1, share), share // 2, max(share - 1, 0), share}):
+                old = [ck.ResumableDistributedSampler(data, num_replicas=old_world, rank=r, seed=3, **kw)
+                       for r in range(old_world)]  # fmt: skip
+                for s in old:
+                    s.set_epoch(2)
+                before = _consume(old, p)
+                state = old[0].state_dict()
+                new = _resize(state, n, new_world, **kw)
+                after = [list(s) for s in new]
+                assert len({len(a) for a in after}) == 1, (n, old_world, new_world, p, after)  # equal batch counts
+                assert all(len(s) == len(a) for s, a in zip(new, after))
+                seen = [i for rank in before + after for i in rank]
+                what = (n, old_world, new_world, p, shuffle, drop_last)
+                if drop_last:  # nothing twice; only the remainder of a world size is dropped
+                    assert len(seen) == len(set(seen)), what
+                    dropped = n - len(seen)
+                    assert 0 <= dropped < max(old_world, new_world), what
+                    if p < share:  # resumed mid-epoch: only the new world's remainder is dropped
+                        assert dropped < new_world, what
+                else:  # nothing skipped; only padding repeats
+                    assert set(seen) == set(range(n)), what
+                    assert len(seen) - n <= (old_world - 1) + (new_world - 1), what
+                if old_world == new_world:  # the uninterrupted run's own order, exactly
+                    fresh = [ck.ResumableDistributedSampler(data, num_replicas=old_world, rank=r, seed=3, **kw)
+                             for r in range(old_world)]  # fmt: skip
+                    for s in fresh:
+                        s.set_epoch(2)
+                    assert [b + a for b, a in zip(before, after)] == [list(s) for s in fresh], what
+                for r, s in enumerate(new):  # the next epoch: what a fresh run at the new size sees
+                    s.set_epoch(3)
+                    plain = torch.utils.data.DistributedSampler(data, num_replicas=new_world, rank=r, seed=3, **kw)
+                    plain.set_epoch(3)
+                    assert list(s) == list(plain), what
+                cases += 1
+    assert cases > 150
+
+
+def test_two_world_size_changes_in_one_epoch_still_cover_it_once():
+    n, kw = 61, {"shuffle": True, "drop_last": True}
+    data = TensorDataset(torch.arange(n))
+    first = [ck.ResumableDistributedSampler(data, num_replicas=8, rank=r, seed=3, **kw) for r in range(8)]
+    seen = [i for rank in _consume(first, 2) for i in rank]  # 8 ranks x 2
+    second = _resize(first[0].state_dict(), n, 5, **kw)
+    seen += [i for rank in _consume(second, 3) for i in rank]  # 5 ranks x 3
+    assert second[0].state_dict()["consumed"] == 8 * 2 + 5 * 3
+    third = _resize(second[0].state_dict(), n, 3, **kw)
+    seen += [i for rank in (list(s) for s in third) for i in rank]
+    assert len(seen) == len(set(seen)) and n - len(seen) < 3

@@ -94,6 +94,44 @@ def test_three_processes_killed_and_restarted_is_bit_exact(tmp_path, reference):
     assert_bit_identical(reference(nproc=3), tmp_path)
 
 
+def _records(directory: Path, world: int) -> list[tuple[int, int, list[int]]]:
+    """(step, epoch, sample indices) of every step every rank of that world size trained."""
+    rows = []
+    for path in sorted(directory.glob(f"samples-rank*-of-{world}.txt")):
+        for line in path.read_text().splitlines():
+            step, epoch, *indices = map(int, line.split())
+            rows.append((step, epoch, indices))
+    return rows
+
+
+def test_three_processes_resumed_on_two_cover_the_data_exactly_once(tmp_path, reference):
+    """3 ranks train with batches of 15 and a save every 3 steps; one dies after step 14, so the
+    last checkpoint is step 12, one step into epoch 1 (45 samples consumed: not a multiple of 2),
+    and the job comes back on 2 ranks. Counted from what each rank trained on: in the interrupted
+    epoch no sample is seen twice and only the sampler's remainder and each rank's incomplete last
+    batch are left out; the next epoch is a plain 2-rank epoch. What differs from an uninterrupted
+    3-rank run: the global batch (45 -> 30), so the step count and the weights; and each new
+    rank's RNG stream (left as it is, with a warning)."""
+    ckpt, seen = tmp_path / "ckpt", tmp_path / "seen"
+    args = ("--batch-size", "15", "--save-every-steps", "3", "--record-samples", str(seen))
+    first = torchrun(ckpt, *args, "--fail-at-step", "14", nproc=3)
+    assert first.returncode != 0 and "simulated crash right after step 14" in first.stdout + first.stderr
+    out = ok(torchrun(ckpt, *args, nproc=2))
+    assert "world size 2" in out and "sampler saved with 3 replicas, restored with 2" in out
+    assert "resumed from step 12 (epoch 1: 45 of its 512 samples consumed, 233 left for each rank)" in out
+    before = [r for r in _records(seen, 3) if r[0] <= 12]  # steps 13-14 died with the crash: retrained
+    after = _records(seen, 2)
+    epoch1 = [i for _, epoch, indices in before + after if epoch == 1 for i in indices]
+    assert len(epoch1) == 45 + 2 * 15 * 15  # 45 before; the other 467 dealt out as 2 x 233, 15 batches each
+    assert len(set(epoch1)) == len(epoch1), "a sample of the interrupted epoch was trained on twice"
+    assert 512 - len(epoch1) == 1 + 2 * (233 - 15 * 15)  # the sampler's remainder, each rank's last batch
+    epoch2 = [i for _, epoch, indices in after if epoch == 2 for i in indices]
+    assert len(epoch2) == len(set(epoch2)) == 2 * 17 * 15  # a plain 2-rank epoch: 256 per rank, 17 batches
+    assert max(step for step, _, _ in after) == 12 + 15 + 17
+    with pytest.raises(AssertionError):  # not the 3-rank run: another global batch, other steps
+        assert_bit_identical(reference(nproc=3), ckpt)
+
+
 def _two_nodes(ckpt_dir, *args: str) -> list[subprocess.CompletedProcess]:
     port = free_port()
     results: list = [None, None]
