@@ -12,7 +12,14 @@ from torch.utils.data.distributed import DistributedSampler
 from . import _log, background, rng
 from .devices import MapLocation, resolve_map_location
 from .dist import _all_gather_object, _broadcast_object, get_rank, get_world_size
-from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError, UnsafeStateError
+from .errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    KeyMismatchError,
+    UnsafeCheckpointError,
+    UnsafeStateError,
+)
 from .sampler import ResumableDistributedSampler
 from .serialization import check_loadable, load_file, save_file, verify_torch_file
 from .state_dict import WRAPPER_PREFIXES, add_prefix, strip_for_reading, strip_prefix, strip_wrappers, unwrap_model
@@ -352,9 +359,15 @@ def _find_weights(ckpt: Any, *, key: str | None, path: str) -> Mapping[str, Any]
     return locate_weights(ckpt, key=key, path=path)[2]
 
 
-def _all_ok(error: BaseException | None, what: str) -> None:
-    """Raise on every rank if any rank failed (a collective; no-op without a process group)."""
+def _all_ok(error: BaseException | None, what: str, *, missing_hint: str | None = None) -> None:
+    """Raise on every rank if any rank failed (a collective; no-op without a process group).
+
+    ``missing_hint`` is added to a :class:`CheckpointNotFoundError` of a rank that could not
+    find a file rank 0 read (a node-local disk).
+    """
     messages = _all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    if isinstance(error, CheckpointNotFoundError) and missing_hint and messages[0] is None:
+        raise CheckpointNotFoundError(f"{error}, but rank 0 read it: {missing_hint}") from error
     if error is not None:
         raise error
     failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
@@ -372,6 +385,7 @@ def load(
     weights_only: bool = True,
     restore_rng: bool | None = None,
     verify: bool = False,
+    broadcast: bool = False,
 ) -> dict[str, Any]:
     """Load a checkpoint and restore, in place, every object named in ``state``.
 
@@ -407,6 +421,11 @@ def load(
         restore_rng: restore this rank's RNG states from the file: True, False, or None to
             decide by ``state`` as above.
         verify: check every record's CRC-32 before loading (reads the file twice).
+        broadcast: only rank 0 reads the file; every other rank receives what it read over the
+            process group (GPU to GPU with nccl) in buckets of 64 MiB, and ends holding exactly
+            what it would have read itself, its own RNG state included. For node-local disks
+            where only rank 0's node has the file, and to read a file once instead of once per
+            rank on a shared filesystem.
 
     Returns:
         The whole checkpoint dict (entries on ``map_location``), including ``__ckptools__``.
@@ -430,22 +449,10 @@ def load(
     ckpt: dict[str, Any] = {}
     try:
         location = resolve_map_location(map_location)
-        if path.endswith(".safetensors") or _is_layout(path):
-            # Bare weights (a model entry finds them): a .safetensors file, a Hugging Face or
-            # Accelerate folder, a sharded index, a DCP folder. No code can run from these.
-            loaded: Any = dict(read_weights(path, key=None, map_location=location, verify=verify))
+        if broadcast and get_world_size() > 1:
+            loaded: Any = _read_on_rank0(path, location, weights_only=weights_only, verify=verify, state=state)
         else:
-            if verify:
-                verify_torch_file(path)
-            try:
-                loaded = load_file(path, map_location=location, weights_only=weights_only)
-            except UnsafeCheckpointError as err:
-                if any(isinstance(obj, torch.nn.Module) for obj in state.values()):
-                    raise UnsafeCheckpointError(
-                        f"{err}. To load just a model's weights, which need none of it: "
-                        "model.load_state_dict(ck.load_state_dict(path)), which runs nothing"
-                    ) from None
-                raise
+            loaded = _read(path, location, weights_only=weights_only, verify=verify, state=state)
         if not isinstance(loaded, dict):
             raise CheckpointFormatError(
                 f"{path} holds a {type(loaded).__name__}, not a checkpoint dict; "
@@ -461,9 +468,50 @@ def load(
                     obj._rng_restored()  # lets it notice the stream moving before the first batch
     except Exception as err:  # noqa: BLE001 - shared with every rank, then re-raised
         error = err
-    _all_ok(error, f"loading checkpoint {path}")
+    hint = None if broadcast else "pass broadcast=True to ck.load / manager.restore to send it from rank 0"
+    _all_ok(error, f"loading checkpoint {path}", missing_hint=hint)
     _log.report("loaded", path, started)
     return ckpt
+
+
+def _read(path: str, location: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]) -> Any:
+    """What this rank reads from ``path`` for :func:`load`."""
+    if path.endswith(".safetensors") or _is_layout(path):
+        # Bare weights (a model entry finds them): a .safetensors file, a Hugging Face or
+        # Accelerate folder, a sharded index, a DCP folder. No code can run from these.
+        return dict(read_weights(path, key=None, map_location=location, verify=verify))
+    if verify:
+        verify_torch_file(path)
+    try:
+        return load_file(path, map_location=location, weights_only=weights_only)
+    except UnsafeCheckpointError as err:
+        if any(isinstance(obj, torch.nn.Module) for obj in state.values()):
+            raise UnsafeCheckpointError(
+                f"{err}. To load just a model's weights, which need none of it: "
+                "model.load_state_dict(ck.load_state_dict(path)), which runs nothing"
+            ) from None
+        raise
+
+
+def _read_on_rank0(path: str, location: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]) -> Any:
+    """Collective: rank 0 reads ``path``, every rank gets what it read (tensors on ``location``)."""
+    from .broadcast import broadcast_tree
+
+    tree, error = None, None
+    if get_rank() == 0:
+        try:
+            tree = _read(path, location, weights_only=weights_only, verify=verify, state=state)
+        except Exception as err:  # noqa: BLE001 - told to every rank before the transfer starts
+            error = err
+    failed = _broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise CheckpointError(f"loading checkpoint {path} failed on rank 0: {failed}")
+    nccl = torch.distributed.get_backend() == "nccl"
+    comm = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = location if isinstance(location, torch.device) else torch.device("cpu")
+    return broadcast_tree(tree, device=device, comm_device=comm)
 
 
 def _restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool, path: str) -> None:

@@ -235,7 +235,8 @@ class CheckpointManager:
 
         Args:
             state: objects to restore in place, as for :func:`ckptools.load`.
-            **load_kwargs: passed to :func:`ckptools.load` (``map_location``, ``strict``, ...).
+            **load_kwargs: passed to :func:`ckptools.load` (``map_location``, ``strict``, ``broadcast``: rank 0
+                reads, the others receive, for node-local disks; ...).
 
         Returns:
             The checkpoint dict, or None when there is no checkpoint yet.

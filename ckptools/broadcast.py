@@ -1,0 +1,126 @@
+"""Sending a loaded checkpoint from rank 0 to every rank: ``ck.load(..., broadcast=True)``.
+
+Rank 0 reads the file; every other rank receives the same tree over the process group. The tree
+minus its tensors (a skeleton) goes as one object broadcast; the tensors' *storages* follow as
+raw bytes in buckets of at most ``bucket_bytes``, so views and tied tensors come out sharing
+storage exactly as ``torch.load`` gives them, and no rank holds more than the checkpoint plus one
+bucket. With nccl the buckets travel GPU to GPU; with gloo through host memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .dist import _broadcast_object, _peer_error, get_rank
+
+__all__ = ["broadcast_tree"]
+
+BUCKET_BYTES = 64 << 20
+
+
+class _TensorRef:
+    """Where a tensor's data lives in the broadcast storages, and how to view it."""
+
+    __slots__ = ("dtype", "offset", "parameter", "requires_grad", "shape", "storage", "stride")
+
+    def __init__(self, t: torch.Tensor, storage: int) -> None:
+        self.storage, self.dtype = storage, t.dtype
+        self.shape, self.stride, self.offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
+        self.parameter, self.requires_grad = isinstance(t, torch.nn.Parameter), t.requires_grad
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return t.layout == torch.strided and not t.is_quantized and t.device.type != "meta"
+
+
+def _skeleton(tree: Any, storages: list[Any], index: dict[tuple, int]) -> Any:
+    """``tree`` with dense tensors replaced by :class:`_TensorRef` (their storages listed once)."""
+    if isinstance(tree, torch.Tensor) and _dense(tree):
+        st = tree.untyped_storage()
+        key = (st.device, st.data_ptr(), st.nbytes())
+        if key not in index:
+            index[key] = len(storages)
+            storages.append(st)
+        return _TensorRef(tree, index[key])
+    if isinstance(tree, Mapping):
+        out = {k: _skeleton(v, storages, index) for k, v in tree.items()}
+        return type(tree)(out) if type(tree) is not dict else out  # OrderedDict stays one
+    if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
+        return type(tree)(_skeleton(v, storages, index) for v in tree)
+    return tree  # plain values and non-dense tensors travel pickled, inside the skeleton
+
+
+def _rebuild(tree: Any, storages: list[Any], device: torch.device) -> Any:
+    if isinstance(tree, _TensorRef):
+        t = torch.empty(0, dtype=tree.dtype, device=device)
+        t.set_(storages[tree.storage], tree.offset, tree.shape, tree.stride)
+        if tree.parameter:
+            return torch.nn.Parameter(t, requires_grad=tree.requires_grad)
+        return t.requires_grad_(tree.requires_grad) if tree.requires_grad else t
+    if isinstance(tree, Mapping):
+        out = {k: _rebuild(v, storages, device) for k, v in tree.items()}
+        return type(tree)(out) if type(tree) is not dict else out
+    if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
+        return type(tree)(_rebuild(v, storages, device) for v in tree)
+    return tree
+
+
+def _bytes_of(storage: Any) -> torch.Tensor:
+    """A flat uint8 tensor over a whole untyped storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+def _windows(sizes: list[int], bucket: int) -> Iterator[list[tuple[int, int, int, int]]]:
+    """Buckets over the concatenated storages: lists of (storage, start, length, bucket offset)."""
+    current: list[tuple[int, int, int, int]] = []
+    used = 0
+    for i, size in enumerate(sizes):
+        start = 0
+        while start < size:
+            take = min(size - start, bucket - used)
+            current.append((i, start, take, used))
+            used += take
+            start += take
+            if used == bucket:
+                yield current
+                current, used = [], 0
+    if current:
+        yield current
+
+
+def broadcast_tree(
+    tree: Any, *, device: torch.device, comm_device: torch.device, bucket_bytes: int = BUCKET_BYTES
+) -> Any:
+    """Collective: rank 0's ``tree`` (a loaded checkpoint) on every rank, tensors on ``device``.
+
+    Other ranks pass anything (ignored). ``comm_device`` is where buckets travel: the GPU with
+    nccl, the CPU with gloo. Returns rank 0's own ``tree`` on rank 0.
+    """
+    rank = get_rank()
+    storages: list[Any] = []
+    skeleton = _skeleton(tree, storages, {}) if rank == 0 else None
+    sizes = [s.nbytes() for s in storages] if rank == 0 else None
+    skeleton, sizes = _broadcast_object((skeleton, sizes))
+    if rank != 0:
+        storages = [torch.UntypedStorage(n, device=device) for n in sizes]
+    total = sum(sizes)
+    bucket = torch.empty(min(bucket_bytes, max(total, 1)), dtype=torch.uint8, device=comm_device)
+    views = [_bytes_of(s) for s in storages]
+    try:
+        for window in _windows(sizes, bucket.numel()):
+            if rank == 0:
+                for i, start, length, at in window:
+                    bucket[at : at + length].copy_(views[i][start : start + length], non_blocking=True)
+            dist.broadcast(bucket, src=0)
+            if rank != 0:
+                for i, start, length, at in window:
+                    views[i][start : start + length].copy_(bucket[at : at + length], non_blocking=True)
+        if comm_device.type == "cuda":
+            torch.cuda.synchronize(comm_device)  # the copies out of the last bucket are done
+    except RuntimeError as err:  # DistBackendError and friends: a peer died mid-transfer
+        raise _peer_error(err) from err
+    return tree if rank == 0 else _rebuild(skeleton, storages, device)

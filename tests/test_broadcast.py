@@ -1,0 +1,117 @@
+"""ck.load(..., broadcast=True): rank 0 reads, every rank ends with what it would have read itself."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import ckptools as ck
+
+
+def _net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
+
+
+def _two_nodes(rank: int, world: int, root: str, broadcast: bool) -> dict:
+    # Two simulated nodes: each rank works in its own directory (its node-local disk), and the
+    # same relative path names the checkpoint, which only node 0's disk holds.
+    node = os.path.join(root, f"node{rank}")
+    os.makedirs(node, exist_ok=True)
+    os.chdir(node)
+    model = _net()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 6)).sum().backward()
+    optimizer.step()
+    tied = torch.arange(12.0)
+    torch.manual_seed(100 + rank)  # each rank's own stream, saved per rank
+    state = {"model": model, "optimizer": optimizer, "tied": {"a": tied, "b": tied[2:5]}, "step": 7}
+    if rank == 0:
+        os.makedirs("ckpt", exist_ok=True)
+    ck.barrier()
+    # Saved by rank 0 into node 0's directory only (every rank takes part in the collective).
+    ck.save("ckpt/latest.pt", state)
+    expected_rng = torch.get_rng_state()
+    torch.manual_seed(12345)  # moved on: restoring must bring this rank's own stream back
+    fresh = _net()
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    try:
+        ckpt = ck.load("ckpt/latest.pt", {"model": fresh, "optimizer": fresh_opt}, broadcast=broadcast)
+    except ck.CheckpointError as err:
+        return {"error": type(err).__name__, "message": str(err)}
+    same_model = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
+    sa, sb = fresh_opt.state_dict()["state"], optimizer.state_dict()["state"]
+    same_opt = all(torch.equal(sa[i][k], sb[i][k]) for i in sb for k in sb[i])
+    a, b = ckpt["tied"]["a"], ckpt["tied"]["b"]
+    return {
+        "exists_here": os.path.exists("ckpt/latest.pt"),
+        "model": same_model,
+        "optimizer": same_opt,
+        "rng": torch.equal(torch.get_rng_state(), expected_rng),
+        "step": ckpt["step"],
+        "tied": a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and torch.equal(b, a[2:5]),
+    }
+
+
+def test_only_node_0_has_the_file_and_broadcast_loads_it_everywhere(tmp_path):
+    results = run_ranks(_two_nodes, 2, str(tmp_path), True)
+    assert [r["exists_here"] for r in results] == [True, False]
+    for r in results:
+        assert r["model"] and r["optimizer"] and r["rng"] and r["step"] == 7 and r["tied"], r
+
+
+def test_without_broadcast_the_rank_that_cannot_find_it_says_what_to_do(tmp_path):
+    results = run_ranks(_two_nodes, 2, str(tmp_path), False)
+    assert results[1]["error"] == "CheckpointNotFoundError"
+    assert "but rank 0 read it: pass broadcast=True" in results[1]["message"]
+    assert results[0]["error"] == "CheckpointError" and "failed on rank 1" in results[0]["message"]
+
+
+def _rank0_cannot_read(rank: int, world: int, root: str) -> str:
+    os.chdir(root)
+    try:
+        ck.load("missing.pt", {}, broadcast=True)
+    except ck.CheckpointError as err:
+        return type(err).__name__ + ": " + str(err)
+    return "loaded"
+
+
+def test_a_failure_on_rank_0_reaches_every_rank(tmp_path):
+    results = run_ranks(_rank0_cannot_read, 2, str(tmp_path))
+    assert results[0].startswith("CheckpointNotFoundError")
+    assert results[1].startswith("CheckpointError") and "failed on rank 0" in results[1]
+
+
+def test_buckets_split_and_join_storages_exactly():
+    from ckptools.broadcast import _windows
+
+    sizes = [5, 0, 17, 3]
+    windows = list(_windows(sizes, 8))
+    assert all(sum(length for _, _, length, _ in w) <= 8 for w in windows)
+    covered = {i: 0 for i in range(len(sizes))}
+    for w in windows:
+        for i, start, length, _ in w:
+            assert start == covered[i]
+            covered[i] += length
+    assert [covered[i] for i in range(len(sizes))] == sizes
+
+
+@pytest.mark.parametrize("bucket", [7, 1 << 20])
+def test_many_tensors_through_small_buckets(tmp_path, bucket):
+    run_ranks(_small_buckets, 2, str(tmp_path), bucket)
+
+
+def _small_buckets(rank: int, world: int, root: str, bucket: int) -> None:
+    from ckptools.broadcast import broadcast_tree
+
+    g = torch.Generator().manual_seed(3)
+    tree = {"w": torch.randn(33, 5, generator=g), "h": torch.randn(9, generator=g).half(), "b": torch.tensor([True]),
+            "e": torch.empty(0), "p": torch.nn.Parameter(torch.ones(2)), "n": [1, "x", None]}  # fmt: skip
+    got = broadcast_tree(tree if rank == 0 else None, device=torch.device("cpu"),
+                         comm_device=torch.device("cpu"), bucket_bytes=bucket)  # fmt: skip
+    for k in ("w", "h", "b", "e", "p"):
+        assert got[k].dtype == tree[k].dtype and torch.equal(got[k], tree[k]), k
+    assert isinstance(got["p"], torch.nn.Parameter) and got["n"] == [1, "x", None]
