@@ -67,13 +67,15 @@ golden: interop
 
 # bench: save/load and CLI against torch and cp; the stall of async saves (1 and 4 GiB) against sync
 # saves, DCP's async_save and the copy floor; the preemption check's cost; the reference loop's
-# throughput with no, sync and async checkpoints, and a preemption's exit time and steps lost.
+# throughput with no, sync and async checkpoints, and a preemption's exit time and steps lost; resuming
+# with every rank reading vs broadcast=True.
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py --gib 1
 	$(PY) benchmarks/bench_cli.py --gib 1
 	$(PY) benchmarks/bench_async.py --gib 1 4
 	$(PY) benchmarks/bench_preemption.py
 	$(PY) benchmarks/bench_train.py
+	$(PY) benchmarks/bench_broadcast.py --gib 1 --nproc 2 4
 
 demo: $(STAMP)
 	$(PY) examples/demo.py --workdir runs/demo
