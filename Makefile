@@ -68,7 +68,7 @@ golden: interop
 # bench: save/load and CLI against torch and cp; the stall of async saves (1 and 4 GiB) against sync
 # saves, DCP's async_save and the copy floor; the preemption check's cost; the reference loop's
 # throughput with no, sync and async checkpoints, and a preemption's exit time and steps lost; resuming
-# with every rank reading vs broadcast=True.
+# with every rank reading vs broadcast=True; the peak memory of a 1 GiB save to S3 (moto).
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py --gib 1
 	$(PY) benchmarks/bench_cli.py --gib 1
@@ -76,6 +76,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_preemption.py
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_broadcast.py --gib 1 --nproc 2 4
+	$(PY) benchmarks/bench_s3.py --gib 1
 
 demo: $(STAMP)
 	$(PY) examples/demo.py --workdir runs/demo

@@ -44,7 +44,7 @@ def save_file(path: PathLike, obj: Any) -> int:
         torch.save(obj, f)
         written = f.tell()  # torch writes front to back: where it stopped is the size
 
-    atomic_write(path, write)
+    atomic_write(path, write, streamable=True)  # torch.save writes front to back
     return written
 
 

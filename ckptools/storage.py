@@ -137,14 +137,17 @@ def _is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
     return bool(_OBJECT_STORES.intersection(protocols))
 
 
-def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any]) -> str:
+def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any], *, streamable: bool = False) -> str:
     """Write a file so that readers see either the old file or the complete new one.
 
     Local disk: ``write`` streams into a temporary file in the *target* directory (a rename
     across filesystems, e.g. from $TMPDIR, is not atomic and fails), which is flushed, fsynced,
     renamed over ``path`` with ``os.replace`` and made durable with an fsync of the directory.
-    Object stores (s3, gcs, azure, ...) have no rename, but a single PUT is atomic, so the
-    payload is built in memory first and sent in one complete write. Other remote filesystems
+    Object stores have no rename. On S3, when ``streamable`` (``write`` only writes forward, as
+    ``torch.save`` does), the payload streams into a multipart upload that is completed only
+    once everything is written and aborted on any failure (memory: about two 32 MiB parts);
+    otherwise, and on other object stores (gcs, azure, ...), the payload is built in memory and
+    sent in one complete write (a single PUT is atomic). Other remote filesystems
     (``memory://``, sftp, hdfs, ...) get the payload under a temporary name in the target
     directory, then a move onto ``path`` (a rename where the filesystem has one), so a write
     that fails midway never leaves a partial file at ``path``.
@@ -152,6 +155,7 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any]) -> str:
     Args:
         path: destination path or URL.
         write: called once with a binary file object to write into.
+        streamable: ``write`` never seeks (it may then stream into an S3 multipart upload).
 
     Returns:
         The path as a string.
@@ -162,7 +166,7 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any]) -> str:
     path = _fspath(path)
     fs, fpath = get_filesystem(path)
     if not is_local(fs):
-        _remote_write(fs, fpath, write)
+        _remote_write(fs, fpath, write, streamable=streamable)
         return path
     directory, name = os.path.split(os.path.abspath(fpath))
     if not os.path.isdir(directory):
@@ -211,8 +215,59 @@ class _WriteRecorder:
         return getattr(self._f, name)
 
 
-def _remote_write(fs: fsspec.AbstractFileSystem, fpath: str, write: Callable[[IO[bytes]], Any]) -> None:
-    # Object storage cannot stream torch.save (it seeks), so the payload is built in memory first.
+# Parts of a streamed multipart upload: S3 allows 10,000 parts of at least 5 MiB, so 32 MiB parts
+# reach 312 GiB (a larger object needs a larger part size); a writer holds about two parts at once.
+UPLOAD_PART = 32 << 20
+
+
+def _streams_multipart(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether writes to ``fs`` go through a multipart upload that is completed only on close()
+    and can be aborted with discard(): S3 (s3fs)."""
+    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
+    return any(p in ("s3", "s3a") for p in protocols)
+
+
+def _stream_upload(fs: fsspec.AbstractFileSystem, fpath: str, write: Callable[[IO[bytes]], Any]) -> None:
+    # torch.save writes front to back, so it streams into the upload: parts go out as they fill
+    # and memory holds one or two parts, not a copy of the whole checkpoint. The upload is
+    # completed only when everything was written: before that the object does not exist (a
+    # reader sees the previous one), and on any failure it is aborted. A killed writer leaves an
+    # incomplete upload, which S3 never shows as an object (a bucket lifecycle rule reaps those).
+    f = fs.open(fpath, "wb", block_size=UPLOAD_PART)
+    try:
+        write(_PartSized(f))
+        f.close()  # completes the multipart upload (a small file goes as one PUT)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            f.discard()  # abort the multipart upload
+        f.closed = True  # never commit later, from close() or the finaliser
+        raise
+
+
+class _PartSized:
+    """Hands a file big writes in part-sized slices: torch writes a whole tensor record at once,
+    which s3fs would buffer whole (and copy) before cutting it into parts."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data).cast("B")
+        for start in range(0, len(view), UPLOAD_PART):
+            self._f.write(view[start : start + UPLOAD_PART])
+        return len(view)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._f, name)
+
+
+def _remote_write(
+    fs: fsspec.AbstractFileSystem, fpath: str, write: Callable[[IO[bytes]], Any], *, streamable: bool
+) -> None:
+    if streamable and _streams_multipart(fs):
+        _stream_upload(fs, fpath, write)
+        return
+    # Other stores: the payload is built in memory and sent in one complete write.
     buffer = io.BytesIO()
     write(buffer)
     data = buffer.getvalue()

@@ -127,6 +127,43 @@ def test_save_load_and_manager(s3_env):
         ck.load(f"s3://{BUCKET}/run/nope.pt")
 
 
+def test_saves_stream_into_a_multipart_upload_completed_only_on_success(s3_env, monkeypatch):
+    import s3fs
+
+    from ckptools import storage
+
+    monkeypatch.setattr(storage, "UPLOAD_PART", 5 << 20)  # S3's smallest part, so a small file has parts
+    fs = s3fs.S3FileSystem()
+    url = f"s3://{BUCKET}/stream/model.pt"
+    ck.save(url, {"model": _model(1.0), "step": 1})  # the previous checkpoint, which must survive
+
+    def uploads() -> list[dict]:
+        return fs.call_s3("list_multipart_uploads", Bucket=BUCKET).get("Uploads", [])
+
+    seen_in_flight = []
+
+    def write(f) -> None:
+        chunk = bytes(1 << 20)
+        for _ in range(12):  # 12 MiB: two 5 MiB parts go out while this is still writing
+            f.write(chunk)
+        parts = fs.call_s3("list_parts", Bucket=BUCKET, Key="stream/model.pt", UploadId=uploads()[0]["UploadId"])
+        seen_in_flight.append(len(parts.get("Parts", [])))
+        raise OSError("disk full on the way")  # fails midway
+
+    with pytest.raises(OSError, match="disk full"):
+        storage.atomic_write(url, write, streamable=True)
+    assert seen_in_flight == [2]  # streamed: parts were uploaded before the writer finished
+    assert uploads() == []  # aborted: no incomplete upload is left
+    fs.invalidate_cache()
+    target = _model(0.0)
+    assert ck.load(url, {"model": target})["step"] == 1 and target.weight[0, 0].item() == 1.0  # intact
+
+    big = {"model": {"w": torch.arange(3 << 20, dtype=torch.float32)}, "step": 2}  # 12 MiB: a multipart save
+    ck.save(url, big)
+    fs.invalidate_cache()
+    assert torch.equal(ck.load(url)["model"]["w"], big["model"]["w"]) and uploads() == []
+
+
 def _ranks_on_s3(rank: int, world: int, url: str) -> float:
     manager = ck.CheckpointManager(url, keep_last=1)
     manager.save({"model": _model(10.0 + rank)}, 7)  # rank 0's model is what lands
