@@ -68,7 +68,8 @@ golden: interop
 # bench: save/load and CLI against torch and cp; the stall of async saves (1 and 4 GiB) against sync
 # saves, DCP's async_save and the copy floor; the preemption check's cost; the reference loop's
 # throughput with no, sync and async checkpoints, and a preemption's exit time and steps lost; resuming
-# with every rank reading vs broadcast=True; the peak memory of a 1 GiB save to S3 (moto).
+# with every rank reading vs broadcast=True; the peak memory of a 1 GiB save to S3 (moto); resume memory
+# and time of ck.load against torch.load for 1 and 4 GiB.
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py --gib 1
 	$(PY) benchmarks/bench_cli.py --gib 1
@@ -77,6 +78,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_broadcast.py --gib 1 --nproc 2 4
 	$(PY) benchmarks/bench_s3.py --gib 1
+	$(PY) benchmarks/bench_resume.py --gib 1 4
 
 demo: $(STAMP)
 	$(PY) examples/demo.py --workdir runs/demo

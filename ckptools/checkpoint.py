@@ -483,6 +483,15 @@ def _read(path: str, location: Any, *, weights_only: bool, verify: bool, state: 
     if verify:
         verify_torch_file(path)
     try:
+        if _local_zip(path):
+            # Memory-mapped: tensors are read from the page cache when restore_all copies them
+            # into the model and optimizer, so resuming needs no second copy of the checkpoint in
+            # anonymous memory. The mapping is private (copy-on-write): writing to a returned
+            # tensor never touches the file, and replacing or deleting the file later is safe.
+            try:
+                return load_file(path, map_location=location, weights_only=weights_only, mmap=True)
+            except CheckpointFormatError:
+                pass  # a filesystem that cannot map files (some FUSE mounts): read it as usual
         return load_file(path, map_location=location, weights_only=weights_only)
     except UnsafeCheckpointError as err:
         if any(isinstance(obj, torch.nn.Module) for obj in state.values()):
@@ -491,6 +500,12 @@ def _read(path: str, location: Any, *, weights_only: bool, verify: bool, state: 
                 "model.load_state_dict(ck.load_state_dict(path)), which runs nothing"
             ) from None
         raise
+
+
+def _local_zip(path: str) -> bool:
+    from .convert import _local_zip as local_zip
+
+    return local_zip(path)
 
 
 def _read_on_rank0(path: str, location: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]) -> Any:
