@@ -9,7 +9,8 @@ It prints the time (and the time until every optimizer tensor was read once, as 
 reads them: a mapped file is read then, not in the load), the growth of peak RSS (VmHWM: file
 pages a mapping touched count too) and the growth of peak anonymous memory (RssAnon sampled every
 2 ms: what cannot be reclaimed), over the process with its model and empty optimizer. Goal: no
-more than the optimizer state plus one tensor. Median of --rounds; the file is in the page cache (the second read of a resume).
+more than the optimizer state plus one tensor. Median of --rounds; the file is in the page cache
+(the second read of a resume).
 """
 
 from __future__ import annotations
