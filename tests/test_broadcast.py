@@ -115,3 +115,25 @@ def _small_buckets(rank: int, world: int, root: str, bucket: int) -> None:
     for k in ("w", "h", "b", "e", "p"):
         assert got[k].dtype == tree[k].dtype and torch.equal(got[k], tree[k]), k
     assert isinstance(got["p"], torch.nn.Parameter) and got["n"] == [1, "x", None]
+
+
+def _manager_on_two_nodes(rank: int, world: int, root: str) -> dict:
+    node = os.path.join(root, f"node{rank}")
+    os.makedirs(node, exist_ok=True)
+    os.chdir(node)  # "ckpt" is each node's own local directory
+    model = _net()
+    manager = ck.CheckpointManager("ckpt", keep_last=2)
+    manager.save({"model": model, "step": 3}, 3)  # rank 0 writes, into node 0's directory
+    target = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
+    ckpt = manager.restore({"model": target}, broadcast=True)
+    return {
+        "files_here": sorted(os.listdir("ckpt")) if os.path.isdir("ckpt") else [],
+        "step": ckpt["step"],
+        "same": all(torch.equal(a, b) for a, b in zip(target.state_dict().values(), model.state_dict().values())),
+    }
+
+
+def test_manager_restores_from_node_0_only(tmp_path):
+    results = run_ranks(_manager_on_two_nodes, 2, str(tmp_path))
+    assert results[0]["files_here"] == ["ckpt-0000000003.pt"] and results[1]["files_here"] == []
+    assert all(r["step"] == 3 and r["same"] for r in results), results
