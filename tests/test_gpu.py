@@ -1,6 +1,6 @@
-"""The CUDA paths of async saves and preemption: pinned snapshots, the gloo side group beside nccl,
-and the reference loop preempted on a GPU. Skipped without CUDA (CI has none); run on a GPU
-machine with ``python -m pytest -q tests/test_gpu.py``."""
+"""The CUDA paths: pinned snapshots of async saves, the gloo side group beside nccl, the reference
+loop preempted on a GPU, memory-mapped loads landing on the GPU, broadcast buckets on the GPU.
+Skipped without CUDA (CI has none); run on a GPU machine with ``python -m pytest -q tests/test_gpu.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import threading
 
 import pytest
 import torch
-from _dist import free_port
+from _dist import free_port, run_ranks
 from _torchrun import ok, torchrun, torchrun_signalled
 
 import ckptools as ck
@@ -100,3 +100,40 @@ def test_reference_loop_on_gpu_preempted_with_async_save_resumes_bit_exact(tmp_p
     assert f"resumed from step {step} " in again
     assert_bit_identical(ref, run)
     print(f"\nGPU preemption: stopped at step {step}, torchrun exited {seconds:.2f} s after SIGTERM, 0 steps lost")
+
+
+def test_load_maps_the_file_and_lands_on_the_gpu(tmp_path):
+    # ck.load memory-maps local files; with "auto" (this rank's GPU) every tensor must end on it.
+    model = torch.nn.Linear(64, 64).cuda()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(4, 64, device="cuda")).sum().backward()
+    opt.step()
+    ck.save(tmp_path / "c.pt", {"model": model, "optimizer": opt})
+    fresh = torch.nn.Linear(64, 64).cuda()
+    fresh_opt = torch.optim.AdamW(fresh.parameters())
+    ckpt = ck.load(tmp_path / "c.pt", {"model": fresh, "optimizer": fresh_opt})
+    assert ckpt["model"]["weight"].device.type == "cuda"
+    assert torch.equal(fresh.weight, model.weight)
+    state = fresh_opt.state_dict()["state"][0]
+    assert state["exp_avg"].device.type == "cuda" and torch.equal(
+        state["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
+    )
+
+
+def _broadcast_on_one_gpu(rank: int, world: int) -> bool:
+    from ckptools.broadcast import broadcast_tree
+
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(1000, 37, generator=g)
+    tree = {"w": base.cuda(), "h": torch.randn(77, generator=g).half().cuda()}
+    tree["v"] = tree["w"][3:9]  # a view: must come out sharing w's storage
+    got = broadcast_tree(tree if rank == 0 else None, device=torch.device("cuda", 0),
+                         comm_device=torch.device("cuda", 0), bucket_bytes=4096)  # fmt: skip
+    same = all(got[k].device.type == "cuda" and torch.equal(got[k].cpu(), tree[k].cpu()) for k in tree)
+    return same and got["v"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()
+
+
+def test_broadcast_buckets_on_the_gpu():
+    # nccl refuses two ranks on one GPU, so this runs the CUDA side of broadcast_tree (GPU buckets,
+    # GPU storages, the final synchronize) over gloo, which takes CUDA tensors too.
+    assert run_ranks(_broadcast_on_one_gpu, 2) == [True, True]
