@@ -69,7 +69,7 @@ def test_killed_and_restarted_by_torchrun_is_bit_exact(tmp_path, reference, fail
 
 def test_killed_with_dataloader_workers_is_bit_exact(tmp_path, reference):
     out = ok(torchrun(tmp_path, "--num-workers", "2", "--fail-at-step", "23", max_restarts=1))
-    assert "resumed from step 20 (epoch 1, sample 64 of 256" in out
+    assert "resumed from step 20 (epoch 1: 128 of its 512 samples consumed, 192 left for each rank)" in out
     assert_bit_identical(reference(), tmp_path)
 
 
