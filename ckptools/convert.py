@@ -78,7 +78,7 @@ def _zip_specs(archive: TorchZip, weights: Mapping[str, Any]) -> tuple[dict[str,
             return None  # not contiguous
         start, size = records[storage.key]
         begin, nbytes = start + offset * itemsize, numel * itemsize
-        if offset * itemsize + nbytes > size:
+        if nbytes and offset * itemsize + nbytes > size:  # a zero-size view may point anywhere
             raise CheckpointFormatError(
                 f"{archive.path}: tensor {name!r} reaches past its storage record (corrupt file)"
             )

@@ -491,27 +491,19 @@ def _describe(value: Any, tensors: list[TensorInfo]) -> str:
 
 # --- safetensors ---------------------------------------------------------------------------------
 
-_ST_TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-                "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "C64": "complex64",
-                "U64": "uint64", "U32": "uint32", "U16": "uint16", "F8_E4M3": "float8_e4m3fn",
-                "F8_E5M2": "float8_e5m2"}  # fmt: skip
-
 
 def _safetensors_view(path: str, *, file: str | None = None) -> CheckpointView:
-    from .safetensors_file import ALIAS_KEY, read_safetensors_header
+    from .safetensors_file import ALIAS_KEY, TORCH_NAMES, _name_map, read_safetensors_header
 
     header, metadata, _, size = read_safetensors_header(path)
     tensors = [
-        TensorInfo(name=n, dtype=_ST_TO_TORCH[e["dtype"]], shape=e["shape"],
+        TensorInfo(name=n, dtype=TORCH_NAMES[e["dtype"]], shape=e["shape"],
                    bytes=e["data_offsets"][1] - e["data_offsets"][0], file=file)
         for n, e in sorted(header.items())
     ]  # fmt: skip
-    try:
-        aliases = json.loads(metadata.get(ALIAS_KEY, "{}"))
-    except ValueError:
-        aliases = {}
+    aliases = _name_map(path, metadata, ALIAS_KEY)  # validated: ckptools' own metadata is untrusted input too
     by_name = {t.name: t for t in tensors}
-    for alias, target in sorted(aliases.items()) if isinstance(aliases, dict) else []:
+    for alias, target in sorted(aliases.items()):
         if target in by_name and alias not in by_name:  # stored once, listed under both names
             t = by_name[target]
             tensors.append(TensorInfo(alias, t.dtype, t.shape, t.bytes, shared=True, file=file))

@@ -30,17 +30,23 @@ _CHUNK = 16 << 20
 
 ITEMSIZE = {
     "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-    "C64": 8, "U64": 8, "U32": 4, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
+    "C64": 8, "U64": 8, "U32": 4, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1,
 }  # fmt: skip
+
+
+# safetensors dtype -> torch dtype name.
+TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
+               "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "C64": "complex64", "U64": "uint64",
+               "U32": "uint32", "U16": "uint16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+               "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
+               "F8_E8M0": "float8_e8m0fnu"}  # fmt: skip
 
 
 def torch_dtypes() -> dict[str, Any]:
     import torch
 
-    names = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-             "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "C64": "complex64", "U64": "uint64",
-             "U32": "uint32", "U16": "uint16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # fmt: skip
-    return {st: getattr(torch, attr) for st, attr in names.items() if hasattr(torch, attr)}
+    return {st: getattr(torch, attr) for st, attr in TORCH_NAMES.items() if hasattr(torch, attr)}
 
 
 class Spec:
@@ -291,11 +297,10 @@ def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
     new_name = {old: new for new, old in renamed.items()}
     meta = dict(metadata)
     if CRC_KEY in meta:
-        meta[CRC_KEY] = json.dumps(
-            {new_name.get(k, k): v for k, v in json.loads(meta[CRC_KEY]).items()}, separators=(",", ":")
-        )
+        crcs = _name_map(src, metadata, CRC_KEY)
+        meta[CRC_KEY] = json.dumps({new_name.get(k, k): v for k, v in crcs.items()}, separators=(",", ":"))
     if ALIAS_KEY in meta:
-        aliases = json.loads(meta[ALIAS_KEY])
+        aliases = _name_map(src, metadata, ALIAS_KEY)
         renamed_aliases = transform(dict(aliases.items()))
         meta[ALIAS_KEY] = json.dumps({k: new_name.get(v, v) for k, v in renamed_aliases.items()}, separators=(",", ":"))
     entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
@@ -326,12 +331,26 @@ def load_safetensors(path: PathLike) -> dict[str, Any]:
         tensors = safetensors.torch.load_file(source) if local else safetensors.torch.load(source.getvalue())
     except (safetensors.SafetensorError, OSError, ValueError) as err:
         raise CheckpointFormatError(f"{path} is not a valid safetensors file ({err})") from err
-    if ALIAS_KEY in metadata:
-        try:
-            aliases = json.loads(metadata[ALIAS_KEY])
-            for alias, target in aliases.items():
-                if target in tensors:
-                    tensors[alias] = tensors[target]
-        except (ValueError, AttributeError, TypeError) as err:
-            raise CheckpointFormatError(f"{path}: {ALIAS_KEY} metadata is corrupt ({err})") from err
+    # safetensors gives every zero-size tensor the same data pointer, whatever its dtype, and
+    # torch.save then refuses them ("view the same data as different types"): give each its own.
+    import torch
+
+    tensors = {k: torch.empty(v.shape, dtype=v.dtype) if v.numel() == 0 else v for k, v in tensors.items()}
+    for alias, target in _name_map(path, metadata, ALIAS_KEY).items():
+        # Only names the file does not store: metadata never overrides a stored tensor.
+        if target in tensors and alias not in tensors:
+            tensors[alias] = tensors[target]
     return tensors
+
+
+def _name_map(path: str, metadata: Mapping[str, str], key: str) -> dict[str, str]:
+    """ckptools' own metadata ``key`` (a JSON map of strings), validated like any untrusted input."""
+    if key not in metadata:
+        return {}
+    try:
+        value = json.loads(metadata[key])
+    except ValueError as err:
+        raise CheckpointFormatError(f"{path}: {key} metadata is not valid JSON ({err})") from err
+    if not isinstance(value, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise CheckpointFormatError(f"{path}: {key} metadata must map names to strings")
+    return value

@@ -49,6 +49,10 @@ _DTYPES = {
     "complex128", "complex64", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
 }  # fmt: skip
 _TORCH_NAMES = {"Size", "device", "Tensor", "strided", "sparse_coo"} | _DTYPES | set(STORAGE_ITEMSIZE)
+# Bytes per element of the dtypes _rebuild_tensor_v3 names (its storage is untyped).
+DTYPE_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+                  "int8": 1, "uint8": 1, "bool": 1, "complex128": 16, "complex64": 8, "float8_e4m3fn": 1,
+                  "float8_e5m2": 1, "uint16": 2, "uint32": 4, "uint64": 8}  # fmt: skip
 # Real objects that are harmless to construct.
 _SAFE_REAL = {
     ("collections", "OrderedDict"): OrderedDict,
@@ -102,6 +106,7 @@ def _allowed(module: str, name: str) -> bool:
     if module == "torch._utils":
         return name in _REBUILD
     return (module, name) in {
+        ("torch.storage", "UntypedStorage"),  # float8 and uint16/32/64 tensors: _rebuild_tensor_v3 gives the dtype
         ("torch._tensor", "_rebuild_from_type_v2"),
         ("torch.nn.parameter", "Parameter"),
         ("torch.serialization", "_get_layout"),
@@ -472,7 +477,14 @@ class _Writer(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Python
             self.save(obj.state)
             self.write(pickle.BUILD)
 
+    def _save_bytes(self, obj: bytes) -> None:
+        # Protocol 2 writes b"" as a call of __builtin__.bytes, a global torch's safe loader (and
+        # this reader) refuse; every bytes value goes as _codecs.encode(str, "latin1") instead,
+        # which is how protocol 2 writes non-empty ones and what torch.save's pickles hold.
+        self.save_reduce(_SAFE_REAL[("_codecs", "encode")], (str(obj, "latin1"), "latin1"), obj=obj)
+
     dispatch[Global] = _save_global_ref
+    dispatch[bytes] = _save_bytes
     dispatch[Call] = _save_call
     dispatch[Opaque] = _save_opaque
 
@@ -517,6 +529,9 @@ def tensor_info(node: Call) -> dict[str, Any]:
         shape = list(node.args[2]) if len(node.args) > 2 and isinstance(node.args[2], (tuple, list)) else []
         if isinstance(storage, StorageRef):
             dtype, itemsize = STORAGE_ITEMSIZE.get(storage.storage_type.name, ("?", 0))
+            named = node.args[6] if node.func.name == "_rebuild_tensor_v3" and len(node.args) > 6 else None
+            if isinstance(named, Global) and named.name in DTYPE_ITEMSIZE:  # an untyped storage: the dtype is here
+                dtype, itemsize = named.name, DTYPE_ITEMSIZE[named.name]
             numel = 1
             for d in shape:
                 numel *= int(d)

@@ -183,3 +183,110 @@ def test_zip_fast_path_copies_records_without_torch(tmp_path):
     with safetensors.safe_open(str(dst), "pt") as f:
         assert json.loads(f.metadata()["epoch"]) == 9
     assert verify_safetensors(dst) == 6
+
+
+# --- disagreements with torch and safetensors found by review (issue 14) -------------------------
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64"])
+def test_torch_free_path_reads_untyped_storage_dtypes(tmp_path, dtype):
+    # torch writes these with an untyped storage and _rebuild_tensor_v3; torch loads them with
+    # weights_only=True, so ckptools' torch-free reader must too.
+    from typer.testing import CliRunner
+
+    from ckptools.cli import app
+
+    t = torch.arange(12).reshape(3, 4).to(getattr(torch, dtype))
+    torch.save({"module.w": t, "module.b": torch.ones(2)}, tmp_path / "f.pt")
+    report = ck.inspect(tmp_path / "f.pt")
+    w = next(x for x in report["tensors"] if x["name"] == "module.w")
+    assert (w["dtype"], w["shape"], w["bytes"]) == (dtype, [3, 4], t.numel() * t.element_size())
+    result = CliRunner().invoke(app, ["strip-module", str(tmp_path / "f.pt"), "-o", str(tmp_path / "g.pt")])
+    assert result.exit_code == 0, result.output
+    back = torch.load(tmp_path / "g.pt", weights_only=True)
+    assert back["w"].dtype == t.dtype and torch.equal(back["w"].view(torch.uint8), t.view(torch.uint8))
+    ck.convert_to_safetensors(tmp_path / "f.pt", tmp_path / "f.safetensors")
+    official = safetensors.torch.load_file(str(tmp_path / "f.safetensors"))
+    assert torch.equal(official["w"].view(torch.uint8), t.view(torch.uint8)) and official["w"].dtype == t.dtype
+
+
+def test_zero_size_tensors_convert_from_safetensors_to_torch(tmp_path):
+    from typer.testing import CliRunner
+
+    from ckptools.cli import app
+
+    tensors = {"a": torch.zeros(0), "b": torch.zeros(0, 3, dtype=torch.int64), "c": torch.ones(2)}
+    safetensors.torch.save_file(tensors, str(tmp_path / "z.safetensors"))
+    result = CliRunner().invoke(app, ["convert", str(tmp_path / "z.safetensors"), str(tmp_path / "z.pt")])
+    assert result.exit_code == 0, result.output
+    back = torch.load(tmp_path / "z.pt", weights_only=True)
+    assert {k: (v.dtype, tuple(v.shape)) for k, v in back.items()} == {
+        k: (v.dtype, tuple(v.shape)) for k, v in tensors.items()
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu"])
+def test_float8_variants_the_official_library_reads(tmp_path, dtype):
+    t = torch.ones(4).to(getattr(torch, dtype))
+    safetensors.torch.save_file({"w": t}, str(tmp_path / "o.safetensors"))
+    assert torch.equal(ck.load_state_dict(tmp_path / "o.safetensors")["w"].view(torch.uint8), t.view(torch.uint8))
+    ck.convert_to_safetensors(tmp_path / "o.safetensors", tmp_path / "mine.safetensors")  # the writer too
+    official = safetensors.torch.load_file(str(tmp_path / "mine.safetensors"))
+    assert official["w"].dtype == t.dtype and torch.equal(official["w"].view(torch.uint8), t.view(torch.uint8))
+
+
+def test_alias_metadata_never_overrides_a_stored_tensor_and_is_validated(tmp_path):
+    tensors = {"a": torch.ones(2), "b": torch.zeros(2)}
+    safetensors.torch.save_file(tensors, str(tmp_path / "m.safetensors"), metadata={ALIAS_KEY: '{"b": "a"}'})
+    got = ck.load_state_dict(tmp_path / "m.safetensors")
+    assert torch.equal(got["b"], torch.zeros(2))  # what the official reader returns under that name
+    for bad in ("not json", '["a"]', '{"b": 1}'):
+        safetensors.torch.save_file(tensors, str(tmp_path / "bad.safetensors"), metadata={ALIAS_KEY: bad})
+        for read in (ck.load_state_dict, ck.inspect):
+            with pytest.raises(ck.CheckpointFormatError, match="ckptools.aliases metadata"):
+                read(tmp_path / "bad.safetensors")
+        with pytest.raises(ck.CheckpointFormatError, match="ckptools.aliases metadata"):
+            rename_safetensors(tmp_path / "bad.safetensors", tmp_path / "out.safetensors", ck.strip_prefix)
+        safetensors.torch.save_file(tensors, str(tmp_path / "bad.safetensors"), metadata={CRC_KEY: bad})
+        with pytest.raises(ck.CheckpointFormatError, match="ckptools.crc32 metadata"):
+            rename_safetensors(tmp_path / "bad.safetensors", tmp_path / "out.safetensors", ck.strip_prefix)
+        assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_strip_module_keeps_empty_bytes_loadable(tmp_path):
+    # torch's safe loader reads bytes only as _codecs.encode(str, "latin1"), the form protocol 2
+    # gives non-empty bytes (b"" becomes __builtin__.bytes(), which it refuses); the input is
+    # written by torch.save with a pickler that uses that form for b"" too.
+    import codecs
+    import pickle
+    import types
+
+    from typer.testing import CliRunner
+
+    from ckptools.cli import app
+
+    class Pickler(pickle._Pickler):  # type: ignore[name-defined]
+        dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+
+        def _bytes(self, obj: bytes) -> None:
+            self.save_reduce(codecs.encode, (str(obj, "latin1"), "latin1"), obj=obj)
+
+        dispatch[bytes] = _bytes
+
+    state = {"model": {"module.w": torch.ones(1)}, "blob": b"", "more": b"\x00\xff"}
+    torch.save(state, tmp_path / "b.pt", pickle_module=types.SimpleNamespace(Pickler=Pickler, __name__="p"))
+    assert torch.load(tmp_path / "b.pt", weights_only=True)["blob"] == b""
+    result = CliRunner().invoke(app, ["strip-module", str(tmp_path / "b.pt"), "-o", str(tmp_path / "c.pt")])
+    assert result.exit_code == 0, result.output
+    back = torch.load(tmp_path / "c.pt", weights_only=True)
+    assert back["blob"] == b"" and back["more"] == b"\x00\xff" and list(back["model"]) == ["w"]
+    assert ck.inspect(tmp_path / "c.pt")["entries"]["blob"] == "b''"  # ckptools reads its own output
+
+
+def test_zero_size_view_past_its_storage_end_is_valid(tmp_path):
+    base = torch.arange(4.0)
+    empty = torch.empty(0).set_(base.untyped_storage(), 6, (0,), (1,))  # offset 6 > 4 elements, zero of them: valid
+    torch.save({"w": base, "e": empty}, tmp_path / "v.pt")
+    assert torch.load(tmp_path / "v.pt", weights_only=True)["e"].numel() == 0
+    ck.convert_to_safetensors(tmp_path / "v.pt", tmp_path / "v.safetensors")
+    assert safetensors.torch.load_file(str(tmp_path / "v.safetensors"))["e"].shape == (0,)
