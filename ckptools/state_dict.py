@@ -35,7 +35,10 @@ def strip_prefix(state_dict: M, prefix: str = "module.") -> M:
     ``nn.Module.state_dict()`` attaches (per-module versions, used by BatchNorm and others when
     loading) is carried over with its keys renamed exactly as torch's
     ``consume_prefix_in_state_dict_if_present`` renames them: the bare ``module`` entry becomes
-    the root ``""``. The input is never modified; tensors are shared, not copied.
+    the root ``""``. The input is never modified; tensors are shared, not copied. Keys that
+    collide once stripped (``module.w`` and ``w``) keep the later one's value; torch renames in
+    place, one key after another, so a renamed key can be renamed again on the way
+    (``module.module.w`` -> ``module.w`` -> ``w``): here each key loses the prefix once.
 
     Args:
         state_dict: a mapping of string keys, typically ``ddp_model.state_dict()``.
@@ -54,16 +57,17 @@ def strip_prefix(state_dict: M, prefix: str = "module.") -> M:
     out = _copy_mapping(state_dict, items)
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
-        bare = prefix[:-1] if prefix.endswith(".") else prefix
-        renamed: dict[str, Any] = {}
-        for key, value in metadata.items():
-            # Same rule as torch: "" (the wrapper itself) stays and is then overwritten by the
-            # wrapped module's own root entry, "module" -> "", "module.x" -> "x".
-            if key and (key == bare or key.startswith(prefix)):
-                renamed[key[len(prefix) :] if key.startswith(prefix) else ""] = copy.copy(value)
-            else:
-                renamed.setdefault(key, copy.copy(value))
-        out._metadata = _copy_mapping(metadata, list(renamed.items()))
+        # torch's consume_prefix_in_state_dict_if_present, step for step, on a copy: keys are
+        # renamed one after another in place, so a renamed key can replace one not yet visited
+        # ("module.module" -> "module" before "module" -> ""), and the result depends on that order.
+        renamed = _copy_mapping(metadata, [(k, copy.copy(v)) for k, v in metadata.items()])
+        bare = prefix.replace(".", "")
+        for key in list(renamed.keys()):
+            if len(key) == 0:
+                continue
+            if key == bare or key.startswith(prefix):
+                renamed[key[len(prefix) :]] = renamed.pop(key)
+        out._metadata = renamed
     return out
 
 

@@ -74,3 +74,30 @@ def test_unwrap_model_nested_wrappers(gloo_group):
     assert list(ck.unwrap_model(compiled).state_dict()) == list(net.state_dict())
     with pytest.raises(TypeError, match="nn.Module"):
         ck.unwrap_model({"a": 1})
+
+
+def test_metadata_is_renamed_exactly_as_torch_consumes_a_prefix():
+    # Orders in which renaming one key replaces another not yet visited (issue 14): "module.module"
+    # becomes "module" before "module" becomes "".
+    import copy
+    from collections import OrderedDict
+
+    from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
+
+    orders = [
+        ["", "module", "module.module", "module.module.0"],
+        ["module.module", "module", ""],
+        ["module.fc", "fc", "module"],
+        ["fc", "module.fc", "module.module.fc"],
+    ]
+    for keys in orders:
+        sd = OrderedDict((f"{k}.w" if k else "w", i) for i, k in enumerate(keys))
+        sd._metadata = OrderedDict((k, {"version": i}) for i, k in enumerate(keys))
+        theirs = copy.deepcopy(sd)
+        consume_prefix_in_state_dict_if_present(theirs, "module.")
+        ours = ck.strip_prefix(sd, "module.")
+        assert list(ours._metadata.items()) == list(theirs._metadata.items()), keys
+        stripped = [k.removeprefix("module.") for k in sd]
+        if len(set(stripped)) == len(stripped):  # keys that collide once stripped: see strip_prefix
+            assert list(ours.items()) == list(theirs.items()), keys
+        assert sd._metadata == OrderedDict((k, {"version": i}) for i, k in enumerate(keys))  # input untouched
