@@ -207,7 +207,11 @@ def read_safetensors_header(path: PathLike) -> tuple[dict[str, Any], dict[str, s
         raise CheckpointFormatError(f"{path}: safetensors header is not valid JSON ({err})") from err
     if not isinstance(header, dict):
         raise CheckpointFormatError(f"{path}: safetensors header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
+    # As the official reader: absent or null is no metadata; anything else must be a map of strings
+    # ([] or "" are not "empty metadata").
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:
+        metadata = {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         raise CheckpointFormatError(f"{path}: safetensors __metadata__ must map strings to strings")
     data_len = size - 8 - n

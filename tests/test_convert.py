@@ -290,3 +290,25 @@ def test_zero_size_view_past_its_storage_end_is_valid(tmp_path):
     assert torch.load(tmp_path / "v.pt", weights_only=True)["e"].numel() == 0
     ck.convert_to_safetensors(tmp_path / "v.pt", tmp_path / "v.safetensors")
     assert safetensors.torch.load_file(str(tmp_path / "v.safetensors"))["e"].shape == (0,)
+
+
+@pytest.mark.parametrize("meta", ["null", "[]", '""', "0", "false", "{}", '{"a": 1}', '{"a": "b"}', '{"a": null}'])
+def test_metadata_section_is_judged_as_the_official_reader_judges_it(tmp_path, meta):
+    data = torch.arange(4, dtype=torch.float32).numpy().tobytes()
+    header = f'{{"__metadata__": {meta}, "w": {{"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}}}}'.encode()
+    header += b" " * (-len(header) % 8)
+    path = tmp_path / "m.safetensors"
+    path.write_bytes(len(header).to_bytes(8, "little") + header + data)
+    try:
+        with safetensors.safe_open(str(path), "pt") as f:
+            official = f.get_tensor("w")
+    except Exception:  # noqa: BLE001 - whatever the official library raises: it refuses the file
+        official = None
+    if official is None:
+        with pytest.raises(ck.CheckpointFormatError):
+            read_safetensors_header(path)
+        with pytest.raises(ck.CheckpointFormatError):
+            ck.inspect(path)
+    else:
+        assert torch.equal(ck.load_state_dict(path)["w"], official)
+        assert ck.inspect(path)["totals"]["tensors"] == 1
