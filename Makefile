@@ -38,9 +38,11 @@ stress: $(STAMP)
 		$(PY) -m pytest -q -s -p no:cacheprovider --timeout=7200 tests/test_crash.py tests/test_bitrot.py \
 		tests/test_s3.py::test_writer_killed_mid_upload_leaves_previous_intact
 
-# fuzz: EXAMPLES (default 3000) mutated files per fuzz test instead of the default run's 40.
+# fuzz: EXAMPLES (default 3000) mutated files per fuzz test, and generated state dicts per
+# differential test against torch and safetensors, instead of the default run's 40.
 fuzz: $(STAMP)
-	CKPTOOLS_FUZZ_EXAMPLES=$${EXAMPLES:-3000} $(PY) -m pytest -q -s -p no:cacheprovider --timeout=7200 tests/test_fuzz.py
+	CKPTOOLS_FUZZ_EXAMPLES=$${EXAMPLES:-3000} $(PY) -m pytest -q -s -p no:cacheprovider --timeout=7200 \
+		tests/test_fuzz.py tests/test_differential.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
