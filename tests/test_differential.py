@@ -1,9 +1,10 @@
 """Differential tests: ckptools' own readers and writers against torch and the official safetensors.
 
 For generated state dicts (every dtype both formats hold, 0-d and zero-size tensors, non-contiguous
-tensors, views of one storage, tied names, unicode names), every operation must give, bit for bit,
-what the official implementation gives: the torch-free ``info``, ``load_state_dict``, conversion
-to safetensors (read back by the official library), ``strip-module`` (read back by torch), and
+tensors, views of one storage, tied names, unicode names; bare or nested beside plain values;
+pickle protocols 2 and 3), every operation must give, bit for bit, what the official
+implementation gives: the torch-free ``info``, ``load_state_dict``, conversion to safetensors (read
+back by the official library), ``strip-module`` (read back by torch, other entries unchanged), and
 conversion back to a torch file. CKPTOOLS_FUZZ_EXAMPLES examples per run (40; 3000 in `make fuzz`).
 """
 
@@ -74,15 +75,25 @@ def state_dicts(draw: st.DrawFn) -> dict[str, torch.Tensor]:
 
 
 @SETTINGS
-@given(state=state_dicts())
-def test_every_operation_agrees_with_torch_and_safetensors(tmp_path_factory, state):
+@given(
+    state=state_dicts(),
+    nest=st.sampled_from([None, "model", "state_dict"]),
+    extras=st.fixed_dictionaries({"step": st.integers(-(2**40), 2**40), "note": NAME, "lr": st.floats(0, 1)}),
+    protocol=st.sampled_from([2, 3]),  # the protocols torch's safe loader reads
+)
+def test_every_operation_agrees_with_torch_and_safetensors(tmp_path_factory, state, nest, extras, protocol):
     tmp = tmp_path_factory.mktemp("diff")
     src = tmp / "s.pt"
-    torch.save(state, src)
-    theirs = torch.load(src, weights_only=True)
+    # Bare weights, or nested in a training checkpoint beside plain values (Lightning's
+    # "state_dict", a script's "model").
+    tree = state if nest is None else {nest: state, "meta": {"extras": [extras, (1, "x")]}, "step": extras["step"]}
+    torch.save(tree, src, pickle_protocol=protocol)
+    loaded = torch.load(src, weights_only=True)
+    theirs = loaded if nest is None else loaded[nest]
 
     # info, torch-free: dtype, shape and bytes of every tensor as torch loads them
-    report = {t["name"]: t for t in ck.inspect(src)["tensors"]}
+    prefix = "" if nest is None else nest + "."
+    report = {t["name"].removeprefix(prefix): t for t in ck.inspect(src)["tensors"]}
     assert set(report) == set(theirs)
     for name, t in theirs.items():
         assert (report[name]["dtype"], report[name]["shape"]) == (str(t.dtype).removeprefix("torch."), list(t.shape))
@@ -106,9 +117,12 @@ def test_every_operation_agrees_with_torch_and_safetensors(tmp_path_factory, sta
     # strip-module, read back by torch: keys as ck.strip_prefix gives them, tensors unchanged
     renamed = tmp / "r.pt"
     ck.rename_checkpoint(src, renamed, ck.strip_prefix)
-    back = torch.load(renamed, weights_only=True)
+    whole = torch.load(renamed, weights_only=True)
+    back = whole if nest is None else whole[nest]
     expected = ck.strip_prefix(theirs)
     assert list(back) == list(expected) and all(_same(back[k], expected[k]) for k in expected)
+    if nest is not None:  # every other entry as it was
+        assert {k: v for k, v in whole.items() if k != nest} == {k: v for k, v in loaded.items() if k != nest}
 
     # and back from safetensors to a torch file
     again = tmp / "a.pt"
