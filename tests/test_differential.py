@@ -150,3 +150,40 @@ def test_the_generator_covers_what_it_claims():
 
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+
+def _official_file(seed: int) -> bytes:
+    g = torch.Generator().manual_seed(seed)
+    tensors = {"a": torch.randn(3, 4, generator=g), "b": torch.randint(0, 9, (5,), generator=g),
+               "c": torch.randn(2, generator=g).half(), "é": torch.zeros(0)}  # fmt: skip
+    return safetensors.torch.save(tensors, metadata={"format": "pt", "note": "x"})
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 3),
+    edits=st.lists(st.tuples(st.integers(0, 400), st.binary(min_size=1, max_size=4)), min_size=1, max_size=4),
+    cut=st.one_of(st.none(), st.integers(0, 400)),
+)
+def test_a_mutated_file_ckptools_accepts_reads_as_the_official_library_reads_it(tmp_path_factory, seed, edits, cut):
+    """ckptools may be stricter than the official reader, never different: whatever it accepts, the
+    official library accepts too and gives the same tensors; whatever it refuses, it refuses with a
+    CheckpointError."""
+    data = bytearray(_official_file(seed))
+    for at, chunk in edits:
+        at %= len(data)
+        data[at : at + len(chunk)] = chunk
+    if cut is not None:
+        data = data[: cut % (len(data) + 1)]
+    path = tmp_path_factory.mktemp("mut") / "m.safetensors"
+    path.write_bytes(bytes(data))
+    try:
+        ours = ck.load_state_dict(path, strip=None)
+    except ck.CheckpointError:
+        return  # refusing is allowed (the README lists where ckptools is stricter)
+    try:
+        theirs = safetensors.torch.load(bytes(data))
+    except Exception as err:
+        raise AssertionError(f"ckptools accepted a file the official reader refuses: {err}") from err
+    assert set(ours) == set(theirs)
+    assert all(_same(ours[k], theirs[k]) for k in theirs)
