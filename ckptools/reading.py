@@ -311,7 +311,7 @@ def _torch_view(path: str, trust_code: bool) -> CheckpointView:
         if skipped:  # the strict load would refuse: read what can be read without code
             n = len(_torch_weights(path, None, "cpu", trust_code, zipped))
             return f"torch zip, every record's CRC-32 matches, {n} weight tensors read ({len(skipped)} globals skipped)"
-        loaded = _load_whole(path, trust_code, mmap=zipped)
+        loaded = _load_whole(path, trust_code, mmap=zipped and is_local(fs))  # a remote file cannot be mapped
         n = len(_walk_tree(loaded, _loaded_tensor_info(loaded, path))[0])
         if zipped:
             return f"torch zip, every record's CRC-32 matches, {n} tensors load"

@@ -189,6 +189,8 @@ def test_cli_on_s3_urls(s3_env):
 
     info = ckpt("info", src)
     assert info.returncode == 0 and "module.weight" in info.stdout, info.stderr
+    checked = ckpt("verify", src)
+    assert checked.returncode == 0 and "every record's CRC-32 matches" in checked.stdout, checked.stderr
     assert ckpt("strip-module", src, "-o", f"s3://{BUCKET}/cli/clean.pt").returncode == 0
     assert list(ck.load_state_dict(f"s3://{BUCKET}/cli/clean.pt", strip=None)) == ["weight", "bias"]
     assert ckpt("convert", src, f"s3://{BUCKET}/cli/model.safetensors").returncode == 0
