@@ -10,6 +10,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from . import _log, background, rng
+from .convert import _local_zip
 from .devices import MapLocation, resolve_map_location
 from .dist import _all_gather_object, _broadcast_object, get_rank, get_world_size
 from .errors import (
@@ -20,6 +21,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnsafeStateError,
 )
+from .reading import _is_layout, read_weights
 from .sampler import ResumableDistributedSampler
 from .serialization import check_loadable, load_file, save_file, verify_torch_file
 from .state_dict import WRAPPER_PREFIXES, add_prefix, strip_for_reading, strip_prefix, strip_wrappers, unwrap_model
@@ -502,12 +504,6 @@ def _read(path: str, location: Any, *, weights_only: bool, verify: bool, state: 
         raise
 
 
-def _local_zip(path: str) -> bool:
-    from .convert import _local_zip as local_zip
-
-    return local_zip(path)
-
-
 def _read_on_rank0(path: str, location: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]) -> Any:
     """Collective: rank 0 reads ``path``, every rank gets what it read (tensors on ``location``)."""
     from .broadcast import broadcast_tree
@@ -578,18 +574,6 @@ def _restore_rng(ckpt: dict[str, Any], path: str) -> bool:
             "load with restore_rng=False to skip it"
         ) from err
     return True
-
-
-def _is_layout(path: str) -> bool:
-    from .reading import _is_layout as is_layout
-
-    return is_layout(path)
-
-
-def read_weights(path: str, *, key: str | None, map_location: Any, verify: bool) -> Any:
-    from .reading import read_weights as read
-
-    return read(path, key=key, map_location=map_location, verify=verify)
 
 
 def load_state_dict(

@@ -5,6 +5,7 @@ The safetensors format itself (reader, writer, checks) is :mod:`ckptools.safeten
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -14,7 +15,7 @@ from typing import IO, Any
 from .errors import CheckpointFormatError, CheckpointLayoutError, UnsafeCheckpointError
 from .safetensors_file import ITEMSIZE, Spec, write_specs
 from .state_dict import strip_for_reading
-from .storage import PathLike, _fspath, atomic_write, crc32_range, open_for_read
+from .storage import PathLike, _fspath, atomic_write, crc32_range, get_filesystem, is_local, open_for_read
 from .torchzip import META_KEY, TorchZip, loads, locate_weights, simple_tensor
 
 __all__ = ["convert_to_safetensors", "export_huggingface", "parse_size"]
@@ -168,25 +169,25 @@ def _plan(src: str, key: str | None, strip: str | None) -> tuple[dict[str, Spec]
             if planned is not None:
                 meta = {"format": "pt", **(_scalars(tree) if isinstance(tree, Mapping) else {})}
                 return planned[0], planned[1], meta
-    from .reading import open_checkpoint
+    import torch
+
+    from .reading import _is_layout, read_weights
     from .safetensors_file import tensor_specs
 
-    view = open_checkpoint(src)
-    weights = dict(strip_for_reading(dict(view.weights(key)), strip))
-    specs, aliases = tensor_specs(weights)
     meta = {"format": "pt"}
-    if view.format in ("torch zip", "torch legacy"):
-        meta.update(_scalar_entries(src))
+    tree = None
+    if not _is_layout(src) and not src.endswith(".safetensors"):
+        with contextlib.suppress(UnsafeCheckpointError):  # then read_weights reads the weights without code
+            tree = load_torch(src)  # read once: the weights and the scalar entries (epoch, step)
+    if tree is not None:
+        weights = locate_weights(tree, key=key, path=src, is_leaf=lambda v: isinstance(v, torch.Tensor))[2]
+        if isinstance(tree, Mapping):
+            meta.update(_scalars(tree))
+    else:
+        weights = read_weights(src, key=key, map_location="cpu")
+    weights = dict(strip_for_reading(dict(weights), strip))
+    specs, aliases = tensor_specs(weights)
     return specs, aliases, meta
-
-
-def _scalar_entries(src: str) -> dict[str, str]:
-    # The scalar entries of a torch file (epoch, step): read again, safely; none if refused.
-    try:
-        tree = load_torch(src)
-    except (CheckpointFormatError, UnsafeCheckpointError):
-        return {}
-    return _scalars(tree) if isinstance(tree, Mapping) else {}
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
@@ -298,11 +299,9 @@ def export_huggingface(
 
 
 def _local_zip(path: str) -> bool:
-    if path.endswith(".safetensors"):
-        return False
-    source, local = open_for_read(path)
-    if not local:
-        return False
+    if path.endswith(".safetensors") or not is_local(get_filesystem(path)[0]):
+        return False  # a remote file is not fetched just to say so
+    source, _ = open_for_read(path)  # raises the clear not-found / is-a-directory errors
     with open(source, "rb") as f:
         return f.read(4) == b"PK\x03\x04"
 

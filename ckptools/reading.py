@@ -265,17 +265,15 @@ def _open_folder(folder: str, trust_code: bool) -> CheckpointView:
 
 
 def _is_zip(path: str) -> bool:
-    source, local = open_for_read(path)
-    if not local:
-        return True  # remote files are taken as zip (the legacy format predates object stores)
-    with open(source, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
+    from .convert import _local_zip
+
+    # Remote files are taken as zip (the legacy format predates object stores), without a download.
+    return not is_local(get_filesystem(path)[0]) or _local_zip(path)
 
 
 def _torch_view(path: str, trust_code: bool) -> CheckpointView:
     zipped = _is_zip(path)
     fs, fpath = get_filesystem(path)
-    size = fs.size(fpath) if "://" in path else os.path.getsize(fpath)
     skipped: list[str] = []
     parsed = None
     if zipped and is_local(fs):
@@ -298,10 +296,11 @@ def _torch_view(path: str, trust_code: bool) -> CheckpointView:
             return storage
 
         tree = _load_whole(path, trust_code, mmap=False, map_location=remember)
-        tensors, entries, metadata = _walk_tree(tree, _loaded_tensor_info(tree, path, devices))
+        tensors, entries, metadata = _walk_tree(tree, _loaded_tensor_info(devices))
+    size = os.path.getsize(fpath) if is_local(fs) else fs.size(fpath)
 
     def weights(key: str | None, map_location: Any) -> Mapping[str, Any]:
-        return _torch_weights(path, key, map_location, trust_code, zipped)
+        return _torch_weights(path, key, map_location, trust_code)
 
     def check() -> str:
         from .serialization import verify_torch_file
@@ -309,10 +308,10 @@ def _torch_view(path: str, trust_code: bool) -> CheckpointView:
         if zipped:
             verify_torch_file(path)
         if skipped:  # the strict load would refuse: read what can be read without code
-            n = len(_torch_weights(path, None, "cpu", trust_code, zipped))
+            n = len(_torch_weights(path, None, "cpu", trust_code))
             return f"torch zip, every record's CRC-32 matches, {n} weight tensors read ({len(skipped)} globals skipped)"
         loaded = _load_whole(path, trust_code, mmap=zipped and is_local(fs))  # a remote file cannot be mapped
-        n = len(_walk_tree(loaded, _loaded_tensor_info(loaded, path))[0])
+        n = len(_walk_tree(loaded, _loaded_tensor_info())[0])
         if zipped:
             return f"torch zip, every record's CRC-32 matches, {n} tensors load"
         return f"torch legacy format (no checksums), {n} tensors load"
@@ -350,9 +349,7 @@ def _load_whole(path: str, trust_code: bool, *, mmap: bool, map_location: Any = 
         return load_file(path, map_location=map_location, weights_only=False, mmap=mmap)
 
 
-def _loaded_tensor_info(
-    tree: Any, path: str, devices: Mapping[int, str] | None = None
-) -> Callable[[Any], dict[str, Any] | None]:
+def _loaded_tensor_info(devices: Mapping[int, str] | None = None) -> Callable[[Any], dict[str, Any] | None]:
     import torch
 
     def describe(node: Any) -> dict[str, Any] | None:
@@ -370,7 +367,7 @@ def _loaded_tensor_info(
     return describe
 
 
-def _torch_weights(path: str, key: str | None, map_location: Any, trust_code: bool, zipped: bool) -> dict[str, Any]:
+def _torch_weights(path: str, key: str | None, map_location: Any, trust_code: bool) -> dict[str, Any]:
     import torch
 
     from .torchzip import locate_weights
@@ -509,12 +506,7 @@ def _safetensors_view(path: str, *, file: str | None = None) -> CheckpointView:
             tensors.append(TensorInfo(alias, t.dtype, t.shape, t.bytes, shared=True, file=file))
 
     def weights(key: str | None, map_location: Any) -> Mapping[str, Any]:
-        tensors = _load_safetensors(path, map_location)
-        if key is not None:
-            from .torchzip import locate_weights
-
-            return locate_weights({}, key=key, path=path)[2]  # no entries in a safetensors file: a clear error
-        return tensors
+        return _safetensors_weights(path, key, map_location)
 
     def check() -> str:
         from .safetensors_file import verify_safetensors
@@ -529,6 +521,14 @@ def _safetensors_view(path: str, *, file: str | None = None) -> CheckpointView:
         path=path, format="safetensors", tensors=tensors, metadata=dict(metadata), files=[path], file_bytes=size,
         _weights=weights, _verify=check,
     )  # fmt: skip
+
+
+def _safetensors_weights(path: str, key: str | None, location: Any) -> dict[str, Any]:
+    if key is not None:  # a safetensors file has no entries to look in: a clear error
+        from .torchzip import locate_weights
+
+        return dict(locate_weights({}, key=key, path=path)[2])
+    return _load_safetensors(path, location)
 
 
 def _load_safetensors(path: str, location: Any) -> dict[str, Any]:
@@ -896,17 +896,12 @@ def read_weights(path: str, *, key: str | None, map_location: Any, verify: bool 
             from .safetensors_file import verify_safetensors
 
             verify_safetensors(path)
-        tensors = _load_safetensors(path, map_location)
-        if key is not None:
-            from .torchzip import locate_weights
-
-            return locate_weights({}, key=key, path=path)[2]
-        return tensors
+        return _safetensors_weights(path, key, map_location)
     if verify:
         from .serialization import verify_torch_file
 
         verify_torch_file(path)
-    return _torch_weights(path, key, map_location, False, True)
+    return _torch_weights(path, key, map_location, False)
 
 
 # --- operations ----------------------------------------------------------------------------------
