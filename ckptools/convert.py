@@ -49,11 +49,9 @@ def _zip_specs(archive: TorchZip, weights: Mapping[str, Any]) -> tuple[dict[str,
     Works for dense, contiguous tensors of a dtype safetensors knows (what state dicts hold);
     anything else (views with gaps, quantized, sparse) makes the caller go through torch.
     """
-    records = {
-        info.filename.rsplit("/data/", 1)[1]: (start, info.file_size)
-        for info, start in zip(archive.infos, archive.starts)
-        if "/data/" in info.filename
-    }
+    if archive.byteorder != b"little":
+        return None  # saved on a big-endian machine: torch swaps the bytes on load
+    records = {name[len("data/") :]: record for name, record in archive.records.items() if name.startswith("data/")}
     specs: dict[str, Spec] = {}
     aliases: dict[str, str] = {}
     seen: dict[tuple, str] = {}
@@ -159,7 +157,7 @@ def _plan(src: str, key: str | None, strip: str | None) -> tuple[dict[str, Spec]
         # Fast path: tensors are copied straight out of their zip records, torch is not needed.
         archive = TorchZip(src)
         try:
-            tree = loads(archive.read_pickle(), src)
+            tree = loads(archive.read_pickle(), src, archive)
         except UnsafeCheckpointError:
             tree = None  # other entries need refused classes: the lenient path below
         if tree is not None:

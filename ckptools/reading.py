@@ -280,12 +280,13 @@ def _torch_view(path: str, trust_code: bool) -> CheckpointView:
         # From data.pkl alone: no torch import, no tensor read.
         from .torchzip import TorchZip, is_tensor, loads, tensor_info
 
-        data = TorchZip(fpath).read_pickle()
+        archive = TorchZip(fpath)
+        data = archive.read_pickle()
         try:
-            parsed = loads(data, path)
+            parsed = loads(data, path, archive)
         except UnsafeCheckpointError as refusal:
             if not trust_code:  # else torch loads it below, running what it names
-                parsed, skipped = _lenient_tree(data, path, refusal)
+                parsed, skipped = _lenient_tree(data, path, refusal, archive)
     if parsed is not None:
         tensors, entries, metadata = _walk_tree(parsed, lambda n: tensor_info(n) if is_tensor(n) else None)
     else:
@@ -322,13 +323,13 @@ def _torch_view(path: str, trust_code: bool) -> CheckpointView:
     )  # fmt: skip
 
 
-def _lenient_tree(data: bytes, path: str, refusal: UnsafeCheckpointError) -> tuple[Any, list[str]]:
+def _lenient_tree(data: bytes, path: str, refusal: UnsafeCheckpointError, archive: Any = None) -> tuple[Any, list[str]]:
     """The tree of a ``data.pkl`` whose other entries need refused classes, with placeholders for
     them. The refusal stands when there are no weights beside them, or when a refused global
     runs code (``os.system``: a file made to attack, not a checkpoint with a ``Path`` in it)."""
     from .torchzip import hostile, loads_lenient, locate_weights
 
-    tree, skipped = loads_lenient(data, path)
+    tree, skipped = loads_lenient(data, path, archive)
     if hostile(skipped):
         raise refusal
     try:
@@ -403,7 +404,7 @@ def weights_without_code(path: str, key: str | None, location: Any, refusal: Uns
         raise refusal
     try:
         archive = TorchZip(fpath)
-        tree, skipped = _lenient_tree(archive.read_pickle(), path, refusal)
+        tree, skipped = _lenient_tree(archive.read_pickle(), path, refusal, archive)
         _, _, parsed = locate_weights(tree, key=key, path=path)
         planned = _zip_specs(archive, parsed)
     except CheckpointFormatError:

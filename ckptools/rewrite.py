@@ -58,11 +58,11 @@ def rename_file(path: str, dst: str, transform: Transform) -> int:
         archive = TorchZip(path)
         data = archive.read_pickle()
         try:
-            tree = loads(data, path)
+            tree = loads(data, path, archive)
         except UnsafeCheckpointError as refusal:
             from .reading import _lenient_tree
 
-            tree, _ = _lenient_tree(data, path, refusal)  # other entries are written back as they were read
+            tree, _ = _lenient_tree(data, path, refusal, archive)  # other entries are written back as they were read
         tree, weights, renamed = _rename_in_tree(tree, locate_weights(tree, path=path), transform)
         payload = dumps(tree)
         atomic_write(dst, lambda f: archive.write_with_pickle(f, payload))

@@ -217,8 +217,16 @@ def read_safetensors_header(path: PathLike) -> tuple[dict[str, Any], dict[str, s
     data_len = size - 8 - n
     spans = []
     for name, entry in header.items():
-        if not isinstance(entry, dict) or set(entry) != {"dtype", "shape", "data_offsets"}:
+        if not isinstance(entry, dict) or not {"dtype", "shape", "data_offsets"} <= set(entry):
             raise CheckpointFormatError(f"{path}: safetensors entry {name!r} is malformed")
+        if set(entry) != {"dtype", "shape", "data_offsets"}:
+            # The official reader ignores fields it does not know; a rewrite would drop them, and
+            # a field from a newer format could change what the bytes mean: refused, said why.
+            unknown = sorted(set(entry) - {"dtype", "shape", "data_offsets"})
+            raise CheckpointFormatError(
+                f"{path}: safetensors entry {name!r} has fields ckptools does not know ({', '.join(unknown)}); "
+                "a safetensors entry holds dtype, shape and data_offsets"
+            )
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
         if dtype not in ITEMSIZE:
             raise CheckpointFormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")

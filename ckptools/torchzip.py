@@ -13,14 +13,15 @@ else raises :class:`UnsafeCheckpointError` and is never imported or called.
 
 from __future__ import annotations
 
+import contextlib
 import io
-import os
 import pickle
+import re
 import struct
 import zipfile
 import zlib
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import IO, Any, ClassVar
 
 from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
@@ -128,6 +129,7 @@ class _Reader(pickle._Unpickler):  # type: ignore[name-defined]
         self._data = data
         self._path = path
         self._globals: dict[tuple[str, str], Global] = {}
+        self.storages: list[StorageRef] = []
 
     def find_class(self, module: str, name: str) -> Any:
         real = _SAFE_REAL.get((module, name))
@@ -152,7 +154,9 @@ class _Reader(pickle._Unpickler):  # type: ignore[name-defined]
             and isinstance(pid[3], str)
             and isinstance(pid[4], int)
         ):
-            return StorageRef(pid[1], pid[2], pid[3], pid[4])
+            ref = StorageRef(pid[1], pid[2], pid[3], pid[4])
+            self.storages.append(ref)
+            return ref
         raise CheckpointFormatError(f"{self._path}: unexpected persistent id {pid!r} in data.pkl")
 
 
@@ -308,28 +312,35 @@ def _new_opaque(cls: Opaque, args: tuple) -> Opaque:
     return made
 
 
-def loads_lenient(data: bytes, path: str = "checkpoint") -> tuple[Any, list[str]]:
+def loads_lenient(data: bytes, path: str = "checkpoint", archive: TorchZip | None = None) -> tuple[Any, list[str]]:
     """Like :func:`loads`, with refused globals read as inert :class:`Opaque` placeholders.
 
     Returns the tree and the globals that were skipped. Nothing is imported or executed.
     """
     reader = _LenientReader(data, path)
-    return _parse(reader, path), reader.skipped
+    return _parse(reader, path, archive), reader.skipped
 
 
-def loads(data: bytes, path: str = "checkpoint") -> Any:
-    """Parse a torch ``data.pkl`` into plain containers, :class:`Call` and :class:`StorageRef`."""
-    return _parse(_Reader(data, path), path)
+def loads(data: bytes, path: str = "checkpoint", archive: TorchZip | None = None) -> Any:
+    """Parse a torch ``data.pkl`` into plain containers, :class:`Call` and :class:`StorageRef`.
+
+    With ``archive`` (the zip it came from), every storage it names must have a record that
+    holds all its bytes (:meth:`TorchZip.check_storages`).
+    """
+    return _parse(_Reader(data, path), path, archive)
 
 
-def _parse(reader: _Reader, path: str) -> Any:
+def _parse(reader: _Reader, path: str, archive: TorchZip | None = None) -> Any:
     try:
-        return reader.load()
+        tree = reader.load()
     except (UnsafeCheckpointError, CheckpointFormatError):
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
             RecursionError, MemoryError, struct.error) as err:  # fmt: skip
         raise CheckpointFormatError(f"{path}: data.pkl is corrupt ({type(err).__name__}: {err})") from err
+    if archive is not None:
+        archive.check_storages(reader.storages)
+    return tree
 
 
 class _LegacyReader(_Reader):
@@ -593,25 +604,27 @@ def locate_weights(
 
 
 class TorchZip:
-    """The records of a torch zip checkpoint: names, sizes, CRC-32s and where their data starts."""
+    """The records of a torch zip checkpoint: names, sizes, CRC-32s and where their data starts.
 
-    def __init__(self, path: str) -> None:
+    Opening one checks the container as torch's reader (miniz and ``PyTorchStreamReader``) and
+    ``torch.load`` check it, so that nothing ckptools reads without torch is a file torch refuses:
+    one archive on one disk, no encryption, record names in UTF-8 and all in the folder of the
+    first record, every record stored (uncompressed) and inside the file, a ``version`` record that
+    torch supports, a ``byteorder`` of ``little`` or ``big``, an integer ``.storage_alignment``.
+    ``handle`` (an open binary file) is read instead of opening ``path``.
+    """
+
+    # caffe2/serialize/versions.h: kMinSupportedFileFormatVersion, kMaxSupportedFileFormatVersion.
+    VERSIONS = range(1, 11)
+
+    def __init__(self, path: str, handle: IO[bytes] | None = None) -> None:
         self.path = path
         try:
-            with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
-                self.infos = archive.infolist()
-                self.starts = []
-                for info in self.infos:
-                    f.seek(info.header_offset)
-                    header = f.read(30)
-                    if len(header) != 30 or header[:4] != b"PK\x03\x04":
-                        raise CheckpointFormatError(f"{path}: record {info.filename} has a damaged header")
-                    n, m = struct.unpack("<HH", header[26:30])
-                    self.starts.append(info.header_offset + 30 + n + m)
-                    if info.compress_type != zipfile.ZIP_STORED:
-                        raise CheckpointFormatError(
-                            f"{path}: record {info.filename} is compressed; torch never does that"
-                        )
+            if handle is not None:
+                self._scan(handle)
+            else:
+                with open(path, "rb") as f:
+                    self._scan(f)
         except CheckpointFormatError:
             raise
         except FileNotFoundError as err:
@@ -622,20 +635,149 @@ class TorchZip:
             raise CheckpointFormatError(
                 f"{path} is truncated or not a torch zip checkpoint ({type(err).__name__}: {err})"
             ) from err
-        pkl = [
-            i for i, info in enumerate(self.infos) if info.filename.endswith("/data.pkl") or info.filename == "data.pkl"
-        ]
-        if not pkl:
-            raise CheckpointFormatError(f"{path} is a zip file but not a torch checkpoint (no data.pkl)")
-        self.pkl_index = pkl[0]
-        self.size = os.path.getsize(path)
-        for info, start in zip(self.infos, self.starts):
-            if start + info.file_size > self.size:
-                raise CheckpointFormatError(f"{path}: record {info.filename} runs past the end (truncated file)")
 
-    def read_pickle(self) -> bytes:
+    def _scan(self, f: IO[bytes]) -> None:
+        path = self.path
+        self.size = size = f.seek(0, 2)
+        f.seek(0)
+        with zipfile.ZipFile(f) as archive:
+            self.infos = archive.infolist()
+            directory_at = archive.start_dir  # type: ignore[attr-defined]
+        self._check_directory(f, directory_at)
+        if not self.infos or "/" not in self.infos[0].filename:
+            raise CheckpointFormatError(
+                f"{path} is a zip file but not a torch checkpoint (no data.pkl in an archive folder)"
+            )
+        self.prefix = self.infos[0].filename.split("/", 1)[0] + "/"
+        self.starts = []
+        self.records: dict[str, tuple[int, int]] = {}
+        for info in self.infos:
+            name = info.filename
+            if not info.flag_bits & 0x800:  # zipfile read the name as cp437; torch reads UTF-8
+                name.encode("cp437").decode("utf-8")  # UnicodeDecodeError: refused above
+            if info.filename.endswith("/"):
+                raise CheckpointFormatError(f"{path}: record {name} is a folder; torch never writes one")
+            if info.compress_type != zipfile.ZIP_STORED:
+                raise CheckpointFormatError(f"{path}: record {name} is compressed; torch never does that")
+            if not name.startswith(self.prefix):
+                raise CheckpointFormatError(f"{path}: record {name} lies outside the archive folder {self.prefix}")
+            f.seek(info.header_offset)
+            header = f.read(30)
+            if len(header) != 30 or header[:4] != b"PK\x03\x04":
+                raise CheckpointFormatError(f"{path}: record {name} has a damaged header")
+            flags, method = struct.unpack("<HH", header[6:10])
+            n, m = struct.unpack("<HH", header[26:30])
+            local = f.read(n + m)
+            # The local header must describe the record the directory describes: torch takes the
+            # data's start from it, so a damaged one shifts every byte read (found by fuzzing).
+            if local[:n] != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437") or (
+                flags & ~_FLAGS or method != zipfile.ZIP_STORED or not _whole_blocks(local[n:])
+            ):
+                raise CheckpointFormatError(f"{path}: record {name} has a damaged header")
+            start = info.header_offset + 30 + n + m
+            if start + info.file_size > size:
+                raise CheckpointFormatError(f"{path}: record {name} runs past the end (truncated file)")
+            self.starts.append(start)
+            if name[len(self.prefix) :] in self.records:
+                raise CheckpointFormatError(f"{path}: the archive holds two records named {name}")
+            self.records[name[len(self.prefix) :]] = (start, info.file_size)
+        if "data.pkl" not in self.records:
+            raise CheckpointFormatError(f"{path} is a zip file but not a torch checkpoint (no data.pkl)")
+        self.pkl_index = [i.filename for i in self.infos].index(self.prefix + "data.pkl")
+        # The small records torch.load reads before any tensor, judged as torch judges them.
+        version = self._small(f, "version")
+        digits = re.match(rb"[ \t\n\v\f\r]*\+?([0-9]+)", version or b"")
+        if version is None or digits is None or int(digits.group(1)) not in self.VERSIONS:
+            raise CheckpointFormatError(
+                f"{path}: the archive's version record is {'missing' if version is None else repr(version[:20])}; "
+                f"torch reads versions {self.VERSIONS.start} to {self.VERSIONS.stop - 1}"
+            )
+        self.byteorder = self._small(f, "byteorder") or b"little"
+        if self.byteorder not in (b"little", b"big"):
+            raise CheckpointFormatError(f"{path}: unknown byte order {self.byteorder[:20]!r}")
+        alignment = self._small(f, ".storage_alignment")
+        if alignment is not None:
+            try:
+                int(alignment)  # as torch.load reads it
+            except ValueError:
+                raise CheckpointFormatError(f"{path}: .storage_alignment {alignment[:20]!r} is not a number") from None
+
+        serialization_id = self._small(f, ".data/serialization_id")
+        if serialization_id is not None:
+            serialization_id.decode("utf-8")  # torch.load decodes it: UnicodeDecodeError, refused above
+
+    def _check_directory(self, f: IO[bytes], directory_at: int) -> None:
+        """The end records and the central directory as miniz reads them. Python's zipfile is
+        more forgiving (it guesses where the zip64 end record is, ignores the disk fields, cuts
+        comments short), so where the two could read a damaged file differently it is refused."""
+        # What ZipFile itself parsed: [sig, disk, directory disk, entries here, entries, directory
+        # size, directory offset, comment length, comment, end record location].
+        end = zipfile._EndRecData(f)  # type: ignore[attr-defined]
+        damaged = CheckpointFormatError(f"{self.path}: the zip directory is damaged (truncated or corrupt file)")
+        if end is None or end[1] or end[2] or end[3] != end[4] or end[4] != len(self.infos) or end[6] != directory_at:
+            raise damaged
+        if end[0] == b"PK\x06\x06":  # zip64: the locator must point at the zip64 end record
+            f.seek(end[9] - 20)
+            signature, disk, where, disks = struct.unpack("<4sLQL", f.read(20))
+            f.seek(where)
+            head = f.read(12)
+            if (
+                signature != b"PK\x06\x07"
+                or disk
+                or disks != 1
+                or where != end[9] - 20 - 56
+                or head != (b"PK\x06\x06" + struct.pack("<Q", 44))
+            ):
+                raise damaged
+        # Each entry as miniz reads it, from the raw bytes (zipfile's ZipInfo cuts short what runs past).
+        f.seek(directory_at)
+        directory = f.read(end[5])
+        at = 0
+        for info in self.infos:
+            if directory[at : at + 4] != b"PK\x01\x02" or len(directory) < at + 46:
+                raise damaged
+            flags = struct.unpack_from("<H", directory, at + 8)[0]
+            n, m, k, disk = struct.unpack_from("<4H", directory, at + 28)
+            external = struct.unpack_from("<L", directory, at + 38)[0]
+            # Flags other than "sizes follow the data" and "UTF-8 name" (encryption, patches), an
+            # entry on another disk, the DOS directory attribute (miniz then reads nothing), a
+            # stored size given twice differently: torch refuses or misreads each of them.
+            if (
+                flags & ~_FLAGS or disk or external & 0x10 or info.compress_size != info.file_size
+                or at + 46 + n + m + k > len(directory) or not _whole_blocks(directory[at + 46 + n : at + 46 + n + m])
+            ):  # fmt: skip
+                raise damaged
+            at += 46 + n + m + k
+        if at != end[5]:
+            raise damaged
+
+    def _small(self, f: IO[bytes], name: str) -> bytes | None:
+        if name not in self.records:
+            return None
+        start, length = self.records[name]
+        if length > 4096:
+            raise CheckpointFormatError(f"{self.path}: record {name} is {length} bytes; torch writes a few")
+        f.seek(start)
+        return f.read(length)
+
+    def check_storages(self, storages: Iterable[StorageRef]) -> None:
+        """Every storage the pickle names has a record holding all its bytes (torch reads past
+        the end of a short record without noticing: uninitialised memory or the next record)."""
+        for ref in storages:
+            record = self.records.get("data/" + ref.key)
+            if record is None:
+                raise CheckpointFormatError(f"{self.path}: data.pkl names storage {ref.key!r}, which has no record")
+            itemsize = STORAGE_ITEMSIZE.get(ref.storage_type.name, ("", 1))[1]
+            if record[1] < ref.numel * itemsize:
+                raise CheckpointFormatError(
+                    f"{self.path}: record data/{ref.key} holds {record[1]} bytes, but its storage has "
+                    f"{ref.numel * itemsize} (truncated or corrupt file)"
+                )
+
+    def read_pickle(self, handle: IO[bytes] | None = None) -> bytes:
+        """``data.pkl``, its CRC-32 checked; read from ``handle`` when given, else from ``path``."""
         info, start = self.infos[self.pkl_index], self.starts[self.pkl_index]
-        with open(self.path, "rb") as f:
+        with open(self.path, "rb") if handle is None else contextlib.nullcontext(handle) as f:
             f.seek(start)
             data = f.read(info.file_size)
         if zlib.crc32(data) != info.CRC:
@@ -654,6 +796,18 @@ class TorchZip:
                 else:
                     writer.add(info.filename, info.file_size, info.CRC, _copier(src, out, start, info.file_size))
         writer.finish()
+
+
+# The general-purpose flags torch's writer sets: sizes in a descriptor after the data, UTF-8 names.
+_FLAGS = 0x0008 | 0x0800
+
+
+def _whole_blocks(extra: bytes) -> bool:
+    """Whether a zip extra field is a sequence of complete (id, length, data) blocks."""
+    at = 0
+    while at + 4 <= len(extra):
+        at += 4 + int.from_bytes(extra[at + 2 : at + 4], "little")
+    return at == len(extra)
 
 
 def _copier(src: IO[bytes], out: IO[bytes], start: int, length: int) -> Any:
