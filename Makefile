@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden
+.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden dist
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,7 +45,22 @@ fuzz: $(STAMP)
 		tests/test_fuzz.py tests/test_differential.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .pytest_cache build dist *.egg-info
+
+# dist: the sdist and the wheel, checked by twine, installed into a fresh venv (torch held at the
+# pin) that must run `ckpt --version` and import the package away from this checkout.
+dist: $(STAMP)
+	rm -rf dist build/dist-venv
+	$(PY) -m build --no-isolation --outdir dist .
+	$(VENV)/bin/twine check --strict dist/*
+	$(PYTHON) -m venv build/dist-venv
+	echo "$(TORCH_PIN)" > build/torch-constraint.txt
+	build/dist-venv/bin/python -m pip install -q -c build/torch-constraint.txt dist/*.whl
+	version=$$($(PY) -c 'import ckptools; print(ckptools.__version__)') && cd / && \
+		$(CURDIR)/build/dist-venv/bin/ckpt --version | grep -qx "ckpt (ckptools) $$version"
+	cd / && $(CURDIR)/build/dist-venv/bin/python -c "import ckptools as ck, torch; \
+		assert ck.__file__.startswith('$(CURDIR)/build/dist-venv'), ck.__file__; \
+		assert ck.strip_prefix({'module.w': torch.ones(1)}).keys() == {'w'}; print('installed', ck.__version__)"
 
 # interop: install transformers, accelerate and pytorch-lightning (torch held at the pin), write
 # fresh golden files with them into build/golden, and run the interop tests against those,

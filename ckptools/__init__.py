@@ -30,10 +30,18 @@ from .errors import (
 
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .background import AsyncSave, release_snapshot_buffers
-    from .checkpoint import async_save, load, load_state_dict, save
+    from .checkpoint import async_save, load, load_state_dict, save, save_weights
     from .convert import convert_to_safetensors, export_huggingface
     from .devices import resolve_map_location, to_cpu
-    from .dist import barrier, get_local_rank, get_rank, get_world_size, init_distributed, is_main_process
+    from .dist import (
+        barrier,
+        exit_process,
+        get_local_rank,
+        get_rank,
+        get_world_size,
+        init_distributed,
+        is_main_process,
+    )
     from .manager import CheckpointManager
     from .preemption import Preemption
     from .reading import CheckpointView, TensorInfo, diff, inspect, open_checkpoint, verify
@@ -41,7 +49,7 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .sampler import ResumableDistributedSampler
     from .state_dict import add_prefix, strip_prefix, unwrap_model
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 _LAZY = {
     "AsyncSave": ".background",
@@ -59,6 +67,7 @@ _LAZY = {
     "async_save": ".checkpoint",
     "barrier": ".dist",
     "convert_to_safetensors": ".convert",
+    "exit_process": ".dist",
     "get_local_rank": ".dist",
     "get_rank": ".dist",
     "get_world_size": ".dist",
@@ -70,6 +79,7 @@ _LAZY = {
     "rename_checkpoint": ".rewrite",
     "resolve_map_location": ".devices",
     "save": ".checkpoint",
+    "save_weights": ".checkpoint",
     "strip_prefix": ".state_dict",
     "to_cpu": ".devices",
     "unwrap_model": ".state_dict",
@@ -95,6 +105,7 @@ __all__ = [
     "barrier",
     "convert_to_safetensors",
     "diff",
+    "exit_process",
     "export_huggingface",
     "get_local_rank",
     "get_rank",
@@ -109,6 +120,7 @@ __all__ = [
     "rename_checkpoint",
     "resolve_map_location",
     "save",
+    "save_weights",
     "strip_prefix",
     "to_cpu",
     "unwrap_model",

@@ -108,6 +108,53 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
     return _save(path, state, metadata=metadata)
 
 
+def save_weights(path: PathLike, model: Any, *, metadata: Mapping[str, str] | None = None) -> str:
+    """Save a model's weights alone, for inference or sharing; collective like :func:`save`.
+
+    ``model`` is a module (wrapped in DDP, DataParallel or ``torch.compile`` or not) or a state
+    dict; either way the weights are stored without ``module.`` / ``_orig_mod.``. A path ending
+    in ``.safetensors`` gets a safetensors file (tied tensors stored once under their first name,
+    as ``from_pretrained`` expects; ``format: pt`` and ``metadata`` as string metadata); any other
+    path a ``torch.save`` file of the plain state dict. Global rank 0 writes, atomically; every
+    rank returns once the file is complete, and a failure raises :class:`CheckpointError` on
+    every rank. Tensors are copied to the CPU first; the model is left where it is.
+
+    Args:
+        path: file path or fsspec URL.
+        model: an ``nn.Module`` or a mapping of names to tensors.
+        metadata: strings to store in a safetensors file's metadata (ignored for torch files).
+
+    Returns:
+        ``path`` as a string.
+
+    Example:
+        >>> import torch, ckptools as ck
+        >>> ddp_model = torch.nn.Linear(2, 2)  # in a DDP script: DistributedDataParallel(...)
+        >>> ck.save_weights("/tmp/ckptools-doc-final.safetensors", ddp_model)
+        '/tmp/ckptools-doc-final.safetensors'
+    """
+    from .devices import to_cpu
+    from .safetensors_file import save_safetensors
+
+    if not isinstance(model, (torch.nn.Module, Mapping)):  # on every rank, before any collective
+        raise TypeError(f"save_weights needs a module or a state dict, not {type(model).__name__}")
+    background.finish_pending()
+    path = _fspath(path)
+    error: BaseException | None = None
+    if get_rank() == 0:
+        try:
+            weights = unwrap_model(model).state_dict() if isinstance(model, torch.nn.Module) else model
+            tensors = to_cpu({k: v.detach() for k, v in strip_wrappers(dict(weights)).items()})
+            if path.endswith(".safetensors"):
+                save_safetensors(path, tensors, metadata={"format": "pt", **dict(metadata or {})})
+            else:
+                save_file(path, tensors)
+        except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
+            error = err
+    _share_outcome(error, path)
+    return path
+
+
 def _save(
     path: PathLike,
     state: Mapping[str, Any],

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 from . import _log, background
-from .dist import _max_over_ranks, barrier, get_rank
+from .dist import _leave, _max_over_ranks, barrier, get_rank
 
 __all__ = ["Preemption"]
 
@@ -267,11 +267,7 @@ class Preemption:
         if get_rank() == 0:
             _log.logger.info("preempted: every rank leaves with exit code %d%s", status, since)
         self._left.set()
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        _flush_logging()
-        os._exit(status)
+        _leave(status)
 
     def close(self) -> None:
         """Put back the previous signal handlers (and wakeup fd); stops catching signals."""
@@ -318,12 +314,3 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
-def _flush_logging() -> None:
-    import logging
-
-    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
-        for handler in getattr(logger, "handlers", []):
-            with contextlib.suppress(Exception):
-                handler.flush()

@@ -39,7 +39,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
 import ckptools as ck
-from ckptools.storage import atomic_write, join
 
 IN_FEATURES, HIDDEN, CLASSES = 32, 128, 8
 
@@ -292,50 +291,27 @@ def main(argv: list[str] | None = None) -> NoReturn:
         f"steps/s), then waited {time.monotonic() - closing:.2f} s for the last save"
     )
 
-    if ck.is_main_process():
-        final = join(args.ckpt_dir, "final.safetensors")
-        _write_safetensors(final, ck.unwrap_model(ddp).state_dict())
-        log(f"done after {step} steps; final weights: {final}")
-    ck.barrier()  # nobody leaves before final.safetensors is complete
+    # The weights alone, for inference: rank 0 writes, every rank waits for the complete file.
+    final = ck.save_weights(f"{args.ckpt_dir.rstrip('/')}/final.safetensors", ddp)
+    log(f"done after {step} steps; final weights: {final}")
+    if record is not None:
+        record.close()
     # Leave from here, while `ddp` is still referenced: returning would free it, and freeing the
-    # DDP model destroys the process group (see _exit_now).
-    _exit_now(0)
+    # DDP model destroys the process group, which can hang (see ck.exit_process).
+    ck.exit_process(0)
 
 
 def _fail_rank(args: argparse.Namespace, world: int) -> int:
     return world - 1 if args.fail_rank is None else args.fail_rank
 
 
-def _write_safetensors(path: str, state_dict: dict) -> None:
-    from safetensors.torch import save
-
-    tensors = {k: v.detach().cpu().contiguous() for k, v in state_dict.items()}
-    payload = save(tensors, metadata={"format": "pt"})
-    atomic_write(path, lambda f: f.write(payload))
-
-
-def _exit_now(code: int) -> NoReturn:
-    """Flush and leave without running C++ destructors of the process group.
-
-    When Python frees the DDP model (on returning from main, or at interpreter exit), torch's
-    Reducer drops the last reference to the gloo process group while holding the GIL, and
-    ~ProcessGroupGloo joins worker threads that may need the GIL to release a finished
-    collective's tensors: the process hangs (seen here: ``~ProcessGroupGloo -> thread.join``
-    against a worker in ``decref_pyobject``), or aborts with "terminate called without an active
-    exception". Everything this script writes is complete and fsynced by now, so skipping
-    interpreter teardown loses nothing.
-    """
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
-
-
 if __name__ == "__main__":
     try:
         main()
     except SystemExit as err:  # argparse --help / usage errors
-        _exit_now(err.code if isinstance(err.code, int) else 1)
+        ck.exit_process(err.code if isinstance(err.code, int) else 1, collective=False)
     except BaseException:  # noqa: BLE001 - printed, then the same exit path
-        # The traceback still references main's frame (and the DDP model) here: exit now.
+        # The traceback still references main's frame (and the DDP model) here: exit now,
+        # without waiting for ranks that may never come.
         traceback.print_exc()
-        _exit_now(1)
+        ck.exit_process(1, collective=False)

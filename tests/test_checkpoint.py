@@ -561,3 +561,65 @@ def test_weights_come_out_of_a_file_whose_other_entries_need_refused_classes(tmp
     assert got["a.weight"].data_ptr() == got["b.weight"].data_ptr()  # tied in the file, tied here
     with pytest.raises(ck.UnsafeCheckpointError):  # a full training load stays strict
         ck.load(path, {"model": net})
+
+
+def test_save_weights_writes_plain_weights_once_per_tie(tmp_path):
+    import safetensors.torch
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    net[1].weight = net[0].weight  # tied, as a language model's head and embedding
+    wrapped = torch.nn.DataParallel(net)  # names carry 'module.'
+    path = ck.save_weights(tmp_path / "w.safetensors", wrapped, metadata={"run": "a"})
+    stored = safetensors.torch.load_file(path)
+    assert list(stored) == ["0.weight"]  # the first tied name, once, without 'module.'
+    assert torch.equal(stored["0.weight"], net[0].weight.detach())
+    with safetensors.safe_open(path, "pt") as f:
+        assert f.metadata()["format"] == "pt" and f.metadata()["run"] == "a"
+    fresh = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5, bias=False))
+    ck.load(path, {"model": fresh})  # ties restored from ckptools' aliases
+    assert torch.equal(fresh[1].weight, net[0].weight)
+    # any other suffix: a torch file of the plain state dict
+    ck.save_weights(tmp_path / "w.pt", wrapped.state_dict())
+    assert list(torch.load(tmp_path / "w.pt", weights_only=True)) == ["0.weight", "1.weight"]
+    with pytest.raises(TypeError, match="module or a state dict"):
+        ck.save_weights(tmp_path / "x.safetensors", 3)
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def _save_weights_then_exit(rank: int, world: int, folder: str) -> None:
+    import logging
+    import logging.handlers
+
+    # A buffering handler that only writes when flushed: exit_process must flush it.
+    target = logging.FileHandler(os.path.join(folder, f"log-{rank}.txt"))
+    buffered = logging.handlers.MemoryHandler(capacity=1000, flushLevel=logging.CRITICAL, target=target)
+    logger = logging.getLogger("script")
+    logger.addHandler(buffered)
+    logger.setLevel(logging.INFO)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+    target_dir = folder if rank == 0 else os.path.join(folder, "missing")  # only rank 0's path matters
+    ck.save_weights(os.path.join(target_dir, "final.safetensors"), model)
+    logger.info("rank %d left", rank)
+    ck.exit_process(3 + rank)  # the model is still referenced: no teardown, no hang
+
+
+def test_exit_process_flushes_and_leaves_with_the_code_on_every_rank(tmp_path):
+    import multiprocessing as mp
+
+    from _dist import _worker, free_port
+
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(_save_weights_then_exit, r, 2, port, (str(tmp_path),), queue, 60))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=60)
+    assert [p.exitcode for p in procs] == [3, 4]  # exit_process's codes: _worker's own exit never ran
+    assert (tmp_path / "final.safetensors").exists()
+    assert [(tmp_path / f"log-{r}.txt").read_text() for r in range(2)] == ["rank 0 left\n", "rank 1 left\n"]
