@@ -7,13 +7,14 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden dist
+.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden dist docs
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
-	$(PY) -m pip install -q -e '.[dev,s3]'
+	echo "$(TORCH_PIN)" > $(VENV)/torch-constraint.txt
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[dev,s3,docs]'
 	touch $(STAMP)
 
 venv: $(STAMP)
@@ -24,6 +25,7 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ckptools tests examples benchmarks
 	$(VENV)/bin/ruff format --check ckptools tests examples benchmarks
+	$(VENV)/bin/mypy --strict ckptools
 
 # The flake check of the end-to-end resume tests: the whole file N times in a row (default 20).
 e2e-loop: $(STAMP)
@@ -45,7 +47,14 @@ fuzz: $(STAMP)
 		tests/test_fuzz.py tests/test_differential.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build dist *.egg-info
+	rm -rf $(VENV) .pytest_cache build dist site *.egg-info
+
+# docs: regenerate the CLI reference from the typer app, then build the site into site/ with
+# warnings as errors (a broken link, anchor, or docstring reference fails). `make test` builds it
+# too (tests/test_docs.py), and checks that the committed CLI reference is current.
+docs: $(STAMP)
+	$(VENV)/bin/typer ckptools.cli utils docs --name ckpt --title "CLI reference" --output docs/reference/cli.md
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # dist: the sdist and the wheel, checked by twine, installed into a fresh venv (torch held at the
 # pin) that must run `ckpt --version` and import the package away from this checkout.
@@ -68,8 +77,7 @@ dist: $(STAMP)
 # replaces the committed files (tests/interop/golden) with the fresh ones.
 INTEROP_STAMP := $(VENV)/.interop
 $(INTEROP_STAMP): $(STAMP)
-	echo "$(TORCH_PIN)" > $(VENV)/torch-constraint.txt
-	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[dev,s3,interop]'
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[dev,s3,docs,interop]'
 	# transformers 5 writes safetensors only; the .bin shards come from transformers 4, kept apart.
 	$(PY) -m pip install -q --target build/transformers4 --no-deps 'transformers>=4.50,<5' \
 		'huggingface_hub>=0.30,<1.0' 'tokenizers>=0.21,<0.23'

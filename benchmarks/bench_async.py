@@ -101,7 +101,9 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir under cwd)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--plot", help="also draw the stall per save of each method into this PNG")
     args = parser.parse_args()
+    results = []
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, timeout=datetime.timedelta(600)
     )
@@ -112,15 +114,42 @@ def main() -> None:
         print(header + f" {'floor':>7} {'ck/sync':>8} {'ck/DCP':>7} {'floor/sync':>10}")
         for gib in args.gib:
             r = bench(gib, args.repeat, workdir, args.device)
+            results.append((gib, r))
             print(
                 f"{gib:>5g} {r['sync']:>9.3f}s {r['ck_stall']:>8.3f}s {r['ck_done']:>7.2f}s {r['dcp_stall']:>9.3f}s "
                 f"{r['dcp_done']:>8.2f}s {r['floor']:>6.3f}s {r['ck_stall'] / r['sync']:>7.3f}x "
                 f"{r['ck_stall'] / r['dcp_stall']:>6.3f}x {r['floor'] / r['sync']:>9.3f}x",
                 flush=True,
             )
+        if args.plot:
+            plot(results, args.repeat, args.device, args.plot)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         dist.destroy_process_group()
+
+
+def plot(results: list, repeat: int, device: str, path: str) -> None:
+    """How long training waits per save, per method and state size (a log scale: they differ 10-100x)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = [("sync", "ck.save (sync)"), ("dcp_stall", "DCP async_save"), ("ck_stall", "ck.async_save"),
+               ("floor", "copy floor")]  # fmt: skip
+    fig, ax = plt.subplots(figsize=(7, 3.4), constrained_layout=True)
+    width = 0.8 / len(methods)
+    for i, (key, label) in enumerate(methods):
+        xs = [j + (i - (len(methods) - 1) / 2) * width for j in range(len(results))]
+        bars = ax.bar(xs, [r[key] for _, r in results], width, label=label)
+        ax.bar_label(bars, fmt="%.3f", fontsize=7)
+    ax.set_xticks(range(len(results)), [f"{gib:g} GiB state" for gib, _ in results])
+    ax.set_yscale("log")
+    ax.set_ylabel("seconds training waits per save")
+    ax.set_title(f"Stall per save on {device} (median of {repeat} after a warm-up)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

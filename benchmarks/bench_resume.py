@@ -1,6 +1,6 @@
 """Memory and time of resuming: ck.load (memory-mapped) against torch.load + load_state_dict.
 
-Usage: python benchmarks/bench_resume.py [--gib 1 4] [--rounds 3]
+Usage: python benchmarks/bench_resume.py [--gib 1 4] [--rounds 3] [--plot docs/img/resume.png]
 Saves a model + AdamW checkpoint of about --gib GiB (the model is a third of it), then, in a fresh
 process per round and method, builds the model and a fresh optimizer and restores both:
 - ck.load(path, {"model": m, "optimizer": opt})
@@ -77,7 +77,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--gib", type=float, nargs="+", default=[1.0, 4.0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--plot", help="also draw time and memory against checkpoint size into this PNG")
     args = parser.parse_args()
+    measured = []
     print(f"resume into a CPU model + fresh AdamW, median of {args.rounds} (fresh process each)")
     for gib in args.gib:
         layers = max(1, round(gib * 1024 / 3 / 64))  # a Linear(4096, 4096) is 64 MiB; AdamW adds 2x
@@ -99,10 +101,38 @@ def main() -> None:
         for method, r in rows.items():
             print(f"    {method:10s} {r['seconds']:.2f} s ({r['first_use']:.2f} s with every optimizer tensor read "
                   f"once), peak RSS +{r['hwm'] / g:.2f} GiB, peak anonymous +{r['anon'] / g:.2f} GiB")  # fmt: skip
+        measured.append((size, rows))
         t, c = rows["torch.load"], rows["ck.load"]
         print(f"    ck.load / torch.load: time {c['seconds'] / t['seconds']:.2f}x (read once: "
               f"{c['first_use'] / t['first_use']:.2f}x), peak RSS growth "
               f"{c['hwm'] / t['hwm']:.2f}x, anonymous {c['anon'] / max(t['anon'], 1):.2f}x")  # fmt: skip
+    if args.plot:
+        plot(measured, args.rounds, args.plot)
+
+
+def plot(measured: list, rounds: int, path: str) -> None:
+    """Resume time and the memory it cannot give back, against checkpoint size, one line per method."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    g = 2**30
+    sizes = [size / g for size, _ in measured]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.4), constrained_layout=True)
+    for method, style in (("torch.load", "o-"), ("ck.load", "s-")):
+        label = "torch.load + load_state_dict" if method == "torch.load" else "ck.load (memory-mapped)"
+        left.plot(sizes, [rows[method]["first_use"] for _, rows in measured], style, label=label)
+        right.plot(sizes, [rows[method]["anon"] / g for _, rows in measured], style, label=label)
+    left.set(xlabel="checkpoint (GiB)", ylabel="seconds", title="resume time (every tensor read once)")
+    right.set(xlabel="checkpoint (GiB)", ylabel="GiB", title="peak anonymous memory growth")
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+        ax.set_ylim(bottom=0)
+    left.legend()
+    fig.suptitle(f"Resuming a model + AdamW checkpoint on CPU (median of {rounds}, fresh process each)", fontsize=10)
+    fig.savefig(path, dpi=120)
+    print(f"plot: {path}")
 
 
 if __name__ == "__main__":

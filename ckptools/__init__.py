@@ -3,7 +3,7 @@
 Names are imported on first use (PEP 562), so ``import ckptools`` and the ``ckpt`` CLI's
 ``--help`` do not pay for importing torch; ``ck.save`` and friends import it when touched.
 
-Example:
+Examples:
     >>> import torch, ckptools as ck
     >>> model = torch.nn.Linear(4, 2)
     >>> opt = torch.optim.AdamW(model.parameters())

@@ -3,8 +3,8 @@
 - ``logging.getLogger("ckptools")`` gets one INFO record per save and per load, on rank 0 only
   (path, bytes, seconds, GB/s; also as ``record.ckpt_path``, ``ckpt_bytes``, ``ckpt_seconds``).
   ckptools adds no handler: nothing is printed unless the application configures logging.
-- Everything that goes wrong without stopping the run is a :class:`CheckpointWarning` through
-  :mod:`warnings`, never a log record, so one filter
+- Everything that goes wrong without stopping the run is a `CheckpointWarning` through
+  `warnings`, never a log record, so one filter
   (``warnings.simplefilter("error", ck.CheckpointWarning)``) catches all of them and
   ``logging.captureWarnings(True)`` routes them to the logs. Hazards that are the same on every
   rank (a DataLoader without its own seed, ...) are warned about once per process, on rank 0.
@@ -33,7 +33,7 @@ _INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirnam
 
 
 def warn(message: str, *, once: str | None = None, all_ranks: bool = False) -> None:
-    """Issue a :class:`CheckpointWarning` (rank 0 only unless ``all_ranks``; once per ``once`` key)."""
+    """Issue a `CheckpointWarning` (rank 0 only unless ``all_ranks``; once per ``once`` key)."""
     if not all_ranks and get_rank() != 0:
         return
     if once is not None:

@@ -3,7 +3,7 @@ the one slot for the save in flight.
 
 The division of labour is fixed: the main thread takes the snapshot and runs every collective
 (in the same order on every rank); the writer thread, on global rank 0 only, does file I/O and
-nothing else. See :func:`ckptools.async_save`.
+nothing else. See `ckptools.async_save`.
 """
 
 from __future__ import annotations
@@ -130,12 +130,12 @@ _BUFFERS = _Buffers()
 def release_snapshot_buffers() -> int:
     """Free the host memory async saves keep for their snapshots; return how many bytes it was.
 
-    :func:`ckptools.async_save` keeps one snapshot's worth of host memory (pinned when the
+    `ckptools.async_save` keeps one snapshot's worth of host memory (pinned when the
     state is on CUDA) so that the next save copies into it instead of allocating and faulting
     in fresh pages. Call this when no more async saves will come (``CheckpointManager.close()``
     does), after the save in flight has finished; the next async save allocates again.
 
-    Example:
+    Examples:
         >>> import ckptools as ck
         >>> ck.release_snapshot_buffers()
         0
@@ -148,7 +148,7 @@ def release_snapshot_buffers() -> int:
 
 
 class AsyncSave:
-    """The handle of one :func:`ckptools.async_save`: ``wait()`` (collective), ``done()`` (local).
+    """The handle of one `ckptools.async_save`: ``wait()`` (collective), ``done()`` (local).
 
     Attributes:
         path: where the checkpoint will be.
@@ -198,7 +198,7 @@ class AsyncSave:
 
         On global rank 0 (the writer) True once the background write ended, successfully or
         not; on every other rank always True, since they do not write. Never decide whether
-        to call :meth:`wait` (a collective) from ``done()``: ranks would disagree and hang.
+        to call `wait` (a collective) from ``done()``: ranks would disagree and hang.
         """
         return self._thread is None or not self._thread.is_alive()
 
@@ -218,7 +218,7 @@ class AsyncSave:
                 exception). The file at ``path`` is then untouched (an earlier one stays).
                 Raised again by a later ``wait()`` of this handle.
 
-        Example:
+        Examples:
             >>> handle = ck.async_save("/tmp/ckpt.pt", {"model": model})  # doctest: +SKIP
             >>> handle.wait()  # doctest: +SKIP
             '/tmp/ckpt.pt'

@@ -37,8 +37,8 @@ def _dense(t: torch.Tensor) -> bool:
     return t.layout == torch.strided and not t.is_quantized and t.device.type != "meta"
 
 
-def _skeleton(tree: Any, storages: list[Any], index: dict[tuple, int]) -> Any:
-    """``tree`` with dense tensors replaced by :class:`_TensorRef` (their storages listed once)."""
+def _skeleton(tree: Any, storages: list[Any], index: dict[tuple[Any, ...], int]) -> Any:
+    """``tree`` with dense tensors replaced by `_TensorRef` (their storages listed once)."""
     if isinstance(tree, torch.Tensor) and _dense(tree):
         st = tree.untyped_storage()
         key = (st.device, st.data_ptr(), st.nbytes())
@@ -48,7 +48,7 @@ def _skeleton(tree: Any, storages: list[Any], index: dict[tuple, int]) -> Any:
         return _TensorRef(tree, index[key])
     if isinstance(tree, Mapping):
         out = {k: _skeleton(v, storages, index) for k, v in tree.items()}
-        return type(tree)(out) if type(tree) is not dict else out  # OrderedDict stays one
+        return type(tree)(out) if type(tree) is not dict else out  # type: ignore[call-arg]  # OrderedDict stays one
     if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
         return type(tree)(_skeleton(v, storages, index) for v in tree)
     return tree  # plain values and non-dense tensors travel pickled, inside the skeleton
@@ -63,7 +63,7 @@ def _rebuild(tree: Any, storages: list[Any], device: torch.device) -> Any:
         return t.requires_grad_(tree.requires_grad) if tree.requires_grad else t
     if isinstance(tree, Mapping):
         out = {k: _rebuild(v, storages, device) for k, v in tree.items()}
-        return type(tree)(out) if type(tree) is not dict else out
+        return type(tree)(out) if type(tree) is not dict else out  # type: ignore[call-arg]
     if isinstance(tree, (list, tuple)) and type(tree) in (list, tuple):
         return type(tree)(_rebuild(v, storages, device) for v in tree)
     return tree
@@ -106,7 +106,7 @@ def broadcast_tree(
     sizes = [s.nbytes() for s in storages] if rank == 0 else None
     skeleton, sizes = _broadcast_object((skeleton, sizes))
     if rank != 0:
-        storages = [torch.UntypedStorage(n, device=device) for n in sizes]
+        storages = [torch.UntypedStorage(n, device=device) for n in sizes]  # type: ignore[no-untyped-call]
     total = sum(sizes)
     bucket = torch.empty(min(bucket_bytes, max(total, 1)), dtype=torch.uint8, device=comm_device)
     views = [_bytes_of(s) for s in storages]

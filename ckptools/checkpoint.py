@@ -67,21 +67,21 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
     Each entry of ``state`` is stored under its own name: a model (wrapped in DDP, DataParallel
     or ``torch.compile`` or not) as its plain state dict without ``module.``; optimizers,
     GradScalers, LR schedulers and anything with ``state_dict()`` as that; a
-    ``DistributedSampler`` as its epoch and seed (a :class:`ResumableDistributedSampler` also
+    ``DistributedSampler`` as its epoch and seed (a `ResumableDistributedSampler` also
     with its progress); tensors and plain values as they are. A ``__ckptools__`` entry adds the
     format version, library versions, world size, every rank's RNG states and ``metadata``.
 
     The model stays where it is (on its GPU, inside DDP); buffers are stored as rank 0 holds
-    them. The write is atomic (see :func:`ckptools.storage.atomic_write`) and every rank returns
+    them. The write is atomic (temporary name, fsync, rename; a multipart upload on S3) and every rank returns
     only after the file is complete. If rank 0 fails, every rank raises
-    :class:`CheckpointError` (rank 0 chains the original exception): no rank is left waiting in a
+    `CheckpointError` (rank 0 chains the original exception): no rank is left waiting in a
     barrier, and an earlier file at ``path`` is untouched. No RNG is advanced. An
-    :func:`async_save` still in flight is finished first (and its failure raised, on every rank).
+    `async_save` still in flight is finished first (and its failure raised, on every rank).
 
     Everything is checked before anything is written: an entry (or a value inside one, or
     inside ``metadata``) that ``torch.load(weights_only=True)`` would refuse, such as an
     ``argparse.Namespace``, a ``pathlib.Path`` or a numpy scalar, raises
-    :class:`UnsafeStateError` on every rank, naming the entry and the fix (``vars(args)``,
+    `UnsafeStateError` on every rank, naming the entry and the fix (``vars(args)``,
     ``str(path)``, ``x.item()``). Otherwise the run would only find out when it restarts.
 
     Args:
@@ -98,7 +98,7 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
         CheckpointError: writing failed on rank 0 (raised on every rank).
         TypeError: ``state`` is not a mapping of string names or names ``__ckptools__``.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> model = torch.nn.Linear(2, 2)
         >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -109,14 +109,14 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
 
 
 def save_weights(path: PathLike, model: Any, *, metadata: Mapping[str, str] | None = None) -> str:
-    """Save a model's weights alone, for inference or sharing; collective like :func:`save`.
+    """Save a model's weights alone, for inference or sharing; collective like `save`.
 
     ``model`` is a module (wrapped in DDP, DataParallel or ``torch.compile`` or not) or a state
     dict; either way the weights are stored without ``module.`` / ``_orig_mod.``. A path ending
     in ``.safetensors`` gets a safetensors file (tied tensors stored once under their first name,
     as ``from_pretrained`` expects; ``format: pt`` and ``metadata`` as string metadata); any other
     path a ``torch.save`` file of the plain state dict. Global rank 0 writes, atomically; every
-    rank returns once the file is complete, and a failure raises :class:`CheckpointError` on
+    rank returns once the file is complete, and a failure raises `CheckpointError` on
     every rank. Tensors are copied to the CPU first; the model is left where it is.
 
     Args:
@@ -127,7 +127,7 @@ def save_weights(path: PathLike, model: Any, *, metadata: Mapping[str, str] | No
     Returns:
         ``path`` as a string.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> ddp_model = torch.nn.Linear(2, 2)  # in a DDP script: DistributedDataParallel(...)
         >>> ck.save_weights("/tmp/ckptools-doc-final.safetensors", ddp_model)
@@ -162,7 +162,7 @@ def _save(
     metadata: Mapping[str, Any] | None = None,
     before_write: Callable[[], None] | None = None,
 ) -> str:
-    """:func:`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
+    """`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
     path, started, written = _on_rank0(path, state, metadata, lambda p, payload: _write(p, payload, before_write))
     _log.report("saved", path, started, written)
     return path
@@ -206,18 +206,18 @@ def _on_rank0(
 def async_save(
     path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None
 ) -> background.AsyncSave:
-    """Save like :func:`save`, but return once the state is copied; rank 0 writes in the background.
+    """Save like `save`, but return once the state is copied; rank 0 writes in the background.
 
     Collective: every rank calls it. It returns as soon as global rank 0 has copied ``state``
     into host memory that training never touches, so the caller may step the optimizer the
     moment it returns: the file holds the values as of the call, bit for bit. The file, its
-    checks (an unsafe value raises :class:`UnsafeStateError` here, on every rank, before
-    anything is copied) and its atomic write are those of :func:`save`; tensors are stored as
+    checks (an unsafe value raises `UnsafeStateError` here, on every rank, before
+    anything is copied) and its atomic write are those of `save`; tensors are stored as
     CPU tensors (``load`` puts them where ``map_location`` says, as always).
 
     At most one save is in flight. A later ``save``, ``async_save``, ``load`` or
     ``CheckpointManager`` call first waits for it, collectively; if rank 0's background write
-    failed, *that* call raises :class:`CheckpointError` on every rank (naming the failed file)
+    failed, *that* call raises `CheckpointError` on every rank (naming the failed file)
     before doing anything else. So a failure surfaces at ``handle.wait()`` or at the next
     checkpoint call, whichever comes first, and it is also logged by rank 0 the moment it
     happens. A process that ends with a save in flight finishes the write before it exits
@@ -226,16 +226,18 @@ def async_save(
     The snapshot goes into buffers kept from the previous async save while sizes match (pinned
     host memory for CUDA tensors, copied non-blocking, then one synchronize), so the steady
     cost is one memory copy of the state; that memory (one state's size) stays held until
-    :func:`ckptools.release_snapshot_buffers`. Only rank 0 copies anything.
+    `ckptools.release_snapshot_buffers`. Only rank 0 copies anything.
 
     Args:
-        path, state, metadata: as for :func:`save`.
+        path: as for `save`.
+        state: as for `save`.
+        metadata: as for `save`.
 
     Returns:
-        An :class:`AsyncSave` handle: ``wait()`` (collective) returns the path on every rank or
-        raises :class:`CheckpointError` on every rank; ``done()`` is a local poll.
+        An `AsyncSave` handle: ``wait()`` (collective) returns the path on every rank or
+        raises `CheckpointError` on every rank; ``done()`` is a local poll.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> model = torch.nn.Linear(2, 2)
         >>> handle = ck.async_save("/tmp/async.pt", {"model": model, "step": 10})
@@ -255,7 +257,7 @@ def _async_save(
     before_write: Callable[[], None] | None = None,
     after_write: Callable[[], None] | None = None,
 ) -> background.AsyncSave:
-    """:func:`async_save`; ``before_write``/``after_write`` run in rank 0's writer thread (file I/O)."""
+    """`async_save`; ``before_write``/``after_write`` run in rank 0's writer thread (file I/O)."""
     path, started, snapshot = _on_rank0(path, state, metadata, lambda _, payload: background._BUFFERS.take(payload))
     handle = background.AsyncSave(path, started)
     if get_rank() == 0:
@@ -400,7 +402,7 @@ def _restore(obj: Any, entry: Any, *, strict: bool, path: str, name: str) -> Non
 def locate_weights(
     ckpt: Any, *, key: str | None = None, path: str = "checkpoint"
 ) -> tuple[dict[str, Any] | None, str | None, Mapping[str, Any]]:
-    """Find the model weights inside a loaded checkpoint; see :func:`ckptools.torchzip.locate_weights`."""
+    """Find the model weights inside a loaded checkpoint; see `ckptools.torchzip.locate_weights`."""
     return _locate(ckpt, key=key, path=path, is_leaf=lambda v: isinstance(v, torch.Tensor))
 
 
@@ -411,7 +413,7 @@ def _find_weights(ckpt: Any, *, key: str | None, path: str) -> Mapping[str, Any]
 def _all_ok(error: BaseException | None, what: str, *, missing_hint: str | None = None) -> None:
     """Raise on every rank if any rank failed (a collective; no-op without a process group).
 
-    ``missing_hint`` is added to a :class:`CheckpointNotFoundError` of a rank that could not
+    ``missing_hint`` is added to a `CheckpointNotFoundError` of a rank that could not
     find a file rank 0 read (a node-local disk).
     """
     messages = _all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
@@ -454,7 +456,7 @@ def load(
     when ``state`` holds something that exists to continue training: an optimizer, an LR
     scheduler, a GradScaler or a sampler. ``ck.load(path)`` or ``ck.load(path, {"model": m})``
     in a notebook leaves the notebook's random streams alone (and says nothing about the world
-    size). :meth:`CheckpointManager.restore` always restores them. They are restored only when
+    size). `CheckpointManager.restore` always restores them. They are restored only when
     the file was saved by ckptools with the same world size; otherwise the per-rank streams have
     no meaningful mapping, so they are left alone and rank 0 warns.
 
@@ -462,8 +464,8 @@ def load(
         path: file path or fsspec URL.
         state: names mapped to objects to restore (model, optimizer, scaler, scheduler, sampler,
             tensors, anything with ``load_state_dict``).
-        map_location: see :func:`resolve_map_location`; ``"auto"`` is this rank's device.
-        strict: raise :class:`KeyMismatchError` when a named entry is missing or a model's keys
+        map_location: see `resolve_map_location`; ``"auto"`` is this rank's device.
+        strict: raise `KeyMismatchError` when a named entry is missing or a model's keys
             differ; with False, load what matches.
         weights_only: keep torch's safe unpickler; False runs arbitrary code from the file and
             is for trusted files only.
@@ -481,9 +483,9 @@ def load(
 
     Raises:
         CheckpointNotFoundError, CheckpointFormatError, UnsafeCheckpointError, KeyMismatchError:
-            on the rank where it happened; other ranks raise :class:`CheckpointError`.
+            on the rank where it happened; other ranks raise `CheckpointError`.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> model = torch.nn.Linear(2, 2)
         >>> _ = ck.save("/tmp/ckpt.pt", {"model": model, "step": 10})
@@ -524,7 +526,7 @@ def load(
 
 
 def _read(path: str, location: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]) -> Any:
-    """What this rank reads from ``path`` for :func:`load`."""
+    """What this rank reads from ``path`` for `load`."""
     if path.endswith(".safetensors") or _is_layout(path):
         # Bare weights (a model entry finds them): a .safetensors file, a Hugging Face or
         # Accelerate folder, a sharded index, a DCP folder. No code can run from these.
@@ -635,7 +637,7 @@ def load_state_dict(
 
     A ``.pt/.pth/.bin/.ckpt`` or ``.safetensors`` file, a sharded index
     (``model.safetensors.index.json``), a Hugging Face ``save_pretrained`` or Accelerate
-    ``save_state`` folder, or a DCP folder (see :func:`ckptools.open_checkpoint`). Weights are
+    ``save_state`` folder, or a DCP folder (see `ckptools.open_checkpoint`). Weights are
     found as a bare state dict, or under ``state_dict``, ``model_state_dict``, ``model`` or
     ``module`` (or ``key``, dotted for deeper nesting: ``"ema.model"``). A file whose *other*
     entries need classes torch's safe unpickler refuses (a Lightning checkpoint whose
@@ -644,7 +646,7 @@ def load_state_dict(
 
     Args:
         path: file path, folder, or fsspec URL of a file.
-        map_location: where the tensors go (default ``"cpu"``); see :func:`resolve_map_location`.
+        map_location: where the tensors go (default ``"cpu"``); see `resolve_map_location`.
         key: the entry holding the weights, when the usual names do not find it.
         strip: prefix removed from every key that has it; None keeps keys as stored. The
             default ``"module."`` removes every wrapper's prefix: DDP's ``module.``,
@@ -652,15 +654,18 @@ def load_state_dict(
         verify: check checksums first: every zip record's CRC-32 of a ``.pt`` file, or the
             per-tensor CRC-32s ``ckpt convert`` stores in a ``.safetensors`` file (files from
             other tools carry none; then only their structure is checked); for a folder, every
-            shard and the index's agreement with them (:func:`ckptools.verify`).
+            shard and the index's agreement with them (`ckptools.verify`).
 
     Returns:
         A dict of tensors.
 
     Raises:
-        CheckpointNotFoundError, CheckpointFormatError, UnsafeCheckpointError, KeyMismatchError.
+        CheckpointNotFoundError: nothing at ``path``.
+        CheckpointFormatError: the file is damaged or not a checkpoint.
+        UnsafeCheckpointError: the weights themselves need classes torch's safe loader refuses.
+        KeyMismatchError: ``key`` names no entry.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> torch.save({"state_dict": {"module.w": torch.ones(1)}}, "/tmp/lightning.ckpt")
         >>> list(ck.load_state_dict("/tmp/lightning.ckpt"))

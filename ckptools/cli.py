@@ -1,7 +1,7 @@
 """``ckpt``: inspect, rename, convert, compare and verify checkpoint files.
 
 The CLI is thin: it parses arguments, calls the library, and renders with rich. A
-:class:`CheckpointError` is turned into one line on stderr and exit code 2 (1 for a negative
+`CheckpointError` is turned into one line on stderr and exit code 2 (1 for a negative
 answer: ``diff`` found differences, ``verify`` found damage). Heavy modules (torch) are imported
 inside the commands, so ``ckpt --help`` stays fast.
 """
@@ -37,7 +37,7 @@ class _Group(TyperGroup):
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
         try:
-            code = super().main(*args, standalone_mode=False, **kwargs)
+            code = super().main(*args, standalone_mode=False, **kwargs)  # type: ignore[misc]  # ours decides
         except _click_errors.UsageError as usage:
             if type(usage).__name__ == "NoArgsIsHelpError" and usage.ctx is not None:
                 out.print(usage.ctx.get_help(), markup=False, highlight=False)  # bare `ckpt`: the help
@@ -435,4 +435,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    main()

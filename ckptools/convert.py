@@ -1,6 +1,6 @@
 """Conversion: torch checkpoints to safetensors (one file, or a Hugging Face folder of shards).
 
-The safetensors format itself (reader, writer, checks) is :mod:`ckptools.safetensors_file`.
+The safetensors format itself (reader, writer, checks) is `ckptools.safetensors_file`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _scalars(ckpt: Mapping[str, Any]) -> dict[str, str]:
 def _zip_specs(archive: TorchZip, weights: Mapping[str, Any]) -> tuple[dict[str, Spec], dict[str, str]] | None:
     """Specs that copy each tensor's bytes straight out of its zip record, or None if one can't be.
 
-    Of tied names the first in ``weights``' order is kept (see :func:`tensor_specs`).
+    Of tied names the first in ``weights``' order is kept (see `tensor_specs`).
 
     Works for dense, contiguous tensors of a dtype safetensors knows (what state dicts hold);
     anything else (views with gaps, quantized, sparse) makes the caller go through torch.
@@ -54,7 +54,7 @@ def _zip_specs(archive: TorchZip, weights: Mapping[str, Any]) -> tuple[dict[str,
     records = {name[len("data/") :]: record for name, record in archive.records.items() if name.startswith("data/")}
     specs: dict[str, Spec] = {}
     aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
     for name in weights:
         simple = simple_tensor(weights[name])
         if simple is None:
@@ -106,9 +106,9 @@ def convert_to_safetensors(
 ) -> str:
     """Convert a checkpoint's weights to a safetensors file, or to a Hugging Face folder.
 
-    The source is any layout :func:`ckptools.open_checkpoint` reads (a torch file, a sharded
+    The source is any layout `ckptools.open_checkpoint` reads (a torch file, a sharded
     index, a Hugging Face, Accelerate or DCP folder). The weights are found as in
-    :func:`ckptools.load_state_dict` (bare, or under ``state_dict``, ``model_state_dict``,
+    `ckptools.load_state_dict` (bare, or under ``state_dict``, ``model_state_dict``,
     ``model``, ``module``, or ``key``), the prefix is stripped, tied tensors are stored once (the
     dropped names in the ``ckptools.aliases`` metadata; the first name in the checkpoint's order
     is kept, so a tied ``lm_head`` is the one dropped, as transformers expects), scalar entries such as ``epoch`` and
@@ -118,7 +118,7 @@ def convert_to_safetensors(
     read whole once.
 
     ``dst`` ending in ``/`` (or an existing folder), or ``max_shard_size`` given, writes a
-    Hugging Face folder instead: see :func:`export_huggingface`.
+    Hugging Face folder instead: see `export_huggingface`.
 
     Args:
         src: a checkpoint file or folder (path or URL).
@@ -132,9 +132,12 @@ def convert_to_safetensors(
         ``dst`` as a string.
 
     Raises:
-        CheckpointNotFoundError, CheckpointFormatError, UnsafeCheckpointError, KeyMismatchError.
+        CheckpointNotFoundError: nothing at ``src``.
+        CheckpointFormatError: ``src`` is damaged or not a checkpoint, or a tensor cannot be stored.
+        UnsafeCheckpointError: the weights themselves need classes torch's safe loader refuses.
+        KeyMismatchError: ``key`` names no entry.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> torch.save({"model": {"w": torch.ones(2)}, "epoch": 3}, "/tmp/c.pt")
         >>> ck.convert_to_safetensors("/tmp/c.pt", "/tmp/c.safetensors")
@@ -195,7 +198,7 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "K
 def parse_size(size: int | str) -> int:
     """``"5GB"`` -> 5_000_000_000, ``"500MiB"`` -> 524_288_000, ``1024`` -> 1024 (transformers' units).
 
-    Example:
+    Examples:
         >>> parse_size("5GB")
         5000000000
     """
@@ -239,16 +242,18 @@ def export_huggingface(
     stale shard is left behind). Each file is written atomically and the index last.
 
     Args:
-        src: any checkpoint :func:`ckptools.open_checkpoint` reads.
+        src: any checkpoint `ckptools.open_checkpoint` reads.
         out_dir: the folder (created if missing; local).
         max_shard_size: the largest shard: bytes or ``"5GB"``-style (GB = 10**9, GiB = 2**30).
-        key, strip, metadata: as for :func:`convert_to_safetensors`.
+        key: as for `convert_to_safetensors`.
+        strip: as for `convert_to_safetensors`.
+        metadata: as for `convert_to_safetensors`.
         force: replace weight files already in ``out_dir``.
 
     Returns:
         The files written.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> torch.save({"model": {"w": torch.ones(2)}}, "/tmp/e.pt")
         >>> ck.export_huggingface("/tmp/e.pt", "/tmp/e-hf", force=True)

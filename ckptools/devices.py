@@ -53,7 +53,7 @@ def resolve_map_location(spec: MapLocation = "auto") -> Any:
     Raises:
         ValueError: the spec is not understood, or it names CUDA where there is none.
 
-    Example:
+    Examples:
         >>> import ckptools as ck
         >>> ck.resolve_map_location("auto")  # on a machine without CUDA
         device(type='cpu')
@@ -95,7 +95,7 @@ def _copy_tensor(t: torch.Tensor, memo: dict[Any, torch.UntypedStorage]) -> torc
     if cpu_storage is None:
         # Copy the whole storage (as torch.save does) so that views and tied tensors keep
         # sharing memory in the copy exactly as they did in the input.
-        cpu_storage = torch.UntypedStorage(storage.nbytes(), device="cpu")
+        cpu_storage = torch.UntypedStorage(storage.nbytes(), device="cpu")  # type: ignore[no-untyped-call]
         cpu_storage.copy_(storage)
         memo[key] = cpu_storage
     out = torch.empty(0, dtype=t.dtype, device="cpu")
@@ -111,7 +111,7 @@ def _to_cpu(obj: Any, memo: dict[Any, torch.UntypedStorage]) -> Any:
     if isinstance(obj, Mapping):
         items = [(k, _to_cpu(v, memo)) for k, v in obj.items()]
         try:
-            out = type(obj)(items)
+            out: Any = type(obj)(items)  # type: ignore[call-arg]  # dict, OrderedDict and the like
         except TypeError:
             out = dict(items)
         metadata = getattr(obj, "_metadata", None)
@@ -140,7 +140,7 @@ def to_cpu(obj: Any) -> Any:
     Returns:
         The copy.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> w = torch.ones(2)
         >>> snap = ck.to_cpu({"w": w, "tied": w})

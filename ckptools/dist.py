@@ -28,7 +28,7 @@ def _dist_ready() -> bool:
 def get_rank() -> int:
     """Return this process's global rank (0 without a process group).
 
-    Example:
+    Examples:
         >>> import ckptools as ck
         >>> ck.get_rank()
         0
@@ -39,7 +39,7 @@ def get_rank() -> int:
 def get_world_size() -> int:
     """Return the number of processes in the default group (1 without a process group).
 
-    Example:
+    Examples:
         >>> import ckptools as ck
         >>> ck.get_world_size()
         1
@@ -52,7 +52,7 @@ def get_local_rank() -> int:
 
     Use it to pick the GPU (``cuda:LOCAL_RANK``), never to decide who writes.
 
-    Example:
+    Examples:
         >>> import ckptools as ck
         >>> ck.get_local_rank()
         0
@@ -67,7 +67,7 @@ def get_local_rank() -> int:
 def is_main_process() -> bool:
     """Return True on global rank 0 (the one process that writes checkpoints).
 
-    Example:
+    Examples:
         >>> import ckptools as ck
         >>> ck.is_main_process()
         True
@@ -81,7 +81,7 @@ def barrier() -> None:
     On NCCL the barrier runs on this rank's GPU (``device_ids``), which avoids NCCL guessing a
     device and hanging when ranks guessed differently.
 
-    Example:
+    Examples:
         >>> import ckptools as ck
         >>> ck.barrier()  # no process group: returns at once
     """
@@ -108,7 +108,7 @@ def exit_process(code: int = 0, *, collective: bool = True) -> NoReturn:
     and no waiting for a background save (an interrupted write leaves the previous checkpoint
     intact); only the flush and the exit.
 
-    Example:
+    Examples:
         >>> import ckptools as ck
         >>> if False:  # the last line of a DDP script's main(), on every rank
         ...     ck.exit_process(0)
@@ -161,7 +161,7 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
         ValueError: the environment names a rank or world size that is not an integer, or
             ``MASTER_ADDR``/``MASTER_PORT`` are missing while ``WORLD_SIZE`` is set.
 
-    Example:
+    Examples:
         >>> import ckptools as ck
         >>> device = ck.init_distributed()  # under torchrun: joins the group
         >>> device.type
@@ -187,7 +187,7 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
             "RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT yourself"
         )
     try:
-        rank, world_size, port = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["MASTER_PORT"])
+        rank, world_size, port = (int(env[name] or "") for name in ("RANK", "WORLD_SIZE", "MASTER_PORT"))
     except ValueError as err:
         raise ValueError(f"RANK/WORLD_SIZE/MASTER_PORT must be integers, got {env}") from err
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -197,15 +197,15 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
     # Under torchrun the agent hosts the store and every worker is a client; launched by hand,
     # rank 0 hosts it (the same rule as torch.distributed.rendezvous._create_c10d_store).
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    base = torch.distributed.TCPStore(
-        host_name=env["MASTER_ADDR"],
+    base = torch.distributed.TCPStore(  # type: ignore[attr-defined]  # exported, not in __all__
+        host_name=env["MASTER_ADDR"] or "",
         port=port,
         world_size=world_size,
         is_master=(not agent_store and rank == 0),
         timeout=store_timeout,
         wait_for_workers=False,
     )
-    store = torch.distributed.PrefixStore(f"ckptools/attempt_{attempt}", base)
+    store = torch.distributed.PrefixStore(f"ckptools/attempt_{attempt}", base)  # type: ignore[attr-defined]
     kwargs: dict[str, Any] = {"backend": backend, "store": store, "rank": rank, "world_size": world_size}
     if timeout is not None:
         kwargs["timeout"] = timeout

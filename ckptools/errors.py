@@ -1,6 +1,6 @@
 """Errors raised by ckptools.
 
-Every error ckptools raises on purpose derives from :class:`CheckpointError`, and each
+Every error ckptools raises on purpose derives from `CheckpointError`, and each
 subclass also inherits the builtin exception that code without ckptools would catch::
 
     Exception
@@ -16,7 +16,7 @@ subclass also inherits the builtin exception that code without ckptools would ca
                             a damaged checkpoint skipped, an old one that could not be deleted)
 
 Messages name the path or key and say how to fix the problem. Warnings go through
-:mod:`warnings`, never through the ``ckptools`` logger (which reports saves and loads at INFO), so
+`warnings`, never through the ``ckptools`` logger (which reports saves and loads at INFO), so
 ``warnings.simplefilter("error", ckptools.CheckpointWarning)`` (or pytest's
 ``-W error::ckptools.CheckpointWarning``) turns every one of them into an error in a test suite and
 ``logging.captureWarnings(True)`` sends them to the logs.

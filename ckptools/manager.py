@@ -23,13 +23,13 @@ class CheckpointManager:
     The manager only ever lists, verifies or deletes files whose names match that pattern, so it
     shares a directory safely with anything else (``final.safetensors``, logs, ...).
 
-    - ``save(state, step)`` (collective) writes atomically through :func:`ckptools.save`, then
+    - ``save(state, step)`` (collective) writes atomically through `ckptools.save`, then
       rank 0 deletes all but the newest ``keep_last`` checkpoints, only after the new one is
       complete. Checkpoints with a *higher* step than the one being saved belong to a timeline
       that was abandoned by resuming from an earlier checkpoint; they are deleted too (with a
       warning), or ``latest()`` would later resume the abandoned timeline. Leftover temporary
       files of a crashed save are removed (those whose writer process is gone; see
-      :func:`ckptools.storage.is_abandoned_tmp`).
+      `ckptools.storage.is_abandoned_tmp`).
     - ``latest()`` (local) returns the newest checkpoint whose every zip record passes its
       CRC-32 check, skipping damaged or truncated ones with a warning.
     - ``restore(state)`` (collective) loads the checkpoint rank 0's ``latest()`` chose on every
@@ -40,7 +40,7 @@ class CheckpointManager:
         keep_last: how many checkpoints to keep (>= 1), or None to keep all.
         prefix: file name prefix (letters, digits, ``_`` and ``-``).
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> model = torch.nn.Linear(2, 2)
         >>> manager = ck.CheckpointManager("/tmp/run", keep_last=2)
@@ -95,17 +95,17 @@ class CheckpointManager:
         """Save ``state`` as the checkpoint for ``step`` (collective), then prune.
 
         ``step`` is also recorded in the file's metadata (``__ckptools__["metadata"]["step"]``).
-        With ``blocking=False`` the save goes through :func:`ckptools.async_save`: the call
+        With ``blocking=False`` the save goes through `ckptools.async_save`: the call
         returns once the state is snapshotted, rank 0 writes in the background, and pruning
         happens in that background writer only after the new file is committed. The next
-        checkpoint call (any manager method but :meth:`checkpoints`, or ``ck.save``/``ck.load``)
-        finishes it first, and raises on every rank if it failed; :meth:`wait` does so now.
+        checkpoint call (any manager method but `checkpoints`, or ``ck.save``/``ck.load``)
+        finishes it first, and raises on every rank if it failed; `wait` does so now.
 
         Args:
-            state: as for :func:`ckptools.save`.
+            state: as for `ckptools.save`.
             step: the training step (or any increasing counter).
             blocking: False to save in the background.
-            **save_kwargs: passed to :func:`ckptools.save` (``metadata=...``).
+            **save_kwargs: passed to `ckptools.save` (``metadata=...``).
 
         Returns:
             The new checkpoint's path (where it will be, with ``blocking=False``).
@@ -114,7 +114,7 @@ class CheckpointManager:
             CheckpointError: the save failed (on every rank), or the async save before it did;
                 older checkpoints are untouched.
 
-        Example:
+        Examples:
             >>> manager.save({"model": model, "optimizer": opt}, step=200)  # doctest: +SKIP
             >>> manager.save({"model": model, "optimizer": opt}, step=300, blocking=False)  # doctest: +SKIP
         """
@@ -145,7 +145,7 @@ class CheckpointManager:
         Raises:
             CheckpointError: its background write failed (on every rank).
 
-        Example:
+        Examples:
             >>> manager.wait()  # doctest: +SKIP
             'runs/x/ckpt-0000000300.pt'
         """
@@ -159,7 +159,7 @@ class CheckpointManager:
     def close(self) -> None:
         """Finish the async save in flight (collective) and free the snapshot buffers it held.
 
-        Example:
+        Examples:
             >>> manager.close()  # doctest: +SKIP
         """
         self.wait()
@@ -210,7 +210,7 @@ class CheckpointManager:
         The newest file is verified (every zip record's CRC-32, which ``torch.load`` does not
         check); a damaged one is skipped with a warning and the next newest is tried.
 
-        Example:
+        Examples:
             >>> ck.CheckpointManager("/tmp/empty-run").latest() is None  # doctest: +SKIP
             True
         """
@@ -230,12 +230,12 @@ class CheckpointManager:
         """Restore ``state`` from the newest good checkpoint on every rank; None on a fresh start.
 
         Collective: rank 0 picks the checkpoint (so all ranks agree even if a save is racing
-        the listing) and broadcasts its path; every rank then loads it with :func:`ckptools.load`,
+        the listing) and broadcasts its path; every rank then loads it with `ckptools.load`,
         restoring its own RNG states too (restoring is resuming; ``restore_rng=False`` opts out).
 
         Args:
-            state: objects to restore in place, as for :func:`ckptools.load`.
-            **load_kwargs: passed to :func:`ckptools.load` (``map_location``, ``strict``, ``broadcast``: rank 0
+            state: objects to restore in place, as for `ckptools.load`.
+            **load_kwargs: passed to `ckptools.load` (``map_location``, ``strict``, ``broadcast``: rank 0
                 reads, the others receive, for node-local disks; ...).
 
         Returns:
@@ -244,7 +244,7 @@ class CheckpointManager:
         Raises:
             CheckpointError: choosing or loading failed (on every rank).
 
-        Example:
+        Examples:
             >>> ckpt = manager.restore({"model": model, "optimizer": opt})  # doctest: +SKIP
             >>> step = 0 if ckpt is None else ckpt["step"]  # doctest: +SKIP
         """

@@ -47,16 +47,16 @@ class Preemption:
     Creating it installs handlers for ``signals`` (SIGTERM and SIGUSR1 by default: what
     ``scancel``, Kubernetes, spot reclaim and torchrun send, and what SLURM's
     ``--signal=USR1@90`` sends) that only record the signal. At each step boundary the loop
-    asks :meth:`should_stop`, a collective that returns the same answer on every rank at the
+    asks `should_stop`, a collective that returns the same answer on every rank at the
     same step: True if *any* rank got a signal. Signals land on ranks at different moments
     (or on one rank only); a rank that left on its own would hang the others in their next
     collective, so nobody leaves before they agree. Then the loop saves and calls
-    :meth:`exit`, which finishes any async save in flight and makes every rank exit together
-    with :attr:`exit_code` (128 + the signal number: 143 for SIGTERM, 138 for SIGUSR1, what a
+    `exit`, which finishes any async save in flight and makes every rank exit together
+    with `exit_code` (128 + the signal number: 143 for SIGTERM, 138 for SIGUSR1, what a
     shell reports for a process ended by that signal; pass ``exit_code=`` to choose).
 
     SIGTERM sent to a whole process group also reaches DataLoader workers, which die of it,
-    and the loop then dies fetching its next batch before any save. :meth:`protect` makes a
+    and the loop then dies fetching its next batch before any save. `protect` makes a
     loader's workers ignore the signals (they stop when the main process stops them, or when
     it is gone).
 
@@ -70,12 +70,12 @@ class Preemption:
 
     Args:
         signals: signals to catch (handlers can only be installed from the main thread).
-        check_every: communicate on every k-th call of :meth:`should_stop` only (the others
+        check_every: communicate on every k-th call of `should_stop` only (the others
             return False at once); a stop then comes at most k - 1 steps later.
-        exit_code: the exit status of :meth:`exit`; None for 128 + the signal number.
+        exit_code: the exit status of `exit`; None for 128 + the signal number.
         grace_seconds: when to say in the log that no step boundary came after a signal.
 
-    Example:
+    Examples:
         >>> import ckptools as ck
         >>> preemption = ck.Preemption()  # doctest: +SKIP
         >>> loader = preemption.protect(loader)  # doctest: +SKIP
@@ -193,13 +193,13 @@ class Preemption:
 
     @property
     def exit_code(self) -> int:
-        """What :meth:`exit` leaves with: ``exit_code=`` if given, else 128 + the agreed signal."""
+        """What `exit` leaves with: ``exit_code=`` if given, else 128 + the agreed signal."""
         if self._exit_code is not None:
             return self._exit_code
         return 128 + int(self.stop_signal or self.received or signal.SIGTERM)
 
     def requested(self) -> bool:
-        """Whether *this* rank got a signal (local; use :meth:`should_stop` to decide anything)."""
+        """Whether *this* rank got a signal (local; use `should_stop` to decide anything)."""
         return self.received is not None
 
     def should_stop(self) -> bool:
@@ -210,7 +210,7 @@ class Preemption:
         when training uses nccl, so it never waits for the GPU); the others return False at
         once. Once True, it stays True.
 
-        Example:
+        Examples:
             >>> if preemption.should_stop():  # doctest: +SKIP
             ...     manager.save(state, step)
             ...     preemption.exit()
@@ -242,7 +242,7 @@ class Preemption:
         with ``spawn`` from the moment ``worker_init_fn`` runs. Call it before the loader's first
         iteration: ``persistent_workers`` already started keep the init function they had.
 
-        Example:
+        Examples:
             >>> loader = preemption.protect(DataLoader(dataset, num_workers=4))  # doctest: +SKIP
         """
         inner = loader.worker_init_fn
@@ -255,9 +255,9 @@ class Preemption:
 
         Collective. ``os._exit`` skips interpreter teardown, where freeing a DDP model can hang
         in the process group's destructor; everything ckptools wrote is complete and fsynced
-        by then. Exit status: ``code``, else :attr:`exit_code`.
+        by then. Exit status: ``code``, else `exit_code`.
 
-        Example:
+        Examples:
             >>> preemption.exit()  # doctest: +SKIP
         """
         background.finish_pending()

@@ -1,6 +1,6 @@
 """One read-only view of every checkpoint layout ckptools reads, and the operations built on it.
 
-:func:`open_checkpoint` opens a path as a :class:`CheckpointView`, whatever it is:
+`open_checkpoint` opens a path as a `CheckpointView`, whatever it is:
 
 ========================  ====================================================================
 layout                    recognised by
@@ -18,16 +18,16 @@ DCP folder                a folder holding ``.metadata`` (``torch.distributed.ch
 ========================  ====================================================================
 
 Every view gives tensor names with dtype, shape and bytes without reading tensor data
-(:attr:`~CheckpointView.tensors`), the model weights (:meth:`~CheckpointView.weights`, read
+(`CheckpointView.tensors`), the model weights (`CheckpointView.weights`, read
 lazily shard by shard), the non-tensor entries, and an integrity check
-(:meth:`~CheckpointView.verify`). :func:`inspect`, :func:`diff` and :func:`verify` are what
+(`CheckpointView.verify`). `inspect`, `diff` and `verify` are what
 ``ckpt info``, ``ckpt diff`` and ``ckpt verify`` print; ``load_state_dict``, ``load`` (for a
 model entry) and ``convert_to_safetensors`` read through the same views.
 
 Nothing here runs code from a file: pickles are read with torch's weights-only unpickler or
 ckptools' own parser. A file whose *other* entries need classes outside the allowlist (a
 Lightning checkpoint whose ``hyper_parameters`` hold a ``pathlib.Path``) still gives up its
-weights, read with inert placeholders for those classes; :attr:`CheckpointView.skipped` names
+weights, read with inert placeholders for those classes; `CheckpointView.skipped` names
 them. ``trust_code=True`` is the opt-in to let torch unpickle anything, for trusted files only.
 """
 
@@ -88,7 +88,7 @@ class TensorInfo:
 
 @dataclass
 class CheckpointView:
-    """A checkpoint of any layout, read-only. Made by :func:`open_checkpoint`.
+    """A checkpoint of any layout, read-only. Made by `open_checkpoint`.
 
     Attributes:
         path: what was opened.
@@ -118,11 +118,11 @@ class CheckpointView:
     def weights(self, key: str | None = None, *, map_location: Any = "cpu") -> Mapping[str, Any]:
         """The model weights, names as stored (``module.`` and friends kept).
 
-        Found as :func:`ckptools.load_state_dict` finds them: a bare state dict, or under
+        Found as `ckptools.load_state_dict` finds them: a bare state dict, or under
         ``state_dict``/``model_state_dict``/``model``/``module``, or ``key`` (dotted). A sharded
         checkpoint gives a mapping that reads one shard at a time, when a tensor is asked for.
 
-        Example:
+        Examples:
             >>> import torch, ckptools as ck
             >>> torch.save({"model": {"w": torch.ones(2)}}, "/tmp/v.pt")
             >>> list(ck.open_checkpoint("/tmp/v.pt").weights())
@@ -145,7 +145,7 @@ class CheckpointView:
         """What ``ckpt info --json`` prints: format, files, entries, tensors, totals, metadata."""
         total = sum(t.bytes for t in self.tensors if not t.shared)
         prefixed = sum(1 for t in self.tensors if _wrapper_prefixed(t.name))
-        report = {
+        report: dict[str, Any] = {
             "path": self.path,
             "format": self.format,
             "file_bytes": self.file_bytes,
@@ -186,7 +186,7 @@ def open_checkpoint(path: PathLike, *, trust_code: bool = False) -> CheckpointVi
         CheckpointFormatError: damaged or not a checkpoint.
         UnsafeCheckpointError: the weights themselves need refused globals and ``trust_code`` is off.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> torch.save({"model": {"w": torch.ones(2)}, "step": 3}, "/tmp/v.pt")
         >>> view = ck.open_checkpoint("/tmp/v.pt")
@@ -574,8 +574,8 @@ def _read_index(path: str) -> tuple[dict[str, str], dict[str, Any]]:
         raise CheckpointFormatError(
             f"{path}: 'weight_map' must map tensor names to shard file names in the same folder (corrupt index)"
         )
-    metadata = index.get("metadata") if isinstance(index.get("metadata"), dict) else {}
-    return weight_map, dict(metadata)
+    metadata = index.get("metadata")
+    return weight_map, dict(metadata) if isinstance(metadata, dict) else {}
 
 
 def _shard_pattern(shards: list[str]) -> str | None:
@@ -835,7 +835,7 @@ def _dcp_tensors(folder: str, meta: Any) -> dict[str, Any]:
     the nested dict that was saved (``{"model": {...}, "optimizer": {...}}``). Pickled objects
     are not read: weights never need them."""
     import torch
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import FileSystemReader  # type: ignore[attr-defined]  # exported
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
@@ -884,7 +884,7 @@ def read_weights(path: str, *, key: str | None, map_location: Any, verify: bool 
     """The model weights of any layout, names as stored: what ``load_state_dict`` and ``load`` use.
 
     A single file is read directly (no view is built: a remote file is fetched once); ``verify``
-    checks its checksums first. A folder or index goes through :func:`open_checkpoint`, and
+    checks its checksums first. A folder or index goes through `open_checkpoint`, and
     ``verify`` runs the view's whole check (every shard, index agreement) first.
     """
     if _is_layout(path):
@@ -915,7 +915,7 @@ def inspect(path: PathLike, *, trust_code: bool = False) -> dict[str, Any]:
     device, shared), ``totals``, ``metadata``, and for folders ``files`` and ``extras``;
     ``skipped_globals`` when a lenient read stood placeholders in for refused classes.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> torch.save({"model": {"w": torch.ones(2)}, "step": 3}, "/tmp/i.pt")
         >>> ck.inspect("/tmp/i.pt")["totals"]
@@ -933,9 +933,9 @@ def verify(path: PathLike, *, trust_code: bool = False) -> str:
 
     Raises:
         CheckpointFormatError: damaged (``ckpt verify`` exits 1). A valid file of another kind
-            raises :class:`CheckpointLayoutError` instead, which ``ckpt verify`` never calls damaged.
+            raises `CheckpointLayoutError` instead, which ``ckpt verify`` never calls damaged.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> torch.save({"w": torch.ones(2)}, "/tmp/f.pt")
         >>> ck.verify("/tmp/f.pt")
@@ -950,7 +950,7 @@ def diff(a: PathLike, b: PathLike, *, atol: float = 0.0, trust_code: bool = Fals
     Returns a dict: ``differ`` (bool), ``missing_in_b``, ``only_in_b``, ``shape_or_dtype_mismatch``,
     ``changed`` (max |a-b| above ``atol``, or NaN) and ``max_abs_diff`` per common tensor.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> torch.save({"module.w": torch.ones(2)}, "/tmp/a.pt")
         >>> torch.save({"w": torch.ones(2)}, "/tmp/b.pt")
@@ -971,7 +971,9 @@ def diff(a: PathLike, b: PathLike, *, atol: float = 0.0, trust_code: bool = Fals
     nb = strip_wrappers({name: name for name in wb})
     missing = sorted(set(na) - set(nb))
     unexpected = sorted(set(nb) - set(na))
-    mismatched, changed, max_abs = [], [], {}
+    mismatched: list[dict[str, Any]] = []
+    changed: list[str] = []
+    max_abs: dict[str, float] = {}
     order = {stored: i for i, stored in enumerate(wa)}
     for name in sorted(set(na) & set(nb), key=lambda n: order[na[n]]):
         ta, tb = wa[na[name]], wb[nb[name]]

@@ -20,13 +20,13 @@ def rename_checkpoint(src: PathLike, dst: PathLike, transform: Transform) -> int
     """Rename the weights' keys of a checkpoint file or folder into ``dst``; return how many changed.
 
     What ``ckpt strip-module`` and ``ckpt add-module`` do: ``transform`` maps a state dict to the
-    renamed one (:func:`ckptools.strip_prefix`, :func:`ckptools.add_prefix`, or your own). No
+    renamed one (`ckptools.strip_prefix`, `ckptools.add_prefix`, or your own). No
     tensor is decoded: a torch zip's ``data.pkl`` or a safetensors header is rewritten and the
     tensor bytes copied; every other entry (optimizer, epoch; even ones that need classes torch's
     safe loader refuses) is kept. A folder (Hugging Face or Accelerate, sharded or not) is written
     as a folder; ``dst`` may equal ``src`` (each file is replaced atomically).
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> torch.save({"model": {"module.w": torch.ones(1)}, "epoch": 2}, "/tmp/r.pt")
         >>> ck.rename_checkpoint("/tmp/r.pt", "/tmp/r2.pt", ck.strip_prefix)
@@ -91,7 +91,7 @@ def _rename_in_tree(tree: Any, located: tuple[Any, Any, Any], transform: Transfo
 def rename_folder(path: str, dst: str, transform: Transform) -> int:
     """Rename the weights of a Hugging Face / Accelerate folder (or a sharded index's folder).
 
-    Each weight file is renamed as by :func:`rename_file`, the index's ``weight_map`` rewritten
+    Each weight file is renamed as by `rename_file`, the index's ``weight_map`` rewritten
     (last, so an interrupted run leaves the old index naming the old shards), and, when ``dst``
     is another folder, every other file (``config.json``, tokenizer, optimizer state) copied.
 

@@ -15,7 +15,7 @@ import torch
 try:  # numpy is optional: a training script without it has no numpy stream to restore.
     import numpy as _np
 except ImportError:  # pragma: no cover - numpy is installed in every supported set-up
-    _np = None
+    _np = None  # type: ignore[assignment]
 
 
 def get_rng_state() -> dict[str, Any]:
@@ -33,18 +33,18 @@ def get_rng_state() -> dict[str, Any]:
         kind, keys, pos, has_gauss, cached = _np.random.get_state()
         state["numpy"] = {
             "kind": str(kind),
-            "keys": torch.from_numpy(keys.astype("int64")),
+            "keys": torch.from_numpy(keys.astype("int64")),  # type: ignore[attr-defined]  # an ndarray
             "pos": int(pos),
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
         state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
     return state
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
-    """Restore RNG states captured by :func:`get_rng_state` (missing parts are left alone).
+    """Restore RNG states captured by `get_rng_state` (missing parts are left alone).
 
     CUDA states are restored for as many devices as both the checkpoint and this machine have.
     """

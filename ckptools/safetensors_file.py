@@ -113,7 +113,7 @@ def save_safetensors(path: PathLike, tensors: Mapping[str, Any], *, metadata: Ma
 
     Tied tensors (the same view of one storage) are stored once, under the first of their names
     in ``tensors``' order, and the dropped names recorded in ``ckptools.aliases``; each stored
-    tensor's CRC-32 goes into ``ckptools.crc32`` so that :func:`verify_safetensors` can detect bit
+    tensor's CRC-32 goes into ``ckptools.crc32`` so that `verify_safetensors` can detect bit
     rot later. Memory stays at one tensor's
     contiguous copy at most (none for tensors that are already contiguous on CPU).
     """
@@ -133,7 +133,7 @@ def tensor_specs(tensors: Mapping[str, Any]) -> tuple[dict[str, Spec], dict[str,
     names = {dtype: name for name, dtype in torch_dtypes().items()}
     specs: dict[str, Spec] = {}
     aliases: dict[str, str] = {}
-    seen: dict[tuple, str] = {}
+    seen: dict[tuple[Any, ...], str] = {}
     for name in tensors:
         t = tensors[name]
         if not isinstance(t, torch.Tensor):
@@ -156,7 +156,7 @@ def tensor_specs(tensors: Mapping[str, Any]) -> tuple[dict[str, Spec], dict[str,
             if sys.byteorder != "little":  # pragma: no cover - no big-endian machine to test on
                 raise NotImplementedError("writing safetensors on a big-endian machine is not supported")
             data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
-            return _write_chunks(f, memoryview(data))
+            return _write_chunks(f, memoryview(data))  # type: ignore[arg-type]  # ndarray is a buffer
 
         specs[name] = Spec(names[t.dtype], list(t.shape), t.numel() * t.element_size(), write)
     return specs, aliases
@@ -296,7 +296,7 @@ def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
     Only the JSON header is rewritten (names, and the names inside ckptools' checksum and alias
     metadata); the data section is copied byte for byte (``copy_file_range`` between local
     files). ``transform`` maps ``{name: name}`` to ``{new name: old name}`` (e.g.
-    :func:`ckptools.strip_prefix`). Writing is atomic, so ``dst`` may be ``src``.
+    `ckptools.strip_prefix`). Writing is atomic, so ``dst`` may be ``src``.
 
     Raises:
         CheckpointFormatError: the file is invalid, or two names would become one.

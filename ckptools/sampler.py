@@ -18,7 +18,7 @@ __all__ = ["ResumableDistributedSampler"]
 T = TypeVar("T")
 
 
-class ResumableDistributedSampler(DistributedSampler):
+class ResumableDistributedSampler(DistributedSampler[int]):
     """Drop-in ``DistributedSampler`` whose state carries epoch, seed and progress in the epoch.
 
     ``state_dict()`` records how many of this rank's samples of the current epoch the training
@@ -41,7 +41,7 @@ class ResumableDistributedSampler(DistributedSampler):
     ``sampler.record_consumed(n)`` right after taking each batch of ``n`` samples is the manual
     form of the first point. Iterating the loader itself works exactly only with
     ``num_workers=0`` and a DataLoader ``generator``; the other hazards are warned about (a
-    :class:`ckptools.CheckpointWarning`, once, on rank 0) when they would make a resume inexact:
+    `ckptools.CheckpointWarning`, once, on rank 0) when they would make a resume inexact:
     a checkpoint saved while untracked workers run ahead, a resumed epoch whose first batch
     moved the global RNG, and a new pass over an epoch without ``set_epoch`` (which repeats the
     last shuffle, as ``DistributedSampler`` does, pytorch#31771).
@@ -64,11 +64,11 @@ class ResumableDistributedSampler(DistributedSampler):
     With the old world size this is exactly ``DistributedSampler``'s own layout, and the prefix
     property holds again for the next change; the next epoch is what a fresh run at the new
     world size sees. The saved per-rank RNG states have no meaning for other ranks, so
-    :func:`ckptools.load` leaves each new rank's RNG as it is (and warns); the global batch
+    `ckptools.load` leaves each new rank's RNG as it is (and warns); the global batch
     (per-rank batch x world size) changes with the world size: keep it with gradient
     accumulation or scale the learning rate, as for any change of world size.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> data = torch.utils.data.TensorDataset(torch.arange(8.0))
         >>> sampler = ck.ResumableDistributedSampler(data, num_replicas=1, rank=0, shuffle=False)
@@ -80,7 +80,7 @@ class ResumableDistributedSampler(DistributedSampler):
         [3, 4, 5, 6, 7]
     """
 
-    def __init__(self, dataset: torch.utils.data.Dataset, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, dataset: torch.utils.data.Dataset[Any], *args: Any, **kwargs: Any) -> None:
         super().__init__(dataset, *args, **kwargs)
         self._offset = 0  # where the current (or next) iteration starts in this rank's share
         # Samples of the epoch's permutation consumed before a resume at a world size that does
@@ -105,7 +105,7 @@ class ResumableDistributedSampler(DistributedSampler):
     def consumed(self) -> int:
         """Samples of the epoch consumed by all ranks together: a prefix of the epoch's order.
 
-        Example:
+        Examples:
             >>> import torch, ckptools as ck
             >>> data = torch.utils.data.TensorDataset(torch.arange(10.0))
             >>> sampler = ck.ResumableDistributedSampler(data, num_replicas=2, rank=0)
@@ -174,7 +174,7 @@ class ResumableDistributedSampler(DistributedSampler):
         return {**self.__dict__, "_driver": None}
 
     def _rng_restored(self) -> None:
-        """Called by :func:`ckptools.load` right after it restored this process's RNG states."""
+        """Called by `ckptools.load` right after it restored this process's RNG states."""
         self._rng_after_restore = torch.get_rng_state()
 
     def _check_rng_after_restore(self) -> None:
@@ -219,7 +219,7 @@ class ResumableDistributedSampler(DistributedSampler):
         Needed only with DataLoader workers (see the class docstring). Call it right after
         receiving the batch, before any checkpoint is saved in that step.
 
-        Example:
+        Examples:
             >>> for batch in loader:  # doctest: +SKIP
             ...     sampler.record_consumed(len(batch[0]))
             ...     train_step(batch)
@@ -245,7 +245,7 @@ class ResumableDistributedSampler(DistributedSampler):
         Raises:
             ValueError: ``loader`` has no ``batch_size``, or draws from another sampler.
 
-        Example:
+        Examples:
             >>> for batch in sampler.track(loader):  # doctest: +SKIP
             ...     train_step(batch)
         """
@@ -342,7 +342,7 @@ class ResumableDistributedSampler(DistributedSampler):
             return
         # A pass whose iterator is gone was finished (everything drawn) or abandoned (a `break`);
         # persistent workers keep theirs, which may have handed out every batch already.
-        driver = self._driver()
+        driver: Any = self._driver()
         try:
             running = driver._num_yielded < len(driver)
         except (AttributeError, TypeError):  # gone (None), or another torch's iterator: judge by what was drawn
@@ -366,7 +366,7 @@ def _loader_iterator() -> Any:
     base = getattr(torch.utils.data.dataloader, "_BaseDataLoaderIter", None)
     if base is None:
         return None
-    frame = sys._getframe(2)
+    frame: Any = sys._getframe(2)
     for _ in range(8):
         if frame is None:
             return None

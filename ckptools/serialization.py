@@ -2,7 +2,7 @@
 
 ``torch.load`` runs with ``weights_only=True`` unless the caller opts out, and torch's assorted
 errors (RuntimeError from miniz, UnpicklingError, EOFError, ...) are turned into
-:class:`CheckpointFormatError` or :class:`UnsafeCheckpointError` naming the file and the fix.
+`CheckpointFormatError` or `UnsafeCheckpointError` naming the file and the fix.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def save_file(path: PathLike, obj: Any) -> int:
-    """``torch.save`` ``obj`` to ``path`` atomically (see :func:`ckptools.storage.atomic_write`).
+    """``torch.save`` ``obj`` to ``path`` atomically (see `ckptools.storage.atomic_write`).
 
     Returns:
         The number of bytes written.
@@ -106,7 +106,7 @@ def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool =
 
 @contextmanager
 def _opened(source: Any, local: bool) -> Iterator[IO[bytes]]:
-    """A binary handle on what :func:`open_for_read` returned: a path is opened and closed, an
+    """A binary handle on what `open_for_read` returned: a path is opened and closed, an
     in-memory copy of a remote file is rewound for the reader that comes next."""
     handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
     try:
@@ -130,7 +130,7 @@ def verify_torch_file(path: PathLike) -> None:
 
     ``torch.load`` does not check CRCs, so a flipped bit in tensor data loads silently. This
     reads the whole file once. Legacy (pre-1.6, non-zip) files carry no checksums and cannot be
-    verified: they raise :class:`CheckpointFormatError`.
+    verified: they raise `CheckpointFormatError`.
 
     Raises:
         CheckpointNotFoundError: the file does not exist.
@@ -176,28 +176,27 @@ _CONTAINERS = frozenset({dict, OrderedDict, list, tuple})
 
 
 def check_loadable(obj: Any, where: str) -> None:
-    """Raise :class:`UnsafeStateError` if ``torch.load(weights_only=True)`` would refuse ``obj``.
+    """Raise `UnsafeStateError` if ``torch.load(weights_only=True)`` would refuse ``obj``.
 
-        The values of a training state (tensors, numbers, strings, and dicts/lists/tuples of them)
-        are recognised in one walk. Anything else is pickled the way ``torch.save`` pickles it
-        (storages by reference, so no tensor data is copied) and unpickled by torch's own
-        weights-only unpickler: exactly what a later load accepts, including types the program
-        allowlisted with ``torch.serialization.add_safe_globals``.
+    The values of a training state (tensors, numbers, strings, and dicts/lists/tuples of them)
+    are recognised in one walk. Anything else is pickled the way ``torch.save`` pickles it
+    (storages by reference, so no tensor data is copied) and unpickled by torch's own
+    weights-only unpickler: exactly what a later load accepts, including types the program
+    allowlisted with ``torch.serialization.add_safe_globals``.
 
-        Args:
-            obj: the value about to be saved.
-            where: how the user names it, for the message (``"state['args']"``).
+    Args:
+        obj: the value about to be saved.
+        where: how the user names it, for the message (``"state['args']"``).
 
-        Raises:
-            UnsafeStateError: naming the offending value, its type and the fix.
+    Raises:
+        UnsafeStateError: naming the offending value, its type and the fix.
 
-        Example:
-            >>> import argparse
-    import contextlib
-            >>> check_loadable({"lr": 0.1, "args": argparse.Namespace(lr=0.1)}, "state")  # doctest: +ELLIPSIS
-            Traceback (most recent call last):
-            ...
-            ckptools.errors.UnsafeStateError: cannot save state['args'] (type argparse.Namespace): ...
+    Examples:
+        >>> import argparse
+        >>> check_loadable({"lr": 0.1, "args": argparse.Namespace(lr=0.1)}, "state")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ckptools.errors.UnsafeStateError: cannot save state['args'] (type argparse.Namespace): ...
     """
     for suspect, name in _suspects(obj, where):
         reason = _refusal(suspect)
@@ -259,9 +258,9 @@ def _refusal(obj: Any) -> str | None:
         return f"it cannot be pickled: {_first_line(err)}"
     buffer.seek(0)
     unpickler = _weights_only_unpickler.Unpickler(buffer, encoding="utf-8")
-    unpickler.persistent_load = lambda pid: storages[pid[1]]  # type: ignore[attr-defined]
+    unpickler.persistent_load = lambda pid: storages[pid[1]]  # type: ignore[method-assign]
     try:
-        unpickler.load()
+        unpickler.load()  # type: ignore[no-untyped-call]
     except Exception as err:  # noqa: BLE001 - the refusal itself is the answer
         found = _GLOBAL_RE.findall(str(err))
         return f"it needs the global {found[0]}" if found else _first_line(err)

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["add_prefix", "strip_prefix", "unwrap_model"]
 
-M = TypeVar("M", bound=Mapping)
+M = TypeVar("M", bound="Mapping[Any, Any]")
 
 
 def _copy_mapping(state_dict: Mapping[str, Any], items: list[tuple[str, Any]]) -> Any:
     # Keep the caller's mapping type (OrderedDict from state_dict(), plain dict from json, ...).
     try:
-        out = type(state_dict)(items)
+        out = type(state_dict)(items)  # type: ignore[call-arg]  # dict, OrderedDict and the like
     except TypeError:
         out = dict(items)
     return out
@@ -47,7 +47,7 @@ def strip_prefix(state_dict: M, prefix: str = "module.") -> M:
     Returns:
         A new mapping of the same type.
 
-    Example:
+    Examples:
         >>> import ckptools as ck
         >>> ck.strip_prefix({"module.fc.weight": 1, "step": 2})
         {'fc.weight': 1, 'step': 2}
@@ -68,13 +68,13 @@ def strip_prefix(state_dict: M, prefix: str = "module.") -> M:
             if key == bare or key.startswith(prefix):
                 renamed[key[len(prefix) :]] = renamed.pop(key)
         out._metadata = renamed
-    return out
+    return cast(M, out)
 
 
 def add_prefix(state_dict: M, prefix: str = "module.") -> M:
     """Return a copy of ``state_dict`` with ``prefix`` added to every key that lacks it.
 
-    The inverse of :func:`strip_prefix`, and idempotent: keys that already carry the prefix are
+    The inverse of `strip_prefix`, and idempotent: keys that already carry the prefix are
     left alone, so ``add_prefix(add_prefix(sd)) == add_prefix(sd)``. ``_metadata`` is renamed
     likewise (the root ``""`` becomes the bare ``module`` entry). The input is never modified.
 
@@ -85,7 +85,7 @@ def add_prefix(state_dict: M, prefix: str = "module.") -> M:
     Returns:
         A new mapping of the same type.
 
-    Example:
+    Examples:
         >>> import ckptools as ck
         >>> ck.add_prefix({"fc.weight": 1, "module.fc.bias": 2})
         {'module.fc.weight': 1, 'module.fc.bias': 2}
@@ -106,7 +106,7 @@ def add_prefix(state_dict: M, prefix: str = "module.") -> M:
                 new = prefix + key
             renamed[new] = copy.copy(value)
         out._metadata = _copy_mapping(metadata, list(renamed.items()))
-    return out
+    return cast(M, out)
 
 
 # Prefixes wrappers put in front of a model's keys: DDP/DataParallel, torch.compile, both nested.
@@ -141,7 +141,7 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     Raises:
         TypeError: ``model`` is not an ``nn.Module``.
 
-    Example:
+    Examples:
         >>> import torch, ckptools as ck
         >>> net = torch.nn.Linear(2, 2)
         >>> ck.unwrap_model(torch.nn.DataParallel(net)) is net
@@ -154,10 +154,10 @@ def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     wrappers: tuple[type, ...] = (torch.nn.DataParallel, torch.nn.parallel.DistributedDataParallel)
     while True:
         if isinstance(model, wrappers):
-            model = model.module
+            model = cast(torch.nn.Module, model.module)
         elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
             # torch._dynamo.eval_frame.OptimizedModule; checked by attribute so that importing
             # torch._dynamo (slow) is not needed.
-            model = model._orig_mod
+            model = cast(torch.nn.Module, model._orig_mod)
         else:
             return model

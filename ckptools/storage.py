@@ -16,7 +16,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import IO, Any, Union
+from typing import IO, Any, Union, cast
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
@@ -44,7 +44,8 @@ def _fspath(path: PathLike) -> str:
 
 def get_filesystem(path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
     """Return ``(filesystem, path inside it)`` for a local path or any fsspec URL."""
-    return fsspec.core.url_to_fs(_fspath(path))
+    fs, inner = fsspec.core.url_to_fs(_fspath(path))
+    return fs, str(inner)
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -88,7 +89,7 @@ def tmp_name(name: str) -> str:
     """A unique temporary name for ``name`` in the same directory.
 
     It names its writer (host and pid), so a later save can tell a dead writer's leftover from
-    the file a live writer is still filling (see :func:`is_abandoned_tmp`).
+    the file a live writer is still filling (see `is_abandoned_tmp`).
     """
     return f".{name}{TMP_MARKER}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
 
@@ -115,7 +116,7 @@ def is_abandoned_tmp(path: PathLike) -> bool:
     """Whether the temporary file at ``path`` was left by a writer that is gone.
 
     True when its writer ran on this host and that process no longer exists, or when it has not
-    changed for :data:`STALE_TMP_SECONDS` (a writer on another host, whose pid means nothing
+    changed for `STALE_TMP_SECONDS` (a writer on another host, whose pid means nothing
     here, or a pid since reused by another process). False while the writer may still be filling
     it, so a second job writing into the same directory never has its file deleted under it.
     """
@@ -235,7 +236,7 @@ def _stream_upload(fs: fsspec.AbstractFileSystem, fpath: str, write: Callable[[I
     # incomplete upload, which S3 never shows as an object (a bucket lifecycle rule reaps those).
     f = fs.open(fpath, "wb", block_size=UPLOAD_PART)
     try:
-        write(_PartSized(f))
+        write(cast(IO[bytes], _PartSized(f)))  # write() is all torch.save calls
         f.close()  # completes the multipart upload (a small file goes as one PUT)
     except BaseException:
         with contextlib.suppress(Exception):
@@ -411,7 +412,7 @@ def crc32_range(handle: IO[bytes], start: int, length: int, *, what: str, out: I
     handle.seek(start)
     crc = 0
     while length:
-        got = handle.readinto(view[: min(length, len(buffer))])
+        got = handle.readinto(view[: min(length, len(buffer))])  # type: ignore[attr-defined]  # a binary file
         if not got:
             raise CheckpointFormatError(f"{what} is cut short (truncated file)")
         crc = zlib.crc32(view[:got], crc)

@@ -8,7 +8,7 @@ tensor is decoded, memory stays flat, and ``import torch`` (over a second) is no
 
 The reader is at least as strict as ``torch.load(weights_only=True)``: ``find_class`` answers
 only a fixed allowlist of the globals torch checkpoints use, with inert placeholders; anything
-else raises :class:`UnsafeCheckpointError` and is never imported or called.
+else raises `UnsafeCheckpointError` and is never imported or called.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import zipfile
 import zlib
 from collections import OrderedDict
 from collections.abc import Iterable, Mapping
-from typing import IO, Any, ClassVar
+from typing import IO, Any, ClassVar, cast
 
 from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from .storage import copy_range
@@ -81,11 +81,11 @@ class Global:
 
 
 class Call:
-    """What ``REDUCE`` of a :class:`Global` would have built; kept as (func, args, BUILD state)."""
+    """What ``REDUCE`` of a `Global` would have built; kept as (func, args, BUILD state)."""
 
     __slots__ = ("args", "func", "state")
 
-    def __init__(self, func: Global, args: tuple) -> None:
+    def __init__(self, func: Global, args: tuple[Any, ...]) -> None:
         self.func, self.args, self.state = func, args, None
 
     def __setstate__(self, state: Any) -> None:
@@ -115,7 +115,13 @@ def _allowed(module: str, name: str) -> bool:
     }
 
 
-class _Reader(pickle._Unpickler):  # type: ignore[name-defined]
+# The pure-Python pickle classes, whose internals (stack, memo, dispatch tables) the readers and
+# the writer below extend; typeshed describes only the public interface of the C ones.
+_PyUnpickler: Any = pickle._Unpickler
+_PyPickler: Any = pickle._Pickler
+
+
+class _Reader(_PyUnpickler):  # type: ignore[misc]  # subclassing Any: see above
     """The strict unpickler: allowlisted globals become inert placeholders, nothing is imported.
 
     Built on the pure-Python unpickler on purpose: the C one sizes its memo table by the index a
@@ -177,7 +183,7 @@ def _refused_globals(data: bytes) -> list[str]:
     import pickletools
 
     found: list[str] = []
-    memo: dict[int, Any] = {}
+    memo: dict[Any, Any] = {}
     recent: list[Any] = []  # the values the latest opcodes pushed (None: not a string)
     try:
         for opcode, arg, _ in pickletools.genops(data):
@@ -221,13 +227,13 @@ class Opaque:
     Holds what the pickle said about it (class, constructor arguments, items, state), so reading
     the *weights* of a file never needs the classes of its other entries (a Lightning
     checkpoint's ``hyper_parameters`` holding a ``pathlib.Path`` or an ``argparse.Namespace``),
-    and :func:`dumps` writes it back as it was read (``ckpt strip-module`` keeps such entries).
+    and `dumps` writes it back as it was read (``ckpt strip-module`` keeps such entries).
     ``cls`` is None for the class reference itself.
     """
 
     __slots__ = ("args", "cls", "dictitems", "listitems", "module", "name", "newobj", "qualname", "state")
 
-    def __init__(self, module: str, qualname: str, cls: Opaque | None = None, args: tuple = ()) -> None:
+    def __init__(self, module: str, qualname: str, cls: Opaque | None = None, args: tuple[Any, ...] = ()) -> None:
         self.module, self.qualname, self.name = module, qualname, f"{module}.{qualname}"
         self.cls, self.args, self.newobj = cls, args, False
         self.state: Any = None
@@ -253,10 +259,10 @@ class Opaque:
         return f"<{self.name}, not loaded>"
 
 
-class _LenientReader(_Reader):  # type: ignore[misc]
-    """The strict reader, except that a refused global becomes an :class:`Opaque` placeholder."""
+class _LenientReader(_Reader):
+    """The strict reader, except that a refused global becomes an `Opaque` placeholder."""
 
-    dispatch: ClassVar[dict[int, Any]] = dict(_Reader.dispatch)  # type: ignore[attr-defined]
+    dispatch: ClassVar[dict[int, Any]] = dict(_Reader.dispatch)
 
     def __init__(self, data: bytes, path: str) -> None:
         super().__init__(data, path)
@@ -299,21 +305,21 @@ _HOSTILE_MODULES = ("os", "posix", "nt", "subprocess", "builtins", "__builtin__"
 def hostile(globals_: list[str]) -> list[str]:
     """Those of ``globals_`` (``module.name``) that belong to code-running modules.
 
-    Example:
+    Examples:
         >>> hostile(["pathlib.PosixPath", "posix.system"])
         ['posix.system']
     """
     return [g for g in globals_ if any(g == m or g.startswith(m + ".") for m in _HOSTILE_MODULES)]
 
 
-def _new_opaque(cls: Opaque, args: tuple) -> Opaque:
+def _new_opaque(cls: Opaque, args: tuple[Any, ...]) -> Opaque:
     made = cls(*args)
     made.newobj = True  # written back with NEWOBJ: cls.__new__, no __init__, as it was read
     return made
 
 
 def loads_lenient(data: bytes, path: str = "checkpoint", archive: TorchZip | None = None) -> tuple[Any, list[str]]:
-    """Like :func:`loads`, with refused globals read as inert :class:`Opaque` placeholders.
+    """Like `loads`, with refused globals read as inert `Opaque` placeholders.
 
     Returns the tree and the globals that were skipped. Nothing is imported or executed.
     """
@@ -322,10 +328,10 @@ def loads_lenient(data: bytes, path: str = "checkpoint", archive: TorchZip | Non
 
 
 def loads(data: bytes, path: str = "checkpoint", archive: TorchZip | None = None) -> Any:
-    """Parse a torch ``data.pkl`` into plain containers, :class:`Call` and :class:`StorageRef`.
+    """Parse a torch ``data.pkl`` into plain containers, `Call` and `StorageRef`.
 
     With ``archive`` (the zip it came from), every storage it names must have a record that
-    holds all its bytes (:meth:`TorchZip.check_storages`).
+    holds all its bytes (`TorchZip.check_storages`).
     """
     return _parse(_Reader(data, path), path, archive)
 
@@ -398,7 +404,7 @@ def _next_pickle(handle: IO[bytes], size: int, path: str) -> bytes:
 
     start = handle.tell()
     try:
-        for _ in pickletools.genops(_Bounded(handle, size)):
+        for _ in pickletools.genops(cast(IO[bytes], _Bounded(handle, size))):  # read() and tell() suffice
             pass
     except (ValueError, EOFError, pickle.UnpicklingError, UnicodeDecodeError, OverflowError, struct.error) as err:
         raise CheckpointFormatError(
@@ -446,8 +452,8 @@ def check_non_zip(handle: IO[bytes], size: int, path: str = "checkpoint") -> Non
         )
 
 
-class _Writer(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Python pickler can be extended
-    dispatch = pickle._Pickler.dispatch.copy()  # type: ignore[attr-defined]
+class _Writer(_PyPickler):  # type: ignore[misc]  # the pure-Python pickler can be extended
+    dispatch = _PyPickler.dispatch.copy()
 
     def persistent_id(self, obj: Any) -> Any:
         if isinstance(obj, StorageRef):
@@ -501,7 +507,7 @@ class _Writer(pickle._Pickler):  # type: ignore[name-defined]  # the pure-Python
 
 
 def dumps(obj: Any) -> bytes:
-    """Pickle a tree produced by :func:`loads` back into a ``data.pkl`` torch can load."""
+    """Pickle a tree produced by `loads` back into a ``data.pkl`` torch can load."""
     buffer = io.BytesIO()
     _Writer(buffer, protocol=2).dump(obj)  # protocol 2, as torch.save writes
     return buffer.getvalue()
@@ -554,10 +560,10 @@ def tensor_info(node: Call) -> dict[str, Any]:
 def locate_weights(
     tree: Any, *, key: str | None = None, path: str = "checkpoint", is_leaf: Any = None
 ) -> tuple[Any, Any, Mapping[str, Any]]:
-    """Find the model weights in a checkpoint tree (loaded by torch, or parsed by :func:`loads`).
+    """Find the model weights in a checkpoint tree (loaded by torch, or parsed by `loads`).
 
     Weights are a non-empty mapping whose values are all tensors (``is_leaf``; default: parsed
-    tensors): the tree itself, or the first of :data:`WEIGHT_KEYS` that holds one, or ``key``
+    tensors): the tree itself, or the first of `WEIGHT_KEYS` that holds one, or ``key``
     (dotted for nesting, e.g. ``"ema.model"``).
 
     Returns:
@@ -642,7 +648,7 @@ class TorchZip:
         f.seek(0)
         with zipfile.ZipFile(f) as archive:
             self.infos = archive.infolist()
-            directory_at = archive.start_dir  # type: ignore[attr-defined]
+            directory_at = archive.start_dir
         self._check_directory(f, directory_at)
         if not self.infos or "/" not in self.infos[0].filename:
             raise CheckpointFormatError(

@@ -52,7 +52,7 @@ def _exit_now(queue: Any) -> None:
 
     Destroying a gloo group (or a DDP model holding it) joins its worker threads with the GIL
     held, which can deadlock against a worker releasing a collective's Python tensors; see the
-    README's Teardown note. The parent only needs the result.
+    reference loop guide's Teardown note (docs/guides/reference-loop.md). The parent only needs the result.
     """
     queue.close()
     queue.join_thread()

@@ -9,7 +9,7 @@ operation must give, bit for bit, what the official implementation gives: the to
 to a torch file, and the same through the ``ckpt`` command line.
 
 For files written by torch and by the official safetensors library and then damaged (bytes
-overwritten, the end cut off): ckptools may refuse more than the official reader (the README lists
+overwritten, the end cut off): ckptools may refuse more than the official reader (docs/guarantees.md lists
 where), but whatever it accepts the official reader accepts and reads the same, and every refusal
 is a CheckpointError (exit status 2 on the command line, never a traceback).
 
@@ -217,7 +217,7 @@ def test_a_mutated_file_ckptools_accepts_reads_as_the_official_library_reads_it(
     try:
         ours = ck.load_state_dict(path, strip=None)
     except ck.CheckpointError:
-        return  # refusing is allowed (the README lists where ckptools is stricter)
+        return  # refusing is allowed (docs/guarantees.md lists where ckptools is stricter)
     try:
         theirs = safetensors.torch.load(bytes(data))
     except Exception as err:

@@ -35,7 +35,7 @@ TIME_BOUND_S = 5.0
 FUZZ = settings(
     max_examples=EXAMPLES,
     # CI replays the same examples every run (a red CI means a change broke something); local runs
-    # and `make fuzz` draw new ones each time, which is how the bugs listed in the README were found.
+    # and `make fuzz` draw new ones each time, which is how the bugs listed in docs/guarantees.md were found.
     derandomize=os.environ.get("CI") == "true",
     deadline=None,  # time is bounded per call below, with a margin for a loaded CI machine
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],

@@ -37,3 +37,46 @@ def test_a_script_beside_the_clone_folder_imports_the_package(tmp_path):
     assert proc.returncode == 0, proc.stderr
     module, path = proc.stdout.split()
     assert module == "ckptools.dist" and os.path.samefile(path, os.path.join(ROOT, "ckptools", "__init__.py"))
+
+
+USER_SCRIPT = """
+from __future__ import annotations
+
+import torch
+
+import ckptools as ck
+
+
+def resume(path: str, model: torch.nn.Module) -> int:
+    opt = torch.optim.AdamW(model.parameters())
+    ckpt: dict[str, object] = ck.load(path, {"model": model, "optimizer": opt}, map_location="cpu")
+    step = ckpt.get("step", 0)
+    return step if isinstance(step, int) else 0
+
+
+def inspect_weights(path: str) -> list[str]:
+    view: ck.CheckpointView = ck.open_checkpoint(path)
+    infos: list[ck.TensorInfo] = view.tensors
+    weights = ck.load_state_dict(path)
+    return [t.name for t in infos] + sorted(ck.strip_prefix(dict(weights)))
+
+
+def finish(manager: ck.CheckpointManager, handle: ck.AsyncSave, model: torch.nn.Module) -> str:
+    path: str = handle.wait()
+    ck.save_weights("final.safetensors", model)
+    manager.close()
+    return path
+"""
+
+
+def test_the_package_and_code_using_it_type_check_strictly(tmp_path):
+    # The package itself (py.typed ships it to users' type checkers) and a user's script against
+    # the public names, which are imported lazily at run time: mypy must still see each one.
+    mypy = os.path.join(os.path.dirname(sys.executable), "mypy")
+    (tmp_path / "user.py").write_text(USER_SCRIPT)
+    for target, cwd in ((["ckptools"], ROOT), ([str(tmp_path / "user.py")], tmp_path)):
+        proc = subprocess.run(
+            [mypy, "--strict", "--no-incremental", *target], cwd=cwd, capture_output=True, text=True, timeout=300,
+            check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -1,8 +1,8 @@
-"""End-to-end: the README's Quick start, as the README shows it, killed and relaunched, ends bit-identical.
+"""End-to-end: the Getting started script, as the docs show it, killed and relaunched, ends bit-identical.
 
-The script is the Quick start code block itself with its blanks filled in (a model with dropout,
+The script is the first code block of docs/getting-started.md itself with its blanks filled in (a model with dropout,
 synthetic data, the training step, a small save interval, `num_workers`), so this test breaks
-when the README drifts. One rank dies right after step 25; the same command is launched again
+when the docs drift. One rank dies right after step 25; the same command is launched again
 and must resume from step 20 and end with exactly the weights of a run that never stopped,
 without a single CheckpointWarning.
 """
@@ -17,7 +17,7 @@ import pytest
 import torch
 from _torchrun import ok, torchrun
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+GUIDE = Path(__file__).resolve().parent.parent / "docs" / "getting-started.md"
 KILL_AT, SAVE_EVERY, EPOCHS = 25, 10, 4  # 512 samples, 2 ranks x 32 per batch: 8 steps per epoch, 32 in all
 
 PRELUDE = f"""
@@ -61,16 +61,14 @@ if ck.get_rank() == 0:
     weights = {k: v.detach().cpu() for k, v in ck.unwrap_model(model).state_dict().items()}
     torch.save({"weights": weights, "step": step}, "final.pt")
     print(f"resumed from {None if ckpt is None else ckpt['step']}, ended at step {step}", flush=True)
-ck.barrier()
-os._exit(0)  # no gloo teardown (see the README's Teardown note)
+ck.exit_process(0)  # the guide's own last line, after what the test records
 """
 
 
-def quickstart(readme: str) -> str:
-    """The first Python block under the README's "## Quick start" heading."""
-    section = readme.split("## Quick start", 1)[1].split("\n## ", 1)[0]
-    block = re.search(r"```python\n(.*?)```", section, re.S)
-    assert block, "the README's Quick start has no ```python block"
+def quickstart(guide: str) -> str:
+    """The first Python block of the Getting started page."""
+    block = re.search(r"```python\n(.*?)```", guide, re.S)
+    assert block, "docs/getting-started.md has no ```python block"
     return block.group(1)
 
 
@@ -83,6 +81,8 @@ def fill_in(code: str, num_workers: int) -> str:
     assert n == 1, "the Quick start's DataLoader sets num_workers"
     code, n = re.subn(r"step % \d+ == 0", f"step % {SAVE_EVERY} == 0", code)
     assert n == 1, "the Quick start saves every N steps"
+    code, n = re.subn(r"^ck\.exit_process\(0\).*$", "", code, flags=re.M)
+    assert n == 1, "the Quick start ends with ck.exit_process(0)"
     return PRELUDE + code + EPILOGUE
 
 
@@ -100,7 +100,7 @@ def uninterrupted(tmp_path_factory):
         if num_workers not in cache:
             work = tmp_path_factory.mktemp(f"uninterrupted{num_workers}")
             script = work / "train.py"
-            script.write_text(fill_in(quickstart(README.read_text()), num_workers))
+            script.write_text(fill_in(quickstart(GUIDE.read_text()), num_workers))
             out = ok(launch(script, work, kill=False))
             assert "resumed from None, ended at step 32" in out
             cache[num_workers] = torch.load(work / "final.pt", weights_only=True)
@@ -112,7 +112,7 @@ def uninterrupted(tmp_path_factory):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_quickstart_killed_and_relaunched_is_bit_exact(tmp_path, uninterrupted, num_workers):
     script = tmp_path / "train.py"
-    script.write_text(fill_in(quickstart(README.read_text()), num_workers))
+    script.write_text(fill_in(quickstart(GUIDE.read_text()), num_workers))
     first = launch(script, tmp_path, kill=True)
     assert first.returncode != 0, "rank 1 dies after step 25, so the launch fails"
     again = ok(launch(script, tmp_path, kill=True))  # the same command: resumes, and does not die again
@@ -128,7 +128,7 @@ def test_quickstart_killed_and_relaunched_is_bit_exact(tmp_path, uninterrupted, 
 
 
 def test_fill_in_fails_loudly_when_the_readme_drifts():
-    code = quickstart(README.read_text())
+    code = quickstart(GUIDE.read_text())
     with pytest.raises(AssertionError, match="num_workers"):
         fill_in(code.replace("num_workers=4", "pin_memory=True"), 2)
     with pytest.raises(AssertionError, match="training step"):
