@@ -196,22 +196,28 @@ def _official_file(seed: int) -> bytes:
     return safetensors.torch.save(tensors, metadata={"format": "pt", "note": "x"})
 
 
+def _damage(reach: int, most: int) -> dict[str, st.SearchStrategy]:
+    """Strategies for `_mutate`: up to ``most`` overwrites of 1-4 bytes and perhaps a cut, at
+    positions drawn up to ``reach`` (taken modulo the file's length)."""
+    chunk = st.tuples(st.integers(0, reach), st.binary(min_size=1, max_size=4))
+    return {"edits": st.lists(chunk, min_size=1, max_size=most), "cut": st.one_of(st.none(), st.integers(0, reach))}
+
+
+def _mutate(data: bytes, edits: list[tuple[int, bytes]], cut: int | None) -> bytes:
+    out = bytearray(data)
+    for at, chunk in edits:
+        at %= len(out)
+        out[at : at + len(chunk)] = chunk
+    return bytes(out if cut is None else out[: cut % (len(out) + 1)])
+
+
 @SETTINGS
-@given(
-    seed=st.integers(0, 3),
-    edits=st.lists(st.tuples(st.integers(0, 400), st.binary(min_size=1, max_size=4)), min_size=1, max_size=4),
-    cut=st.one_of(st.none(), st.integers(0, 400)),
-)
+@given(seed=st.integers(0, 3), **_damage(400, 4))
 def test_a_mutated_file_ckptools_accepts_reads_as_the_official_library_reads_it(tmp_path_factory, seed, edits, cut):
     """ckptools may be stricter than the official reader, never different: whatever it accepts, the
     official library accepts too and gives the same tensors; whatever it refuses, it refuses with a
     CheckpointError."""
-    data = bytearray(_official_file(seed))
-    for at, chunk in edits:
-        at %= len(data)
-        data[at : at + len(chunk)] = chunk
-    if cut is not None:
-        data = data[: cut % (len(data) + 1)]
+    data = _mutate(_official_file(seed), edits, cut)
     path = tmp_path_factory.mktemp("mut") / "m.safetensors"
     path.write_bytes(bytes(data))
     try:
@@ -226,14 +232,6 @@ def test_a_mutated_file_ckptools_accepts_reads_as_the_official_library_reads_it(
     assert all(_same(ours[k], theirs[k]) for k in theirs)
 
 
-def _mutate(data: bytes, edits: list[tuple[int, bytes]], cut: int | None) -> bytes:
-    out = bytearray(data)
-    for at, chunk in edits:
-        at %= len(out)
-        out[at : at + len(chunk)] = chunk
-    return bytes(out if cut is None else out[: cut % (len(out) + 1)])
-
-
 def _official_torch_file(seed: int) -> bytes:
     g = torch.Generator().manual_seed(seed)
     weights = {"module.a": torch.randn(3, 4, generator=g), "module.b": torch.randint(0, 9, (5,), generator=g),
@@ -245,13 +243,9 @@ def _official_torch_file(seed: int) -> bytes:
     return buffer.getvalue()
 
 
+# Files are about 2.4 KB; the zip directory (the last ~800 bytes) is hit as often as the data.
 @SETTINGS
-@given(
-    seed=st.integers(0, 3),
-    # Files are about 2.4 KB; the zip directory (the last ~800 bytes) is hit as often as the data.
-    edits=st.lists(st.tuples(st.integers(0, 4000), st.binary(min_size=1, max_size=4)), min_size=1, max_size=3),
-    cut=st.one_of(st.none(), st.integers(0, 4000)),
-)
+@given(seed=st.integers(0, 3), **_damage(4000, 3))
 def test_a_mutated_torch_file_ckptools_accepts_reads_as_torch_reads_it(tmp_path_factory, seed, edits, cut):
     """Every torch-free operation (info, verify, load_state_dict, convert, strip/add-module, and
     the CLI) either refuses with a CheckpointError or agrees with torch.load(weights_only=True)."""
