@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Mapping
 from typing import IO, Any, ClassVar, cast
 
-from .errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from .errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError, UnsafeCheckpointError
 from .storage import copy_range
 
 # The entry ckptools adds to every checkpoint it writes.
@@ -649,6 +649,11 @@ class TorchZip:
         with zipfile.ZipFile(f) as archive:
             self.infos = archive.infolist()
             directory_at = archive.start_dir
+        if any(info.filename.endswith("/constants.pkl") for info in self.infos):  # torch's own test
+            raise CheckpointLayoutError(
+                f"{path} is a TorchScript archive (torch.jit.save), not a checkpoint: load it with "
+                "torch.jit.load(path); its weights are torch.jit.load(path).state_dict()"
+            )
         self._check_directory(f, directory_at)
         if not self.infos or "/" not in self.infos[0].filename:
             raise CheckpointFormatError(
@@ -749,7 +754,8 @@ class TorchZip:
             # entry on another disk, the DOS directory attribute (miniz then reads nothing), a
             # stored size given twice differently: torch refuses or misreads each of them.
             if (
-                flags & ~_FLAGS or disk or external & 0x10 or info.compress_size != info.file_size
+                flags & ~_FLAGS or disk or external & 0x10
+                or (info.compress_type == zipfile.ZIP_STORED and info.compress_size != info.file_size)
                 or at + 46 + n + m + k > len(directory) or not _whole_blocks(directory[at + 46 + n : at + 46 + n + m])
             ):  # fmt: skip
                 raise damaged

@@ -273,3 +273,15 @@ def test_a_big_endian_file_converts_to_what_torch_loads(tmp_path):
     converted = safetensors.torch.load_file(str(tmp_path / "big.safetensors"))
     assert all(torch.equal(converted[k], v) for k, v in sd.items())
     assert all(torch.equal(ck.load_state_dict(path, strip=None)[k], v) for k, v in sd.items())
+
+
+def test_a_torchscript_archive_is_named_not_called_damaged(tmp_path):
+    # torch.jit.save writes a zip with deflated code records: a valid file of another kind.
+    path = tmp_path / "scripted.pt"
+    torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(path))
+    for operation in (ck.inspect, ck.verify, ck.load_state_dict, lambda p: ck.load(p, weights_only=False)):
+        with pytest.raises(ck.CheckpointLayoutError, match=r"TorchScript archive .*torch\.jit\.load"):
+            operation(path)
+    proc = subprocess.run([sys.executable, "-m", "ckptools", "verify", str(path)], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+    assert proc.returncode == 2 and "TorchScript archive" in proc.stderr and "DAMAGED" not in proc.stderr
