@@ -649,11 +649,19 @@ class TorchZip:
         with zipfile.ZipFile(f) as archive:
             self.infos = archive.infolist()
             directory_at = archive.start_dir
-        if any(info.filename.endswith("/constants.pkl") for info in self.infos):  # torch's own test
+        names = [info.filename for info in self.infos]
+        if any(name.endswith("/constants.pkl") for name in names):  # torch's own test for TorchScript
             raise CheckpointLayoutError(
                 f"{path} is a TorchScript archive (torch.jit.save), not a checkpoint: load it with "
                 "torch.jit.load(path); its weights are torch.jit.load(path).state_dict()"
             )
+        if any(name.endswith("/archive_format") for name in names):
+            raise CheckpointLayoutError(
+                f"{path} is a torch.export archive (.pt2), not a checkpoint: load it with torch.export.load(path)"
+            )
+        if not any(re.search(r"/(data\.pkl|data/\d+|version|byteorder)$", name) for name in names):
+            # Nothing of torch's: another kind of zip file, not a damaged checkpoint.
+            raise CheckpointLayoutError(f"{path} is a zip file but not a torch checkpoint (no data.pkl)")
         self._check_directory(f, directory_at)
         if not self.infos or "/" not in self.infos[0].filename:
             raise CheckpointFormatError(

@@ -275,13 +275,33 @@ def test_a_big_endian_file_converts_to_what_torch_loads(tmp_path):
     assert all(torch.equal(ck.load_state_dict(path, strip=None)[k], v) for k, v in sd.items())
 
 
-def test_a_torchscript_archive_is_named_not_called_damaged(tmp_path):
-    # torch.jit.save writes a zip with deflated code records: a valid file of another kind.
-    path = tmp_path / "scripted.pt"
+def _torchscript(path) -> None:
     torch.jit.save(torch.jit.script(torch.nn.Linear(2, 2)), str(path))
+
+
+def _exported(path) -> None:
+    torch.export.save(torch.export.export(torch.nn.Linear(2, 2), (torch.ones(1, 2),)), str(path))
+
+
+def _other_zip(path) -> None:
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("photos/cat.txt", "not a checkpoint")
+
+
+@pytest.mark.parametrize(
+    ("write", "message"),
+    [
+        (_torchscript, r"TorchScript archive .*torch\.jit\.load"),  # deflated code records
+        (_exported, r"torch\.export archive .*torch\.export\.load"),
+        (_other_zip, r"a zip file but not a torch checkpoint"),
+    ],
+)
+def test_a_zip_of_another_kind_is_named_not_called_damaged(tmp_path, write, message):
+    path = tmp_path / "other.pt"
+    write(path)
     for operation in (ck.inspect, ck.verify, ck.load_state_dict, lambda p: ck.load(p, weights_only=False)):
-        with pytest.raises(ck.CheckpointLayoutError, match=r"TorchScript archive .*torch\.jit\.load"):
+        with pytest.raises(ck.CheckpointLayoutError, match=message):
             operation(path)
     proc = subprocess.run([sys.executable, "-m", "ckptools", "verify", str(path)], capture_output=True, text=True,
                           timeout=120, check=False)  # fmt: skip
-    assert proc.returncode == 2 and "TorchScript archive" in proc.stderr and "DAMAGED" not in proc.stderr
+    assert proc.returncode == 2 and "DAMAGED" not in proc.stderr, proc.stderr
