@@ -1,8 +1,9 @@
-"""End-to-end: the Getting started script, as the docs show it, killed and relaunched, ends bit-identical.
+"""End-to-end: the quick starts, as the docs show them, killed and relaunched, end bit-identical.
 
-The script is the first code block of docs/getting-started.md itself with its blanks filled in (a model with dropout,
-synthetic data, the training step, a small save interval, `num_workers`), so this test breaks
-when the docs drift. One rank dies right after step 25; the same command is launched again
+Each script is a code block itself, with its blanks filled in (a model with dropout, synthetic
+data, the training step, a small save interval, `num_workers`): the README's 20-line Quick start
+and the full script of docs/getting-started.md (GradScaler, scheduler, async saves, DataLoader
+workers). So this test breaks when either drifts. One rank dies right after step 25; the same command is launched again
 and must resume from step 20 and end with exactly the weights of a run that never stopped,
 without a single CheckpointWarning.
 """
@@ -17,7 +18,8 @@ import pytest
 import torch
 from _torchrun import ok, torchrun
 
-GUIDE = Path(__file__).resolve().parent.parent / "docs" / "getting-started.md"
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = {"readme": ROOT / "README.md", "guide": ROOT / "docs" / "getting-started.md"}
 KILL_AT, SAVE_EVERY, EPOCHS = 25, 10, 4  # 512 samples, 2 ranks x 32 per batch: 8 steps per epoch, 32 in all
 
 PRELUDE = f"""
@@ -43,8 +45,14 @@ epochs = {EPOCHS}
 torch.manual_seed(100 + int(os.environ["RANK"]))  # per-rank dropout streams
 """
 
-# The training step: it replaces the `...` line of the Quick start's inner loop.
-STEP = """
+# The training step: it replaces the `...` line of the quick start's inner loop (the README's
+# has no GradScaler or scheduler).
+KILL = """
+if ckpt is None and step + 1 == int(os.environ.get("KILL_AT", -1)) and ck.get_rank() == 1:
+    os._exit(17)  # rank 1 dies abruptly right after that step, in a launch that started fresh
+"""
+STEPS = {
+    "guide": """
 x, y = x.to(device), y.to(device)
 loss = torch.nn.functional.cross_entropy(model(x), y)
 opt.zero_grad(set_to_none=True)
@@ -52,9 +60,17 @@ scaler.scale(loss).backward()
 scaler.step(opt)
 scaler.update()
 sched.step()
-if ckpt is None and step + 1 == int(os.environ.get("KILL_AT", -1)) and ck.get_rank() == 1:
-    os._exit(17)  # rank 1 dies abruptly right after that step, in a launch that started fresh
 """
+    + KILL,
+    "readme": """
+x, y = x.to(device), y.to(device)
+loss = torch.nn.functional.cross_entropy(model(x), y)
+opt.zero_grad(set_to_none=True)
+loss.backward()
+opt.step()
+"""
+    + KILL,
+}
 
 EPILOGUE = """
 if ck.get_rank() == 0:
@@ -65,20 +81,24 @@ ck.exit_process(0)  # the guide's own last line, after what the test records
 """
 
 
-def quickstart(guide: str) -> str:
-    """The first Python block of the Getting started page."""
-    block = re.search(r"```python\n(.*?)```", guide, re.S)
-    assert block, "docs/getting-started.md has no ```python block"
+def quickstart(page: str) -> str:
+    """The first Python block of the page (under the README's "## Quick start" heading)."""
+    text = PAGES[page].read_text()
+    if page == "readme":
+        text = text.split("## Quick start", 1)[1]
+    block = re.search(r"```python\n(.*?)```", text, re.S)
+    assert block, f"{PAGES[page].name} has no ```python block"
     return block.group(1)
 
 
-def fill_in(code: str, num_workers: int) -> str:
-    """The Quick start with its blanks filled; each substitution must find exactly its one place."""
+def fill_in(code: str, num_workers: int, page: str = "guide") -> str:
+    """The quick start with its blanks filled; each substitution must find exactly its one place."""
     placeholder = re.compile(r"^( *)\.\.\.( *#.*)?$", re.M)
     assert len(placeholder.findall(code)) == 1, "the Quick start's training step is one `...` line"
-    code = placeholder.sub(lambda m: textwrap.indent(STEP.strip("\n"), m.group(1)), code)
-    code, n = re.subn(r"num_workers=\d+", f"num_workers={num_workers}", code)
-    assert n == 1, "the Quick start's DataLoader sets num_workers"
+    code = placeholder.sub(lambda m: textwrap.indent(STEPS[page].strip("\n"), m.group(1)), code)
+    if page == "guide":
+        code, n = re.subn(r"num_workers=\d+", f"num_workers={num_workers}", code)
+        assert n == 1, "the Quick start's DataLoader sets num_workers"
     code, n = re.subn(r"step % \d+ == 0", f"step % {SAVE_EVERY} == 0", code)
     assert n == 1, "the Quick start saves every N steps"
     code, n = re.subn(r"^ck\.exit_process\(0\).*$", "", code, flags=re.M)
@@ -93,32 +113,32 @@ def launch(script: Path, workdir: Path, *, kill: bool):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
-    """Final weights of a run that is never killed, per num_workers (computed once)."""
-    cache: dict[int, dict] = {}
+    """Final weights of a run that is never killed, per page and num_workers (computed once)."""
+    cache: dict[tuple[str, int], dict] = {}
 
-    def get(num_workers: int) -> dict:
-        if num_workers not in cache:
-            work = tmp_path_factory.mktemp(f"uninterrupted{num_workers}")
+    def get(page: str, num_workers: int) -> dict:
+        if (page, num_workers) not in cache:
+            work = tmp_path_factory.mktemp(f"uninterrupted-{page}{num_workers}")
             script = work / "train.py"
-            script.write_text(fill_in(quickstart(GUIDE.read_text()), num_workers))
+            script.write_text(fill_in(quickstart(page), num_workers, page))
             out = ok(launch(script, work, kill=False))
             assert "resumed from None, ended at step 32" in out
-            cache[num_workers] = torch.load(work / "final.pt", weights_only=True)
-        return cache[num_workers]
+            cache[page, num_workers] = torch.load(work / "final.pt", weights_only=True)
+        return cache[page, num_workers]
 
     return get
 
 
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_quickstart_killed_and_relaunched_is_bit_exact(tmp_path, uninterrupted, num_workers):
+@pytest.mark.parametrize(("page", "num_workers"), [("guide", 0), ("guide", 2), ("readme", 0)])
+def test_quickstart_killed_and_relaunched_is_bit_exact(tmp_path, uninterrupted, page, num_workers):
     script = tmp_path / "train.py"
-    script.write_text(fill_in(quickstart(GUIDE.read_text()), num_workers))
+    script.write_text(fill_in(quickstart(page), num_workers, page))
     first = launch(script, tmp_path, kill=True)
     assert first.returncode != 0, "rank 1 dies after step 25, so the launch fails"
     again = ok(launch(script, tmp_path, kill=True))  # the same command: resumes, and does not die again
     assert "resumed from 20, ended at step 32" in again
     final = torch.load(tmp_path / "final.pt", weights_only=True)
-    expected = uninterrupted(num_workers)
+    expected = uninterrupted(page, num_workers)
     assert final["step"] == expected["step"] == 32
     assert sorted(final["weights"]) == sorted(expected["weights"])
     for name, tensor in expected["weights"].items():
@@ -127,9 +147,11 @@ def test_quickstart_killed_and_relaunched_is_bit_exact(tmp_path, uninterrupted, 
     assert "CheckpointWarning" not in first.stdout + first.stderr + again
 
 
-def test_fill_in_fails_loudly_when_the_readme_drifts():
-    code = quickstart(GUIDE.read_text())
+def test_fill_in_fails_loudly_when_the_docs_drift():
+    code = quickstart("guide")
     with pytest.raises(AssertionError, match="num_workers"):
         fill_in(code.replace("num_workers=4", "pin_memory=True"), 2)
     with pytest.raises(AssertionError, match="training step"):
         fill_in(code.replace("        ...", "        pass"), 2)
+    with pytest.raises(AssertionError, match="exit_process"):
+        fill_in(quickstart("readme").replace("ck.exit_process(0)", "ck.barrier()"), 0, "readme")
