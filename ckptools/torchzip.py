@@ -672,9 +672,10 @@ class TorchZip:
         self.records: dict[str, tuple[int, int]] = {}
         for info in self.infos:
             name = info.filename
-            if not info.flag_bits & 0x800:  # zipfile read the name as cp437; torch reads UTF-8
-                name.encode("cp437").decode("utf-8")  # UnicodeDecodeError: refused above
-            if info.filename.endswith("/"):
+            # The name's bytes, as stored: zipfile decoded them as cp437 unless flagged UTF-8.
+            raw = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+            raw.decode("utf-8")  # torch reads names as UTF-8: UnicodeDecodeError, refused above
+            if name.endswith("/"):
                 raise CheckpointFormatError(f"{path}: record {name} is a folder; torch never writes one")
             if info.compress_type != zipfile.ZIP_STORED:
                 raise CheckpointFormatError(f"{path}: record {name} is compressed; torch never does that")
@@ -689,17 +690,16 @@ class TorchZip:
             local = f.read(n + m)
             # The local header must describe the record the directory describes: torch takes the
             # data's start from it, so a damaged one shifts every byte read (found by fuzzing).
-            if local[:n] != info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437") or (
-                flags & ~_FLAGS or method != zipfile.ZIP_STORED or not _whole_blocks(local[n:])
-            ):
+            if local[:n] != raw or (flags & ~_FLAGS or method != zipfile.ZIP_STORED or not _whole_blocks(local[n:])):
                 raise CheckpointFormatError(f"{path}: record {name} has a damaged header")
             start = info.header_offset + 30 + n + m
             if start + info.file_size > size:
                 raise CheckpointFormatError(f"{path}: record {name} runs past the end (truncated file)")
             self.starts.append(start)
-            if name[len(self.prefix) :] in self.records:
+            key = name[len(self.prefix) :]
+            if key in self.records:
                 raise CheckpointFormatError(f"{path}: the archive holds two records named {name}")
-            self.records[name[len(self.prefix) :]] = (start, info.file_size)
+            self.records[key] = (start, info.file_size)
         if "data.pkl" not in self.records:
             raise CheckpointFormatError(f"{path} is a zip file but not a torch checkpoint (no data.pkl)")
         self.pkl_index = [i.filename for i in self.infos].index(self.prefix + "data.pkl")

@@ -36,6 +36,7 @@ def test_public_functions_are_typed_and_documented():
         assert obj.__doc__ and obj.__doc__.strip(), name
         if inspect.isfunction(obj):
             assert "Example" in obj.__doc__, name
+            assert ">>>" in obj.__doc__, f"ck.{name} has no >>> example (test_docs runs them)"
             assert "return" in obj.__annotations__, name
 
 
