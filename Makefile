@@ -94,7 +94,7 @@ golden: interop
 # saves, DCP's async_save and the copy floor; the preemption check's cost; the reference loop's
 # throughput with no, sync and async checkpoints, and a preemption's exit time and steps lost; resuming
 # with every rank reading vs broadcast=True; the peak memory of a 1 GiB save to S3 (moto); resume memory
-# and time of ck.load against torch.load for 1 and 4 GiB.
+# and time of ck.load against torch.load for 1 and 4 GiB; what ck.SeededDataset costs per item and per step.
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py --gib 1
 	$(PY) benchmarks/bench_cli.py --gib 1
@@ -104,6 +104,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_broadcast.py --gib 1 --nproc 2 4
 	$(PY) benchmarks/bench_s3.py --gib 1
 	$(PY) benchmarks/bench_resume.py --gib 1 4
+	$(PY) benchmarks/bench_seeded.py
 
 demo: $(STAMP)
 	$(PY) examples/demo.py --workdir runs/demo

@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .preemption import Preemption
     from .reading import CheckpointView, TensorInfo, diff, inspect, open_checkpoint, verify
     from .rewrite import rename_checkpoint
-    from .sampler import ResumableDistributedSampler
+    from .sampler import ResumableDistributedSampler, SeededDataset
     from .state_dict import add_prefix, strip_prefix, unwrap_model
 
 __version__ = "0.2.0"
@@ -63,6 +63,7 @@ _LAZY = {
     "CheckpointManager": ".manager",
     "Preemption": ".preemption",
     "ResumableDistributedSampler": ".sampler",
+    "SeededDataset": ".sampler",
     "add_prefix": ".state_dict",
     "async_save": ".checkpoint",
     "barrier": ".dist",
@@ -97,6 +98,7 @@ __all__ = [
     "KeyMismatchError",
     "Preemption",
     "ResumableDistributedSampler",
+    "SeededDataset",
     "TensorInfo",
     "UnsafeCheckpointError",
     "UnsafeStateError",

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import logging
 import os
 import random
@@ -36,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Dataset
 
 import ckptools as ck
 
@@ -63,6 +64,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=False, help="fp16 on GPU, bf16 on CPU")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=0)
+    p.add_argument("--persistent-workers", action="store_true", help="DataLoader workers live across epochs")
+    p.add_argument("--worker-start", choices=["fork", "spawn"], default=None, help="DataLoader workers' start method")
+    p.add_argument(
+        "--augment",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="random augmentation in __getitem__ (torch, python random and numpy draws)",
+    )
+    p.add_argument(
+        "--seeded-dataset",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap the dataset in ck.SeededDataset (--no-seeded-dataset shows what a resume is without it)",
+    )
     p.add_argument(
         "--exact-reduce",
         action=argparse.BooleanOptionalAction,
@@ -85,7 +100,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--record-samples",
         default=None,
         metavar="DIR",
-        help="each rank appends 'step epoch index...' per step to DIR/samples-rankR-of-W.txt (data coverage tests)",
+        help="each rank appends 'step epoch index...' per step to DIR/samples-rankR-of-W.txt, and 'epoch index "
+        "sha256' of each augmented sample to DIR/augmented-rankR-of-W.txt (data coverage tests)",
     )
     p.add_argument(
         "--pg-timeout",
@@ -122,17 +138,33 @@ def setup_logging(rank: int) -> None:
     logging.captureWarnings(True)
 
 
-def make_data(size: int, seed: int) -> TensorDataset:
+class SyntheticData(Dataset):
     """Synthetic classification data labelled by a fixed random teacher network (no downloads).
 
-    Its own generator makes it identical on every rank and independent of the global RNG.
+    Its own generator makes it identical on every rank and independent of the global RNG. Each
+    item is ``(features, label, index)``; with ``augment`` the features are randomly augmented
+    the way real pipelines are (a stand-in for RandomResizedCrop and friends): Gaussian noise
+    from torch, a roll by ``random.randint``, a scale from ``np.random``. The index lets the
+    loop record what it trained on.
     """
-    g = torch.Generator().manual_seed(10_000 + seed)
-    x = torch.randn(size, IN_FEATURES, generator=g)
-    teacher_w1 = torch.randn(IN_FEATURES, 64, generator=g)
-    teacher_w2 = torch.randn(64, CLASSES, generator=g)
-    y = (torch.tanh(x @ teacher_w1) @ teacher_w2).argmax(dim=1)
-    return TensorDataset(x, y)
+
+    def __init__(self, size: int, seed: int, augment: bool = True) -> None:
+        g = torch.Generator().manual_seed(10_000 + seed)
+        self.x = torch.randn(size, IN_FEATURES, generator=g)
+        teacher_w1 = torch.randn(IN_FEATURES, 64, generator=g)
+        teacher_w2 = torch.randn(64, CLASSES, generator=g)
+        self.y = (torch.tanh(self.x @ teacher_w1) @ teacher_w2).argmax(dim=1)
+        self.augment = augment
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+        x = self.x[index]
+        if self.augment:
+            x = x + 0.1 * torch.randn(IN_FEATURES)
+            x = torch.roll(x, random.randint(-2, 2)) * float(0.9 + 0.2 * np.random.rand())
+        return x, self.y[index], index
 
 
 def make_model(seed: int, hidden: int = HIDDEN, depth: int = 1) -> torch.nn.Module:
@@ -192,15 +224,24 @@ def main(argv: list[str] | None = None) -> NoReturn:
     np.random.seed(args.seed + rank)
     torch.manual_seed(args.seed + rank)
 
-    dataset = make_data(args.dataset_size, args.seed)
-    record = None
-    if args.record_samples:  # each sample's index travels with it, so the loop can say what it trained on
-        dataset = TensorDataset(*dataset.tensors, torch.arange(len(dataset)))
+    dataset = SyntheticData(args.dataset_size, args.seed, augment=args.augment)
+    record = augmented = None
+    if args.record_samples:
         os.makedirs(args.record_samples, exist_ok=True)
         record = open(os.path.join(args.record_samples, f"samples-rank{rank}-of-{world}.txt"), "a")  # noqa: SIM115
+        augmented = open(os.path.join(args.record_samples, f"augmented-rank{rank}-of-{world}.txt"), "a")  # noqa: SIM115
     sampler = ck.ResumableDistributedSampler(dataset, shuffle=True, seed=args.seed, drop_last=True)
+    # SeededDataset: sample i of epoch e is augmented with random numbers drawn from seeds of
+    # (seed, e, i) alone, whichever worker fetches it, so a run resumed mid-epoch (with any number
+    # of workers, on any world size) augments every sample as the uninterrupted run did.
     loader = DataLoader(
-        dataset, batch_size=args.batch_size, sampler=sampler, num_workers=args.num_workers, drop_last=True
+        ck.SeededDataset(dataset, sampler) if args.seeded_dataset else dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=args.num_workers,
+        persistent_workers=args.persistent_workers and args.num_workers > 0,
+        multiprocessing_context=args.worker_start if args.num_workers > 0 else None,
+        drop_last=True,
     )
     if preemption is not None:
         # Workers ignore the signals: torchrun's shutdown signals each rank's whole process
@@ -252,9 +293,13 @@ def main(argv: list[str] | None = None) -> NoReturn:
             scaler.update()
             scheduler.step()
             step += 1
-            if record is not None:
+            if record is not None and augmented is not None:
                 record.write(f"{step} {epoch} {' '.join(map(str, batch[2].tolist()))}\n")
                 record.flush()
+                for features, index in zip(batch[0], batch[2].tolist()):
+                    digest = hashlib.sha256(features.numpy().tobytes()).hexdigest()[:16]
+                    augmented.write(f"{epoch} {index} {digest}\n")
+                augmented.flush()
             if step % args.log_every == 0:
                 log(f"epoch {epoch} step {step} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.5f}")
             # A simulated crash fires once: not after torchrun restarted the job (attempt > 0) and
@@ -294,8 +339,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
     # The weights alone, for inference: rank 0 writes, every rank waits for the complete file.
     final = ck.save_weights(f"{args.ckpt_dir.rstrip('/')}/final.safetensors", ddp)
     log(f"done after {step} steps; final weights: {final}")
-    if record is not None:
+    if record is not None and augmented is not None:
         record.close()
+        augmented.close()
     # Leave from here, while `ddp` is still referenced: returning would free it, and freeing the
     # DDP model destroys the process group, which can hang (see ck.exit_process).
     ck.exit_process(0)

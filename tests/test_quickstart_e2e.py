@@ -1,7 +1,8 @@
 """End-to-end: the quick starts, as the docs show them, killed and relaunched, end bit-identical.
 
 Each script is a code block itself, with its blanks filled in (a model with dropout, synthetic
-data, the training step, a small save interval, `num_workers`): the README's 20-line Quick start
+data augmented at random in `__getitem__` with torch, python and numpy draws, the training step, a
+small save interval, `num_workers`): the README's Quick start
 and the full script of docs/getting-started.md (GradScaler, scheduler, async saves, DataLoader
 workers). So this test breaks when either drifts. One rank dies right after step 25; the same command is launched again
 and must resume from step 20 and end with exactly the weights of a run that never stopped,
@@ -24,9 +25,10 @@ KILL_AT, SAVE_EVERY, EPOCHS = 25, 10, 4  # 512 samples, 2 ranks x 32 per batch: 
 
 PRELUDE = f"""
 import os
+import random
 
+import numpy as np
 import torch
-from torch.utils.data import TensorDataset
 
 IN, CLASSES = 32, 8
 
@@ -38,9 +40,21 @@ def build_model():
     )
 
 
-_g = torch.Generator().manual_seed(1)
-_x = torch.randn(512, IN, generator=_g)
-dataset = TensorDataset(_x, (_x @ torch.randn(IN, CLASSES, generator=_g)).argmax(dim=1))
+class Augmented(torch.utils.data.Dataset):  # random augmentation from torch, python and numpy
+    def __init__(self):
+        g = torch.Generator().manual_seed(1)
+        self.x = torch.randn(512, IN, generator=g)
+        self.y = (self.x @ torch.randn(IN, CLASSES, generator=g)).argmax(dim=1)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        x = torch.roll(self.x[i] + 0.1 * torch.randn(IN), random.randint(-2, 2))
+        return x * float(0.9 + 0.2 * np.random.rand()), self.y[i]
+
+
+dataset = Augmented()
 epochs = {EPOCHS}
 torch.manual_seed(100 + int(os.environ["RANK"]))  # per-rank dropout streams
 """

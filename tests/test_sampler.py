@@ -1,8 +1,10 @@
 from __future__ import annotations
 
 import pickle
+import random
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from _dist import run_ranks
@@ -10,6 +12,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import ckptools as ck
 from ckptools import _log
+from ckptools.sampler import _item_seeds
 
 DATA = TensorDataset(torch.arange(50))  # 50 samples over 2 ranks: 25 each, padded not dropped
 
@@ -385,3 +388,192 @@ def test_two_world_size_changes_in_one_epoch_still_cover_it_once():
     third = _resize(second[0].state_dict(), n, 3, **kw)
     seen += [i for rank in (list(s) for s in third) for i in rank]
     assert len(seen) == len(set(seen)) and n - len(seen) < 3
+
+
+# --- SeededDataset: augmentation as a function of (seed, epoch, index) ------------------------------
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Each item drawn from all three global streams, as real augmentation pipelines draw."""
+
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, index):
+        draws = (torch.rand(()).item(), random.random(), float(np.random.rand()))
+        return torch.tensor([float(index), *draws], dtype=torch.float64)
+
+
+def _augmented(epochs=(0, 1), *, wrap=True, resume_after=None, **loader_kw):
+    """{(epoch, index): the item's draws} over ``epochs``; optionally stopped after
+    ``resume_after`` batches of the first epoch and resumed from the sampler's saved state into a
+    fresh sampler and loader built with the same options."""
+
+    def build():
+        sampler = ck.ResumableDistributedSampler(Augmented(), num_replicas=1, rank=0, seed=11)
+        data = ck.SeededDataset(Augmented(), sampler) if wrap else Augmented()
+        return sampler, DataLoader(data, batch_size=4, sampler=sampler, **loader_kw)
+
+    sampler, loader = build()
+    seen = {}
+    for epoch in epochs:
+        sampler.set_epoch(epoch)
+        for i, batch in enumerate(sampler.track(loader)):
+            for row in batch.tolist():
+                seen[epoch, int(row[0])] = tuple(row[1:])
+            if epoch == epochs[0] and i + 1 == resume_after:
+                state = sampler.state_dict()
+                sampler, loader = build()
+                sampler.load_state_dict(state)
+                sampler.set_epoch(epoch)
+                for batch in sampler.track(loader):
+                    for row in batch.tolist():
+                        seen[epoch, int(row[0])] = tuple(row[1:])
+                break
+    return seen
+
+
+def test_seeded_dataset_gives_every_item_the_same_draws_with_any_workers():
+    expected = _augmented()
+    assert len(expected) == 48 and len(set(expected.values())) == 48  # every item of every epoch its own draws
+    assert expected[0, 5] != expected[1, 5], "another epoch, other augmentation"
+    assert _augmented(num_workers=2) == expected
+    assert _augmented(num_workers=2, resume_after=2) == expected  # resumed mid-epoch, workers start afresh
+    # Persistent workers were started in epoch 0 and fetch epoch 1's items too; spawned ones
+    # import everything anew.
+    assert _augmented(num_workers=2, persistent_workers=True, multiprocessing_context="spawn") == expected
+    assert _augmented(num_workers=3, persistent_workers=True) == expected
+    # Without the wrapper a resume mid-epoch with workers augments differently (and warns).
+    with pytest.warns(ck.CheckpointWarning, match="resumes mid-way with 2 DataLoader workers.*ck.SeededDataset"):
+        unwrapped = _augmented(wrap=False, num_workers=2, resume_after=2)
+    assert unwrapped != _augmented(wrap=False, num_workers=2)
+
+
+def test_seeded_dataset_puts_the_processs_streams_back():
+    torch.manual_seed(5)
+    random.seed(5)
+    np.random.seed(5)
+    np.random.randn()  # a cached Gaussian is part of numpy's state
+    before = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    sampler = ck.ResumableDistributedSampler(Augmented(), num_replicas=1, rank=0, seed=11)
+    data = ck.SeededDataset(Augmented(), sampler)
+    item = data[3]
+    assert torch.equal(torch.get_rng_state(), before[0]) and random.getstate() == before[1]
+    after = np.random.get_state()
+    assert after[0] == before[2][0] and (after[1] == before[2][1]).all() and after[2:] == before[2][2:]
+    sampler.set_epoch(4)
+    assert not torch.equal(data[3], item) and torch.equal(data.__getitems__([3])[0], data[3])
+
+
+def test_seeded_dataset_streams_restored_after_an_error():
+    class Failing(Augmented):
+        def __getitem__(self, index):
+            torch.rand(3)
+            raise KeyError(index)
+
+    sampler = ck.ResumableDistributedSampler(Failing(), num_replicas=1, rank=0)
+    before = torch.get_rng_state()
+    with pytest.raises(KeyError):
+        ck.SeededDataset(Failing(), sampler)[2]
+    assert torch.equal(torch.get_rng_state(), before)
+
+
+def test_seeded_dataset_item_seed_is_torch_initial_seed_and_seeds_differ():
+    sampler = ck.ResumableDistributedSampler(Augmented(), num_replicas=1, rank=0, seed=11)
+
+    class OwnGenerator(Augmented):
+        def __getitem__(self, index):  # the documented way for a transform that owns a generator
+            return torch.rand(2, generator=torch.Generator().manual_seed(torch.initial_seed()))
+
+    data = ck.SeededDataset(OwnGenerator(), sampler)
+    assert torch.equal(data[1], data[1]) and not torch.equal(data[1], data[2])
+    # A real mixing function: no collisions between neighbouring seeds, epochs and indices.
+    seeds = {_item_seeds(seed, epoch, index) for seed in range(3) for epoch in range(30) for index in range(300)}
+    assert len(seeds) == 3 * 30 * 300
+    assert len({s[0] for s in seeds}) == len({s[1] for s in seeds}) == len(seeds)
+
+
+def test_seeded_dataset_forwards_and_refuses():
+    sampler = ck.ResumableDistributedSampler(DATA, num_replicas=1, rank=0)
+    data = ck.SeededDataset(DATA, sampler)
+    assert len(data) == 50 and data.tensors is DATA.tensors and data.dataset is DATA
+    assert "TensorDataset" in repr(data)
+    copy = pickle.loads(pickle.dumps(data))  # how spawned workers get it
+    assert len(copy) == 50 and torch.equal(copy[3][0], DATA[3][0])
+    with pytest.raises(AttributeError):
+        data.no_such_attribute  # noqa: B018
+    with pytest.raises(TypeError, match="IterableDataset"):
+        ck.SeededDataset(torch.utils.data.IterableDataset(), sampler)
+    with pytest.raises(TypeError, match="ResumableDistributedSampler"):
+        ck.SeededDataset(DATA, torch.utils.data.DistributedSampler(DATA, num_replicas=1, rank=0))
+    with pytest.raises(ValueError, match="50 items but the sampler was built over 10"):
+        ck.SeededDataset(DATA, ck.ResumableDistributedSampler(range(10), num_replicas=1, rank=0))
+    # Indices from the sampler are ints that carry the seed and epoch, also through pickle.
+    sampler.set_epoch(3)
+    index = next(iter(sampler))
+    assert isinstance(index, int) and pickle.loads(pickle.dumps(index)) == index
+    assert (pickle.loads(pickle.dumps(index)).seed, pickle.loads(pickle.dumps(index)).epoch) == (0, 3)
+
+
+def test_seeded_dataset_refuses_indices_of_another_sampler_in_a_worker():
+    sampler = ck.ResumableDistributedSampler(Augmented(), num_replicas=1, rank=0)
+    loader = DataLoader(ck.SeededDataset(Augmented(), sampler), batch_size=4, num_workers=1)  # a SequentialSampler
+    with pytest.raises(ValueError, match="did not come from the sampler it was built with"):
+        next(iter(loader))
+
+
+def test_unseeded_warning_only_where_a_resume_can_differ(tmp_path):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ck.CheckpointWarning)
+        _augmented(num_workers=2, resume_after=2)  # wrapped: exact, silent
+        _augmented(wrap=False, resume_after=2)  # no workers: the main process's streams are restored
+        _augmented(wrap=False, num_workers=2)  # no resume mid-epoch
+        # A TensorDataset draws nothing.
+        sampler = ck.ResumableDistributedSampler(DATA, num_replicas=1, rank=0)
+        sampler.load_state_dict({**sampler.state_dict(), "progress": 8, "consumed": 8})
+        next(iter(sampler.track(DataLoader(DATA, batch_size=4, sampler=sampler, num_workers=2))))
+
+
+def test_stateful_dataloader_from_torchdata_resumes_exactly(tmp_path):
+    """torchdata's StatefulDataLoader instead of sampler.track: its state_dict() saved with the
+    sampler; a resume mid-epoch with 2 workers gives the weights of the uninterrupted run."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def build():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.3), torch.nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sampler = ck.ResumableDistributedSampler(Augmented(), num_replicas=1, rank=0, seed=3)
+        loader = stateful.StatefulDataLoader(
+            ck.SeededDataset(Augmented(), sampler), batch_size=4, sampler=sampler, num_workers=2,
+            generator=torch.Generator(),  # iter(loader) draws nothing from the global stream
+        )  # fmt: skip
+        return {"model": model, "optimizer": opt, "sampler": sampler, "loader": loader}
+
+    def train(state, start=0, stop_at=None):
+        step = start
+        for epoch in range(state["sampler"].epoch, 3):
+            state["sampler"].set_epoch(epoch)
+            for batch in state["loader"]:
+                x = torch.cat([batch[:, :1] / 24, batch[:, 1:]], dim=1).float()
+                loss = torch.nn.functional.cross_entropy(state["model"](x), batch[:, 0].long() % 2)
+                state["optimizer"].zero_grad()
+                loss.backward()
+                state["optimizer"].step()
+                step += 1
+                if step == stop_at:
+                    ck.save(tmp_path / "c.pt", {**state, "step": step})
+                    return
+        return state["model"].state_dict()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ck.CheckpointWarning)
+        expected = train(build())
+        train(build(), stop_at=9)  # mid-epoch 1 (6 batches per epoch)
+        state = build()
+        torch.manual_seed(99)  # a new process: other streams until the restore
+        step = ck.load(tmp_path / "c.pt", state)["step"]
+        assert state["sampler"].epoch == 1
+        got = train(state, start=step)
+    for name, tensor in expected.items():
+        assert tensor.isfinite().all() and torch.equal(got[name], tensor), name

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import importlib.util
 import os
 import re
 import signal
@@ -15,6 +17,8 @@ from _dist import free_port
 from _torchrun import job_processes, ok, rank_processes, torchrun_signalled
 from _torchrun import torchrun as _launch
 from safetensors.torch import load_file
+
+import ckptools as ck
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "examples" / "train_ddp.py")
@@ -68,9 +72,52 @@ def test_killed_and_restarted_by_torchrun_is_bit_exact(tmp_path, reference, fail
 
 
 def test_killed_with_dataloader_workers_is_bit_exact(tmp_path, reference):
+    """The loop's dataset augments every sample with torch, python and numpy draws in 2 workers;
+    killed mid-epoch and resumed with 2 workers, it ends as the uninterrupted run with 0 workers
+    (SeededDataset: each sample's draws depend on (seed, epoch, index) alone)."""
     out = ok(torchrun(tmp_path, "--num-workers", "2", "--fail-at-step", "23", max_restarts=1))
     assert "resumed from step 20 (epoch 1: 128 of its 512 samples consumed, 192 left for each rank)" in out
     assert_bit_identical(reference(), tmp_path)
+    assert "CheckpointWarning" not in out
+
+
+def test_zero_and_two_workers_give_the_identical_run(tmp_path, reference):
+    ok(torchrun(tmp_path, "--num-workers", "2"))
+    assert_bit_identical(reference(), tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [
+        pytest.param(("--num-workers", "2"), ("--num-workers", "3"), id="workers-2-to-3"),
+        pytest.param(
+            ("--num-workers", "2", "--persistent-workers", "--worker-start", "spawn"),
+            ("--num-workers", "1"),
+            id="persistent-spawn-2-to-1",
+        ),
+    ],
+)
+def test_resumed_with_another_worker_count_is_bit_exact(tmp_path, reference, before, after):
+    first = torchrun(tmp_path, *before, "--fail-at-step", "23")
+    assert first.returncode != 0 and "simulated crash right after step 23" in first.stdout + first.stderr
+    out = ok(torchrun(tmp_path, *after))
+    assert "resumed from step 20 " in out
+    assert_bit_identical(reference(), tmp_path)
+    assert "CheckpointWarning" not in out
+
+
+def test_unseeded_augmentation_in_workers_differs_after_a_resume_and_warns(tmp_path):
+    """The control: the same dataset unwrapped (--no-seeded-dataset), killed and resumed with 2
+    workers, ends with other weights than its own uninterrupted run, and rank 0 says why."""
+    plain = ("--num-workers", "2", "--no-seeded-dataset")
+    uninterrupted = tmp_path / "uninterrupted"
+    ok(torchrun(uninterrupted, *plain))
+    out = ok(torchrun(tmp_path / "resumed", *plain, "--fail-at-step", "23", max_restarts=1))
+    assert "resumed from step 20 " in out
+    assert len(re.findall(r"CheckpointWarning: epoch 1 resumes mid-way with 2 DataLoader workers", out)) == 1, out
+    assert "ck.SeededDataset(dataset, sampler)" in out
+    with pytest.raises(AssertionError):
+        assert_bit_identical(uninterrupted, tmp_path / "resumed")
 
 
 def test_failed_launch_then_same_command_resumes(tmp_path, reference):
@@ -128,8 +175,35 @@ def test_three_processes_resumed_on_two_cover_the_data_exactly_once(tmp_path, re
     epoch2 = [i for _, epoch, indices in after if epoch == 2 for i in indices]
     assert len(epoch2) == len(set(epoch2)) == 2 * 17 * 15  # a plain 2-rank epoch: 256 per rank, 17 batches
     assert max(step for step, _, _ in after) == 12 + 15 + 17
+    # Every sample, on 3 ranks or on 2, before or after the resume, was augmented exactly as any
+    # run of this seed augments it (SeededDataset): the hash of its features per (epoch, index).
+    hashes = {}
+    for path in seen.glob("augmented-rank*-of-*.txt"):
+        for line in path.read_text().splitlines():
+            epoch, index, digest = line.split()
+            hashes.setdefault((int(epoch), int(index)), set()).add(digest)
+    assert len(hashes) == len({(e, i) for _, e, indices in _records(seen, 3) + after for i in indices})
+    retrained = [(1, i) for step, epoch, indices in _records(seen, 3) if step > 12 for i in indices]
+    assert retrained and all(len(hashes[key]) == 1 for key in retrained)  # trained on 3 ranks, then on 2
+    assert {key: digests.pop() for key, digests in hashes.items()} == _augmented_hashes(hashes)
     with pytest.raises(AssertionError):  # not the 3-rank run: another global batch, other steps
         assert_bit_identical(reference(nproc=3), ckpt)
+
+
+def _augmented_hashes(keys) -> dict[tuple[int, int], str]:
+    """What any run of the reference loop (seed 0) feeds for each (epoch, index), computed here."""
+    spec = importlib.util.spec_from_file_location("train_ddp", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    loop = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loop)
+    data = loop.SyntheticData(512, 0)
+    sampler = ck.ResumableDistributedSampler(data, num_replicas=1, rank=0, seed=0)
+    seeded = ck.SeededDataset(data, sampler)
+    out = {}
+    for epoch, index in keys:
+        sampler.set_epoch(epoch)
+        out[epoch, index] = hashlib.sha256(seeded[index][0].numpy().tobytes()).hexdigest()[:16]
+    return out
 
 
 def _two_nodes(ckpt_dir, *args: str) -> list[subprocess.CompletedProcess]:
