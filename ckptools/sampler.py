@@ -10,11 +10,10 @@ import weakref
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Generic, TypeVar
 
-import numpy as np
 import torch.utils.data
 from torch.utils.data.distributed import DistributedSampler
 
-from . import _log
+from . import _log, rng
 
 __all__ = ["ResumableDistributedSampler", "SeededDataset"]
 
@@ -234,17 +233,12 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         )
 
     def _generate(self, indices: list[int]) -> Iterator[int]:
-        if not self._seeded:
-            for index in indices:
-                self._drawn += 1
-                yield index
-            return
         # A SeededDataset reads the epoch from the index it is asked for: a DataLoader worker holds
         # a copy of the dataset made when it started (persistent workers: epochs ago).
         seed, epoch = int(self.seed), int(self.epoch)
         for index in indices:
             self._drawn += 1
-            yield _SampleIndex(index, seed, epoch)
+            yield _SampleIndex(index, seed, epoch) if self._seeded else index
 
     def __len__(self) -> int:
         return self._share() - self._offset
@@ -542,21 +536,15 @@ class SeededDataset(torch.utils.data.Dataset[T], Generic[T]):
         The DataLoader calls this once per batch: the process's streams are saved once and put back
         once (saving numpy's costs ~70 µs), each item is seeded on its own.
         """
-        generator = torch.default_generator
-        saved = generator.get_state(), random.getstate(), np.random.get_state(legacy=False)
+        saved = rng.capture_cpu_streams()
         try:
             items = []
             for index in indices:
-                torch_seed, python_seed, numpy_seed = _item_seeds(*self._epoch_of(index), int(index))
-                generator.manual_seed(torch_seed)
-                random.seed(python_seed)
-                np.random.seed(numpy_seed)
+                rng.seed_cpu_streams(*_item_seeds(*self._epoch_of(index), int(index)))
                 items.append(self.dataset[int(index)])
             return items
         finally:
-            generator.set_state(saved[0])
-            random.setstate(saved[1])
-            np.random.set_state(saved[2])
+            rng.restore_cpu_streams(saved)
 
     def _epoch_of(self, index: int) -> tuple[int, int]:
         """The (seed, epoch) item ``index`` belongs to."""

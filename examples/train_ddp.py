@@ -294,9 +294,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
             scheduler.step()
             step += 1
             if record is not None and augmented is not None:
-                record.write(f"{step} {epoch} {' '.join(map(str, batch[2].tolist()))}\n")
+                indices = batch[2].tolist()
+                record.write(f"{step} {epoch} {' '.join(map(str, indices))}\n")
                 record.flush()
-                for features, index in zip(batch[0], batch[2].tolist()):
+                for features, index in zip(batch[0], indices):
                     digest = hashlib.sha256(features.numpy().tobytes()).hexdigest()[:16]
                     augmented.write(f"{epoch} {index} {digest}\n")
                 augmented.flush()

@@ -414,21 +414,23 @@ def _augmented(epochs=(0, 1), *, wrap=True, resume_after=None, **loader_kw):
         data = ck.SeededDataset(Augmented(), sampler) if wrap else Augmented()
         return sampler, DataLoader(data, batch_size=4, sampler=sampler, **loader_kw)
 
+    def record(epoch, batch):
+        for row in batch.tolist():
+            seen[epoch, int(row[0])] = tuple(row[1:])
+
     sampler, loader = build()
     seen = {}
     for epoch in epochs:
         sampler.set_epoch(epoch)
         for i, batch in enumerate(sampler.track(loader)):
-            for row in batch.tolist():
-                seen[epoch, int(row[0])] = tuple(row[1:])
+            record(epoch, batch)
             if epoch == epochs[0] and i + 1 == resume_after:
                 state = sampler.state_dict()
                 sampler, loader = build()
                 sampler.load_state_dict(state)
                 sampler.set_epoch(epoch)
-                for batch in sampler.track(loader):
-                    for row in batch.tolist():
-                        seen[epoch, int(row[0])] = tuple(row[1:])
+                for rest in sampler.track(loader):
+                    record(epoch, rest)
                 break
     return seen
 
