@@ -28,7 +28,9 @@ def _two_nodes(rank: int, world: int, root: str, broadcast: bool) -> dict:
     optimizer.step()
     tied = torch.arange(12.0)
     torch.manual_seed(100 + rank)  # each rank's own stream, saved per rank
-    state = {"model": model, "optimizer": optimizer, "tied": {"a": tied, "b": tied[2:5]}, "step": 7}
+    # conjugate and negative views: their bits travel with them (their bytes are not their values)
+    views = {"conj": torch.tensor([1 + 2j, 3 - 4j]).conj(), "neg": torch.tensor([1.0, -2.0])._neg_view()}
+    state = {"model": model, "optimizer": optimizer, "tied": {"a": tied, "b": tied[2:5]}, "views": views, "step": 7}
     if rank == 0:
         os.makedirs("ckpt", exist_ok=True)
     ck.barrier()
@@ -53,6 +55,8 @@ def _two_nodes(rank: int, world: int, root: str, broadcast: bool) -> dict:
         "rng": torch.equal(torch.get_rng_state(), expected_rng),
         "step": ckpt["step"],
         "tied": a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and torch.equal(b, a[2:5]),
+        "views": all(torch.equal(ckpt["views"][k].resolve_conj().resolve_neg(), v.resolve_conj().resolve_neg())
+                     for k, v in views.items()),  # fmt: skip
     }
 
 
@@ -60,7 +64,7 @@ def test_only_node_0_has_the_file_and_broadcast_loads_it_everywhere(tmp_path):
     results = run_ranks(_two_nodes, 2, str(tmp_path), True)
     assert [r["exists_here"] for r in results] == [True, False]
     for r in results:
-        assert r["model"] and r["optimizer"] and r["rng"] and r["step"] == 7 and r["tied"], r
+        assert r["model"] and r["optimizer"] and r["rng"] and r["step"] == 7 and r["tied"] and r["views"], r
 
 
 def test_without_broadcast_the_rank_that_cannot_find_it_says_what_to_do(tmp_path):

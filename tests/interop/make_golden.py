@@ -1,10 +1,11 @@
 """Write the interop golden files with the real libraries: ``make interop`` runs this.
 
 Every artifact is written by the library that owns its format (transformers' ``save_pretrained``,
-Accelerate's ``save_state``, Lightning's ``Trainer.save_checkpoint``, torch's DCP and
-``torch.compile``), from tiny models built from configs (nothing is downloaded). Beside each, the
-weights the library held in memory are written with the official ``safetensors`` library as
-``reference/<name>.safetensors``: the tests compare what ckptools reads with those, bit for bit.
+Accelerate's ``save_state``, Lightning's ``Trainer.save_checkpoint``, with an OmegaConf config as
+Hydra users have, torch's DCP and ``torch.compile``, ``torch.save`` of a whole module), from tiny
+models built from configs (nothing is downloaded). Beside each, the weights the library held in
+memory are written with the official ``safetensors`` library as ``reference/<name>.safetensors``:
+the tests compare what ckptools reads with those, bit for bit.
 ``VERSIONS.json`` records the library versions that made the files.
 
 transformers 5 writes safetensors only, so the ``pytorch_model-0000k-of-0000n.bin`` shards and
@@ -118,6 +119,61 @@ def lightning_files(out: str) -> None:
     _reference(out, "lightning", module.model.state_dict())  # the inner network's own names
 
 
+def hydra_lightning_files(out: str) -> None:
+    """A Lightning checkpoint as Hydra users write it: the config is an OmegaConf DictConfig
+    (lists, nested dicts, interpolation), so its pickle names omegaconf classes and Python 2's
+    ``__builtin__.list``/``dict``/``long``."""
+    import pytorch_lightning as pl
+    from omegaconf import DictConfig, OmegaConf
+
+    class HydraModule(pl.LightningModule):
+        def __init__(self, cfg: DictConfig) -> None:
+            super().__init__()
+            self.save_hyperparameters(cfg)
+            width = cfg.model.width
+            self.model = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 4))
+
+        def training_step(self, batch: torch.Tensor, _: int) -> torch.Tensor:
+            return self.model(batch).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.Adam(self.parameters(), lr=self.hparams.optim.lr)
+
+    cfg = OmegaConf.create({
+        "model": {"width": 16, "layers": [8, 16, 4], "name": "mlp"},
+        "optim": {"lr": 1e-3, "betas": [0.9, 0.999]},
+        "data": {"root": "/data", "train": "${data.root}/train", "batch_size": 4},
+        "seed": 5, "tags": ["hydra", "omegaconf"],
+    })  # fmt: skip
+    torch.manual_seed(5)
+    module = HydraModule(cfg)
+    loader = torch.utils.data.DataLoader(torch.randn(8, 8), batch_size=4)
+    trainer = pl.Trainer(max_steps=2, accelerator="cpu", logger=False, enable_checkpointing=False,
+                         enable_progress_bar=False, enable_model_summary=False, default_root_dir=out)  # fmt: skip
+    trainer.fit(module, loader)
+    trainer.save_checkpoint(os.path.join(out, "lightning_hydra.ckpt"))
+    _reference(out, "lightning_hydra", module.model.state_dict())
+
+
+def torch_files(out: str) -> None:
+    """What torch.save users publish besides state dicts: a whole pickled module (its class from
+    a module the reader may not have) and a training checkpoint with the weights nested."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from golden_models import TinyNet
+
+    torch.manual_seed(6)
+    net = TinyNet()
+    net(torch.randn(4, 4))  # BatchNorm's running statistics move off their initial values
+    torch.save(net, os.path.join(out, "whole_model.pt"))
+    _reference(out, "whole_model", net.state_dict())
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    net(torch.randn(4, 4)).sum().backward()
+    optimizer.step()
+    torch.save({"model": {"state_dict": net.state_dict(), "arch": "TinyNet"}, "optimizer": optimizer.state_dict(),
+                "epoch": 3}, os.path.join(out, "nested_training.pt"))  # fmt: skip
+    _reference(out, "nested_training", net.state_dict())
+
+
 def dcp_files(out: str) -> None:
     import torch.distributed.checkpoint as dcp
 
@@ -154,16 +210,19 @@ def main() -> None:
     transformers_files(out)
     accelerate_files(out)
     lightning_files(out)
+    hydra_lightning_files(out)
+    torch_files(out)
     dcp_files(out)
     compile_files(out)
     bin_version = transformers4_bin_files(out, args.transformers4) if args.transformers4 else None
     import accelerate
+    import omegaconf
     import pytorch_lightning
     import transformers
 
     versions = {"torch": torch.__version__, "transformers": transformers.__version__,
                 "accelerate": accelerate.__version__, "pytorch-lightning": pytorch_lightning.__version__,
-                "safetensors": safetensors.__version__}  # fmt: skip
+                "safetensors": safetensors.__version__, "omegaconf": omegaconf.__version__}  # fmt: skip
     if bin_version:
         versions["transformers (pytorch_model.bin shards)"] = bin_version
     with open(os.path.join(out, "VERSIONS.json"), "w") as f:
