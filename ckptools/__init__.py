@@ -24,6 +24,7 @@ from .errors import (
     CheckpointNotFoundError,
     CheckpointWarning,
     KeyMismatchError,
+    MissingClassError,
     UnsafeCheckpointError,
     UnsafeStateError,
 )
@@ -96,6 +97,7 @@ __all__ = [
     "CheckpointView",
     "CheckpointWarning",
     "KeyMismatchError",
+    "MissingClassError",
     "Preemption",
     "ResumableDistributedSampler",
     "SeededDataset",

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from . import _log
+from .devices import keep_view_bits
 from .dist import _broadcast_object, get_rank
 from .errors import CheckpointError
 
@@ -65,6 +66,7 @@ class _Buffers:
             view = torch.empty(0, dtype=tensor.dtype).set_(
                 copies[key], tensor.storage_offset(), tensor.size(), tensor.stride()
             )
+            keep_view_bits(tensor, view)
             if tensor.requires_grad:
                 view.requires_grad_(True)
             if isinstance(tensor, torch.nn.Parameter):

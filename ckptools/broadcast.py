@@ -25,12 +25,14 @@ BUCKET_BYTES = 64 << 20
 class _TensorRef:
     """Where a tensor's data lives in the broadcast storages, and how to view it."""
 
-    __slots__ = ("dtype", "offset", "parameter", "requires_grad", "shape", "storage", "stride")
+    __slots__ = ("bits", "dtype", "offset", "parameter", "requires_grad", "shape", "storage", "stride")
 
     def __init__(self, t: torch.Tensor, storage: int) -> None:
         self.storage, self.dtype = storage, t.dtype
         self.shape, self.stride, self.offset = tuple(t.shape), tuple(t.stride()), t.storage_offset()
         self.parameter, self.requires_grad = isinstance(t, torch.nn.Parameter), t.requires_grad
+        # A conjugate or negative view's bits: its bytes are not its values without them.
+        self.bits = torch._utils.get_tensor_metadata(t) if t.is_conj() or t.is_neg() else None  # type: ignore[no-untyped-call]
 
 
 def _dense(t: torch.Tensor) -> bool:
@@ -58,6 +60,8 @@ def _rebuild(tree: Any, storages: list[Any], device: torch.device) -> Any:
     if isinstance(tree, _TensorRef):
         t = torch.empty(0, dtype=tree.dtype, device=device)
         t.set_(storages[tree.storage], tree.offset, tree.shape, tree.stride)
+        if tree.bits:
+            torch._utils.set_tensor_metadata(t, tree.bits)  # type: ignore[no-untyped-call]
         if tree.parameter:
             return torch.nn.Parameter(t, requires_grad=tree.requires_grad)
         return t.requires_grad_(tree.requires_grad) if tree.requires_grad else t

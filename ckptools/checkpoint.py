@@ -21,7 +21,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnsafeStateError,
 )
-from .reading import _is_layout, read_weights
+from .reading import _is_layout, load_without_code, read_weights
 from .sampler import ResumableDistributedSampler
 from .serialization import check_loadable, load_file, save_file, verify_torch_file
 from .state_dict import WRAPPER_PREFIXES, add_prefix, strip_for_reading, strip_prefix, strip_wrappers, unwrap_model
@@ -330,13 +330,20 @@ def _model_keys(model: torch.nn.Module) -> list[str]:
 def _prefix_candidates(weights: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """``weights`` with wrapper prefixes stripped or added, and with a leading component every
     key shares (a LightningModule holding ``self.model`` saves ``model.0.weight``) stripped."""
-    bases = [weights, *(strip_prefix(weights, p) for p in WRAPPER_PREFIXES)]
-    found = [*bases, add_prefix(weights, "module.")]
+
+    def renamed(rename: Any, *args: Any) -> list[Mapping[str, Any]]:
+        try:
+            return [rename(*args)]
+        except ValueError:  # two keys would become one: not a candidate
+            return []
+
+    bases = [weights, *(w for p in WRAPPER_PREFIXES for w in renamed(strip_prefix, weights, p))]
+    found = [*bases, *renamed(add_prefix, weights, "module.")]
     for base in bases:
         heads = {key.split(".", 1)[0] for key in base}
         if len(heads) == 1 and all("." in key for key in base):
-            inner = strip_prefix(base, f"{heads.pop()}.")
-            found += [inner, strip_wrappers(inner)]  # "model._orig_mod.": a compiled inner network
+            inner = strip_prefix(base, f"{heads.pop()}.")  # every key has it: no two collide
+            found += [inner, *renamed(strip_wrappers, inner)]  # "model._orig_mod.": a compiled inner network
     return found
 
 
@@ -362,6 +369,7 @@ def _load_model(model: torch.nn.Module, weights: Mapping[str, Any], *, strict: b
     inner = unwrap_model(model)
     target_keys = _model_keys(inner)
     weights = _fit_prefix(weights, target_keys)
+    weights = _fill_ties(inner, weights)
     missing = sorted(set(target_keys) - set(weights))
     unexpected = sorted(set(weights) - set(target_keys))
     if strict and (missing or unexpected):
@@ -375,6 +383,28 @@ def _load_model(model: torch.nn.Module, weights: Mapping[str, Any], *, strict: b
         inner.load_state_dict(weights, strict=strict)
     except RuntimeError as err:  # shape mismatches
         raise KeyMismatchError(f"{path}: entry {name!r} cannot be loaded into the model: {err}") from err
+
+
+def _fill_ties(model: torch.nn.Module, weights: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``weights`` with each key the model ties to a loaded key (the same tensor: transformers'
+    ``lm_head.weight`` and ``transformer.wte.weight``) filled from it: files store a tie once."""
+    from .reading import tensor_identity
+
+    own = model.state_dict(keep_vars=True)
+    absent = [k for k in own if k not in weights]
+    if not absent:
+        return weights
+    loaded: dict[tuple[Any, ...], str] = {}
+    for k, v in own.items():
+        ident = tensor_identity(v) if k in weights else None
+        if ident is not None:
+            loaded.setdefault(ident, k)
+    filled = dict(weights)
+    for k in absent:
+        ident = tensor_identity(own[k])
+        if ident is not None and ident in loaded:
+            filled[k] = weights[loaded[ident]]
+    return filled
 
 
 def _short(keys: list[str], limit: int = 10) -> str:
@@ -504,6 +534,8 @@ def load(
             loaded: Any = _read_on_rank0(path, location, weights_only=weights_only, verify=verify, state=state)
         else:
             loaded = _read(path, location, weights_only=weights_only, verify=verify, state=state)
+        if isinstance(loaded, torch.nn.Module):  # a trusted torch.save(model): its weights, as a checkpoint holds them
+            loaded = dict(loaded.state_dict())
         if not isinstance(loaded, dict):
             raise CheckpointFormatError(
                 f"{path} holds a {type(loaded).__name__}, not a checkpoint dict; "
@@ -545,12 +577,19 @@ def _read(path: str, location: Any, *, weights_only: bool, verify: bool, state: 
                 pass  # a filesystem that cannot map files (some FUSE mounts): read it as usual
         return load_file(path, map_location=location, weights_only=weights_only)
     except UnsafeCheckpointError as err:
-        if any(isinstance(obj, torch.nn.Module) for obj in state.values()):
+        if not weights_only or not state:
+            # ck.load(path) alone asks for the whole checkpoint: placeholders would be a silent surprise.
+            if state or weights_only is False:
+                raise
             raise UnsafeCheckpointError(
-                f"{err}. To load just a model's weights, which need none of it: "
-                "model.load_state_dict(ck.load_state_dict(path)), which runs nothing"
+                f"{err}. To read it without running anything, name what to restore: ck.load(path, "
+                "{'model': model}) restores it and gives the other entries as inert placeholders; "
+                "ck.load_state_dict(path) gives the weights"
             ) from None
-        raise
+        # Entries torch's safe loader refuses (a Lightning checkpoint's pathlib.Path or OmegaConf
+        # hyper-parameters) come back as inert placeholders, with a warning; what ``state`` names
+        # is restored, and refused below only if it needs one of them.
+        return load_without_code(path, location, err, mmap=_local_zip(path))[0]
 
 
 def _read_on_rank0(path: str, location: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]) -> Any:
@@ -581,7 +620,14 @@ def _restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool
             entry = ckpt[name]
         elif META_KEY not in ckpt and len(models) == 1 and name == models[0]:
             # A file written without ckptools: the weights may be bare or nested.
-            entry = _find_weights(ckpt, key=None, path=path)
+            try:
+                entry = _find_weights(ckpt, key=None, path=path)
+            except CheckpointFormatError:
+                raise CheckpointFormatError(
+                    f"cannot find model weights in {path}: entries are {sorted(map(str, ckpt))[:20]}; name the entry "
+                    f"that holds them in state (ck.load(path, {{'ENTRY': model}})), or for a nested one "
+                    f"model.load_state_dict(ck.load_state_dict(path, key='a.b'))"
+                ) from None
         elif strict:
             raise KeyMismatchError(
                 f"{path} has no entry {name!r} (it has {sorted(map(str, ckpt))}); rename the entry in state, "
@@ -590,6 +636,12 @@ def _restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool
             )
         else:
             continue
+        placeholder = _placeholder_in(entry)
+        if placeholder is not None:
+            raise UnsafeCheckpointError(
+                f"{path}: entry {name!r} needs {placeholder}, which could run arbitrary code, so it was read as an "
+                "inert placeholder and cannot be restored. Only for a file you trust: pass weights_only=False"
+            )
         try:
             _restore(obj, entry, strict=strict, path=path, name=name)
         except CheckpointError:
@@ -598,6 +650,23 @@ def _restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool
             raise CheckpointFormatError(
                 f"{path}: cannot restore entry {name!r} into {type(obj).__name__}: {err}"
             ) from err
+
+
+def _placeholder_in(entry: Any) -> str | None:
+    """The class of the first inert placeholder inside ``entry`` (see `load_without_code`), if any."""
+    from .torchzip import Opaque
+
+    stack = [entry]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Opaque):
+            return node.name
+        if isinstance(node, Mapping):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            stack.extend(node)
+    return None
 
 
 def _restore_rng(ckpt: dict[str, Any], path: str) -> bool:

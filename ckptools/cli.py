@@ -93,6 +93,17 @@ class _Fail(Exception):
         self.code = code
 
 
+@contextmanager
+def _about(*paths: str) -> Iterator[None]:
+    """Name the input(s) in a plain ValueError from a key transform (two keys renamed to one)."""
+    try:
+        yield
+    except ValueError as error:
+        if type(error) is not ValueError:
+            raise
+        raise _Fail(f"{' / '.join(paths)}: {error}") from None
+
+
 def _run(body: Callable[[], int | None]) -> None:
     from .errors import CheckpointError
 
@@ -247,10 +258,11 @@ def _check_folder_output(dst: str, force: bool) -> None:
 
 
 _FORCE = typer.Option("--force", "-f", help="overwrite OUT if it exists")
+_KEY_HELP = "entry holding the weights, dotted for nesting (model_state, model.state_dict)"
 
 
 def _rename_command(
-    path: str, output: Optional[str], in_place: bool, prefixes: list[str], add: bool, force: bool
+    path: str, output: Optional[str], in_place: bool, prefixes: list[str], add: bool, force: bool, key: Optional[str]
 ) -> None:
     def body() -> None:
         from .state_dict import add_prefix, strip_prefix
@@ -262,10 +274,10 @@ def _rename_command(
                 sd = add_prefix(sd, prefix) if add else strip_prefix(sd, prefix)
             return sd
 
-        with _progress("renaming", path):
+        with _progress("renaming", path), _about(path):
             from .rewrite import rename_checkpoint
 
-            changed = rename_checkpoint(path, dst, transform)
+            changed = rename_checkpoint(path, dst, transform, key=key)
         verb = "added to" if add else "removed from"
         said = " / ".join(repr(p) for p in prefixes)
         out.print(f"{dst}: prefix {said} {verb} {changed} keys")
@@ -283,6 +295,7 @@ def strip_module(
         bool, typer.Option("--compile", help="also remove torch.compile's '_orig_mod.' (alone or after 'module.')")
     ] = False,
     force: Annotated[bool, _FORCE] = False,
+    key: Annotated[Optional[str], typer.Option(help=_KEY_HELP)] = None,
 ) -> None:
     """Remove the DDP 'module.' prefix from the weights' keys (other entries are kept).
 
@@ -294,7 +307,7 @@ def strip_module(
     from .state_dict import WRAPPER_PREFIXES
 
     prefixes = list(WRAPPER_PREFIXES[::-1]) if compile_prefix else [prefix]
-    _rename_command(path, output, in_place, prefixes, add=False, force=force)
+    _rename_command(path, output, in_place, prefixes, add=False, force=force, key=key)
 
 
 @app.command("add-module")
@@ -304,9 +317,10 @@ def add_module(
     in_place: Annotated[bool, typer.Option("--in-place", help="rewrite the input (atomically)")] = False,
     prefix: Annotated[str, typer.Option(help="the prefix to add")] = "module.",
     force: Annotated[bool, _FORCE] = False,
+    key: Annotated[Optional[str], typer.Option(help=_KEY_HELP)] = None,
 ) -> None:
     """Add the 'module.' prefix to the weights' keys (keys that have it are left alone)."""
-    _rename_command(path, output, in_place, [prefix], add=True, force=force)
+    _rename_command(path, output, in_place, [prefix], add=True, force=force, key=key)
 
 
 # --- convert -------------------------------------------------------------------------------------
@@ -316,7 +330,7 @@ def add_module(
 def convert(
     src: Annotated[str, typer.Argument(help="input: a torch file, .safetensors, sharded index, or a folder")],
     dst: Annotated[str, typer.Argument(help="output: .safetensors, .pt/.pth/.bin, or a folder OUT_DIR/")],
-    key: Annotated[Optional[str], typer.Option(help="entry holding the weights (dotted for nesting)")] = None,
+    key: Annotated[Optional[str], typer.Option(help=_KEY_HELP)] = None,
     no_strip: Annotated[bool, typer.Option("--no-strip", help="keep the 'module.' prefix")] = False,
     max_shard_size: Annotated[
         Optional[str], typer.Option("--max-shard-size", help="write a Hugging Face folder with shards up to this size")
@@ -329,6 +343,10 @@ def convert(
     model.safetensors.index.json, which from_pretrained reads), or to a torch file."""
 
     def body() -> None:
+        with _about(src):
+            convert_body()
+
+    def convert_body() -> None:
         strip = None if no_strip else "module."
         to_folder = dst.endswith("/") or _is_folder(dst) or max_shard_size is not None
         if to_folder:
@@ -370,13 +388,18 @@ def diff(
     atol: Annotated[float, typer.Option(help="largest absolute difference still counted as equal")] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     trust: Annotated[bool, _TRUST] = False,
+    key: Annotated[Optional[str], typer.Option(help=_KEY_HELP + "; a file without it is read as without --key")] = None,
 ) -> None:
-    """Compare the weights of two checkpoints ('module.' and '_orig_mod.' ignored); exit 1 if they differ."""
+    """Compare the weights of two checkpoints ('module.' and '_orig_mod.' ignored); exit 1 if they differ.
+
+    A tensor one side stores once under a name it is tied to (transformers' lm_head.weight and
+    transformer.wte.weight) is reported as tied, not as a difference."""
 
     def body() -> int:
         from .reading import diff as compare
 
-        result = compare(a, b, atol=atol, trust_code=trust)
+        with _about(a, b):
+            result = compare(a, b, atol=atol, trust_code=trust, key=key)
         if as_json:
             out.print_json(json.dumps(result))
         else:
@@ -390,6 +413,8 @@ def _render_diff(result: dict[str, Any]) -> None:
     for label, key in (("only in A", "missing_in_b"), ("only in B", "only_in_b")):
         if result[key]:
             out.print(f"[red]{label}[/] ({len(result[key])}): " + ", ".join(result[key][:20]))
+    for name, partner in list(result["tied"].items())[:20]:
+        out.print(f"{name}: tied to {partner} (stored once on the other side; compared there)")
     for m in result["shape_or_dtype_mismatch"]:
         out.print(f"[red]mismatch[/] {m['name']}: {m['a']} vs {m['b']}")
     if result["max_abs_diff"]:
@@ -431,6 +456,12 @@ def verify(
 
 def main() -> None:
     """Entry point of the ``ckpt`` executable."""
+    for stream in (sys.stdout, sys.stderr):
+        # A tensor name can hold a lone surrogate (torch.save pickles any str): shown escaped,
+        # never a UnicodeEncodeError in the middle of a table.
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            reconfigure(errors="backslashreplace")
     app(prog_name="ckpt")
 
 

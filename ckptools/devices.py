@@ -86,6 +86,13 @@ def resolve_map_location(spec: MapLocation = "auto") -> Any:
     raise ValueError(f"map_location={spec!r} ({type(spec).__name__}) is not understood; {_SPEC_HELP}")
 
 
+def keep_view_bits(source: torch.Tensor, copy: torch.Tensor) -> None:
+    """Give ``copy`` (built on a copy of ``source``'s storage) ``source``'s conjugate and negative
+    bits: a lazily conjugated view's bytes are not its values (torch.save records the bits too)."""
+    if source.is_conj() or source.is_neg():
+        torch._utils.set_tensor_metadata(copy, torch._utils.get_tensor_metadata(source))  # type: ignore[no-untyped-call]
+
+
 def _copy_tensor(t: torch.Tensor, memo: dict[Any, torch.UntypedStorage]) -> torch.Tensor:
     if t.layout != torch.strided or t.is_quantized or t.device.type == "meta":
         return t.detach().to("cpu", copy=True)
@@ -100,6 +107,7 @@ def _copy_tensor(t: torch.Tensor, memo: dict[Any, torch.UntypedStorage]) -> torc
         memo[key] = cpu_storage
     out = torch.empty(0, dtype=t.dtype, device="cpu")
     out.set_(cpu_storage, t.storage_offset(), t.size(), t.stride())
+    keep_view_bits(t, out)
     if isinstance(t, torch.nn.Parameter):
         return torch.nn.Parameter(out, requires_grad=t.requires_grad)
     return out

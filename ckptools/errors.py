@@ -9,6 +9,7 @@ subclass also inherits the builtin exception that code without ckptools would ca
         ├── CheckpointFormatError    (also ValueError)   truncated, corrupt, not a checkpoint
         ├── UnsafeCheckpointError    (also ValueError)   needs arbitrary code to load
         │   └── UnsafeStateError     (also TypeError)    save refused: the state holds such a value
+        ├── MissingClassError        (also ImportError)  a trusted file's pickled class is not importable
         └── KeyMismatchError         (also KeyError)     missing / unexpected keys
 
     UserWarning
@@ -31,6 +32,7 @@ __all__ = [
     "CheckpointNotFoundError",
     "CheckpointWarning",
     "KeyMismatchError",
+    "MissingClassError",
     "UnsafeCheckpointError",
     "UnsafeStateError",
 ]
@@ -64,6 +66,16 @@ class CheckpointLayoutError(CheckpointFormatError):
 
 class UnsafeCheckpointError(CheckpointError, ValueError):
     """The file needs arbitrary code (pickled globals outside torch's allowlist) to load."""
+
+
+class MissingClassError(CheckpointError, ImportError):
+    """A file trusted to run its pickled code names a class that cannot be imported here.
+
+    ``torch.save(model)`` pickles the model's class by its module path; an OmegaConf config needs
+    ``omegaconf``. The file is intact: install the module (the message names it), or read the
+    weights without trusting the file, with inert placeholders for such classes. ``ckpt verify``
+    exits 2 for this, never 1 (damaged).
+    """
 
 
 class UnsafeStateError(UnsafeCheckpointError, TypeError):

@@ -36,7 +36,6 @@ from __future__ import annotations
 import collections
 import fnmatch
 import importlib
-import io
 import json
 import os
 import pathlib
@@ -332,6 +331,7 @@ def _lenient_tree(data: bytes, path: str, refusal: UnsafeCheckpointError, archiv
     tree, skipped = loads_lenient(data, path, archive)
     if hostile(skipped):
         raise refusal
+    _refuse_whole_object(tree, path)
     try:
         locate_weights(tree, path=path)
     except Exception:  # noqa: BLE001 - no weights to give: nothing here is worth a lenient read
@@ -339,7 +339,24 @@ def _lenient_tree(data: bytes, path: str, refusal: UnsafeCheckpointError, archiv
     return tree, skipped
 
 
+def _refuse_whole_object(tree: Any, path: str) -> None:
+    """Refuse, saying so, a file that is one pickled object of a refused class (``torch.save(model)``)."""
+    from .torchzip import Opaque
+
+    if isinstance(tree, Opaque) and tree.cls is not None:
+        raise UnsafeCheckpointError(
+            f"{path} is a whole pickled {tree.name} object (torch.save(model)), not a dict of weights: only "
+            "that class's code can rebuild it, so it was refused and nothing was executed. For a file you trust, "
+            "--trust-pickled-code (weights_only=False) reads its state_dict(); better, re-save it as "
+            "torch.save(model.state_dict(), path)"
+        )
+
+
 def _load_whole(path: str, trust_code: bool, *, mmap: bool, map_location: Any = "cpu") -> Any:
+    """The whole file through torch; a trusted whole pickled module (``torch.save(model)``) as its
+    ``state_dict()``, which is what a checkpoint of it would hold (never "0 tensors")."""
+    import torch
+
     from .serialization import load_file
 
     try:
@@ -347,7 +364,8 @@ def _load_whole(path: str, trust_code: bool, *, mmap: bool, map_location: Any = 
     except UnsafeCheckpointError:
         if not trust_code:
             raise
-        return load_file(path, map_location=map_location, weights_only=False, mmap=mmap)
+        tree = load_file(path, map_location=map_location, weights_only=False, mmap=mmap)
+    return dict(tree.state_dict()) if isinstance(tree, torch.nn.Module) else tree
 
 
 def _loaded_tensor_info(devices: Mapping[int, str] | None = None) -> Callable[[Any], dict[str, Any] | None]:
@@ -356,16 +374,32 @@ def _loaded_tensor_info(devices: Mapping[int, str] | None = None) -> Callable[[A
     def describe(node: Any) -> dict[str, Any] | None:
         if not isinstance(node, torch.Tensor):
             return None
-        ptr = node.untyped_storage().data_ptr()
+        if node.layout != torch.strided:  # sparse: its parts' bytes; no storage of its own
+            parts = _sparse_parts(node)
+            ptr = parts[-1].untyped_storage().data_ptr()
+            nbytes = sum(p.numel() * p.element_size() for p in parts)
+        else:
+            ptr, nbytes = node.untyped_storage().data_ptr(), node.numel() * node.element_size()
         return {
             "shape": list(node.shape),
             "dtype": str(node.dtype).removeprefix("torch."),
-            "bytes": node.numel() * node.element_size(),
+            "bytes": nbytes,
             "device": (devices or {}).get(ptr, "cpu"),
             "storage": ptr,
         }
 
     return describe
+
+
+def _sparse_parts(tensor: Any) -> list[Any]:
+    """The dense tensors a sparse tensor is made of (indices first, values last)."""
+    import torch
+
+    if tensor.layout == torch.sparse_coo:
+        return [tensor._indices(), tensor._values()]
+    if tensor.layout in (torch.sparse_csr, torch.sparse_bsr):
+        return [tensor.crow_indices(), tensor.col_indices(), tensor.values()]
+    return [tensor.ccol_indices(), tensor.row_indices(), tensor.values()]  # csc, bsc
 
 
 def _torch_weights(path: str, key: str | None, map_location: Any, trust_code: bool) -> dict[str, Any]:
@@ -387,49 +421,107 @@ def _torch_weights(path: str, key: str | None, map_location: Any, trust_code: bo
 def weights_without_code(path: str, key: str | None, location: Any, refusal: UnsafeCheckpointError) -> dict[str, Any]:
     """The weights of a local zip checkpoint whose *other* entries need refused classes.
 
-    The pickle is read with inert placeholders for those classes (nothing is imported or run),
-    the weights are found as usual, and each tensor's bytes come straight from its zip record.
-    Raises ``refusal`` when that cannot be done (a remote or legacy file, the weights themselves
-    needing such a class, a tensor that is not dense).
+    The file is read by `load_without_code` (those classes as inert placeholders, nothing is
+    imported or run) and the weights found as usual. Raises ``refusal`` when that cannot be done
+    (a remote or legacy file, the weights themselves needing such a class).
     """
     import torch
 
+    from .torchzip import Opaque, locate_weights
+
+    tree, _ = load_without_code(path, location, refusal)
+    try:
+        weights = locate_weights(tree, key=key, path=path, is_leaf=lambda v: isinstance(v, torch.Tensor))[2]
+    except CheckpointFormatError:
+        if key is None and isinstance(tree, Opaque):
+            raise refusal from None
+        raise
+    return dict(weights)
+
+
+def load_without_code(
+    path: str, map_location: Any, refusal: UnsafeCheckpointError, *, mmap: bool = False
+) -> tuple[Any, list[str]]:
+    """The whole tree of a local zip checkpoint some of whose entries need refused classes.
+
+    Tensors, dtypes, devices and containers load as ``torch.load(weights_only=True)`` loads them
+    (torch's own allowlist, and whatever ``torch.serialization.add_safe_globals`` added); every
+    other global is an inert `ckptools.torchzip.Opaque` placeholder that holds what the pickle
+    said about it: nothing is imported, constructed or called. Files naming code-running modules
+    (`ckptools.torchzip.hostile`) raise ``refusal``, as do remote and legacy files. Warns once,
+    naming what was skipped. Returns the tree and the skipped globals.
+    """
     from . import _log
-    from .convert import _zip_specs
-    from .safetensors_file import torch_dtypes
-    from .torchzip import TorchZip, locate_weights
+    from .convert import _local_zip
+    from .serialization import load_file
+    from .torchzip import TorchZip, hostile, loads_lenient
 
     fs, fpath = get_filesystem(path)
-    if not is_local(fs):
+    if not is_local(fs) or not _local_zip(fpath):
         raise refusal
-    try:
-        archive = TorchZip(fpath)
-        tree, skipped = _lenient_tree(archive.read_pickle(), path, refusal, archive)
-        _, _, parsed = locate_weights(tree, key=key, path=path)
-        planned = _zip_specs(archive, parsed)
-    except CheckpointFormatError:
-        raise refusal from None
-    if planned is None:
+    archive = TorchZip(fpath)
+    # Our own torch-free reader vets the pickle first (structure, storage sizes, hostile names).
+    parsed, skipped = loads_lenient(archive.read_pickle(), path, archive)
+    if hostile(skipped):
         raise refusal
-    specs, aliases = planned
-    weights: dict[str, Any] = {}
-    for name, spec in specs.items():
-        dtype = torch_dtypes()[spec.dtype]
-        if spec.nbytes == 0:
-            tensor = torch.empty(spec.shape, dtype=dtype)
-        else:
-            buffer = io.BytesIO()
-            spec.write(buffer)
-            tensor = torch.frombuffer(bytearray(buffer.getbuffer()), dtype=dtype).reshape(spec.shape)
-        weights[name] = tensor.to(location) if isinstance(location, torch.device) else tensor
-    for alias, target in aliases.items():
-        weights[alias] = weights[target]  # tied in the file, tied here
+    _refuse_whole_object(parsed, path)
+    if not isinstance(parsed, Mapping):
+        raise refusal
+    tree = load_file(path, map_location=map_location, weights_only=False, mmap=mmap, pickle_module=_placeholders(path))
     _log.warn(
-        f"{path}: read the weights without loading {', '.join(skipped)} (other entries need them; nothing "
-        "was executed). To load the whole file, trust it and use torch.load(..., weights_only=False)",
+        f"{path}: read without loading {', '.join(skipped)} (inert placeholders stand in for them; nothing was "
+        "executed). To load the whole file, trust it and use torch.load(..., weights_only=False)",
         once=f"weights {path}",
     )
-    return weights
+    return tree, skipped
+
+
+def _placeholders(path: str) -> Any:
+    """A ``pickle_module`` for ``torch.load`` whose unpickler builds torch's allowlisted globals
+    and stands an inert `Opaque` in for every other one.
+
+    torch's own weights-only unpickler refuses a whole file for one ``pathlib.Path``; this one
+    differs from it only there. It is the pure-Python unpickler (no memo table sized by a hostile
+    index); ``BUILD`` sets state only where torch's safe loader does, or on a placeholder.
+    """
+    import types
+    from collections import OrderedDict
+
+    import torch
+    import torch._weights_only_unpickler as safe
+
+    from .torchzip import Opaque, _LenientReader, _PyUnpickler, canonical, hostile
+
+    allowed = {**safe._get_allowed_globals(), **safe._get_user_allowed_globals()}  # type: ignore[no-untyped-call]
+    buildable = {torch.Tensor, torch.nn.Parameter, OrderedDict, *(t for t in allowed.values() if isinstance(t, type))}
+
+    class Unpickler(_PyUnpickler):  # type: ignore[misc]  # the pure-Python one (typed Any)
+        dispatch: ClassVar[dict[int, Any]] = dict(_PyUnpickler.dispatch)
+        _path = path  # named in _LenientReader's errors
+
+        def find_class(self, module: str, name: str) -> Any:
+            module, name = canonical(module, name)
+            real = allowed.get(f"{module}.{name}")
+            if real is not None:
+                return real
+            if hostile([f"{module}.{name}"]):  # vetted above; kept so this reader never resolves one alone
+                raise UnsafeCheckpointError(f"refused {module}.{name}: it runs code")
+            return Opaque(module, name)
+
+        def load_build(self) -> None:
+            state, inst = self.stack[-1], self.stack[-2]
+            if state is None or (isinstance(state, (dict, tuple)) and not any(state)):
+                self.stack.pop()  # an empty state (OmegaConf writes them): pickle sets nothing either
+            elif isinstance(inst, Opaque) or type(inst) in buildable:  # where torch's safe loader sets state
+                super().load_build()
+            else:
+                raise UnsafeCheckpointError(f"refused to set the state of a {type(inst).__name__}")
+
+        dispatch[pickle.BUILD[0]] = load_build
+        dispatch[pickle.NEWOBJ[0]] = _LenientReader._load_newobj
+        dispatch[pickle.NEWOBJ_EX[0]] = _LenientReader._load_newobj_ex
+
+    return types.SimpleNamespace(Unpickler=Unpickler, load=pickle.load, __name__="ckptools_placeholders")
 
 
 def _walk_tree(
@@ -905,6 +997,20 @@ def read_weights(path: str, *, key: str | None, map_location: Any, verify: bool 
     return _torch_weights(path, key, map_location, False)
 
 
+def _weights_at(view: CheckpointView, key: str | None) -> Mapping[str, Any]:
+    from .errors import KeyMismatchError
+
+    if key is None:
+        return view.weights()
+    try:
+        return view.weights(key)
+    except (KeyMismatchError, CheckpointFormatError) as missing:
+        try:
+            return view.weights()  # this side holds no such entry: its weights as found without key
+        except CheckpointFormatError:
+            raise missing from None
+
+
 # --- operations ----------------------------------------------------------------------------------
 
 
@@ -944,10 +1050,19 @@ def verify(path: PathLike, *, trust_code: bool = False) -> str:
     return open_checkpoint(path, trust_code=trust_code).verify()
 
 
-def diff(a: PathLike, b: PathLike, *, atol: float = 0.0, trust_code: bool = False) -> dict[str, Any]:
+def diff(
+    a: PathLike, b: PathLike, *, atol: float = 0.0, trust_code: bool = False, key: str | None = None
+) -> dict[str, Any]:
     """Compare the weights of two checkpoints of any layouts (wrapper prefixes ignored).
 
-    Returns a dict: ``differ`` (bool), ``missing_in_b``, ``only_in_b``, ``shape_or_dtype_mismatch``,
+    ``key`` (dotted for nesting: ``"model.state_dict"``) names the entry that holds the weights
+    in each file that has it; a file without that entry (a ``.safetensors`` file, a folder, a
+    bare state dict) is read as without ``key``, so a training checkpoint compares with its export.
+    A tensor that only one side names, stored once in the other under a name it is tied to there
+    (transformers' ``lm_head.weight``, tied to ``transformer.wte.weight``), is no difference:
+    ``tied`` maps it to that name.
+
+    Returns a dict: ``differ`` (bool), ``missing_in_b``, ``only_in_b``, ``tied``, ``shape_or_dtype_mismatch``,
     ``changed`` (max |a-b| above ``atol``, or NaN) and ``max_abs_diff`` per common tensor.
 
     Examples:
@@ -962,20 +1077,22 @@ def diff(a: PathLike, b: PathLike, *, atol: float = 0.0, trust_code: bool = Fals
     from .state_dict import strip_wrappers
 
     a, b = _fspath(a), _fspath(b)
-    wa = open_checkpoint(a, trust_code=trust_code).weights()
-    wb = open_checkpoint(b, trust_code=trust_code).weights()
+    wa = _weights_at(open_checkpoint(a, trust_code=trust_code), key)
+    wb = _weights_at(open_checkpoint(b, trust_code=trust_code), key)
     # Compared without any wrapper's prefix (DDP's "module.", torch.compile's "_orig_mod."). Names
     # are mapped first and tensors read one at a time, in A's order: a sharded checkpoint is
     # then read shard by shard, never held whole.
     na = strip_wrappers({name: name for name in wa})
     nb = strip_wrappers({name: name for name in wb})
-    missing = sorted(set(na) - set(nb))
-    unexpected = sorted(set(nb) - set(na))
+    common = set(na) & set(nb)
+    tied = {**_tied_names(set(na) - set(nb), na, wa, common), **_tied_names(set(nb) - set(na), nb, wb, common)}
+    missing = sorted(set(na) - set(nb) - set(tied))
+    unexpected = sorted(set(nb) - set(na) - set(tied))
     mismatched: list[dict[str, Any]] = []
     changed: list[str] = []
     max_abs: dict[str, float] = {}
     order = {stored: i for i, stored in enumerate(wa)}
-    for name in sorted(set(na) & set(nb), key=lambda n: order[na[n]]):
+    for name in sorted(common, key=lambda n: order[na[n]]):
         ta, tb = wa[na[name]], wb[nb[name]]
         if ta.shape != tb.shape or ta.dtype != tb.dtype:
             mismatched.append(
@@ -998,4 +1115,34 @@ def diff(a: PathLike, b: PathLike, *, atol: float = 0.0, trust_code: bool = Fals
     changed.sort()
     differ = bool(missing or unexpected or mismatched or changed)
     return {"a": a, "b": b, "atol": atol, "differ": differ, "missing_in_b": missing, "only_in_b": unexpected,
-            "shape_or_dtype_mismatch": mismatched, "changed": changed, "max_abs_diff": max_abs}  # fmt: skip
+            "tied": dict(sorted(tied.items())), "shape_or_dtype_mismatch": mismatched, "changed": changed,
+            "max_abs_diff": max_abs}  # fmt: skip
+
+
+def tensor_identity(tensor: Any) -> tuple[Any, ...] | None:
+    """What makes two tensors one (tied: the same memory viewed the same way); None for a tensor
+    with no memory to share (empty, or on the meta device)."""
+    if tensor.numel() == 0 or tensor.device.type == "meta":
+        return None
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
+            tensor.dtype, tensor.device, tensor.is_conj(), tensor.is_neg())  # fmt: skip
+
+
+def _tied_names(
+    only: set[str], names: Mapping[str, str], weights: Mapping[str, Any], common: set[str]
+) -> dict[str, str]:
+    """Those of ``only`` (names one side alone has) tied, on that side, to a name both sides
+    have: the other side stores the tensor once, under that name. Compared there."""
+    if not only:
+        return {}
+    partner: dict[tuple[Any, ...], str] = {}
+    for name in sorted(common):
+        ident = tensor_identity(weights[names[name]])
+        if ident is not None:
+            partner.setdefault(ident, name)
+    found = {}
+    for name in sorted(only):
+        ident = tensor_identity(weights[names[name]])
+        if ident is not None and ident in partner:
+            found[name] = partner[ident]
+    return found

@@ -16,7 +16,7 @@ __all__ = ["rename_checkpoint", "rename_file", "rename_folder"]
 Transform = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 
-def rename_checkpoint(src: PathLike, dst: PathLike, transform: Transform) -> int:
+def rename_checkpoint(src: PathLike, dst: PathLike, transform: Transform, *, key: str | None = None) -> int:
     """Rename the weights' keys of a checkpoint file or folder into ``dst``; return how many changed.
 
     What ``ckpt strip-module`` and ``ckpt add-module`` do: ``transform`` maps a state dict to the
@@ -24,7 +24,8 @@ def rename_checkpoint(src: PathLike, dst: PathLike, transform: Transform) -> int
     tensor is decoded: a torch zip's ``data.pkl`` or a safetensors header is rewritten and the
     tensor bytes copied; every other entry (optimizer, epoch; even ones that need classes torch's
     safe loader refuses) is kept. A folder (Hugging Face or Accelerate, sharded or not) is written
-    as a folder; ``dst`` may equal ``src`` (each file is replaced atomically).
+    as a folder; ``dst`` may equal ``src`` (each file is replaced atomically). ``key`` names the
+    entry of a torch file that holds the weights (dotted for nesting) when the usual names do not.
 
     Examples:
         >>> import torch, ckptools as ck
@@ -34,11 +35,13 @@ def rename_checkpoint(src: PathLike, dst: PathLike, transform: Transform) -> int
     """
     src, dst = _fspath(src), _fspath(dst)
     if ("://" not in src and os.path.isdir(src)) or src.endswith(".json"):
+        if key is not None:
+            raise CheckpointLayoutError(f"{src} is a folder of bare weights: it has no entries, so key= does not apply")
         return rename_folder(src, dst, transform)
-    return rename_file(src, dst, transform)
+    return rename_file(src, dst, transform, key=key)
 
 
-def rename_file(path: str, dst: str, transform: Transform) -> int:
+def rename_file(path: str, dst: str, transform: Transform, *, key: str | None = None) -> int:
     """Rename the weights of one checkpoint file into ``dst`` (may be ``path``); return how many changed.
 
     safetensors: only the header is rewritten. A local torch zip: only ``data.pkl`` is rewritten
@@ -48,6 +51,11 @@ def rename_file(path: str, dst: str, transform: Transform) -> int:
     """
     if path.endswith(".safetensors"):
         from .safetensors_file import rename_safetensors
+
+        if key is not None:
+            raise CheckpointLayoutError(
+                f"{path} is a safetensors file of bare weights: it has no entries, so key= does not apply"
+            )
 
         return rename_safetensors(path, dst, transform)
     from .convert import _local_zip
@@ -63,7 +71,7 @@ def rename_file(path: str, dst: str, transform: Transform) -> int:
             from .reading import _lenient_tree
 
             tree, _ = _lenient_tree(data, path, refusal, archive)  # other entries are written back as they were read
-        tree, weights, renamed = _rename_in_tree(tree, locate_weights(tree, path=path), transform)
+        tree, weights, renamed = _rename_in_tree(tree, locate_weights(tree, key=key, path=path), transform)
         payload = dumps(tree)
         atomic_write(dst, lambda f: archive.write_with_pickle(f, payload))
     else:  # legacy (pre-1.6) format or a remote URL: through torch
@@ -72,7 +80,7 @@ def rename_file(path: str, dst: str, transform: Transform) -> int:
         from .serialization import save_file
 
         ckpt = load_torch(path)
-        ckpt, weights, renamed = _rename_in_tree(ckpt, locate_loaded(ckpt, path=path), transform)
+        ckpt, weights, renamed = _rename_in_tree(ckpt, locate_loaded(ckpt, key=key, path=path), transform)
         save_file(dst, ckpt)
     return sum(1 for a, b in zip(weights, renamed) if a != b)
 

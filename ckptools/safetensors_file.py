@@ -58,7 +58,7 @@ class Spec:
         self.dtype, self.shape, self.nbytes, self.write = dtype, shape, nbytes, write
 
 
-def _header(specs: Mapping[str, Spec], metadata: Mapping[str, str]) -> tuple[list[str], bytes]:
+def _header(specs: Mapping[str, Spec], metadata: Mapping[str, str], where: str) -> tuple[list[str], bytes]:
     # Widest dtypes first keeps every tensor aligned to its item size (the header is padded to 8).
     order = sorted(specs, key=lambda n: (-ITEMSIZE[specs[n].dtype], n))
     header: dict[str, Any] = {"__metadata__": dict(metadata)}
@@ -67,9 +67,29 @@ def _header(specs: Mapping[str, Spec], metadata: Mapping[str, str]) -> tuple[lis
         spec = specs[name]
         header[name] = {"dtype": spec.dtype, "shape": spec.shape, "data_offsets": [offset, offset + spec.nbytes]}
         offset += spec.nbytes
-    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * (-len(raw) % 8)
+    raw = _encode_header(header, where)
     return order, raw
+
+
+def _encode_header(header: Mapping[str, Any], where: str) -> bytes:
+    """The header's JSON as UTF-8, padded to 8 bytes; a name that is not text refused."""
+    try:
+        raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    except UnicodeEncodeError:
+        bad = next(n for n in header if not _utf8(n) or not _utf8(json.dumps(header[n], ensure_ascii=False)))
+        raise CheckpointFormatError(
+            f"{where}: tensor name {bad!r} holds a lone surrogate, which is not text: a safetensors header is "
+            "UTF-8, so it cannot be written; rename the tensor (nothing was written)"
+        ) from None
+    return raw + b" " * (-len(raw) % 8)
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def write_specs(
@@ -81,14 +101,14 @@ def write_specs(
     meta[CRC_KEY] = json.dumps({name: "00000000" for name in sorted(specs)}, separators=(",", ":"))
     if aliases:
         meta[ALIAS_KEY] = json.dumps(dict(aliases), separators=(",", ":"), sort_keys=True)
-    order, raw = _header(specs, meta)
+    order, raw = _header(specs, meta, str(path))
 
     def write(f: IO[bytes]) -> None:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
         crcs = {name: f"{specs[name].write(f):08x}" for name in order}
         meta[CRC_KEY] = json.dumps(dict(sorted(crcs.items())), separators=(",", ":"))
-        _, final = _header(specs, meta)
+        _, final = _header(specs, meta, str(path))
         if len(final) != len(raw):  # pragma: no cover - fixed-width fields guarantee equality
             raise RuntimeError("safetensors header changed size while writing")
         f.seek(8)
@@ -144,9 +164,15 @@ def tensor_specs(tensors: Mapping[str, Any]) -> tuple[dict[str, Spec], dict[str,
             raise CheckpointFormatError(
                 f"tensor {name!r} is {t.layout}; safetensors stores dense tensors only (call .to_dense())"
             )
+        if t.device.type == "meta":
+            raise CheckpointFormatError(
+                f"tensor {name!r} is on the meta device: it has a shape but no values to write (saved from a model "
+                "built without memory); load real weights into it first"
+            )
         if t.dtype not in names:
             raise CheckpointFormatError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
-        identity = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+        identity = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
+                    t.is_conj(), t.is_neg())  # fmt: skip
         if t.numel() and identity in seen:
             aliases[name] = seen[identity]
             continue
@@ -155,7 +181,11 @@ def tensor_specs(tensors: Mapping[str, Any]) -> tuple[dict[str, Spec], dict[str,
         def write(f: IO[bytes], t: torch.Tensor = t) -> int:
             if sys.byteorder != "little":  # pragma: no cover - no big-endian machine to test on
                 raise NotImplementedError("writing safetensors on a big-endian machine is not supported")
-            data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
+            # A conjugate or negative view's bytes are not its values: resolve them (a copy).
+            flat = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+            if flat.numel() <= 1:  # one element may keep any stride, and view(uint8) needs stride 1
+                flat = torch.empty(flat.numel(), dtype=flat.dtype).copy_(flat)
+            data = flat.view(torch.uint8).numpy()
             return _write_chunks(f, memoryview(data))  # type: ignore[arg-type]  # ndarray is a buffer
 
         specs[name] = Spec(names[t.dtype], list(t.shape), t.numel() * t.element_size(), write)
@@ -228,10 +258,15 @@ def read_safetensors_header(path: PathLike) -> tuple[dict[str, Any], dict[str, s
                 "a safetensors entry holds dtype, shape and data_offsets"
             )
         dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-        if dtype not in ITEMSIZE:
-            raise CheckpointFormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+        if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has unknown dtype {str(dtype)[:40]!r}")
         if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
-            raise CheckpointFormatError(f"{path}: tensor {name!r} has an invalid shape {shape!r}")
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has an invalid shape {str(shape)[:80]}")
+        extent = 1
+        for d in shape:
+            extent *= max(d, 1)
+        if extent >= 2**63:  # torch sizes are int64: such a shape cannot be built, even holding no element
+            raise CheckpointFormatError(f"{path}: tensor {name!r} has a shape {str(shape)[:80]} no tensor can have")
         if not (isinstance(offsets, list) and len(offsets) == 2 and all(type(o) is int for o in offsets)):
             raise CheckpointFormatError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
         begin, end = offsets
@@ -318,8 +353,7 @@ def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
     entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
     new_header: dict[str, Any] = {"__metadata__": meta} if meta else {}
     new_header.update({new_name[name]: entry for name, entry in entries})
-    raw = json.dumps(new_header, separators=(",", ":"), ensure_ascii=False).encode()
-    raw += b" " * (-len(raw) % 8)
+    raw = _encode_header(new_header, f"{src} -> {dst}")
     source, local = open_for_read(src)
 
     def write(f: IO[bytes]) -> None:

@@ -25,7 +25,7 @@ from typing import IO, Any
 
 import torch
 
-from .errors import CheckpointError, CheckpointFormatError, UnsafeCheckpointError, UnsafeStateError
+from .errors import CheckpointError, CheckpointFormatError, MissingClassError, UnsafeCheckpointError, UnsafeStateError
 from .storage import PathLike, _fspath, atomic_write, crc32_range, open_for_read
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
@@ -58,8 +58,26 @@ def _unsafe_error(path: str, err: BaseException) -> UnsafeCheckpointError:
     )
 
 
-def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool = True, mmap: bool = False) -> Any:
+def _missing_class(err: BaseException) -> str | None:
+    """What an unpickler could not import, from its error (None: some other failure)."""
+    if isinstance(err, ModuleNotFoundError) and err.name:
+        return f"module {err.name!r}"
+    found = re.match(r"Can't get attribute '([^']+)' on <module '([^']+)'", str(err))
+    return f"{found.group(2)}.{found.group(1)}" if found else None
+
+
+def load_file(
+    path: PathLike,
+    *,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+    mmap: bool = False,
+    pickle_module: Any = None,
+) -> Any:
     """``torch.load`` a local path or URL, turning failures into ckptools errors.
+
+    ``pickle_module`` (with ``weights_only=False``) is passed to ``torch.load``: the placeholder
+    reader of `ckptools.reading.load_without_code`.
 
     Raises:
         CheckpointNotFoundError: the file does not exist.
@@ -78,15 +96,29 @@ def load_file(path: PathLike, *, map_location: Any = "cpu", weights_only: bool =
 
             check_non_zip(handle, handle.seek(0, 2), path)
     try:
+        extra = {} if pickle_module is None else {"pickle_module": pickle_module}
         if mmap:  # only for local zip files: storages are mapped, read when touched
-            return torch.load(source, map_location=map_location, weights_only=weights_only, mmap=True)
-        return torch.load(source, map_location=map_location, weights_only=weights_only)
+            return torch.load(source, map_location=map_location, weights_only=weights_only, mmap=True, **extra)
+        return torch.load(source, map_location=map_location, weights_only=weights_only, **extra)
     except pickle.UnpicklingError as err:
         if weights_only and "GLOBAL" in str(err):
             raise _unsafe_error(path, err) from err
         raise CheckpointFormatError(f"{path} is corrupt or not a torch checkpoint ({_first_line(err)})") from err
     except CheckpointError:
         raise
+    except (ModuleNotFoundError, AttributeError) as err:
+        missing = _missing_class(err)
+        if weights_only or missing is None:
+            raise CheckpointFormatError(
+                f"{path} is truncated, corrupt or not a torch checkpoint ({_first_line(err)}); "
+                "re-save it or pick another file"
+            ) from err
+        # An intact file whose pickled class lives in a module this environment lacks: not damage.
+        raise MissingClassError(
+            f"{path} names {missing}, which cannot be imported here ({_first_line(err)}); the file is intact: "
+            "install the module that defines it, or read the weights without trusting the file (drop "
+            "--trust-pickled-code / weights_only=False), which stands inert placeholders in for such classes"
+        ) from err
     except OSError as err:
         raise CheckpointFormatError(f"{path} could not be read ({err})") from err
     except Exception as err:  # translated, not swallowed: see below

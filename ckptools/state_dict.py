@@ -23,6 +23,20 @@ def _copy_mapping(state_dict: Mapping[str, Any], items: list[tuple[str, Any]]) -
     return out
 
 
+def _refuse_collisions(state_dict: Mapping[str, Any], items: list[tuple[Any, Any]], what: str) -> None:
+    """Raise when two keys of ``state_dict`` are renamed to one (a value would be lost)."""
+    if len({k for k, _ in items}) == len(items):
+        return
+    first: dict[Any, Any] = {}
+    for old, (new, _) in zip(state_dict, items):
+        if new in first:
+            raise ValueError(
+                f"{what} would give {first[new]!r} and {old!r} the same name {new!r}, and one tensor would be lost; "
+                "rename or drop one of them first (nothing was changed)"
+            )
+        first[new] = old
+
+
 def _check_prefix(prefix: str) -> None:
     if not isinstance(prefix, str) or not prefix:
         raise ValueError(f"prefix must be a non-empty string such as 'module.', got {prefix!r}")
@@ -36,9 +50,10 @@ def strip_prefix(state_dict: M, prefix: str = "module.") -> M:
     loading) is carried over with its keys renamed exactly as torch's
     ``consume_prefix_in_state_dict_if_present`` renames them: the bare ``module`` entry becomes
     the root ``""``. The input is never modified; tensors are shared, not copied. Keys that
-    collide once stripped (``module.w`` and ``w``) keep the later one's value; torch renames in
-    place, one key after another, so a renamed key can be renamed again on the way
-    (``module.module.w`` -> ``module.w`` -> ``w``): here each key loses the prefix once.
+    would collide once stripped (``module.w`` beside ``w``) raise ``ValueError`` naming both:
+    torch's ``consume_prefix_in_state_dict_if_present`` keeps one of the two tensors silently.
+    torch also renames in place, one key after another, so a renamed key can be renamed again on
+    the way (``module.module.w`` -> ``module.w`` -> ``w``): here each key loses the prefix once.
 
     Args:
         state_dict: a mapping of string keys, typically ``ddp_model.state_dict()``.
@@ -54,6 +69,7 @@ def strip_prefix(state_dict: M, prefix: str = "module.") -> M:
     """
     _check_prefix(prefix)
     items = [(k[len(prefix) :] if isinstance(k, str) and k.startswith(prefix) else k, v) for k, v in state_dict.items()]
+    _refuse_collisions(state_dict, items, f"removing the prefix {prefix!r}")
     out = _copy_mapping(state_dict, items)
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:
@@ -75,7 +91,8 @@ def add_prefix(state_dict: M, prefix: str = "module.") -> M:
     """Return a copy of ``state_dict`` with ``prefix`` added to every key that lacks it.
 
     The inverse of `strip_prefix`, and idempotent: keys that already carry the prefix are
-    left alone, so ``add_prefix(add_prefix(sd)) == add_prefix(sd)``. ``_metadata`` is renamed
+    left alone, so ``add_prefix(add_prefix(sd)) == add_prefix(sd)``. ``w`` beside ``module.w``
+    raises ``ValueError`` naming both (one of them would be lost). ``_metadata`` is renamed
     likewise (the root ``""`` becomes the bare ``module`` entry). The input is never modified.
 
     Args:
@@ -92,6 +109,7 @@ def add_prefix(state_dict: M, prefix: str = "module.") -> M:
     """
     _check_prefix(prefix)
     items = [(k if not isinstance(k, str) or k.startswith(prefix) else prefix + k, v) for k, v in state_dict.items()]
+    _refuse_collisions(state_dict, items, f"adding the prefix {prefix!r}")
     out = _copy_mapping(state_dict, items)
     metadata = getattr(state_dict, "_metadata", None)
     if metadata is not None:

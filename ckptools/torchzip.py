@@ -13,6 +13,7 @@ else raises `UnsafeCheckpointError` and is never imported or called.
 
 from __future__ import annotations
 
+import _compat_pickle
 import contextlib
 import io
 import pickle
@@ -38,6 +39,9 @@ STORAGE_ITEMSIZE = {
     "ShortStorage": ("int16", 2), "CharStorage": ("int8", 1), "ByteStorage": ("uint8", 1),
     "BoolStorage": ("bool", 1), "ComplexDoubleStorage": ("complex128", 16),
     "ComplexFloatStorage": ("complex64", 8), "UntypedStorage": ("uint8", 1),
+    # Quantized tensors (torch.quantize_per_tensor): torch's safe loader reads them.
+    "QInt8Storage": ("qint8", 1), "QUInt8Storage": ("quint8", 1), "QInt32Storage": ("qint32", 4),
+    "QUInt4x2Storage": ("quint4x2", 1), "QUInt2x4Storage": ("quint2x4", 1),
 }  # fmt: skip
 _REBUILD = {
     "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
@@ -49,7 +53,9 @@ _DTYPES = {
     "float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
     "complex128", "complex64", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64",
 }  # fmt: skip
-_TORCH_NAMES = {"Size", "device", "Tensor", "strided", "sparse_coo"} | _DTYPES | set(STORAGE_ITEMSIZE)
+_QSCHEMES = {"per_tensor_affine", "per_tensor_symmetric", "per_channel_affine", "per_channel_symmetric",
+             "per_channel_affine_float_qparams"}  # fmt: skip
+_TORCH_NAMES = {"Size", "device", "Tensor", "strided", "sparse_coo"} | _DTYPES | set(STORAGE_ITEMSIZE) | _QSCHEMES
 # Bytes per element of the dtypes _rebuild_tensor_v3 names (its storage is untyped).
 DTYPE_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
                   "int8": 1, "uint8": 1, "bool": 1, "complex128": 16, "complex64": 8, "float8_e4m3fn": 1,
@@ -63,6 +69,23 @@ _SAFE_REAL = {
     ("builtins", "complex"): complex,
     ("_codecs", "encode"): __import__("codecs").encode,
 }
+
+
+def canonical(module: str, name: str) -> tuple[str, str]:
+    """The Python 3 name of a global that a protocol-2 pickle may give its Python 2 name.
+
+    ``pickle`` (protocol < 3) and ``torch.load(weights_only=True)`` both read ``__builtin__.set``
+    as ``builtins.set`` and ``__builtin__.long`` as ``builtins.int``; OmegaConf's pickles name plain
+    types that way. Every reader here judges the Python 3 name.
+
+    Examples:
+        >>> canonical("__builtin__", "long"), canonical("copy_reg", "_reconstructor")
+        (('builtins', 'int'), ('copyreg', '_reconstructor'))
+    """
+    mapped = _compat_pickle.NAME_MAPPING.get((module, name))
+    if mapped is not None:
+        return mapped
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
 class Global:
@@ -138,6 +161,7 @@ class _Reader(_PyUnpickler):  # type: ignore[misc]  # subclassing Any: see above
         self.storages: list[StorageRef] = []
 
     def find_class(self, module: str, name: str) -> Any:
+        module, name = canonical(module, name)
         real = _SAFE_REAL.get((module, name))
         if real is not None:
             return real
@@ -217,6 +241,7 @@ def _refused(module: str, name: str) -> bool:
 
 
 def _note(found: list[str], module: str, name: str) -> None:
+    module, name = canonical(module, name)
     if _refused(module, name) and f"{module}.{name}" not in found:
         found.append(f"{module}.{name}")
 
@@ -269,6 +294,7 @@ class _LenientReader(_Reader):
         self.skipped: list[str] = []
 
     def find_class(self, module: str, name: str) -> Any:
+        module, name = canonical(module, name)
         if not _refused(module, name):
             return super().find_class(module, name)
         if f"{module}.{name}" not in self.skipped:
@@ -296,20 +322,40 @@ class _LenientReader(_Reader):
 # Modules whose callables exist to run code, spawn processes or reach the network: a legitimate
 # checkpoint never names them, so a file that does is refused even by the lenient reader (which
 # would not run them either) and called what it is.
-_HOSTILE_MODULES = ("os", "posix", "nt", "subprocess", "builtins", "__builtin__", "sys", "runpy", "importlib",
+_HOSTILE_MODULES = ("os", "posix", "nt", "subprocess", "builtins", "sys", "runpy", "importlib",
                     "shutil", "socket", "pty", "code", "codeop", "pickle", "_pickle", "marshal", "ctypes",
                     "webbrowser", "pdb", "timeit", "multiprocessing", "asyncio", "signal", "urllib", "http",
                     "requests", "functools", "operator", "types", "inspect", "torch._dynamo", "torch.jit")  # fmt: skip
+# The builtins that only are or build plain data (types, as OmegaConf's metadata names them:
+# ``object_type=list``, ``key_type=int``). A lenient read keeps them as placeholders like any
+# other class; every other builtin (eval, exec, getattr, __import__, open, compile, ...)
+# can run code or reach any object, and makes the file hostile.
+DATA_BUILTINS = frozenset({
+    "list", "dict", "set", "frozenset", "tuple", "int", "float", "complex", "bool", "str", "bytes",
+    "bytearray", "slice", "range", "object", "NoneType", "Ellipsis", "NotImplemented",
+    "type",  # pickle writes type(None) as a call of builtins.type
+})  # fmt: skip
 
 
 def hostile(globals_: list[str]) -> list[str]:
     """Those of ``globals_`` (``module.name``) that belong to code-running modules.
 
+    Python 2 names count as their Python 3 ones (``__builtin__.eval`` is ``builtins.eval``); the
+    builtins that only are data types (`DATA_BUILTINS`) are not hostile.
+
     Examples:
-        >>> hostile(["pathlib.PosixPath", "posix.system"])
-        ['posix.system']
+        >>> hostile(["pathlib.PosixPath", "posix.system", "__builtin__.list", "__builtin__.eval"])
+        ['posix.system', '__builtin__.eval']
     """
-    return [g for g in globals_ if any(g == m or g.startswith(m + ".") for m in _HOSTILE_MODULES)]
+    found = []
+    for name in globals_:
+        module, _, attr = name.rpartition(".")
+        module, attr = canonical(module, attr)
+        if module == "builtins" and attr in DATA_BUILTINS:
+            continue
+        if any(module == m or module.startswith(m + ".") for m in _HOSTILE_MODULES):
+            found.append(name)
+    return found
 
 
 def _new_opaque(cls: Opaque, args: tuple[Any, ...]) -> Opaque:
@@ -525,6 +571,9 @@ def simple_tensor(node: Any) -> tuple[StorageRef, int, list[int], list[int]] | N
     if not (isinstance(node, Call) and node.func.name == "_rebuild_tensor_v2" and len(node.args) >= 4):
         return None
     storage, offset, shape, stride = node.args[:4]
+    metadata = node.args[6] if len(node.args) > 6 else None
+    if metadata is not None and (not isinstance(metadata, Mapping) or any(metadata.values())):
+        return None  # a conjugate or negative view ({"conj": True}): its bytes are not its values
     if not (isinstance(storage, StorageRef) and type(offset) is int and isinstance(shape, (tuple, list))):
         return None
     if not isinstance(stride, (tuple, list)) or len(stride) != len(shape):
@@ -541,7 +590,23 @@ def tensor_info(node: Call) -> dict[str, Any]:
         if not isinstance(inner, Call):
             break
         node = inner
-    if node.func.name in ("_rebuild_tensor_v2", "_rebuild_tensor", "_rebuild_tensor_v3") and node.args:
+    if node.func.name == "_rebuild_meta_tensor_no_storage" and len(node.args) > 1:  # (dtype, size, stride, ...)
+        dtype, size = node.args[0], node.args[1]
+        if isinstance(dtype, Global) and isinstance(size, (tuple, list)) and all(type(d) is int for d in size):
+            return {"shape": list(size), "dtype": dtype.name, "bytes": 0, "device": "meta", "storage": None}
+    if node.func.name == "_rebuild_sparse_tensor" and len(node.args) > 1 and isinstance(node.args[1], tuple):
+        # (layout, (indices, values, size, ...)) for COO; (crow/ccol, col/row, values, size) for compressed.
+        parts = [tensor_info(x) for x in node.args[1] if is_tensor(x)]
+        sizes = [x.args[0] if isinstance(x, Call) and x.func.name == "Size" and x.args else x for x in node.args[1]]
+        size = next((x for x in sizes if isinstance(x, (tuple, list))), None)
+        if parts and size is not None and all(type(d) is int for d in size):
+            values = parts[-1]
+            return {"shape": list(size), "dtype": values["dtype"], "bytes": sum(p["bytes"] for p in parts),
+                    "device": values["device"], "storage": values["storage"]}  # fmt: skip
+    if (
+        node.func.name in ("_rebuild_tensor_v2", "_rebuild_tensor", "_rebuild_tensor_v3", "_rebuild_qtensor")
+        and node.args
+    ):
         storage = node.args[0]
         shape = list(node.args[2]) if len(node.args) > 2 and isinstance(node.args[2], (tuple, list)) else []
         if isinstance(storage, StorageRef):

@@ -86,6 +86,18 @@ def _legacy_claiming(numel: int) -> bytes:
     return buf.getvalue()
 
 
+def _torch_save_calling(func: object, args: tuple) -> bytes:
+    """``torch.save`` of weights beside an object that unpickles as ``func(*args)``."""
+
+    class Call:
+        def __reduce__(self) -> tuple:
+            return (func, args)
+
+    buffer = io.BytesIO()
+    torch.save({"state_dict": {"w": torch.ones(3)}, "hyper_parameters": {"x": Call()}}, buffer)
+    return buffer.getvalue()
+
+
 def _torch_zip_with(data_pkl: bytes, valid_pt: bytes) -> bytes:
     """A torch zip checkpoint whose data.pkl is replaced (every other record kept, CRCs valid)."""
     out = io.BytesIO()
@@ -184,6 +196,11 @@ def build(directory: str) -> dict[str, str]:
     add("st_float_offsets.safetensors", _st({"a": {**f32, "data_offsets": [0.0, 8.0]}}, b"\0" * 8))
     add("st_missing_offsets.safetensors", _st({"a": {"dtype": "F32", "shape": [2]}}, b"\0" * 8))
     add("st_bad_metadata.safetensors", _st({"__metadata__": {"k": 1}, "a": f32}, b"\0" * 8))
+    add("st_dtype_is_a_list.safetensors", _st({"a": {**f32, "dtype": ["F32"]}}, b"\0" * 8))
+    add("st_dtype_is_an_object.safetensors", _st({"a": {**f32, "dtype": {"F32": 1}}}, b"\0" * 8))
+    add("st_dim_2_63_beside_0.safetensors", _st({"a": {"dtype": "F32", "shape": [2**63, 0], "data_offsets": [0, 0]}}))
+    add("st_dims_overflow_int64.safetensors",
+        _st({"a": {"dtype": "F32", "shape": [2**62, 4, 0], "data_offsets": [0, 0]}}))  # fmt: skip
     dup = b'{"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}, "a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}'  # noqa: E501
     add("st_duplicate_names.safetensors", _st(None, b"\0" * 8, raw=dup))
     deep = b"[" * 100_000 + b"]" * 100_000
@@ -199,6 +216,12 @@ def build(directory: str) -> dict[str, str]:
         "import_module": _global_pickle(CANARY_MODULE, "x"),
         "posix_system": _reduce_pickle("posix", "system", f"touch {canary}"),
     }
+    # Beside real weights, written by torch.save (protocol 2 names them __builtin__.eval, ...):
+    # Python 2's name of a code-running builtin is as hostile as its Python 3 one, and weights
+    # next to it are no reason for a lenient read.
+    for what, func, args in (("eval", eval, (touch,)), ("exec", exec, (touch,)), ("getattr", getattr, ("x", "upper")),
+                             ("import", __import__, (CANARY_MODULE,))):  # fmt: skip
+        add(f"evil_{what}_beside_weights.pt", _torch_save_calling(func, args), "unsafe")
     for what, payload in payloads.items():
         add(f"evil_{what}.pt", _torch_zip_with(payload, pt), "unsafe")
         add(f"evil_{what}_legacy.pt", payload, "unsafe")
