@@ -55,8 +55,10 @@ def _two_nodes(rank: int, world: int, root: str, broadcast: bool) -> dict:
         "rng": torch.equal(torch.get_rng_state(), expected_rng),
         "step": ckpt["step"],
         "tied": a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr() and torch.equal(b, a[2:5]),
-        "views": all(torch.equal(ckpt["views"][k].resolve_conj().resolve_neg(), v.resolve_conj().resolve_neg())
-                     for k, v in views.items()),  # fmt: skip
+        "views": all(
+            torch.equal(ckpt["views"][k].resolve_conj().resolve_neg(), v.resolve_conj().resolve_neg())
+            for k, v in views.items()
+        ),
     }
 
 
