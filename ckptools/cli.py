@@ -352,6 +352,12 @@ def convert(
         if to_folder:
             from .convert import export_huggingface
 
+            if trust:
+                raise _Fail(
+                    "--trust-pickled-code writes single files: convert to OUT.safetensors with it first, "
+                    "then that file to a folder"
+                )
+
             with _progress("converting", src):
                 written = export_huggingface(src, dst, max_shard_size=max_shard_size or "5GB", key=key, strip=strip,
                                              force=force)  # fmt: skip
@@ -359,7 +365,15 @@ def convert(
             return
         stem = os.path.basename(src.rstrip("/")).rsplit(".", 1)[0] or "model"
         _check_output(dst, force, suggestion=f"{stem}.safetensors")
-        if _is_safetensors(dst):
+        if _is_safetensors(dst) and trust:  # torch unpickles everything (a whole pickled module: its state_dict)
+            from .reading import open_checkpoint
+            from .safetensors_file import save_safetensors
+            from .state_dict import strip_for_reading
+
+            with _progress("converting", src):
+                weights = dict(open_checkpoint(src, trust_code=True).weights(key))
+                save_safetensors(dst, dict(strip_for_reading(weights, strip)), metadata={"format": "pt"})
+        elif _is_safetensors(dst):
             from .convert import convert_to_safetensors
 
             with _progress("converting", src):

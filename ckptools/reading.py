@@ -374,6 +374,11 @@ def _loaded_tensor_info(devices: Mapping[int, str] | None = None) -> Callable[[A
     def describe(node: Any) -> dict[str, Any] | None:
         if not isinstance(node, torch.Tensor):
             return None
+        if node.is_nested:  # no sizes of its own: how many tensors it holds, and their bytes
+            parts = list(node.unbind())
+            nbytes = sum(p.numel() * p.element_size() for p in parts)
+            dtype = str(node.dtype).removeprefix("torch.")
+            return {"shape": [len(parts)], "dtype": dtype, "bytes": nbytes, "device": "cpu", "storage": id(node)}
         if node.layout != torch.strided:  # sparse: its parts' bytes; no storage of its own
             parts = _sparse_parts(node)
             ptr = parts[-1].untyped_storage().data_ptr()

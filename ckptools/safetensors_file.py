@@ -160,6 +160,10 @@ def tensor_specs(tensors: Mapping[str, Any]) -> tuple[dict[str, Spec], dict[str,
             raise CheckpointFormatError(
                 f"entry {name!r} is a {type(t).__name__}, not a tensor; pass key=... to pick the weights"
             )
+        if t.is_nested:
+            raise CheckpointFormatError(
+                f"tensor {name!r} is a nested tensor; safetensors stores dense tensors only (store its .unbind() parts)"
+            )
         if t.layout != torch.strided:
             raise CheckpointFormatError(
                 f"tensor {name!r} is {t.layout}; safetensors stores dense tensors only (call .to_dense())"

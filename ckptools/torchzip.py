@@ -594,6 +594,11 @@ def tensor_info(node: Call) -> dict[str, Any]:
         dtype, size = node.args[0], node.args[1]
         if isinstance(dtype, Global) and isinstance(size, (tuple, list)) and all(type(d) is int for d in size):
             return {"shape": list(size), "dtype": dtype.name, "bytes": 0, "device": "meta", "storage": None}
+    if node.func.name == "_rebuild_nested_tensor" and len(node.args) > 1 and all(map(is_tensor, node.args[:2])):
+        # (buffer, sizes, strides, offsets): one flat buffer and a row of sizes per tensor it holds
+        buffer, rows = tensor_info(node.args[0]), tensor_info(node.args[1])
+        count = rows["shape"][:1] if rows["shape"] else [0]
+        return {**buffer, "shape": count}
     if node.func.name == "_rebuild_sparse_tensor" and len(node.args) > 1 and isinstance(node.args[1], tuple):
         # (layout, (indices, values, size, ...)) for COO; (crow/ccol, col/row, values, size) for compressed.
         parts = [tensor_info(x) for x in node.args[1] if is_tensor(x)]

@@ -256,6 +256,10 @@ def test_a_trusted_whole_pickled_module_lists_its_parameters_and_buffers(tmp_pat
     assert sorted(t["name"] for t in report["tensors"]) == sorted(reference)  # 9: parameters and buffers
     verified = _run("verify", "--trust-pickled-code", path)
     assert verified.exit_code == 0 and f"{len(reference)} tensors load" in verified.output
+    for out in (tmp_path / "w.safetensors", tmp_path / "w.pt"):
+        assert _run("convert", "--trust-pickled-code", path, out).exit_code == 0
+        _same(ck.load_state_dict(out), reference)
+    assert _run("diff", "--trust-pickled-code", path, tmp_path / "w.safetensors").exit_code == 0
     from golden_models import TinyNet
 
     net = TinyNet()
@@ -411,7 +415,7 @@ def test_odd_tensors_never_crash(tmp_path):
     assert (meta["shape"], meta["dtype"], meta["device"]) == ([2, 3], "float32", "meta")
 
 
-def test_sparse_and_quantized_tensors_are_described_as_torch_loads_them(tmp_path):
+def test_sparse_quantized_and_nested_tensors_are_described_as_torch_loads_them(tmp_path):
     with pytest.warns(UserWarning):
         tensors = {
             "coo": torch.eye(3).to_sparse(),
@@ -430,3 +434,11 @@ def test_sparse_and_quantized_tensors_are_described_as_torch_loads_them(tmp_path
     assert torch.equal(got["coo"].to_dense(), torch.eye(3)) and torch.equal(got["q"].int_repr(), loaded["q"].int_repr())
     result = _run("convert", tmp_path / "t.pt", tmp_path / "t.safetensors")
     assert result.exit_code == 2 and "please report" not in result.output
+    # a nested tensor: torch loads it, it has no sizes of its own; described as how many it holds
+    nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    torch.save({"nt": nested, "w": torch.ones(1)}, tmp_path / "n.pt")
+    (described,) = [t for t in ck.inspect(tmp_path / "n.pt")["tensors"] if t["name"] == "nt"]
+    assert (described["shape"], described["dtype"], described["bytes"]) == ([2], "float32", 20)
+    assert "2 tensors load" in ck.verify(tmp_path / "n.pt")
+    result = _run("convert", tmp_path / "n.pt", tmp_path / "n.safetensors")
+    assert result.exit_code == 2 and "nested tensor" in result.output
