@@ -337,10 +337,15 @@ def convert(
     ] = None,
     force: Annotated[bool, _FORCE] = False,
     trust: Annotated[bool, _TRUST] = False,
+    config: Annotated[
+        Optional[str],
+        typer.Option(help="for a folder: the model's config.json, or its folder (tokenizer files come along)"),
+    ] = None,
 ) -> None:
     """Convert the weights: to .safetensors (tied tensors once, scalars and checksums in metadata),
     to a Hugging Face folder (OUT_DIR/ or --max-shard-size: model.safetensors or shards and
-    model.safetensors.index.json, which from_pretrained reads), or to a torch file."""
+    model.safetensors.index.json, which from_pretrained reads, with the config.json it also needs
+    from --config), or to a torch file."""
 
     def body() -> None:
         with _about(src):
@@ -360,9 +365,17 @@ def convert(
 
             with _progress("converting", src):
                 written = export_huggingface(src, dst, max_shard_size=max_shard_size or "5GB", key=key, strip=strip,
-                                             force=force)  # fmt: skip
+                                             force=force, config=config)  # fmt: skip
             out.print(f"wrote {dst.rstrip('/')}/: " + ", ".join(os.path.basename(w) for w in written))
+            if not os.path.isfile(os.path.join(dst, "config.json")):
+                err.print(
+                    f"ckpt: note: {dst.rstrip('/')}/ has no config.json, which from_pretrained needs: pass "
+                    "--config MODEL/config.json (or the folder the model came from), or copy it in",
+                    markup=False, highlight=False, soft_wrap=True,
+                )  # fmt: skip
             return
+        if config is not None:
+            raise _Fail("--config is for a folder output (OUT_DIR/): a single file holds no config")
         stem = os.path.basename(src.rstrip("/")).rsplit(".", 1)[0] or "model"
         _check_output(dst, force, suggestion=f"{stem}.safetensors")
         if _is_safetensors(dst) and trust:  # torch unpickles everything (a whole pickled module: its state_dict)

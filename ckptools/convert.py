@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import re
 from collections.abc import Mapping
 from typing import IO, Any
@@ -228,6 +229,7 @@ def export_huggingface(
     strip: str | None = "module.",
     metadata: Mapping[str, str] | None = None,
     force: bool = False,
+    config: PathLike | None = None,
 ) -> list[str]:
     """Write ``src``'s weights as a folder ``transformers``' ``from_pretrained`` reads.
 
@@ -241,6 +243,12 @@ def export_huggingface(
     left alone); weight files already there are refused unless ``force``, and then replaced (no
     stale shard is left behind). Each file is written atomically and the index last.
 
+    ``from_pretrained`` also needs the model's ``config.json`` (without it transformers fails with
+    a misleading "ignore_mismatched_sizes" message): ``config`` copies it in, from a
+    ``config.json`` file or from a folder (the one the model was loaded from, a Hub snapshot), with
+    the generation config and tokenizer files found beside it. A folder left without a
+    ``config.json`` gets a `CheckpointWarning` saying so.
+
     Args:
         src: any checkpoint `ckptools.open_checkpoint` reads.
         out_dir: the folder (created if missing; local).
@@ -248,10 +256,11 @@ def export_huggingface(
         key: as for `convert_to_safetensors`.
         strip: as for `convert_to_safetensors`.
         metadata: as for `convert_to_safetensors`.
-        force: replace weight files already in ``out_dir``.
+        force: replace weight files (and config files ``config`` brings) already in ``out_dir``.
+        config: a ``config.json``, or a folder holding one (and tokenizer files), to copy in.
 
     Returns:
-        The files written.
+        The files written (weights first, then the config files copied).
 
     Examples:
         >>> import torch, ckptools as ck
@@ -268,6 +277,7 @@ def export_huggingface(
     old = sorted(n for n in os.listdir(out) if _WEIGHT_FILES.fullmatch(n)) if os.path.isdir(out) else []
     if old and not force:
         raise FileExistsError(f"{out} already holds weights ({', '.join(old[:3])}); pass --force to replace them")
+    extras = _config_files(_fspath(config), out, force) if config is not None else []
     specs, aliases, meta = _plan(src, key, strip)
     meta = {**meta, **dict(metadata or {}), "format": "pt"}  # transformers refuses files without format=pt
     shards: list[list[str]] = [[]]
@@ -298,7 +308,56 @@ def export_huggingface(
     for stale in old:  # replaced: leave no shard the new index does not name
         if os.path.join(out, stale) not in written:
             os.remove(os.path.join(out, stale))
+    for source in extras:
+        target = os.path.join(out, os.path.basename(source))
+        written.append(atomic_write(target, lambda f, source=source: f.write(pathlib.Path(source).read_bytes())))
+    if not os.path.exists(os.path.join(out, "config.json")):
+        from . import _log
+
+        _log.warn(
+            f"{out} has no config.json, which from_pretrained needs: pass config= (ckpt convert --config), a "
+            "config.json or the folder the model came from, or copy it in"
+        )
     return written
+
+
+# What from_pretrained and AutoTokenizer read beside the weights, copied by export_huggingface(config=...).
+CONFIG_FILES = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "added_tokens.json", "vocab.json", "vocab.txt", "merges.txt", "tokenizer.model", "spiece.model",
+    "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
+    "processor_config.json",
+)  # fmt: skip
+
+
+def has_config(folder: str) -> bool:
+    """Whether ``folder`` holds the ``config.json`` ``from_pretrained`` needs."""
+    return os.path.isfile(os.path.join(folder, "config.json"))
+
+
+def _config_files(config: str, out: str, force: bool) -> list[str]:
+    """The files to copy for ``config`` (a config.json, or a folder holding one), checked first."""
+    from .errors import CheckpointNotFoundError
+
+    if os.path.isdir(config):
+        files = [os.path.join(config, n) for n in CONFIG_FILES if os.path.isfile(os.path.join(config, n))]
+        if not any(os.path.basename(f) == "config.json" for f in files):
+            raise CheckpointNotFoundError(f"{config} holds no config.json; pass the model's config.json or its folder")
+    elif os.path.isfile(config):
+        files = [config]
+        try:
+            json.loads(pathlib.Path(config).read_bytes())
+        except (ValueError, UnicodeDecodeError) as err:
+            raise CheckpointLayoutError(f"{config} is not a JSON config ({err}); pass the model's config.json") from err
+    else:
+        raise CheckpointNotFoundError(f"config {config} does not exist; pass the model's config.json or its folder")
+    if os.path.isfile(config) and os.path.basename(config) != "config.json":
+        raise CheckpointLayoutError(f"{config}: from_pretrained reads a file named config.json; pass that file")
+    same = [f for f in files if os.path.abspath(os.path.dirname(f)) == os.path.abspath(out)]
+    clash = [os.path.basename(f) for f in files if os.path.exists(os.path.join(out, os.path.basename(f)))]
+    if clash and not force and len(same) != len(files):
+        raise FileExistsError(f"{out} already holds {', '.join(clash[:3])}; pass --force to replace them")
+    return [f for f in files if f not in same]
 
 
 def _local_zip(path: str) -> bool:

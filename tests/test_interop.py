@@ -231,10 +231,10 @@ def test_export_for_transformers_is_what_from_pretrained_reads(tmp_path):
     # What a DDP training script saves: "module." names, optimizer-free here, a step counter.
     torch.save({"model": {"module." + k: v for k, v in reference.items()}, "step": 5}, tmp_path / "train.pt")
     out = tmp_path / "out"
-    out.mkdir()
-    shutil.copy(_g("hf_single", "config.json"), out)
-    result = _run("convert", tmp_path / "train.pt", f"{out}/", "--max-shard-size", "20KB")
+    # --config brings the config.json from_pretrained needs (and the generation config beside it)
+    result = _run("convert", tmp_path / "train.pt", f"{out}/", "--max-shard-size", "20KB", "--config", _g("hf_single"))
     assert result.exit_code == 0, result.output
+    assert {"config.json", "generation_config.json"} <= set(os.listdir(out))
     assert "model.safetensors.index.json" in os.listdir(out)
     model = transformers.GPT2LMHeadModel.from_pretrained(out)
     _same(model.state_dict(), reference)
