@@ -309,8 +309,8 @@ def export_huggingface(
         if os.path.join(out, stale) not in written:
             os.remove(os.path.join(out, stale))
     for source in extras:
-        target = os.path.join(out, os.path.basename(source))
-        written.append(atomic_write(target, lambda f, source=source: f.write(pathlib.Path(source).read_bytes())))
+        payload = pathlib.Path(source).read_bytes()  # config and tokenizer files: small
+        written.append(atomic_write(os.path.join(out, os.path.basename(source)), lambda f: f.write(payload)))
     if not os.path.exists(os.path.join(out, "config.json")):
         from . import _log
 
