@@ -309,8 +309,7 @@ def export_huggingface(
         if os.path.join(out, stale) not in written:
             os.remove(os.path.join(out, stale))
     for source in extras:
-        payload = pathlib.Path(source).read_bytes()  # config and tokenizer files: small
-        written.append(atomic_write(os.path.join(out, os.path.basename(source)), lambda f: f.write(payload)))
+        written.append(atomic_write(os.path.join(out, os.path.basename(source)), _writer(source)))
     if not os.path.exists(os.path.join(out, "config.json")):
         from . import _log
 
@@ -330,9 +329,13 @@ CONFIG_FILES = (
 )  # fmt: skip
 
 
-def has_config(folder: str) -> bool:
-    """Whether ``folder`` holds the ``config.json`` ``from_pretrained`` needs."""
-    return os.path.isfile(os.path.join(folder, "config.json"))
+def _writer(source: str) -> Any:
+    payload = pathlib.Path(source).read_bytes()  # config and tokenizer files: small
+
+    def write(f: IO[bytes]) -> None:
+        f.write(payload)
+
+    return write
 
 
 def _config_files(config: str, out: str, force: bool) -> list[str]:
