@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 
 from .errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError, UnsafeCheckpointError
 from .storage import PathLike, _fspath, get_filesystem, is_local, open_for_read
+from .storage import counted as plural
 
 __all__ = ["CheckpointView", "TensorInfo", "diff", "inspect", "open_checkpoint", "verify"]
 
@@ -309,12 +310,15 @@ def _torch_view(path: str, trust_code: bool) -> CheckpointView:
             verify_torch_file(path)
         if skipped:  # the strict load would refuse: read what can be read without code
             n = len(_torch_weights(path, None, "cpu", trust_code))
-            return f"torch zip, every record's CRC-32 matches, {n} weight tensors read ({len(skipped)} globals skipped)"
+            return (
+                f"torch zip, every record's CRC-32 matches, {plural(n, 'weight tensor')} read "
+                f"({plural(len(skipped), 'global')} skipped)"
+            )
         loaded = _load_whole(path, trust_code, mmap=zipped and is_local(fs))  # a remote file cannot be mapped
         n = len(_walk_tree(loaded, _loaded_tensor_info())[0])
         if zipped:
-            return f"torch zip, every record's CRC-32 matches, {n} tensors load"
-        return f"torch legacy format (no checksums), {n} tensors load"
+            return f"torch zip, every record's CRC-32 matches, {plural(n, 'tensor')} loaded"
+        return f"torch legacy format (no checksums), {plural(n, 'tensor')} loaded"
 
     return CheckpointView(
         path=path, format="torch zip" if zipped else "torch legacy", tensors=tensors, entries=entries,
@@ -577,7 +581,7 @@ def _describe(value: Any, tensors: list[TensorInfo]) -> str:
     if tensors and not isinstance(value, (Mapping, list, tuple)):  # the entry is itself a tensor
         return f"tensor {tensors[0].shape} {tensors[0].dtype}"
     if isinstance(value, Mapping):
-        return f"dict, {len(value)} keys" + (f", {len(tensors)} tensors" if tensors else "")
+        return f"dict, {plural(len(value), 'key')}" + (f", {plural(len(tensors), 'tensor')}" if tensors else "")
     if isinstance(value, (list, tuple)):
         return f"{type(value).__name__} of {len(value)}"
     text = repr(value)
@@ -611,7 +615,7 @@ def _safetensors_view(path: str, *, file: str | None = None) -> CheckpointView:
 
         checked = verify_safetensors(path)
         _load_safetensors(path, "cpu")
-        return f"safetensors, {len(tensors)} tensors" + (
+        return f"safetensors, {plural(len(tensors), 'tensor')}" + (
             f", {checked} CRC-32s match" if checked else ", structure checked (no checksums stored)"
         )
 
@@ -724,8 +728,10 @@ def _sharded_view(index_path: str, trust_code: bool) -> CheckpointView:
             raise CheckpointFormatError(f"{index_path}: " + "; ".join(problems))
         said = [views[s].verify() for s in shards]
         checked = sum(1 for s in said if "CRC-32" in s and "no checksums" not in s)
-        return f"sharded {kind}, {len(shards)} shards, {len(weight_map)} tensors; the index and the shards agree; " + (
-            f"{checked} of {len(shards)} shards carry checksums and match" if checked else "no checksums stored"
+        return (
+            f"sharded {kind}, {plural(len(shards), 'shard')}, {plural(len(weight_map), 'tensor')}; "
+            "the index and the shards agree; "
+            + (f"{checked} of {len(shards)} shards carry checksums and match" if checked else "no checksums stored")
         )
 
     sizes = [v.file_bytes or 0 for v in views.values()]
@@ -885,7 +891,7 @@ def _dcp_view(folder: str) -> CheckpointView:
     pickled = _count_by_top(objects)
     entries = {}
     for top in dict.fromkeys([*counted, *pickled]):
-        parts = [f"{counted[top]} tensors"] if top in counted else []
+        parts = [plural(counted[top], "tensor")] if top in counted else []
         parts += [f"{pickled[top]} pickled values (not read)"] if top in pickled else []
         entries[top] = ", ".join(parts)
 
@@ -910,7 +916,10 @@ def _dcp_view(folder: str) -> CheckpointView:
                 f"{folder}: stray DCP data files the .metadata does not name: {', '.join(stray[:5])}"
             )
         _dcp_tensors(folder, meta)
-        return f"DCP folder, {len(files)} data files, {len(tensors)} tensors read (DCP stores no checksums)"
+        return (
+            f"DCP folder, {plural(len(files), 'data file')}, {plural(len(tensors), 'tensor')} read "
+            "(DCP stores no checksums)"
+        )
 
     return CheckpointView(
         path=folder, format="DCP folder (torch.distributed.checkpoint)", tensors=tensors, entries=entries,
@@ -1050,7 +1059,7 @@ def verify(path: PathLike, *, trust_code: bool = False) -> str:
         >>> import torch, ckptools as ck
         >>> torch.save({"w": torch.ones(2)}, "/tmp/f.pt")
         >>> ck.verify("/tmp/f.pt")
-        "torch zip, every record's CRC-32 matches, 1 tensors load"
+        "torch zip, every record's CRC-32 matches, 1 tensor loaded"
     """
     return open_checkpoint(path, trust_code=trust_code).verify()
 

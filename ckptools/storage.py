@@ -333,6 +333,16 @@ def file_size(path: PathLike) -> int:
     return os.path.getsize(fpath) if is_local(fs) else int(fs.size(fpath))
 
 
+def counted(n: int, noun: str) -> str:
+    """``n`` and ``noun``, plural unless ``n`` is 1: what every count ckptools prints says.
+
+    Examples:
+        >>> counted(1, "tensor"), counted(3, "shard")
+        ('1 tensor', '3 shards')
+    """
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def human_size(n: int) -> str:
     """``n`` bytes for people: ``512 B``, ``1.5 KiB``, ``3.2 GiB``."""
     size = float(n)

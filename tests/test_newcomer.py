@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import subprocess
 import sys
 
@@ -61,3 +62,45 @@ def test_a_folder_export_brings_the_config_or_says_it_is_missing(tmp_path):
     single = _run("convert", tmp_path / "train.pt", tmp_path / "w.safetensors", "--config", model_dir)
     assert single.exit_code == 2 and "folder output" in single.output
     _ = safetensors.torch.load_file(tmp_path / "out" / "model.safetensors")
+
+
+# --- 3. names are what people read ------------------------------------------------------------------
+
+
+GOLDEN = os.path.join(os.path.dirname(__file__), "interop", "golden")
+
+
+def test_info_at_80_columns_shows_every_name_whole_and_says_when_a_list_is_cut(tmp_path):
+    folder = os.path.join(GOLDEN, "hf_sharded")  # transformers' own shards of a tiny GPT-2
+    names = json.loads(pathlib.Path(folder, "model.safetensors.index.json").read_text())["weight_map"]
+    shown = _cli("info", folder, columns=80)
+    assert shown.returncode == 0, shown.stderr
+    lines = shown.stdout.splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in shown.stdout
+    for name in names:  # each on one line, whole
+        assert any(f"│ {name} " in line for line in lines), name
+    assert "3 files: model.safetensors.index.json, model-00001-of-00002.safetensors, " in shown.stdout
+    # 26 files (the index and 25 shards): 20 named, and the rest counted
+    torch.save({f"layer{i}.w": torch.ones(64) for i in range(25)}, tmp_path / "m.pt")
+    ck.export_huggingface(tmp_path / "m.pt", tmp_path / "hf", max_shard_size=256, config=folder)
+    listed = _cli("info", tmp_path / "hf", columns=200).stdout
+    assert "26 files: " in listed and ", and 6 more" in listed, listed[:400]
+    one = _cli("info", tmp_path / "hf" / "model-00001-of-00025.safetensors").stdout
+    assert "1 tensor, 256 B" in one and "1 tensors" not in one
+
+
+def test_diff_says_one_line_when_all_match_and_shows_the_table_when_not(tmp_path):
+    weights = {f"block{i}.weight": torch.full((2,), float(i)) for i in range(5)}
+    torch.save(weights, tmp_path / "a.pt")
+    safetensors.torch.save_file(weights, tmp_path / "b.safetensors")
+    same = _cli("diff", tmp_path / "a.pt", tmp_path / "b.safetensors")
+    assert same.returncode == 0
+    assert "5 common tensors equal bit for bit" in same.stdout and "block0.weight" not in same.stdout
+    verbose = _cli("diff", "--verbose", tmp_path / "a.pt", tmp_path / "b.safetensors")
+    assert verbose.returncode == 0 and all(name in verbose.stdout for name in weights)
+    weights["block3.weight"] = weights["block3.weight"] + 1
+    torch.save(weights, tmp_path / "c.pt")
+    differ = _cli("diff", tmp_path / "a.pt", tmp_path / "c.pt")
+    assert differ.returncode == 1 and all(name in differ.stdout for name in weights)
+    close = _cli("diff", "--atol", "2", tmp_path / "a.pt", tmp_path / "c.pt")
+    assert close.returncode == 0 and "within atol=2 (largest |a-b| 1)" in close.stdout

@@ -103,7 +103,7 @@ def test_python2_names_of_plain_types_are_not_code(tmp_path):
     assert torch.load(tmp_path / "set.ckpt", weights_only=True)["tags"] == {1, 2}
     report = ck.inspect(tmp_path / "set.ckpt")
     assert "skipped_globals" not in report and report["entries"]["tags"]
-    assert "1 tensors load" in ck.verify(tmp_path / "set.ckpt")
+    assert "1 tensor loaded" in ck.verify(tmp_path / "set.ckpt")
     # A type as a value (OmegaConf's object_type=list): a placeholder, never refused as code.
     torch.save({"state_dict": weights, "hyper_parameters": {"t": list, "n": type(None), "k": int}}, tmp_path / "t.ckpt")
     report = ck.inspect(tmp_path / "t.ckpt")
@@ -255,7 +255,7 @@ def test_a_trusted_whole_pickled_module_lists_its_parameters_and_buffers(tmp_pat
     report = json.loads(_run("info", "--json", "--trust-pickled-code", path).output)
     assert sorted(t["name"] for t in report["tensors"]) == sorted(reference)  # 9: parameters and buffers
     verified = _run("verify", "--trust-pickled-code", path)
-    assert verified.exit_code == 0 and f"{len(reference)} tensors load" in verified.output
+    assert verified.exit_code == 0 and f"{len(reference)} tensors loaded" in verified.output
     for out in (tmp_path / "w.safetensors", tmp_path / "w.pt"):
         assert _run("convert", "--trust-pickled-code", path, out).exit_code == 0
         _same(ck.load_state_dict(out), reference)
@@ -429,7 +429,7 @@ def test_sparse_quantized_and_nested_tensors_are_described_as_torch_loads_them(t
         assert report[name]["shape"] == list(tensor.shape), name
         assert report[name]["dtype"] == str(tensor.dtype).removeprefix("torch."), name
     assert report["coo"]["bytes"] == 2 * 3 * 8 + 3 * 4  # indices and values
-    assert "3 tensors load" in ck.verify(tmp_path / "t.pt")
+    assert "3 tensors loaded" in ck.verify(tmp_path / "t.pt")
     got = ck.load_state_dict(tmp_path / "t.pt")
     assert torch.equal(got["coo"].to_dense(), torch.eye(3)) and torch.equal(got["q"].int_repr(), loaded["q"].int_repr())
     result = _run("convert", tmp_path / "t.pt", tmp_path / "t.safetensors")
@@ -439,6 +439,6 @@ def test_sparse_quantized_and_nested_tensors_are_described_as_torch_loads_them(t
     torch.save({"nt": nested, "w": torch.ones(1)}, tmp_path / "n.pt")
     (described,) = [t for t in ck.inspect(tmp_path / "n.pt")["tensors"] if t["name"] == "nt"]
     assert (described["shape"], described["dtype"], described["bytes"]) == ([2], "float32", 20)
-    assert "2 tensors load" in ck.verify(tmp_path / "n.pt")
+    assert "2 tensors loaded" in ck.verify(tmp_path / "n.pt")
     result = _run("convert", tmp_path / "n.pt", tmp_path / "n.safetensors")
     assert result.exit_code == 2 and "nested tensor" in result.output
