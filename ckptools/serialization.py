@@ -58,6 +58,69 @@ def _unsafe_error(path: str, err: BaseException) -> UnsafeCheckpointError:
     )
 
 
+# Signatures of files people hand a checkpoint reader by mistake, and what to do about each.
+_SIGNATURES = (
+    (b"\x1f\x8b", "gzip-compressed (decompress it first: gunzip)"),
+    (b"BZh", "bzip2-compressed (decompress it first: bunzip2)"),
+    (b"\xfd7zXZ\x00", "xz-compressed (decompress it first: unxz)"),
+    (b"(\xb5/\xfd", "zstd-compressed (decompress it first: unzstd)"),
+    (b"\x93NUMPY", "a numpy array file (.npy: numpy.load)"),
+    (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras .h5: h5py or keras)"),
+    (b"GGUF", "a GGUF model file (llama.cpp), not a PyTorch one"),
+    (b"\x7fELF", "an executable (ELF)"),
+)
+
+
+def other_kind(head: bytes) -> str | None:
+    """What a file that is no torch checkpoint is, from its first bytes (None: could be one).
+
+    torch files are zips (``PK``) or, before 1.6, pickles starting with ``\\x80``; this names
+    what people pass instead: text (an HTML error page saved by a download, a Git LFS pointer,
+    JSON, a script), a misnamed safetensors file, compressed or other model formats.
+
+    Examples:
+        >>> other_kind(b"version https://git-lfs.github.com/spec/v1\\noid sha256:ab")
+        'a Git LFS pointer, not the file itself (fetch it: git lfs pull)'
+        >>> other_kind(b"\\x80\\x02\\x8a\\nl\\xfc\\x9cF\\xf9 j\\xa8") is None
+        True
+    """
+    if len(head) < 8 or b"PK\x03\x04".startswith(head[:4]):
+        return None  # empty, a few bytes, or a zip cut short: "truncated", not another kind
+    for signature, kind in _SIGNATURES:
+        if head.startswith(signature):
+            return kind
+    if len(head) >= 257 + 5 and head[257:262] == b"ustar":
+        return "a tar archive (extract it first: tar xf)"
+    if len(head) > 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000:
+        return "a safetensors file named like a torch one (rename it to .safetensors)"
+    if head[:1] == b"\x80":
+        return None  # a pickle: torch's legacy format, read (and judged) as such
+    try:
+        text = head.decode("utf-8")
+    except UnicodeDecodeError:
+        text = head[:-3].decode("utf-8", errors="strict") if _utf8_prefix(head) else ""
+    if not text or any(ord(c) < 32 and c not in "\t\r\n\f" for c in text):
+        return None
+    stripped = text.lstrip().lower()
+    if stripped.startswith("version https://git-lfs"):
+        return "a Git LFS pointer, not the file itself (fetch it: git lfs pull)"
+    if stripped.startswith(("<!doctype html", "<html", "<?xml", "<head")):
+        return "an HTML or XML page (a download that saved an error or login page? fetch the file again)"
+    if stripped.startswith(("{", "[")):
+        return "JSON text (a config or index? pass the checkpoint it names)"
+    first = text.strip().splitlines()[0][:60] if text.strip() else ""
+    return f"a text file (it starts {first!r})"
+
+
+def _utf8_prefix(head: bytes) -> bool:
+    """Whether ``head`` is UTF-8 but for a character cut at its end."""
+    try:
+        head[:-3].decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
 def _missing_class(err: BaseException) -> str | None:
     """What an unpickler could not import, from its error (None: some other failure)."""
     if isinstance(err, ModuleNotFoundError) and err.name:
@@ -89,9 +152,17 @@ def load_file(
     # torch allocates what a file claims (a zip record's size, a legacy storage's numel) before
     # reading it: a 4 GiB claim in a 1 KiB file would be allocated. Claims are checked first.
     with _opened(source, local) as handle:
-        if handle.read(4) == b"PK\x03\x04":
+        head = handle.read(512)
+        if head[:4] == b"PK\x03\x04":
             _scan_zip(path, handle, crc=False)
-        elif weights_only:  # a trusted file is left to torch entirely
+            kind = None
+        else:
+            kind = other_kind(head)
+        if kind is not None:  # a valid file of another kind: said what it is, never "corrupt"
+            from .errors import CheckpointLayoutError
+
+            raise CheckpointLayoutError(f"{path} is not a torch checkpoint: it is {kind}")
+        if head[:4] != b"PK\x03\x04" and weights_only:  # a trusted file is left to torch entirely
             from .torchzip import check_non_zip
 
             check_non_zip(handle, handle.seek(0, 2), path)

@@ -453,6 +453,18 @@ def _next_pickle(handle: IO[bytes], size: int, path: str) -> bytes:
         for _ in pickletools.genops(cast(IO[bytes], _Bounded(handle, size))):  # read() and tell() suffice
             pass
     except (ValueError, EOFError, pickle.UnpicklingError, UnicodeDecodeError, OverflowError, struct.error) as err:
+        if start == 0 and size == 0:
+            raise CheckpointFormatError(
+                f"{path} is empty (0 bytes): a save that never finished, or a copy cut short; pick another file"
+            ) from err
+        if start == 0:
+            handle.seek(0)
+            first = handle.read(8)
+            if first[:1] != b"\x80":  # neither a zip nor a pickle of protocol 2+, as torch writes
+                raise CheckpointFormatError(
+                    f"{path} is not a torch checkpoint, or is corrupt: it starts with bytes {first.hex(' ')}, "
+                    "neither a zip (PK) nor a pickle"
+                ) from err
         raise CheckpointFormatError(
             f"{path} is truncated, corrupt or not a torch checkpoint (pickle at byte {start}: {err})"
         ) from err

@@ -104,3 +104,41 @@ def test_diff_says_one_line_when_all_match_and_shows_the_table_when_not(tmp_path
     assert differ.returncode == 1 and all(name in differ.stdout for name in weights)
     close = _cli("diff", "--atol", "2", tmp_path / "a.pt", tmp_path / "c.pt")
     assert close.returncode == 0 and "within atol=2 (largest |a-b| 1)" in close.stdout
+
+
+# --- 4. a file that is no checkpoint is said to be what it is --------------------------------------
+
+
+def test_a_file_of_another_kind_is_named_not_called_corrupt(tmp_path):
+    import gzip
+
+    import numpy
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "real.pt")
+    safetensors.torch.save_file({"w": torch.ones(2)}, tmp_path / "model.safetensors")
+    numpy.save(tmp_path / "a.npy", numpy.ones(3))
+    files = {
+        "notes.pt": (b"hello world, these are my notes\n", "a text file (it starts 'hello world"),
+        "page.pt": (b"<!DOCTYPE html>\n<html><body>403 Forbidden</body></html>", "an HTML or XML page"),
+        "lfs.bin": (b"version https://git-lfs.github.com/spec/v1\noid sha256:0123\nsize 9\n", "git lfs pull"),
+        "index.pt": (b'{"weight_map": {}}', "JSON text"),
+        "real.pt.gz": (gzip.compress((tmp_path / "real.pt").read_bytes()), "gzip-compressed"),
+        "renamed.pt": ((tmp_path / "model.safetensors").read_bytes(), "rename it to .safetensors"),
+        "array.pt": ((tmp_path / "a.npy").read_bytes(), "numpy array file"),
+    }
+    for name, (data, words) in files.items():
+        (tmp_path / name).write_bytes(data)
+        for command in ("info", "verify"):
+            result = _run(command, tmp_path / name)
+            assert result.exit_code == 2, (name, command, result.output)  # not "DAMAGED" (exit 1)
+            assert result.output.count("\n") == 1 and "not a torch checkpoint: it is" in result.output, result.output
+            assert words in result.output, (name, result.output)
+        with pytest.raises(ck.CheckpointLayoutError, match="not a torch checkpoint"):
+            ck.load_state_dict(tmp_path / name)
+    (tmp_path / "random.pt").write_bytes(bytes(range(200, 256)) * 4)
+    (tmp_path / "empty.pt").write_bytes(b"")
+    for name, words in (("random.pt", "starts with bytes c8 c9 ca"), ("empty.pt", "is empty (0 bytes)")):
+        result = _run("verify", tmp_path / name)
+        assert result.exit_code == 1 and words in result.output, result.output  # damaged or cut short
+    shown = _cli("info", tmp_path / "notes.pt")  # the real executable: one line on stderr, exit 2
+    assert shown.returncode == 2 and shown.stderr.startswith("ckpt: ") and shown.stderr.count("\n") == 1
