@@ -142,4 +142,5 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+    # The public names and the module's own dunders: not the imports this file uses itself.
+    return sorted(set(__all__) | {"__version__", "__all__", "__doc__", "__name__", "__file__"})

@@ -64,6 +64,10 @@ def _ckptools_version() -> str:
 def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None) -> str:
     """Save a training checkpoint; collective: every rank calls it, global rank 0 writes.
 
+    With no process group (a notebook, a single process) it is a plain, atomic save: the same
+    call works before and after ``init_process_group``. Missing parent folders are created
+    (local paths; object stores have none).
+
     Each entry of ``state`` is stored under its own name: a model (wrapped in DDP, DataParallel
     or ``torch.compile`` or not) as its plain state dict without ``module.``; optimizers,
     GradScalers, LR schedulers and anything with ``state_dict()`` as that; a

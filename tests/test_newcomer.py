@@ -142,3 +142,23 @@ def test_a_file_of_another_kind_is_named_not_called_corrupt(tmp_path):
         assert result.exit_code == 1 and words in result.output, result.output  # damaged or cut short
     shown = _cli("info", tmp_path / "notes.pt")  # the real executable: one line on stderr, exit 2
     assert shown.returncode == 2 and shown.stderr.startswith("ckpt: ") and shown.stderr.count("\n") == 1
+
+
+# --- 7. the README's install check works as written -------------------------------------------------
+
+
+def test_the_readme_install_check_runs_as_written():
+    import re
+    import shlex
+
+    readme = pathlib.Path(__file__).parent.parent.joinpath("README.md").read_text()
+    block = readme.split("Check an install", 1)[1].split("```bash", 1)[1].split("```", 1)[0]
+    lines = [line for line in block.strip().splitlines() if line.strip()]
+    assert lines[0] == "ckpt --version"
+    version = subprocess.run([CKPT, "--version"], capture_output=True, text=True, timeout=60)
+    assert version.returncode == 0 and re.fullmatch(r"ckpt \(ckptools\) [0-9.]+\n", version.stdout)
+    argv = shlex.split(lines[1])
+    assert argv[0] == "python"
+    smoke = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=120)
+    assert smoke.returncode == 0 and smoke.stdout == "tensor([1., 1.])\n", smoke.stderr
+    assert "prints `tensor([1., 1.])`" in readme

@@ -57,3 +57,15 @@ def test_lazy_names_match_all():
 
     eager = {n for n in ck.__all__ if n[0].isupper() and n.endswith(("Error", "Warning"))}
     assert set(_LAZY) | eager == set(ck.__all__)
+
+
+def test_the_overview_names_every_public_name_and_dir_shows_only_them():
+    import pathlib
+    import re
+
+    overview = (pathlib.Path(__file__).parent.parent / "docs" / "reference" / "index.md").read_text()
+    named = set(re.findall(r"`([A-Za-z_]+)[(`]", overview)) | set(re.findall(r"\b([A-Z][A-Za-z]+Error)\b", overview))
+    assert set(ck.__all__) - named == set(), "missing from the API overview (docs/reference/index.md)"
+    shown = {n for n in dir(ck) if not n.startswith("__")}
+    assert shown == set(ck.__all__), shown ^ set(ck.__all__)  # no Any, TYPE_CHECKING, importlib, ...
+    assert "with no process group" in ck.save.__doc__.lower() and "folders are created" in ck.save.__doc__
