@@ -121,5 +121,22 @@ def test_the_site_builds_with_warnings_as_errors(tmp_path):
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text(encoding="utf-8")
+    site = tmp_path / "site"
+    api = (site / "reference" / "api.html").read_text(encoding="utf-8")
     assert all('id="ckptools.' in api and name in api for name in ck.__all__)
+    # Browsable from disk (file://): every link and script names a file that is there (a link to a
+    # folder opens a directory listing), nothing is fetched from the network, and search has its
+    # index inlined as a script and the worker shim beside it.
+    pages = sorted(p for p in site.rglob("*.html") if p.name != "404.html")  # 404: for servers only
+    assert len(pages) > 15
+    for page in pages:
+        html = page.read_text(encoding="utf-8")
+        for ref in re.findall(r'(?:href|src)="([^"#?]+)[^"]*"', html):
+            if ref.startswith(("http://", "https://", "mailto:", "data:")):
+                assert not re.search(rf'<(?:link|script)[^>]*"{re.escape(ref)}', html), (page.name, ref)
+                continue
+            target = (page.parent / ref).resolve()
+            assert target.is_file(), (str(page.relative_to(site)), ref)
+        assert "github.com/ckptools" not in html  # no link to a repository that does not exist
+    assert (site / "search" / "search_index.js").is_file()
+    assert (site / "javascripts" / "iframe-worker-shim.js").is_file()

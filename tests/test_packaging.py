@@ -20,7 +20,7 @@ def test_the_version_has_one_source():
     result = CliRunner().invoke(app, ["--version"])
     assert result.exit_code == 0 and result.output.strip() == f"ckpt (ckptools) {ck.__version__}"
     with open(os.path.join(ROOT, "CHANGELOG.md"), encoding="utf-8") as f:
-        assert f"## [{ck.__version__}]" in f.read(), "CHANGELOG.md has no section for this version"
+        assert f"## {ck.__version__} - " in f.read(), "CHANGELOG.md has no section for this version"
 
 
 def test_a_script_beside_the_clone_folder_imports_the_package(tmp_path):
