@@ -21,6 +21,27 @@ __all__ = ["Preemption"]
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+def _die_with_parent() -> None:
+    """Have the kernel kill this DataLoader worker the moment its rank process dies (Linux).
+
+    A worker forked after ``init_process_group`` holds copies of the rank's sockets: when the rank
+    dies (a crash, ``kill -9``, ``os._exit``), its gloo connections stay open until its orphaned
+    workers notice (torch's watchdog polls every 5 s), so the other ranks find out seconds late.
+    Ignoring SIGTERM (below) must not make workers outlive their rank either.
+    """
+    import ctypes
+    import multiprocessing
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return  # not Linux: torch's watchdog still ends the worker within 5 s
+    parent = multiprocessing.parent_process()
+    if parent is not None and parent.pid is not None and os.getppid() != parent.pid:
+        os._exit(0)  # the rank died before the line above took effect
+
+
 class _IgnoreSignals:
     """A DataLoader ``worker_init_fn`` that makes the worker ignore the given signals, then runs
     the loader's own ``worker_init_fn``. A class rather than a closure so that it pickles for
@@ -31,6 +52,7 @@ class _IgnoreSignals:
         self.inner = inner
 
     def __call__(self, worker_id: int) -> None:
+        _die_with_parent()
         for signum in self.signals:
             signal.signal(signum, signal.SIG_IGN)
         # A forked worker inherits the parent's wakeup fd; its signals must not wake the
@@ -241,6 +263,10 @@ class Preemption:
         started with ``fork`` is covered from its first instruction (it inherits the handlers);
         with ``spawn`` from the moment ``worker_init_fn`` runs. Call it before the loader's first
         iteration: ``persistent_workers`` already started keep the init function they had.
+        On Linux the workers also die the moment their rank dies (``PR_SET_PDEATHSIG``): a
+        crashed rank leaves no orphaned workers behind, holding what they inherited from it, for
+        torch's watchdog to find up to 5 s later. Create the loader's iterator in the thread
+        that keeps running (the main thread, as usual): the kernel ties the signal to it.
 
         Examples:
             >>> loader = preemption.protect(DataLoader(dataset, num_workers=4))  # doctest: +SKIP

@@ -183,3 +183,44 @@ def test_watchdog_says_when_no_step_boundary_comes():
     assert "1 s after SIGTERM no step boundary was reached" in out.stderr
     assert "time.sleep(3)" in out.stderr or 'File "<string>", line 6' in out.stderr  # the main thread's stack
     assert f"received {int(signal.SIGTERM)}" in out.stdout
+
+
+def _rank_dies_with_workers(rank: int, world: int, root: str) -> dict:
+    import torch
+    import torch.distributed as dist
+    from torch.utils.data import DataLoader
+
+    preemption = ck.Preemption()
+    if rank == 1:
+        loader = preemption.protect(DataLoader(torch.arange(64.0), batch_size=4, num_workers=2))
+        batches = iter(loader)
+        next(batches)  # workers forked after init_process_group: they hold copies of this rank's sockets
+        with open(os.path.join(root, "workers"), "w") as f:
+            f.write(" ".join(str(w.pid) for w in batches._workers))
+        dist.barrier()
+        os._exit(17)  # a crash: no cleanup, the workers are left behind
+    dist.barrier()
+    start = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(1))
+    except RuntimeError:
+        return {"raised_after": time.monotonic() - start}
+    return {"raised_after": None}
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] in ("Z", "X")  # a zombie holds no sockets
+    except FileNotFoundError:
+        return True
+
+
+def test_a_dead_ranks_protected_workers_die_with_it_and_the_others_find_out_at_once(tmp_path):
+    # Orphaned workers lingered until torch's watchdog noticed (it polls every 5 s), keeping what
+    # they inherited from the rank open: in the reference loop (torchrun, 2 workers, a rank
+    # crashing before a save) the survivor learned of the death ~5 s late (issue 22).
+    results = run_ranks(_rank_dies_with_workers, 2, str(tmp_path), may_die=frozenset({1}), timeout=60)
+    assert results[0]["raised_after"] is not None and results[0]["raised_after"] < 2.0, results
+    pids = [int(p) for p in (tmp_path / "workers").read_text().split()]
+    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
