@@ -283,6 +283,19 @@ class Opaque:
     def __repr__(self) -> str:
         return f"<{self.name}, not loaded>"
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as itself (a broadcast load sends the tree to every rank): the placeholder, not
+        # the class it stands for. (dumps() writes it back as the original object instead.)
+        fields = (self.cls, self.args, self.newobj, self.state, self.listitems, self.dictitems)
+        return (_opaque, (self.module, self.qualname, *fields))
+
+
+def _opaque(module: str, qualname: str, cls: Opaque | None, args: tuple[Any, ...], newobj: bool, state: Any,
+            listitems: list[Any], dictitems: list[tuple[Any, Any]]) -> Opaque:  # fmt: skip
+    made = Opaque(module, qualname, cls, args)
+    made.newobj, made.state, made.listitems, made.dictitems = newobj, state, listitems, dictitems
+    return made
+
 
 class _LenientReader(_Reader):
     """The strict reader, except that a refused global becomes an `Opaque` placeholder."""

@@ -143,3 +143,24 @@ def test_manager_restores_from_node_0_only(tmp_path):
     results = run_ranks(_manager_on_two_nodes, 2, str(tmp_path))
     assert results[0]["files_here"] == ["ckpt-0000000003.pt"] and results[1]["files_here"] == []
     assert all(r["step"] == 3 and r["same"] for r in results), results
+
+
+def _placeholders_everywhere(rank: int, world: int, path: str) -> dict:
+    import warnings
+
+    net = torch.nn.Linear(3, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", ck.CheckpointWarning)  # rank 0 names the skipped class
+        ckpt = ck.load(path, {"model": net}, broadcast=True)
+    return {"hparams": repr(ckpt["hyper_parameters"]), "weight": net.weight.detach().tolist()}
+
+
+def test_a_broadcast_load_sends_inert_placeholders_too(tmp_path):
+    import pathlib
+
+    net = torch.nn.Linear(3, 2)
+    path = tmp_path / "lightning.ckpt"  # a Path in hyper_parameters: read as a placeholder
+    torch.save({"state_dict": net.state_dict(), "hyper_parameters": {"root": pathlib.Path("/d"), "lr": 0.1}}, path)
+    for r in run_ranks(_placeholders_everywhere, 2, str(path)):
+        assert r["hparams"] == "{'root': <pathlib.PosixPath, not loaded>, 'lr': 0.1}"
+        assert r["weight"] == net.weight.detach().tolist()
