@@ -192,11 +192,16 @@ def _rank_dies_with_workers(rank: int, world: int, root: str) -> dict:
 
     preemption = ck.Preemption()
     if rank == 1:
-        loader = preemption.protect(DataLoader(torch.arange(64.0), batch_size=4, num_workers=2))
-        batches = iter(loader)
+        started = _WorkerStarted(root)
+        loader = DataLoader(torch.arange(64.0), batch_size=4, num_workers=2, worker_init_fn=started)
+        batches = iter(preemption.protect(loader))
         next(batches)  # workers forked after init_process_group: they hold copies of this rank's sockets
         with open(os.path.join(root, "workers"), "w") as f:
             f.write(" ".join(str(w.pid) for w in batches._workers))
+        deadline = time.monotonic() + 60
+        while not all(os.path.exists(os.path.join(root, f"init{i}")) for i in range(2)):  # both past protect's init
+            assert time.monotonic() < deadline, "the workers never started"
+            time.sleep(0.01)
         dist.barrier()
         os._exit(17)  # a crash: no cleanup, the workers are left behind
     dist.barrier()
@@ -206,6 +211,16 @@ def _rank_dies_with_workers(rank: int, world: int, root: str) -> dict:
     except RuntimeError:
         return {"raised_after": time.monotonic() - start}
     return {"raised_after": None}
+
+
+class _WorkerStarted:
+    """A worker_init_fn (picklable) that says the worker ran its init functions."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+
+    def __call__(self, worker_id: int) -> None:
+        open(os.path.join(self.root, f"init{worker_id}"), "w").close()
 
 
 def _gone(pid: int) -> bool:
@@ -223,4 +238,9 @@ def test_a_dead_ranks_protected_workers_die_with_it_and_the_others_find_out_at_o
     results = run_ranks(_rank_dies_with_workers, 2, str(tmp_path), may_die=frozenset({1}), timeout=60)
     assert results[0]["raised_after"] is not None and results[0]["raised_after"] < 2.0, results
     pids = [int(p) for p in (tmp_path / "workers").read_text().split()]
-    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
+    assert len(pids) == 2
+    # Killed with their rank: gone within a second (orphans would wait for torch's 5 s poll).
+    deadline = time.monotonic() + 1.0
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert all(_gone(pid) for pid in pids), [pid for pid in pids if not _gone(pid)]
