@@ -581,10 +581,9 @@ def _read(path: str, location: Any, *, weights_only: bool, verify: bool, state: 
                 pass  # a filesystem that cannot map files (some FUSE mounts): read it as usual
         return load_file(path, map_location=location, weights_only=weights_only)
     except UnsafeCheckpointError as err:
-        if not weights_only or not state:
-            # ck.load(path) alone asks for the whole checkpoint: placeholders would be a silent surprise.
-            if state or weights_only is False:
-                raise
+        if not weights_only:
+            raise
+        if not state:  # ck.load(path) alone asks for the whole checkpoint: placeholders would surprise
             raise UnsafeCheckpointError(
                 f"{err}. To read it without running anything, name what to restore: ck.load(path, "
                 "{'model': model}) restores it and gives the other entries as inert placeholders; "

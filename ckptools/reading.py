@@ -530,7 +530,10 @@ def _placeholders(path: str) -> Any:
         dispatch[pickle.NEWOBJ[0]] = _LenientReader._load_newobj
         dispatch[pickle.NEWOBJ_EX[0]] = _LenientReader._load_newobj_ex
 
-    return types.SimpleNamespace(Unpickler=Unpickler, load=pickle.load, __name__="ckptools_placeholders")
+    def load(*_: Any, **__: Any) -> Any:  # torch calls it for legacy files only, which never come here
+        raise UnsafeCheckpointError(f"{path}: a legacy (pre-1.6) file cannot be read with placeholders")
+
+    return types.SimpleNamespace(Unpickler=Unpickler, load=load, __name__="ckptools_placeholders")
 
 
 def _walk_tree(
@@ -1108,6 +1111,11 @@ def diff(
     order = {stored: i for i, stored in enumerate(wa)}
     for name in sorted(common, key=lambda n: order[na[n]]):
         ta, tb = wa[na[name]], wb[nb[name]]
+        if ta.dtype != tb.dtype or _kind(ta) != _kind(tb):
+            mismatched.append({"name": name, "a": [_shape(ta), _kind(ta) or str(ta.dtype)],
+                               "b": [_shape(tb), _kind(tb) or str(tb.dtype)]})  # fmt: skip
+            continue
+        ta, tb = _dense(ta), _dense(tb)  # sparse, quantized, nested: compared by their values
         if ta.shape != tb.shape or ta.dtype != tb.dtype:
             mismatched.append(
                 {"name": name, "a": [list(ta.shape), str(ta.dtype)], "b": [list(tb.shape), str(tb.dtype)]}
@@ -1133,11 +1141,39 @@ def diff(
             "max_abs_diff": max_abs}  # fmt: skip
 
 
+def _kind(tensor: Any) -> str:
+    """How a tensor is laid out, when not plainly: ``sparse_coo``, ``nested``, ``quantized``."""
+    import torch
+
+    if tensor.is_nested:
+        return "nested"
+    if tensor.layout != torch.strided:
+        return str(tensor.layout).removeprefix("torch.")
+    return "quantized" if tensor.is_quantized else ""
+
+
+def _shape(tensor: Any) -> list[int]:
+    return [len(tensor.unbind())] if tensor.is_nested else list(tensor.shape)
+
+
+def _dense(tensor: Any) -> Any:
+    """A plain tensor holding the same values (what diff compares)."""
+    import torch
+
+    if tensor.is_nested:  # its parts, one after the other (their shapes compared by the count above)
+        return torch.cat([part.reshape(-1) for part in tensor.unbind()]) if tensor.unbind() else tensor.new_empty(0)
+    if tensor.layout != torch.strided:
+        return tensor.to_dense()
+    return tensor.dequantize() if tensor.is_quantized else tensor
+
+
 def tensor_identity(tensor: Any) -> tuple[Any, ...] | None:
     """What makes two tensors one (tied: the same memory viewed the same way); None for a tensor
     with no memory to share (empty, or on the meta device)."""
-    if tensor.numel() == 0 or tensor.device.type == "meta":
-        return None
+    import torch
+
+    if tensor.layout != torch.strided or tensor.is_nested or tensor.device.type == "meta" or tensor.numel() == 0:
+        return None  # sparse and nested tensors have no one storage to compare
     return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
             tensor.dtype, tensor.device, tensor.is_conj(), tensor.is_neg())  # fmt: skip
 

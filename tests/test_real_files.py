@@ -442,3 +442,14 @@ def test_sparse_quantized_and_nested_tensors_are_described_as_torch_loads_them(t
     assert "2 tensors loaded" in ck.verify(tmp_path / "n.pt")
     result = _run("convert", tmp_path / "n.pt", tmp_path / "n.safetensors")
     assert result.exit_code == 2 and "nested tensor" in result.output
+    # diff compares them by value (it crashed in torch.equal on sparse and nested tensors)
+    torch.save({"coo": tensors["coo"], "q": tensors["q"], "nt": nested}, tmp_path / "a.pt")
+    torch.save({"coo": tensors["coo"].clone(), "q": tensors["q"].clone(), "nt": nested.clone()}, tmp_path / "b.pt")
+    changed = torch.nested.nested_tensor([torch.ones(2), torch.zeros(3)])
+    torch.save({"coo": (2 * torch.eye(3)).to_sparse(), "q": tensors["q"], "nt": changed}, tmp_path / "c.pt")
+    assert _run("diff", tmp_path / "a.pt", tmp_path / "b.pt").exit_code == 0
+    report = ck.diff(tmp_path / "a.pt", tmp_path / "c.pt")
+    assert report["differ"] and report["changed"] == ["coo", "nt"]
+    torch.save({"coo": torch.eye(3), "q": torch.arange(3.0), "nt": torch.ones(5)}, tmp_path / "d.pt")
+    kinds = {m["name"]: m["a"][1] for m in ck.diff(tmp_path / "a.pt", tmp_path / "d.pt")["shape_or_dtype_mismatch"]}
+    assert kinds == {"coo": "sparse_coo", "q": "quantized", "nt": "nested"}
