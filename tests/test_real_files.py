@@ -104,6 +104,11 @@ def test_python2_names_of_plain_types_are_not_code(tmp_path):
     report = ck.inspect(tmp_path / "set.ckpt")
     assert "skipped_globals" not in report and report["entries"]["tags"]
     assert "1 tensor loaded" in ck.verify(tmp_path / "set.ckpt")
+    # frozenset: torch's safe loader refuses it, so the torch-free reader does too (info read it while
+    # verify refused the file); a placeholder, the weights read by both.
+    torch.save({"state_dict": weights, "f": frozenset({1})}, tmp_path / "fz.ckpt")
+    assert ck.inspect(tmp_path / "fz.ckpt")["skipped_globals"] == ["builtins.frozenset"]
+    assert "1 weight tensor read" in ck.verify(tmp_path / "fz.ckpt")
     # A type as a value (OmegaConf's object_type=list): a placeholder, never refused as code.
     torch.save({"state_dict": weights, "hyper_parameters": {"t": list, "n": type(None), "k": int}}, tmp_path / "t.ckpt")
     report = ck.inspect(tmp_path / "t.ckpt")
