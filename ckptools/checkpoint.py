@@ -24,7 +24,15 @@ from .errors import (
 from .reading import _is_layout, load_without_code, read_weights
 from .sampler import ResumableDistributedSampler
 from .serialization import check_loadable, load_file, save_file, verify_torch_file
-from .state_dict import WRAPPER_PREFIXES, add_prefix, strip_for_reading, strip_prefix, strip_wrappers, unwrap_model
+from .state_dict import (
+    WRAPPER_PREFIXES,
+    add_prefix,
+    strip_for_reading,
+    strip_prefix,
+    strip_wrappers,
+    tensor_identity,
+    unwrap_model,
+)
 from .storage import PathLike, _fspath
 from .torchzip import META_KEY
 from .torchzip import locate_weights as _locate
@@ -392,8 +400,6 @@ def _load_model(model: torch.nn.Module, weights: Mapping[str, Any], *, strict: b
 def _fill_ties(model: torch.nn.Module, weights: Mapping[str, Any]) -> Mapping[str, Any]:
     """``weights`` with each key the model ties to a loaded key (the same tensor: transformers'
     ``lm_head.weight`` and ``transformer.wte.weight``) filled from it: files store a tie once."""
-    from .reading import tensor_identity
-
     own = model.state_dict(keep_vars=True)
     absent = [k for k in own if k not in weights]
     if not absent:

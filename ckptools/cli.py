@@ -203,14 +203,12 @@ def _names_table(columns: list[str], rows: list[list[str]], *, title: str, style
 
 
 def _render_info(report: dict[str, Any]) -> None:
-    from .storage import counted, human_size
+    from .storage import human_size, plural
 
     size = report["file_bytes"]
     out.print(f"[bold]{report['path']}[/]  {report['format']}" + (f", {human_size(size)}" if size is not None else ""))
     if len(report.get("files", [])) > 1:
-        out.print(
-            f"{counted(len(report['files']), 'file')}: " + _listed([os.path.basename(f) for f in report["files"]])
-        )
+        out.print(f"{plural(len(report['files']), 'file')}: " + _listed([os.path.basename(f) for f in report["files"]]))
     if report["entries"]:
         rows = [[key, text] for key, text in report["entries"].items()]
         out.print(_names_table(["entry", "content"], rows, title="entries"))
@@ -232,7 +230,7 @@ def _render_info(report: dict[str, Any]) -> None:
     out.print(_names_table(columns, rows, title="tensors"))
     totals = report["totals"]
     saved_on = f", all saved on {devices.pop()}" if one_device else ""
-    out.print(f"{counted(totals['tensors'], 'tensor')}, {human_size(totals['bytes'])}{saved_on}")
+    out.print(f"{plural(totals['tensors'], 'tensor')}, {human_size(totals['bytes'])}{saved_on}")
     if report["metadata"]:
         out.print("metadata: " + json.dumps(report["metadata"], default=str))
     for name, what in report.get("extras", {}).items():
@@ -409,26 +407,25 @@ def convert(
             raise _Fail("--config is for a folder output (OUT_DIR/): a single file holds no config")
         stem = os.path.basename(src.rstrip("/")).rsplit(".", 1)[0] or "model"
         _check_output(dst, force, suggestion=f"{stem}.safetensors")
-        if _is_safetensors(dst) and trust:  # torch unpickles everything (a whole pickled module: its state_dict)
-            from .reading import open_checkpoint
-            from .safetensors_file import save_safetensors
-            from .state_dict import strip_for_reading
-
-            with _progress("converting", src):
-                weights = dict(open_checkpoint(src, trust_code=True).weights(key))
-                save_safetensors(dst, dict(strip_for_reading(weights, strip)), metadata={"format": "pt"})
-        elif _is_safetensors(dst):
+        if _is_safetensors(dst) and not trust:
             from .convert import convert_to_safetensors
 
             with _progress("converting", src):
                 convert_to_safetensors(src, dst, key=key, strip=strip)
-        elif dst.endswith(TORCH_SUFFIXES):
+        elif _is_safetensors(dst) or dst.endswith(TORCH_SUFFIXES):
+            # Through the view: --trust-pickled-code lets torch unpickle everything (a whole pickled
+            # module gives its state_dict), which the streaming safetensors path above never does.
             from .reading import open_checkpoint
+            from .safetensors_file import save_safetensors
             from .serialization import save_file
             from .state_dict import strip_for_reading
 
-            weights = dict(open_checkpoint(src, trust_code=trust).weights(key))
-            save_file(dst, dict(strip_for_reading(weights, strip)))
+            with _progress("converting", src):
+                weights = dict(strip_for_reading(dict(open_checkpoint(src, trust_code=trust).weights(key)), strip))
+                if _is_safetensors(dst):
+                    save_safetensors(dst, weights, metadata={"format": "pt"})
+                else:
+                    save_file(dst, weights)
         else:
             raise _Fail(f"cannot convert {src} to {dst}: name a .safetensors or .pt file, or a folder ending in /")
         out.print(f"wrote {dst}")
@@ -471,7 +468,7 @@ def diff(
 
 
 def _render_diff(result: dict[str, Any], *, verbose: bool = False) -> None:
-    from .storage import counted
+    from .storage import plural
 
     for label, key in (("only in A", "missing_in_b"), ("only in B", "only_in_b")):
         if result[key]:
@@ -491,7 +488,7 @@ def _render_diff(result: dict[str, Any], *, verbose: bool = False) -> None:
     elif deltas:  # all match: one line; --verbose shows the table
         largest = max(deltas.values())
         said = "equal bit for bit" if largest == 0 else f"within atol={result['atol']:g} (largest |a-b| {largest:.3g})"
-        out.print(f"{counted(len(deltas), 'common tensor')} {said} (--verbose lists them)")
+        out.print(f"{plural(len(deltas), 'common tensor')} {said} (--verbose lists them)")
     out.print("[red]checkpoints differ[/]" if result["differ"] else "[green]checkpoints match[/]")
 
 

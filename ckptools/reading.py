@@ -46,8 +46,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar
 
 from .errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError, UnsafeCheckpointError
-from .storage import PathLike, _fspath, get_filesystem, is_local, open_for_read
-from .storage import counted as plural
+from .state_dict import tensor_identity
+from .storage import PathLike, _fspath, get_filesystem, is_local, open_for_read, plural
 
 __all__ = ["CheckpointView", "TensorInfo", "diff", "inspect", "open_checkpoint", "verify"]
 
@@ -1165,17 +1165,6 @@ def _dense(tensor: Any) -> Any:
     if tensor.layout != torch.strided:
         return tensor.to_dense()
     return tensor.dequantize() if tensor.is_quantized else tensor
-
-
-def tensor_identity(tensor: Any) -> tuple[Any, ...] | None:
-    """What makes two tensors one (tied: the same memory viewed the same way); None for a tensor
-    with no memory to share (empty, or on the meta device)."""
-    import torch
-
-    if tensor.layout != torch.strided or tensor.is_nested or tensor.device.type == "meta" or tensor.numel() == 0:
-        return None  # sparse and nested tensors have no one storage to compare
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
-            tensor.dtype, tensor.device, tensor.is_conj(), tensor.is_neg())  # fmt: skip
 
 
 def _tied_names(

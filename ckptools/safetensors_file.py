@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from .errors import CheckpointFormatError
+from .state_dict import tensor_identity
 from .storage import PathLike, _fspath, atomic_write, copy_range, crc32_range, open_for_read, report_progress
 
 __all__ = ["load_safetensors", "read_safetensors_header", "save_safetensors", "verify_safetensors"]
@@ -175,12 +176,12 @@ def tensor_specs(tensors: Mapping[str, Any]) -> tuple[dict[str, Spec], dict[str,
             )
         if t.dtype not in names:
             raise CheckpointFormatError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
-        identity = (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype,
-                    t.is_conj(), t.is_neg())  # fmt: skip
-        if t.numel() and identity in seen:
+        identity = tensor_identity(t)  # None for an empty tensor: never an alias
+        if identity is not None and identity in seen:
             aliases[name] = seen[identity]
             continue
-        seen[identity] = name
+        if identity is not None:
+            seen[identity] = name
 
         def write(f: IO[bytes], t: torch.Tensor = t) -> int:
             if sys.byteorder != "little":  # pragma: no cover - no big-endian machine to test on

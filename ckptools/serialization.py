@@ -8,6 +8,7 @@ errors (RuntimeError from miniz, UnpicklingError, EOFError, ...) are turned into
 from __future__ import annotations
 
 import argparse
+import codecs
 import contextlib
 import dataclasses
 import datetime
@@ -96,9 +97,10 @@ def other_kind(head: bytes) -> str | None:
     if head[:1] == b"\x80":
         return None  # a pickle: torch's legacy format, read (and judged) as such
     try:
-        text = head.decode("utf-8")
+        # Incremental: a character cut by the 512-byte window is held back, not an error.
+        text = codecs.getincrementaldecoder("utf-8")().decode(head)
     except UnicodeDecodeError:
-        text = head[:-3].decode("utf-8", errors="strict") if _utf8_prefix(head) else ""
+        return None
     if not text or any(ord(c) < 32 and c not in "\t\r\n\f" for c in text):
         return None
     stripped = text.lstrip().lower()
@@ -110,15 +112,6 @@ def other_kind(head: bytes) -> str | None:
         return "JSON text (a config or index? pass the checkpoint it names)"
     first = text.strip().splitlines()[0][:60] if text.strip() else ""
     return f"a text file (it starts {first!r})"
-
-
-def _utf8_prefix(head: bytes) -> bool:
-    """Whether ``head`` is UTF-8 but for a character cut at its end."""
-    try:
-        head[:-3].decode("utf-8")
-    except UnicodeDecodeError:
-        return False
-    return True
 
 
 def _missing_class(err: BaseException) -> str | None:

@@ -147,6 +147,25 @@ def strip_for_reading(state_dict: M, strip: str | None) -> M:
     return strip_wrappers(state_dict) if strip == "module." else strip_prefix(state_dict, strip)
 
 
+def tensor_identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:
+    """What makes two tensors one (tied: the same memory viewed the same way, conjugation and
+    negation included); None for a tensor with no memory to share (empty, on the meta device,
+    sparse or nested).
+
+    Examples:
+        >>> import torch
+        >>> w = torch.ones(2)
+        >>> tensor_identity(w) == tensor_identity(w.view(2)), tensor_identity(w) == tensor_identity(w.clone())
+        (True, False)
+    """
+    import torch
+
+    if tensor.layout != torch.strided or tensor.is_nested or tensor.device.type == "meta" or tensor.numel() == 0:
+        return None  # sparse and nested tensors have no one storage to compare
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()),
+            tensor.dtype, tensor.device, tensor.is_conj(), tensor.is_neg())  # fmt: skip
+
+
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
     """Return the plain module under any nesting of DDP, DataParallel and ``torch.compile``.
 

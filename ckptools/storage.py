@@ -333,11 +333,11 @@ def file_size(path: PathLike) -> int:
     return os.path.getsize(fpath) if is_local(fs) else int(fs.size(fpath))
 
 
-def counted(n: int, noun: str) -> str:
+def plural(n: int, noun: str) -> str:
     """``n`` and ``noun``, plural unless ``n`` is 1: what every count ckptools prints says.
 
     Examples:
-        >>> counted(1, "tensor"), counted(3, "shard")
+        >>> plural(1, "tensor"), plural(3, "shard")
         ('1 tensor', '3 shards')
     """
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
