@@ -31,57 +31,62 @@ from .errors import (
 
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .background import AsyncSave, release_snapshot_buffers
-    from .checkpoint import async_save, load, load_state_dict, save, save_weights
-    from .convert import convert_to_safetensors, export_huggingface
+    from .converting import convert, convert_to_safetensors, export_huggingface
     from .devices import resolve_map_location, to_cpu
     from .dist import (
         barrier,
-        exit_process,
         get_local_rank,
         get_rank,
         get_world_size,
         init_distributed,
         is_main_process,
     )
+    from .inspection import diff, inspect, verify
+    from .layouts import open_checkpoint
+    from .loading import load, load_state_dict
     from .manager import CheckpointManager
     from .preemption import Preemption
-    from .reading import CheckpointView, TensorInfo, diff, inspect, open_checkpoint, verify
+    from .process import exit_process
     from .rewrite import rename_checkpoint
-    from .sampler import ResumableDistributedSampler, SeededDataset
+    from .sampler import ResumableDistributedSampler
+    from .saving import async_save, save, save_weights
+    from .seeded import SeededDataset
     from .state_dict import add_prefix, strip_prefix, unwrap_model
+    from .view import CheckpointView, TensorInfo
 
-__version__ = "0.2.0"
+from ._version import __version__ as __version__
 
 _LAZY = {
     "AsyncSave": ".background",
-    "CheckpointView": ".reading",
-    "TensorInfo": ".reading",
-    "diff": ".reading",
-    "export_huggingface": ".convert",
-    "inspect": ".reading",
-    "open_checkpoint": ".reading",
-    "verify": ".reading",
+    "CheckpointView": ".view",
+    "TensorInfo": ".view",
+    "diff": ".inspection",
+    "export_huggingface": ".converting",
+    "inspect": ".inspection",
+    "open_checkpoint": ".layouts",
+    "verify": ".inspection",
     "CheckpointManager": ".manager",
     "Preemption": ".preemption",
     "ResumableDistributedSampler": ".sampler",
-    "SeededDataset": ".sampler",
+    "SeededDataset": ".seeded",
     "add_prefix": ".state_dict",
-    "async_save": ".checkpoint",
+    "async_save": ".saving",
     "barrier": ".dist",
-    "convert_to_safetensors": ".convert",
-    "exit_process": ".dist",
+    "convert": ".converting",
+    "convert_to_safetensors": ".converting",
+    "exit_process": ".process",
     "get_local_rank": ".dist",
     "get_rank": ".dist",
     "get_world_size": ".dist",
     "init_distributed": ".dist",
     "is_main_process": ".dist",
-    "load": ".checkpoint",
-    "load_state_dict": ".checkpoint",
+    "load": ".loading",
+    "load_state_dict": ".loading",
     "release_snapshot_buffers": ".background",
     "rename_checkpoint": ".rewrite",
     "resolve_map_location": ".devices",
-    "save": ".checkpoint",
-    "save_weights": ".checkpoint",
+    "save": ".saving",
+    "save_weights": ".saving",
     "strip_prefix": ".state_dict",
     "to_cpu": ".devices",
     "unwrap_model": ".state_dict",
@@ -107,6 +112,7 @@ __all__ = [
     "add_prefix",
     "async_save",
     "barrier",
+    "convert",
     "convert_to_safetensors",
     "diff",
     "exit_process",

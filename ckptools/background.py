@@ -16,9 +16,9 @@ from typing import Any
 
 import torch
 
-from . import _log
+from . import log
 from .devices import keep_view_bits
-from .dist import _broadcast_object, get_rank
+from .dist import broadcast_object, get_rank
 from .errors import CheckpointError
 
 __all__ = ["AsyncSave", "release_snapshot_buffers"]
@@ -170,7 +170,7 @@ class AsyncSave:
         state = "finished" if self._finished else ("writing" if not self.done() else "written, not waited for")
         return f"AsyncSave({self.path!r}, {state})"
 
-    def _start(self, write: Callable[[], int], after: Callable[[], None] | None) -> None:
+    def _start_thread(self, write: Callable[[], int], after: Callable[[], None] | None) -> None:
         """Rank 0: run ``write`` (then ``after``) in a writer thread."""
 
         def run() -> None:
@@ -179,14 +179,14 @@ class AsyncSave:
             except Exception as err:  # noqa: BLE001 - kept for wait(), which raises it on every rank
                 self._error = err
                 # Said now as well, in case the process ends before anything waits for it.
-                _log.logger.error(
+                log.logger.error(
                     "background save of %s failed: %s: %s (raised on every rank at the next checkpoint call)",
                     self.path,
                     type(err).__name__,
                     err,
                 )
                 return
-            _log.report("saved", self.path, self._started, written)
+            log.report("saved", self.path, self._started, written)
             if after is not None:
                 after()  # housekeeping that must come after the commit (the manager's pruning)
 
@@ -204,7 +204,7 @@ class AsyncSave:
         """
         return self._thread is None or not self._thread.is_alive()
 
-    def _join(self) -> None:
+    def _join_thread(self) -> None:
         """Local: block until this rank's background write (if any) ended."""
         if self._thread is not None:
             self._thread.join()
@@ -227,10 +227,10 @@ class AsyncSave:
         """
         global _PENDING
         if not self._finished:
-            self._join()
+            self._join_thread()
             failure = None if self._error is None else f"{type(self._error).__name__}: {self._error}"
             try:
-                self._outcome = _broadcast_object(failure if get_rank() == 0 else None)
+                self._outcome = broadcast_object(failure if get_rank() == 0 else None)
                 self._finished = True
             finally:
                 # Even when the exchange itself broke (a peer died): the group is gone then, and
@@ -273,5 +273,20 @@ def finish_pending() -> str | None:
     waited = time.monotonic()
     path = handle.wait()
     if time.monotonic() - waited > 1.0:
-        _log.logger.debug("waited %.1f s for the background save of %s", time.monotonic() - waited, path)
+        log.logger.debug("waited %.1f s for the background save of %s", time.monotonic() - waited, path)
     return path
+
+
+def take_snapshot(payload: Any) -> Any:
+    """A copy of ``payload`` whose tensors live in the reused snapshot buffers (or are clones)."""
+    return _BUFFERS.take(payload)
+
+
+def start_writing(handle: AsyncSave, write: Callable[[], int], after: Callable[[], None] | None = None) -> None:
+    """Rank 0: run ``write`` (then ``after``, housekeeping after the commit) in ``handle``'s writer thread."""
+    handle._start_thread(write, after)
+
+
+def join_writer(handle: AsyncSave) -> None:
+    """Local: block until this rank's background write of ``handle`` (if any) ended."""
+    handle._join_thread()

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .dist import _broadcast_object, _peer_error, get_rank
+from .dist import broadcast_object, get_rank, peer_error
 
 __all__ = ["broadcast_tree"]
 
@@ -108,7 +108,7 @@ def broadcast_tree(
     storages: list[Any] = []
     skeleton = _skeleton(tree, storages, {}) if rank == 0 else None
     sizes = [s.nbytes() for s in storages] if rank == 0 else None
-    skeleton, sizes = _broadcast_object((skeleton, sizes))
+    skeleton, sizes = broadcast_object((skeleton, sizes))
     if rank != 0:
         storages = [torch.UntypedStorage(n, device=device) for n in sizes]  # type: ignore[no-untyped-call]
     total = sum(sizes)
@@ -126,5 +126,5 @@ def broadcast_tree(
         if comm_device.type == "cuda":
             torch.cuda.synchronize(comm_device)  # the copies out of the last bucket are done
     except RuntimeError as err:  # DistBackendError and friends: a peer died mid-transfer
-        raise _peer_error(err) from err
+        raise peer_error(err) from err
     return tree if rank == 0 else _rebuild(skeleton, storages, device)

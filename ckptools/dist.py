@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -91,50 +91,6 @@ def barrier() -> None:
         torch.distributed.barrier(device_ids=[torch.cuda.current_device()])
     else:
         torch.distributed.barrier()
-
-
-def exit_process(code: int = 0, *, collective: bool = True) -> NoReturn:
-    """End a DDP script: finish a save in flight, barrier, flush, then ``os._exit(code)``.
-
-    Collective: every rank calls it, as the script's last line (while the DDP model is still
-    referenced). Returning from ``main`` instead lets Python free the DDP model, and freeing it
-    destroys the process group from inside a destructor that can hang in gloo's thread join or
-    abort with "terminate called without an active exception". Everything ckptools wrote is
-    complete and fsynced by the time this runs, stdout, stderr and every logging handler are
-    flushed, so skipping the interpreter's teardown loses nothing written through them (close
-    files the script opened itself first).
-
-    ``collective=False`` is for error paths, where the other ranks may never arrive: no barrier
-    and no waiting for a background save (an interrupted write leaves the previous checkpoint
-    intact); only the flush and the exit.
-
-    Examples:
-        >>> import ckptools as ck
-        >>> if False:  # the last line of a DDP script's main(), on every rank
-        ...     ck.exit_process(0)
-    """
-    if collective:
-        from . import background
-
-        background.finish_pending()
-        barrier()
-    _leave(code)
-
-
-def _leave(code: int) -> NoReturn:
-    """Flush stdout, stderr and every logging handler, then ``os._exit(code)``."""
-    import contextlib
-    import logging
-    import sys
-
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
-        for handler in getattr(logger, "handlers", []):
-            with contextlib.suppress(Exception):
-                handler.flush()
-    os._exit(code)
 
 
 def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta | None = None) -> torch.device:
@@ -244,7 +200,7 @@ def _object_group() -> Any:
     return _SIDE[1]
 
 
-def _broadcast_object(obj: Any, src: int = 0) -> Any:
+def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Return rank ``src``'s ``obj`` on every rank (identity without a process group)."""
     if not _dist_ready() or get_world_size() == 1:
         return obj
@@ -253,11 +209,11 @@ def _broadcast_object(obj: Any, src: int = 0) -> Any:
         group = _object_group()
         torch.distributed.broadcast_object_list(box, src=src, group=group, device=torch.device("cpu"))
     except RuntimeError as err:  # DistBackendError and friends
-        raise _peer_error(err) from err
+        raise peer_error(err) from err
     return box[0]
 
 
-def _all_gather_object(obj: Any) -> list[Any]:
+def all_gather_object(obj: Any) -> list[Any]:
     """Return every rank's ``obj``, indexed by rank (``[obj]`` without a process group)."""
     if not _dist_ready() or get_world_size() == 1:
         return [obj]
@@ -266,7 +222,7 @@ def _all_gather_object(obj: Any) -> list[Any]:
         # On a gloo group all_gather_object moves CPU tensors (see _object_group).
         torch.distributed.all_gather_object(out, obj, group=_object_group())
     except RuntimeError as err:
-        raise _peer_error(err) from err
+        raise peer_error(err) from err
     return out
 
 
@@ -275,7 +231,7 @@ def _all_gather_object(obj: Any) -> list[Any]:
 _FLAG = torch.zeros(1, dtype=torch.uint8)
 
 
-def _max_over_ranks(value: int) -> int:
+def max_over_ranks(value: int) -> int:
     """The largest ``value`` (0-255) of all ranks: one 1-byte all-reduce on the CPU-side group."""
     if not _dist_ready() or get_world_size() == 1:
         return value
@@ -284,11 +240,11 @@ def _max_over_ranks(value: int) -> int:
     try:
         torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX, group=_object_group())
     except RuntimeError as err:
-        raise _peer_error(err) from err
+        raise peer_error(err) from err
     return int(box.item())
 
 
-def _peer_error(err: BaseException) -> CheckpointError:
+def peer_error(err: BaseException) -> CheckpointError:
     """The error every surviving rank raises when a collective inside ckptools breaks.
 
     A peer that died breaks the connection at once (gloo); a peer that hangs (or an NCCL

@@ -6,12 +6,13 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import _log, background
-from .checkpoint import _async_save, _save, load
-from .dist import _broadcast_object, get_rank
+from . import background, log
+from .dist import broadcast_object, get_rank
 from .errors import CheckpointError
+from .loading import load
+from .saving import async_save_with_hooks, save_with_hooks
 from .serialization import verify_torch_file
-from .storage import TMP_MARKER, PathLike, _fspath, is_abandoned_tmp, join, list_files, remove
+from .storage import TMP_MARKER, PathLike, fspath, is_abandoned_tmp, join, list_files, remove
 
 __all__ = ["CheckpointManager"]
 
@@ -55,7 +56,7 @@ class CheckpointManager:
             raise ValueError(f"keep_last must be an integer >= 1 (or None to keep all), got {keep_last!r}")
         if not re.fullmatch(r"[A-Za-z0-9_-]+", prefix):
             raise ValueError(f"prefix must use letters, digits, '_' and '-' only, got {prefix!r}")
-        self.directory = _fspath(directory)
+        self.directory = fspath(directory)
         self.keep_last = keep_last
         self.prefix = prefix
         self._pattern = re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
@@ -132,9 +133,10 @@ class CheckpointManager:
             self._housekeeping(lambda: self._prune(step), "prune")
 
         if not blocking:
-            _async_save(path, state, metadata=metadata, before_write=cleanup, after_write=prune, **save_kwargs)
+            hooks = {"before_write": cleanup, "after_write": prune}
+            async_save_with_hooks(path, state, metadata=metadata, **hooks, **save_kwargs)
             return path
-        _save(path, state, metadata=metadata, before_write=cleanup, **save_kwargs)
+        save_with_hooks(path, state, metadata=metadata, before_write=cleanup, **save_kwargs)
         if get_rank() == 0:
             prune()
         return path
@@ -180,7 +182,7 @@ class CheckpointManager:
         try:
             task()
         except OSError as err:
-            _log.warn(f"could not {what} {self.directory}: {err}")
+            log.warn(f"could not {what} {self.directory}: {err}")
 
     def _remove_quietly(self, path: str) -> None:
         try:
@@ -188,13 +190,13 @@ class CheckpointManager:
         except OSError as err:
             # The new checkpoint is safe on disk; failing to delete an old one must not fail
             # the training step, but must not go unnoticed either.
-            _log.warn(f"could not delete old checkpoint {path}: {err}")
+            log.warn(f"could not delete old checkpoint {path}: {err}")
 
     def _prune(self, step: int) -> None:
         existing = self.checkpoints()
         newer = [path for s, path in existing if s > step]
         if newer:
-            _log.warn(
+            log.warn(
                 f"deleting {newer}: their steps are above the step just saved ({step}), so they belong to a run "
                 "that was abandoned by resuming from an earlier checkpoint",
             )
@@ -216,12 +218,12 @@ class CheckpointManager:
         """
         handle = background.pending()
         if handle is not None:
-            handle._join()  # local: this rank's write (and pruning) in flight ends first
+            background.join_writer(handle)  # local: this rank's write (and pruning) in flight ends first
         for _, path in reversed(self.checkpoints()):
             try:
                 verify_torch_file(path)
             except CheckpointError as err:
-                _log.warn(f"skipping damaged checkpoint: {err}", all_ranks=True)
+                log.warn(f"skipping damaged checkpoint: {err}", all_ranks=True)
                 continue
             return path
         return None
@@ -257,12 +259,12 @@ class CheckpointManager:
             except Exception as err:  # noqa: BLE001 - shared with every rank below
                 failure = err
                 choice = (None, f"{type(err).__name__}: {err}")
-        path, message = _broadcast_object(choice)
+        path, message = broadcast_object(choice)
         if message is not None:
             raise CheckpointError(f"choosing a checkpoint in {self.directory} failed on rank 0: {message}") from failure
         if path is None:
             if get_rank() == 0:
-                _log.logger.info("no checkpoint in %s: starting fresh", self.directory)
+                log.logger.info("no checkpoint in %s: starting fresh", self.directory)
             return None
         # Restoring is resuming: the RNG comes back whatever the state holds (see ck.load).
         return load(path, state, **{"restore_rng": True, **load_kwargs})

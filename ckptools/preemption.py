@@ -13,8 +13,9 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
-from . import _log, background
-from .dist import _leave, _max_over_ranks, barrier, get_rank
+from . import background, log
+from .dist import barrier, get_rank, max_over_ranks
+from .process import leave
 
 __all__ = ["Preemption"]
 
@@ -198,10 +199,10 @@ class Preemption:
             if not hits:
                 continue
             name = signal.Signals(hits[0]).name
-            _log.logger.info("rank %d received %s: stopping at the next step boundary", get_rank(), name)
+            log.logger.info("rank %d received %s: stopping at the next step boundary", get_rank(), name)
             if self._left.wait(self.grace_seconds):
                 return
-            _log.logger.error(
+            log.logger.error(
                 "rank %d: %.0f s after %s no step boundary was reached (a rank stuck in a collective, or a step "
                 "longer than that); the launcher will kill the job, which resumes from its last complete "
                 "checkpoint. Stacks of this process follow.",
@@ -242,11 +243,11 @@ class Preemption:
         self._calls += 1
         if self._calls % self.check_every:
             return False
-        agreed = _max_over_ranks(int(self.received or 0))
+        agreed = max_over_ranks(int(self.received or 0))
         if agreed:
             self.stop_signal = agreed
             if get_rank() == 0:
-                _log.logger.info(
+                log.logger.info(
                     "%s received: every rank stops at this step (rank 0 got %s)",
                     signal.Signals(agreed).name,
                     self._name(self.received) or "no signal itself",
@@ -291,9 +292,9 @@ class Preemption:
         status = self.exit_code if code is None else code
         since = "" if self.received_at is None else f", {time.monotonic() - self.received_at:.2f} s after the signal"
         if get_rank() == 0:
-            _log.logger.info("preempted: every rank leaves with exit code %d%s", status, since)
+            log.logger.info("preempted: every rank leaves with exit code %d%s", status, since)
         self._left.set()
-        _leave(status)
+        leave(status)
 
     def close(self) -> None:
         """Put back the previous signal handlers (and wakeup fd); stops catching signals."""

@@ -9,6 +9,7 @@ generators' states and never draws from them, so saving a checkpoint changes no 
 
 from __future__ import annotations
 
+import hashlib
 import random
 from typing import Any
 
@@ -91,3 +92,37 @@ def restore_cpu_streams(saved: tuple[Any, ...]) -> None:
     random.setstate(python_state)
     if _np is not None:
         _np.random.set_state(numpy_state)
+
+
+class SampleIndex(int):
+    """A dataset index that carries its sampler's seed and epoch to whatever process fetches it.
+
+    An ``int`` in every other respect (equal, hashed and printed as the index), so a dataset, a
+    batch sampler or a collate function that never asks sees the plain index.
+    """
+
+    seed: int
+    epoch: int
+
+    def __new__(cls, index: int, seed: int, epoch: int) -> SampleIndex:
+        self = super().__new__(cls, index)
+        self.seed, self.epoch = seed, epoch
+        return self
+
+    def __reduce__(self) -> tuple[Any, tuple[int, int, int]]:
+        # Compact through the DataLoader's index queues (and importable in spawned workers).
+        return (SampleIndex, (int(self), self.seed, self.epoch))
+
+
+def item_seeds(seed: int, epoch: int, index: int) -> tuple[int, int, int]:
+    """The seeds of item ``index`` of ``epoch``: torch's (64 bits), python's (64), numpy's (32).
+
+    One BLAKE2b digest of the triple: distinct triples give unrelated seeds (no ``seed + i``
+    collisions between neighbouring items or epochs), the same on every machine and process.
+    """
+    digest = hashlib.blake2b(f"{seed}/{epoch}/{index}".encode(), digest_size=20, person=b"ckptools.item").digest()
+    return (
+        int.from_bytes(digest[:8], "little"),
+        int.from_bytes(digest[8:16], "little"),
+        int.from_bytes(digest[16:20], "little"),  # numpy's legacy seeding takes 32 bits
+    )

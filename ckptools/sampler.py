@@ -1,21 +1,23 @@
-"""The data side of an exact resume: a DistributedSampler that resumes in the middle of an epoch,
-and a dataset wrapper that makes each sample's random augmentation a function of the sample."""
+"""The data side of an exact resume: a DistributedSampler that resumes in the middle of an epoch.
+
+Its indices carry seed and epoch when a `ckptools.seeded.SeededDataset` draws from it.
+"""
 
 from __future__ import annotations
 
-import hashlib
 import random
 import sys
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Generic, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import Any, TypeVar
 
 import torch.utils.data
 from torch.utils.data.distributed import DistributedSampler
 
-from . import _log, rng
+from . import log
+from .rng import SampleIndex
 
-__all__ = ["ResumableDistributedSampler", "SeededDataset"]
+__all__ = ["ResumableDistributedSampler"]
 
 T = TypeVar("T")
 
@@ -96,7 +98,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         # loop consumed (weak: the sampler must not keep its workers alive).
         self._driver: weakref.ReferenceType[Any] | None = None
         self._driver_workers = 0
-        self._rng_after_restore: torch.Tensor | None = None  # see _rng_restored
+        self._rng_after_restore: torch.Tensor | None = None  # see note_rng_restored
         self._seeded = False  # a SeededDataset draws from this sampler: indices carry seed and epoch
 
     @property
@@ -158,7 +160,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
             # does while it restores) leaves the position where it was
             self._offset = self._base = 0
             if self.shuffle:
-                _log.warn(
+                log.warn(
                     f"a new pass over epoch {self.epoch} started without sampler.set_epoch(...) since the last "
                     "one, so it repeats the last shuffle (DistributedSampler does the same, pytorch#31771); call "
                     "sampler.set_epoch(epoch) at the start of every epoch",
@@ -179,10 +181,6 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         # A weak reference to a live DataLoader iterator cannot be pickled and means nothing in
         # another process (a sampler is copied into spawned workers with some loaders).
         return {**self.__dict__, "_driver": None}
-
-    def _rng_restored(self) -> None:
-        """Called by `ckptools.load` right after it restored this process's RNG states."""
-        self._rng_after_restore = torch.get_rng_state()
 
     def _check_rng_after_restore(self) -> None:
         # A run resumed mid-epoch is exact only if nothing drew from the global torch RNG between
@@ -206,7 +204,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         else:
             cause = "something drew from the global torch RNG between restoring the checkpoint and the first batch"
             fix = "draw random numbers before the restore (manager.restore / ck.load), or from a torch.Generator"
-        _log.warn(
+        log.warn(
             f"{cause}, so every random number from here on (dropout, augmentation) differs from the uninterrupted "
             f"run's: this resume is not bit-exact; {fix}",
             once="rng_after_restore",
@@ -220,9 +218,9 @@ class ResumableDistributedSampler(DistributedSampler[int]):
             return
         workers = int(getattr(loader_iter, "_num_workers", 0))
         dataset = getattr(loader_iter, "_dataset", None)
-        if workers == 0 or isinstance(dataset, SeededDataset) or type(dataset) is torch.utils.data.TensorDataset:
+        if workers == 0 or self._seeded or type(dataset) is torch.utils.data.TensorDataset:
             return
-        _log.warn(
+        log.warn(
             f"epoch {self.epoch} resumes mid-way with {workers} DataLoader workers, whose random streams start "
             "afresh: if "
             f"{type(dataset).__name__}.__getitem__ draws random numbers (augmentation), every sample from here on "
@@ -238,7 +236,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         seed, epoch = int(self.seed), int(self.epoch)
         for index in indices:
             self._drawn += 1
-            yield _SampleIndex(index, seed, epoch) if self._seeded else index
+            yield SampleIndex(index, seed, epoch) if self._seeded else index
 
     def __len__(self) -> int:
         return self._share() - self._offset
@@ -350,7 +348,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         consumed = int(state.get("consumed", int(state.get("progress", 0)) * saved_world))
         n = len(self.dataset)  # type: ignore[arg-type]
         if saved_world != self.num_replicas:
-            _log.warn(
+            log.warn(
                 f"sampler saved with {saved_world} replicas, restored with {self.num_replicas}: the rest of epoch "
                 f"{self.epoch} ({max(n - consumed, 0)} of {n} samples) is dealt out again to the new ranks, so no "
                 "sample is skipped or repeated beyond drop_last's remainder or the padding; the global batch "
@@ -382,7 +380,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         except (AttributeError, TypeError):  # gone (None), or another torch's iterator: judge by what was drawn
             running = self._drawn < self._share() - self._offset
         if running:
-            _log.warn(
+            log.warn(
                 f"this checkpoint records sample {self.progress} of epoch {self.epoch}, but the DataLoader's "
                 f"{self._driver_workers} workers fetch batches ahead of the training loop, so the loop has seen "
                 "fewer: the resumed run would skip the difference. Iterate sampler.track(loader) (or call "
@@ -411,150 +409,11 @@ def _loader_iterator() -> Any:
     return None
 
 
-class _SampleIndex(int):
-    """A dataset index that carries its sampler's seed and epoch to whatever process fetches it.
-
-    An ``int`` in every other respect (equal, hashed and printed as the index), so a dataset, a
-    batch sampler or a collate function that never asks sees the plain index.
-    """
-
-    seed: int
-    epoch: int
-
-    def __new__(cls, index: int, seed: int, epoch: int) -> _SampleIndex:
-        self = super().__new__(cls, index)
-        self.seed, self.epoch = seed, epoch
-        return self
-
-    def __reduce__(self) -> tuple[Any, tuple[int, int, int]]:
-        # Compact through the DataLoader's index queues (and importable in spawned workers).
-        return (_SampleIndex, (int(self), self.seed, self.epoch))
+def note_rng_restored(sampler: ResumableDistributedSampler) -> None:
+    """Called by `ckptools.load` right after it restored this process's RNG states."""
+    sampler._rng_after_restore = torch.get_rng_state()
 
 
-def _item_seeds(seed: int, epoch: int, index: int) -> tuple[int, int, int]:
-    """The seeds of item ``index`` of ``epoch``: torch's (64 bits), python's (64), numpy's (32).
-
-    One BLAKE2b digest of the triple: distinct triples give unrelated seeds (no ``seed + i``
-    collisions between neighbouring items or epochs), the same on every machine and process.
-    """
-    digest = hashlib.blake2b(f"{seed}/{epoch}/{index}".encode(), digest_size=20, person=b"ckptools.item").digest()
-    return (
-        int.from_bytes(digest[:8], "little"),
-        int.from_bytes(digest[8:16], "little"),
-        int.from_bytes(digest[16:20], "little"),  # numpy's legacy seeding takes 32 bits
-    )
-
-
-class SeededDataset(torch.utils.data.Dataset[T], Generic[T]):
-    """Wrap a map-style dataset so that item ``i`` of epoch ``e`` is made with random numbers that
-    depend on (the sampler's seed, ``e``, ``i``) alone, in whatever process fetches it.
-
-    Random augmentation in ``__getitem__`` (``torch.rand*``, ``random.*``, ``np.random.*``) then
-    resumes exactly at any point of an epoch, whatever the number of DataLoader workers, with
-    persistent workers, with the ``fork`` or ``spawn`` context, and on a different world size
-    (every sample gets the augmentation it gets in an uninterrupted run). Without it, each worker's
-    streams start at ``base_seed + worker_id`` and advance with every sample it fetched, so a run
-    resumed mid-epoch augments every following sample differently.
-
-    Before each item is fetched, python's ``random``, numpy's global RNG and torch's default CPU
-    generator are seeded from the triple (mixed by BLAKE2b); afterwards the fetching process's
-    own streams are put back, so in the main process (``num_workers=0``) dropout and everything
-    else draw exactly what they would draw without the wrapper. A batch is fetched item by item
-    (a wrapped dataset's own ``__getitems__`` is not used).
-
-    Use the sampler the DataLoader draws from: its indices carry the epoch to the workers. A
-    transform that owns a generator (a ``torch.Generator``, ``np.random.default_rng()``) is not
-    reseeded; create it inside ``__getitem__`` from ``torch.initial_seed()``, which is the
-    item's own seed there. ``len()`` and every attribute of the wrapped dataset are forwarded;
-    the wrapped dataset is ``.dataset``.
-
-    Args:
-        dataset: a map-style dataset (``__getitem__`` and ``__len__``).
-        sampler: the `ResumableDistributedSampler` the DataLoader is built with.
-
-    Raises:
-        TypeError: ``dataset`` is an ``IterableDataset`` (it has no index to seed from: seed inside
-            its ``__iter__`` from the worker id and position), or ``sampler`` is not a
-            `ResumableDistributedSampler`.
-        ValueError: the sampler was built over a dataset of another length.
-
-    Examples:
-        >>> import random, torch, ckptools as ck
-        >>> class Noisy(torch.utils.data.Dataset):
-        ...     def __len__(self): return 8
-        ...     def __getitem__(self, i): return i + random.random()  # random augmentation
-        >>> sampler = ck.ResumableDistributedSampler(range(8), num_replicas=1, rank=0, seed=1)
-        >>> data = ck.SeededDataset(Noisy(), sampler)
-        >>> data[3] == data[3]  # item 3 of epoch 0: the same draws, whichever process fetches it
-        True
-        >>> before = data[3]; sampler.set_epoch(1); data[3] == before  # another epoch, other draws
-        False
-        >>> loader = torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler, num_workers=2)
-        >>> for batch in sampler.track(loader):  # doctest: +SKIP
-        ...     train_step(batch)
-    """
-
-    def __init__(self, dataset: torch.utils.data.Dataset[T], sampler: ResumableDistributedSampler) -> None:
-        if isinstance(dataset, torch.utils.data.IterableDataset):
-            raise TypeError(
-                f"SeededDataset wraps map-style datasets (__getitem__ and __len__); {type(dataset).__name__} is an "
-                "IterableDataset, which has no index to seed from: seed its random numbers inside __iter__ from "
-                "torch.utils.data.get_worker_info().id and the position in the stream"
-            )
-        if not isinstance(sampler, ResumableDistributedSampler):
-            raise TypeError(
-                f"SeededDataset(dataset, sampler) needs the ck.ResumableDistributedSampler the DataLoader draws from "
-                f"(its indices carry the epoch to the workers), got {type(sampler).__name__}"
-            )
-        if len(dataset) != len(sampler.dataset):  # type: ignore[arg-type]
-            raise ValueError(
-                f"SeededDataset: the dataset has {len(dataset)} items but the sampler was built over "  # type: ignore[arg-type]
-                f"{len(sampler.dataset)}; build the sampler over this dataset"  # type: ignore[arg-type]
-            )
-        self.dataset = dataset
-        self.sampler = sampler
-        sampler._seeded = True
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getattr__(self, name: str) -> Any:
-        # Only for names this wrapper lacks; never for its own fields (absent while unpickling).
-        if name in ("dataset", "sampler") or (name.startswith("__") and name.endswith("__")):
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
-
-    def __repr__(self) -> str:
-        return f"SeededDataset({self.dataset!r})"
-
-    def __getitem__(self, index: int) -> T:
-        return self.__getitems__([index])[0]
-
-    def __getitems__(self, indices: Sequence[int]) -> list[T]:
-        """The items at ``indices``, each seeded from its own (seed, epoch, index).
-
-        The DataLoader calls this once per batch: the process's streams are saved once and put back
-        once (saving numpy's costs ~70 µs), each item is seeded on its own.
-        """
-        saved = rng.capture_cpu_streams()
-        try:
-            items = []
-            for index in indices:
-                rng.seed_cpu_streams(*_item_seeds(*self._epoch_of(index), int(index)))
-                items.append(self.dataset[int(index)])
-            return items
-        finally:
-            rng.restore_cpu_streams(saved)
-
-    def _epoch_of(self, index: int) -> tuple[int, int]:
-        """The (seed, epoch) item ``index`` belongs to."""
-        if isinstance(index, _SampleIndex):
-            return index.seed, index.epoch
-        if torch.utils.data.get_worker_info() is not None:
-            # This worker's copy of the sampler is as old as the worker: it may be epochs behind.
-            raise ValueError(
-                f"SeededDataset was asked for index {index} in a DataLoader worker, but that index did not come "
-                "from the sampler it was built with, so its epoch is unknown there; build the DataLoader with "
-                "sampler=<that ResumableDistributedSampler> (or a batch_sampler drawing from it)"
-            )
-        return int(self.sampler.seed), int(self.sampler.epoch)
+def draw_seeded(sampler: ResumableDistributedSampler) -> None:
+    """From now on ``sampler`` yields indices carrying its seed and epoch (`ckptools.rng.SampleIndex`)."""
+    sampler._seeded = True

@@ -8,7 +8,6 @@ errors (RuntimeError from miniz, UnpicklingError, EOFError, ...) are turned into
 from __future__ import annotations
 
 import argparse
-import codecs
 import contextlib
 import dataclasses
 import datetime
@@ -22,12 +21,24 @@ from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import PurePath
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
-import torch
+from .codecs.legacy import check_non_zip
+from .codecs.pickles import loads
+from .codecs.sniff import other_kind
+from .codecs.torchzip import ZIP_MAGIC, TorchZip
+from .errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointLayoutError,
+    MissingClassError,
+    UnsafeCheckpointError,
+    UnsafeStateError,
+)
+from .storage import PathLike, atomic_write, crc32_range, fspath, open_for_read
 
-from .errors import CheckpointError, CheckpointFormatError, MissingClassError, UnsafeCheckpointError, UnsafeStateError
-from .storage import PathLike, _fspath, atomic_write, crc32_range, open_for_read
+if TYPE_CHECKING:
+    import torch
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -38,6 +49,8 @@ def save_file(path: PathLike, obj: Any) -> int:
     Returns:
         The number of bytes written.
     """
+    import torch  # here: reading and checking files needs no torch
+
     written = 0
 
     def write(f: IO[bytes]) -> None:
@@ -59,61 +72,6 @@ def _unsafe_error(path: str, err: BaseException) -> UnsafeCheckpointError:
     )
 
 
-# Signatures of files people hand a checkpoint reader by mistake, and what to do about each.
-_SIGNATURES = (
-    (b"\x1f\x8b", "gzip-compressed (decompress it first: gunzip)"),
-    (b"BZh", "bzip2-compressed (decompress it first: bunzip2)"),
-    (b"\xfd7zXZ\x00", "xz-compressed (decompress it first: unxz)"),
-    (b"(\xb5/\xfd", "zstd-compressed (decompress it first: unzstd)"),
-    (b"\x93NUMPY", "a numpy array file (.npy: numpy.load)"),
-    (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras .h5: h5py or keras)"),
-    (b"GGUF", "a GGUF model file (llama.cpp), not a PyTorch one"),
-    (b"\x7fELF", "an executable (ELF)"),
-)
-
-
-def other_kind(head: bytes) -> str | None:
-    """What a file that is no torch checkpoint is, from its first bytes (None: could be one).
-
-    torch files are zips (``PK``) or, before 1.6, pickles starting with ``\\x80``; this names
-    what people pass instead: text (an HTML error page saved by a download, a Git LFS pointer,
-    JSON, a script), a misnamed safetensors file, compressed or other model formats.
-
-    Examples:
-        >>> other_kind(b"version https://git-lfs.github.com/spec/v1\\noid sha256:ab")
-        'a Git LFS pointer, not the file itself (fetch it: git lfs pull)'
-        >>> other_kind(b"\\x80\\x02\\x8a\\nl\\xfc\\x9cF\\xf9 j\\xa8") is None
-        True
-    """
-    if len(head) < 8 or b"PK\x03\x04".startswith(head[:4]):
-        return None  # empty, a few bytes, or a zip cut short: "truncated", not another kind
-    for signature, kind in _SIGNATURES:
-        if head.startswith(signature):
-            return kind
-    if len(head) >= 257 + 5 and head[257:262] == b"ustar":
-        return "a tar archive (extract it first: tar xf)"
-    if len(head) > 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < 100_000_000:
-        return "a safetensors file named like a torch one (rename it to .safetensors)"
-    if head[:1] == b"\x80":
-        return None  # a pickle: torch's legacy format, read (and judged) as such
-    try:
-        # Incremental: a character cut by the 512-byte window is held back, not an error.
-        text = codecs.getincrementaldecoder("utf-8")().decode(head)
-    except UnicodeDecodeError:
-        return None
-    if not text or any(ord(c) < 32 and c not in "\t\r\n\f" for c in text):
-        return None
-    stripped = text.lstrip().lower()
-    if stripped.startswith("version https://git-lfs"):
-        return "a Git LFS pointer, not the file itself (fetch it: git lfs pull)"
-    if stripped.startswith(("<!doctype html", "<html", "<?xml", "<head")):
-        return "an HTML or XML page (a download that saved an error or login page? fetch the file again)"
-    if stripped.startswith(("{", "[")):
-        return "JSON text (a config or index? pass the checkpoint it names)"
-    first = text.strip().splitlines()[0][:60] if text.strip() else ""
-    return f"a text file (it starts {first!r})"
-
-
 def _missing_class(err: BaseException) -> str | None:
     """What an unpickler could not import, from its error (None: some other failure)."""
     if isinstance(err, ModuleNotFoundError) and err.name:
@@ -133,32 +91,30 @@ def load_file(
     """``torch.load`` a local path or URL, turning failures into ckptools errors.
 
     ``pickle_module`` (with ``weights_only=False``) is passed to ``torch.load``: the placeholder
-    reader of `ckptools.reading.load_without_code`.
+    reader of `ckptools.layouts.placeholders.load_without_code`.
 
     Raises:
         CheckpointNotFoundError: the file does not exist.
         UnsafeCheckpointError: ``weights_only=True`` and the file needs arbitrary globals.
         CheckpointFormatError: the file is empty, truncated, corrupt or not a torch file.
     """
-    path = _fspath(path)
+    path = fspath(path)
     source, local = open_for_read(path)
     # torch allocates what a file claims (a zip record's size, a legacy storage's numel) before
     # reading it: a 4 GiB claim in a 1 KiB file would be allocated. Claims are checked first.
     with _opened(source, local) as handle:
         head = handle.read(512)
-        if head[:4] == b"PK\x03\x04":
+        if head[:4] == ZIP_MAGIC:
             _scan_zip(path, handle, crc=False)
             kind = None
         else:
             kind = other_kind(head)
         if kind is not None:  # a valid file of another kind: said what it is, never "corrupt"
-            from .errors import CheckpointLayoutError
-
             raise CheckpointLayoutError(f"{path} is not a torch checkpoint: it is {kind}")
-        if head[:4] != b"PK\x03\x04" and weights_only:  # a trusted file is left to torch entirely
-            from .torchzip import check_non_zip
-
+        if head[:4] != ZIP_MAGIC and weights_only:  # a trusted file is left to torch entirely
             check_non_zip(handle, handle.seek(0, 2), path)
+    import torch  # only now: a file refused above is refused without it (a second saved for `ckpt`)
+
     try:
         extra = {} if pickle_module is None else {"pickle_module": pickle_module}
         if mmap:  # only for local zip files: storages are mapped, read when touched
@@ -233,7 +189,7 @@ def verify_torch_file(path: PathLike) -> None:
         CheckpointFormatError: the file is truncated, a record is damaged, or it is not a zip
             torch checkpoint.
     """
-    path = _fspath(path)
+    path = fspath(path)
     source, local = open_for_read(path)
     with _opened(source, local) as handle:
         _scan_zip(path, handle, crc=True)
@@ -242,8 +198,6 @@ def verify_torch_file(path: PathLike) -> None:
 def _scan_zip(path: str, handle: IO[bytes], *, crc: bool) -> None:
     """Check a torch zip as torch's reader would (container, small records, every storage the
     pickle names present and whole), and each record's CRC-32 with ``crc``."""
-    from .torchzip import TorchZip, loads
-
     try:
         archive = TorchZip(path, handle)
         if crc:
@@ -303,6 +257,8 @@ def check_loadable(obj: Any, where: str) -> None:
 
 def _suspects(obj: Any, where: str) -> Iterator[tuple[Any, str]]:
     """The values under ``obj`` that are not plainly loadable, with their names (iterative walk)."""
+    import torch
+
     stack = [(obj, where)]
     seen: set[int] = set()
     while stack:
@@ -328,6 +284,8 @@ def _suspects(obj: Any, where: str) -> Iterator[tuple[Any, str]]:
 
 
 def _plain_tensor(t: torch.Tensor) -> bool:
+    import torch
+
     # Dense tensors without Python attributes rebuild through functions torch always allows;
     # anything fancier (sparse, quantized, attributes) is left to the real unpickler.
     return t.layout == torch.strided and not t.is_quantized and not t.__dict__
@@ -335,6 +293,7 @@ def _plain_tensor(t: torch.Tensor) -> bool:
 
 def _refusal(obj: Any) -> str | None:
     """Why torch.load(weights_only=True) would refuse what torch.save writes for ``obj``; None if it would not."""
+    import torch
     from torch import _weights_only_unpickler
 
     storages: list[Any] = []

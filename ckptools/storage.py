@@ -21,7 +21,7 @@ from typing import IO, Any, Union, cast
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .errors import CheckpointFormatError, CheckpointNotFoundError
+from .errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
 
 _CHUNK = 64 << 20
 # Bytes processed by long copies, for the CLI's progress bar; None (the default) costs nothing.
@@ -34,7 +34,53 @@ PathLike = Union[str, "os.PathLike[str]"]
 TMP_MARKER = ".ckptools-tmp-"
 
 
-def _fspath(path: PathLike) -> str:
+class Location:
+    """A path or URL resolved once: what was given, its filesystem, and the path inside it.
+
+    Every function here takes a `Location` as readily as a string, and uses its filesystem
+    instead of parsing the string again, the way httpx parses a URL once; ``str()`` and
+    ``os.fspath()`` give back the path as the user wrote it, so messages name it unchanged.
+
+    Examples:
+        >>> loc = resolve("memory://ckpts/step-5.pt")
+        >>> loc.url, loc.path, loc.local, loc.name
+        ('memory://ckpts/step-5.pt', '/ckpts/step-5.pt', False, 'step-5.pt')
+    """
+
+    __slots__ = ("fs", "local", "path", "url")
+
+    def __init__(self, url: str, fs: fsspec.AbstractFileSystem, path: str) -> None:
+        self.url = url
+        self.fs = fs
+        self.path = path
+        self.local = is_local(fs)
+
+    @property
+    def name(self) -> str:
+        """The last part of the path (a file's name, a folder's name)."""
+        return os.path.basename(self.path.rstrip("/"))
+
+    def __fspath__(self) -> str:
+        return self.url
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"Location({self.url!r})"
+
+
+def resolve(path: PathLike) -> Location:
+    """Resolve a local path or an fsspec URL into a `Location`, once (a `Location` is returned as is)."""
+    if isinstance(path, Location):
+        return path
+    url = fspath(path)
+    fs, inner = fsspec.core.url_to_fs(url)
+    return Location(url, fs, str(inner))
+
+
+def fspath(path: PathLike) -> str:
+    """``path`` as a non-empty ``str`` (an ``os.PathLike`` is converted; a URL stays as written)."""
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
     if not isinstance(path, str) or not path:
@@ -44,8 +90,8 @@ def _fspath(path: PathLike) -> str:
 
 def get_filesystem(path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
     """Return ``(filesystem, path inside it)`` for a local path or any fsspec URL."""
-    fs, inner = fsspec.core.url_to_fs(_fspath(path))
-    return fs, str(inner)
+    location = resolve(path)
+    return location.fs, location.path
 
 
 def is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -55,7 +101,7 @@ def is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 def join(directory: PathLike, name: str) -> str:
     """Join a directory path or URL and a file name without mangling the URL."""
-    directory = _fspath(directory)
+    directory = fspath(directory)
     return directory.rstrip("/") + "/" + name if "://" in directory else os.path.join(directory, name)
 
 
@@ -120,7 +166,7 @@ def is_abandoned_tmp(path: PathLike) -> bool:
     here, or a pid since reused by another process). False while the writer may still be filling
     it, so a second job writing into the same directory never has its file deleted under it.
     """
-    path = _fspath(path)
+    path = fspath(path)
     owner = _tmp_owner(path.rsplit("/", 1)[-1])
     if owner is not None and owner[0] == _host() and not _pid_alive(owner[1]):
         return True
@@ -164,8 +210,8 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any], *, streamabl
     Raises:
         OSError: the write failed; the temporary file is removed and ``path`` is untouched.
     """
-    path = _fspath(path)
     fs, fpath = get_filesystem(path)
+    path = fspath(path)
     if not is_local(fs):
         _remote_write(fs, fpath, write, streamable=streamable)
         return path
@@ -294,14 +340,16 @@ def open_for_read(path: PathLike) -> tuple[Any, bool]:
 
     Raises:
         CheckpointNotFoundError: nothing exists at ``path``.
-        CheckpointFormatError: ``path`` is a directory.
+        CheckpointFormatError: ``path`` is a local directory (readers of folders never get here:
+            `ckptools.layouts.detect` sends a folder to its layout).
+        CheckpointLayoutError: ``path`` is a remote directory (a valid thing of another kind).
     """
-    path = _fspath(path)
     fs, fpath = get_filesystem(path)
+    path = fspath(path)
     if is_local(fs):
         if not os.path.exists(fpath):
             raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check the path")
-        if os.path.isdir(fpath):
+        if os.path.isdir(fpath):  # a caller that reads folders asks `layouts.detect` first
             raise CheckpointFormatError(f"{path} is a directory, not a checkpoint file; name a file inside it")
         return fpath, True
     try:
@@ -309,7 +357,7 @@ def open_for_read(path: PathLike) -> tuple[Any, bool]:
     except FileNotFoundError as err:
         raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check the URL") from err
     except IsADirectoryError as err:
-        raise CheckpointFormatError(f"{path} is a directory, not a checkpoint file; name a file inside it") from err
+        raise CheckpointLayoutError(f"{path} is a directory, not a checkpoint file; name a file inside it") from err
     return io.BytesIO(data), False
 
 
@@ -331,26 +379,6 @@ def file_size(path: PathLike) -> int:
     """Size in bytes of the file at ``path`` (a stat locally, one metadata request remotely)."""
     fs, fpath = get_filesystem(path)
     return os.path.getsize(fpath) if is_local(fs) else int(fs.size(fpath))
-
-
-def plural(n: int, noun: str) -> str:
-    """``n`` and ``noun``, plural unless ``n`` is 1: what every count ckptools prints says.
-
-    Examples:
-        >>> plural(1, "tensor"), plural(3, "shard")
-        ('1 tensor', '3 shards')
-    """
-    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
-
-
-def human_size(n: int) -> str:
-    """``n`` bytes for people: ``512 B``, ``1.5 KiB``, ``3.2 GiB``."""
-    size = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"
 
 
 def remove(path: PathLike) -> None:

@@ -40,15 +40,12 @@ def main() -> None:
     import torch  # noqa: F401 - loaded before measuring the baseline
 
     import ckptools as ck
-    from ckptools.safetensors_file import (
-        load_safetensors,
-        read_safetensors_header,
-        rename_safetensors,
-        verify_safetensors,
-    )
+    from ckptools.codecs.pickles import loads
+    from ckptools.codecs.safetensors import read_safetensors_header, rename_safetensors, verify_safetensors
+    from ckptools.codecs.torchzip import TorchZip
+    from ckptools.layouts.safetensors_file import load_safetensors
     from ckptools.serialization import verify_torch_file
     from ckptools.state_dict import strip_prefix
-    from ckptools.torchzip import TorchZip, loads
 
     def torch_free_info(path: str) -> None:  # what `ckpt info` and `strip-module` read a .pt zip with
         loads(TorchZip(path).read_pickle(), path)

@@ -48,7 +48,7 @@ def gloo_group():
 @pytest.fixture(autouse=True)
 def _fresh_warnings_once():
     """ckptools warns about a hazard once per process; each test starts with none warned yet."""
-    from ckptools import _log
+    from ckptools import log as _log
 
     _log._warned.clear()
     yield

@@ -13,7 +13,7 @@ from _dist import run_ranks
 
 import ckptools as ck
 from ckptools import background
-from ckptools.checkpoint import _async_save
+from ckptools.saving import async_save_with_hooks as _async_save
 from ckptools.storage import TMP_MARKER
 
 
@@ -208,7 +208,7 @@ def test_manager_blocking_false_prunes_only_after_the_commit(tmp_path):
     manager = ck.CheckpointManager(tmp_path, keep_last=1)
     manager.save({"w": torch.ones(2)}, 1)
     gate = threading.Event()
-    from ckptools import checkpoint
+    from ckptools import saving as checkpoint
 
     real = checkpoint.save_file
 

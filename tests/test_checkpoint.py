@@ -17,7 +17,7 @@ import torch
 from _dist import run_ranks
 
 import ckptools as ck
-from ckptools.checkpoint import META_KEY
+from ckptools.codecs.trees import META_KEY
 from ckptools.storage import TMP_MARKER, _host
 
 
@@ -362,7 +362,7 @@ def test_cuda_tagged_file_loads_on_cpu(tmp_path, cuda_tagged_file):
 
 
 def _ddp_save_and_sync(rank: int, world: int, path: str) -> dict:
-    import ckptools.checkpoint as cp
+    import ckptools.saving as cp
 
     writes = []
     real = cp.save_file

@@ -9,14 +9,14 @@ import safetensors.torch
 import torch
 
 import ckptools as ck
-from ckptools.safetensors_file import (
+from ckptools.codecs.safetensors import (
     ALIAS_KEY,
     CRC_KEY,
-    load_safetensors,
     read_safetensors_header,
     rename_safetensors,
     verify_safetensors,
 )
+from ckptools.layouts.safetensors_file import load_safetensors
 
 
 def _weights():
@@ -169,7 +169,7 @@ def test_zip_fast_path_copies_records_without_torch(tmp_path):
     torch.save({"state_dict": weights, "epoch": 9}, tmp_path / "c.pt")
     src, dst = tmp_path / "c.pt", tmp_path / "c.safetensors"
     code = (
-        "import sys, ckptools.convert as c; "
+        "import sys, ckptools.converting as c; "
         f"c.convert_to_safetensors({str(src)!r}, {str(dst)!r}); print('torch' in sys.modules)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -27,7 +27,8 @@ from typer.testing import CliRunner
 
 import ckptools as ck
 from ckptools.cli import app
-from ckptools.safetensors_file import load_safetensors, read_safetensors_header, verify_safetensors
+from ckptools.codecs.safetensors import read_safetensors_header, verify_safetensors
+from ckptools.layouts.safetensors_file import load_safetensors
 from ckptools.serialization import verify_torch_file
 
 EXAMPLES = int(os.environ.get("CKPTOOLS_FUZZ_EXAMPLES", "40"))

@@ -16,7 +16,7 @@ from _torchrun import ok, torchrun, torchrun_signalled
 
 import ckptools as ck
 from ckptools import background
-from ckptools.checkpoint import _async_save
+from ckptools.saving import async_save_with_hooks as _async_save
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 

@@ -242,7 +242,7 @@ def test_export_for_transformers_is_what_from_pretrained_reads(tmp_path):
 
 
 def test_verify_checks_an_accelerate_folders_optimizer_state_too(tmp_path):
-    from ckptools.torchzip import TorchZip
+    from ckptools.codecs.torchzip import TorchZip
 
     folder = tmp_path / "state"
     shutil.copytree(_g("accelerate_state"), folder)

@@ -11,8 +11,8 @@ from _dist import run_ranks
 from torch.utils.data import DataLoader, TensorDataset
 
 import ckptools as ck
-from ckptools import _log
-from ckptools.sampler import _item_seeds
+from ckptools import log as _log
+from ckptools.rng import item_seeds as _item_seeds
 
 DATA = TensorDataset(torch.arange(50))  # 50 samples over 2 ranks: 25 each, padded not dropped
 

@@ -13,7 +13,10 @@ import pytest
 import torch
 
 import ckptools as ck
-from ckptools import torchzip as tz
+from ckptools.codecs.pickle_writer import dumps
+from ckptools.codecs.pickles import loads
+from ckptools.codecs.torchzip import TorchZip
+from ckptools.codecs.trees import tensor_info
 
 
 def _checkpoint(path):
@@ -33,12 +36,12 @@ def _checkpoint(path):
 
 
 def _rewrite(src, dst, transform=None, **kw):
-    archive = tz.TorchZip(str(src))
-    tree = tz.loads(archive.read_pickle(), str(src))
+    archive = TorchZip(str(src))
+    tree = loads(archive.read_pickle(), str(src))
     if transform:
         tree = transform(tree)
     with open(dst, "wb") as f:
-        archive.write_with_pickle(f, tz.dumps(tree), **kw)
+        archive.write_with_pickle(f, dumps(tree), **kw)
     return archive
 
 
@@ -70,7 +73,7 @@ def test_unchanged_roundtrip_loads_identically(tmp_path, force_zip64):
 def test_tensor_records_are_copied_byte_for_byte_and_aligned(tmp_path):
     _checkpoint(tmp_path / "a.pt")
     archive = _rewrite(tmp_path / "a.pt", tmp_path / "b.pt", lambda t: {**t, "model": ck.strip_prefix(t["model"])})
-    new = tz.TorchZip(str(tmp_path / "b.pt"))
+    new = TorchZip(str(tmp_path / "b.pt"))
     data_a, data_b = (tmp_path / "a.pt").read_bytes(), (tmp_path / "b.pt").read_bytes()
     for old_info, old_start, new_info, new_start in zip(archive.infos, archive.starts, new.infos, new.starts):
         assert old_info.filename == new_info.filename
@@ -94,11 +97,11 @@ def test_strip_module_cli_keeps_everything_else(tmp_path):
 
 
 def test_tensor_info_without_torch_semantics(tmp_path, cuda_tagged_file):
-    tree = tz.loads(tz.TorchZip(str(cuda_tagged_file)).read_pickle())
-    info = tz.tensor_info(tree["model"]["weight"])
+    tree = loads(TorchZip(str(cuda_tagged_file)).read_pickle())
+    info = tensor_info(tree["model"]["weight"])
     assert info["shape"] == [3, 3] and info["dtype"] == "float32" and info["bytes"] == 36 and info["device"] == "cuda:1"
     code = (
-        "import sys; from ckptools.reading import inspect; "
+        "import sys; from ckptools.inspection import inspect; "
         f"inspect({str(cuda_tagged_file)!r}); print('torch' in sys.modules)"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -125,14 +128,14 @@ def test_reader_refuses_anything_outside_the_allowlist(tmp_path, payload):
     _Canary.path = str(tmp_path / "pwned")
     data = pickle.dumps({"model": {}, "x": payload(None)}, protocol=2)
     with pytest.raises(ck.UnsafeCheckpointError, match="refused and nothing was executed"):
-        tz.loads(data, "evil.pt")
+        loads(data, "evil.pt")
     assert not (tmp_path / "pwned").exists()
 
 
 @pytest.mark.parametrize("data", [b"", b"\x80\x02", os.urandom(64), pickle.dumps([1, 2])[:-3]])
 def test_reader_turns_garbage_into_format_errors(data):
     with pytest.raises(ck.CheckpointFormatError):
-        tz.loads(data, "bad.pt")
+        loads(data, "bad.pt")
 
 
 def test_bad_persistent_id_is_a_format_error():
@@ -143,13 +146,13 @@ def test_bad_persistent_id_is_a_format_error():
     buf = io.BytesIO()
     P(buf, protocol=2).dump({"a": "marker"})
     with pytest.raises(ck.CheckpointFormatError, match="persistent id"):
-        tz.loads(buf.getvalue())
+        loads(buf.getvalue())
 
 
 def test_unsafe_message_lists_every_refused_global():
     data = pickle.dumps({"a": os.system, "b": eval, "c": OrderedDict()}, protocol=4)  # STACK_GLOBAL too
     with pytest.raises(ck.UnsafeCheckpointError, match=r"needs posix\.system, builtins\.eval to load"):
-        tz.loads(data, "evil.pt")
+        loads(data, "evil.pt")
 
 
 def test_refused_globals_are_named_right_through_the_memo(tmp_path):
@@ -157,7 +160,7 @@ def test_refused_globals_are_named_right_through_the_memo(tmp_path):
     # written here by torch's own DCP, not by hand.
     import torch.distributed.checkpoint as dcp
 
-    from ckptools.torchzip import _refused_globals
+    from ckptools.codecs.pickles import refused_globals as _refused_globals
 
     dcp.save({"model.0.weight": torch.ones(2, 2), "model.0.bias": torch.zeros(2)}, checkpoint_id=str(tmp_path),
              no_dist=True)  # fmt: skip

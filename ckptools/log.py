@@ -12,29 +12,40 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import sys
 import time
 import warnings
 
-import torch
-
-from .dist import get_rank
 from .errors import CheckpointWarning
-from .storage import file_size, human_size
+from .storage import file_size
+from .text import human_size
 
 logger = logging.getLogger("ckptools")
 
 _warned: set[str] = set()  # the `once` keys already warned about in this process
 # A warning points at the user's line: the first frame outside ckptools and torch (a sampler's
 # warning is raised from inside the DataLoader, a save's from inside the manager).
-_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep)
+# torch's folder is found without importing torch (over a second): reading a file needs no torch.
+_TORCH = importlib.util.find_spec("torch")
+_TORCH_FOLDERS = (_TORCH.submodule_search_locations or []) if _TORCH else []
+_INTERNAL = (os.path.dirname(os.path.abspath(__file__)) + os.sep, *(os.path.join(f, "") for f in _TORCH_FOLDERS))
+
+
+def _rank() -> int:
+    """This process's global rank; 0 while torch is not even imported (no process group can exist)."""
+    if "torch" not in sys.modules:
+        return 0
+    from .dist import get_rank  # imports torch: only once the program has
+
+    return get_rank()
 
 
 def warn(message: str, *, once: str | None = None, all_ranks: bool = False) -> None:
     """Issue a `CheckpointWarning` (rank 0 only unless ``all_ranks``; once per ``once`` key)."""
-    if not all_ranks and get_rank() != 0:
+    if not all_ranks and _rank() != 0:
         return
     if once is not None:
         if once in _warned:
@@ -51,7 +62,7 @@ def report(verb: str, path: str, started: float, nbytes: int | None = None) -> N
 
     The size is looked up only when the record will be emitted (``nbytes`` None: from the file).
     """
-    if get_rank() != 0 or not logger.isEnabledFor(logging.INFO):
+    if _rank() != 0 or not logger.isEnabledFor(logging.INFO):
         return
     seconds = time.monotonic() - started
     if nbytes is None:

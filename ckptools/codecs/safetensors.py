@@ -1,53 +1,37 @@
-"""The safetensors format: a streaming writer, a strict header reader, lazy reads, checks, renames.
+"""The safetensors format without torch: a streaming writer, a strict header reader, checks, renames.
 
 The format is an 8-byte little-endian header length N, N bytes of JSON
 (``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}``,
 padded with spaces to a multiple of 8), then the raw little-endian tensor bytes. ckptools
 writes it itself, tensor by tensor, because ``safetensors.torch.save_file`` builds the whole
-payload in memory; files are read back with the official library in tests.
+payload in memory; files are read back with the official library in tests. Turning tensors
+into `Spec` values and files into tensors is ``layouts.safetensors_file``'s part.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import sys
 import zlib
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
-from .errors import CheckpointFormatError
-from .state_dict import tensor_identity
-from .storage import PathLike, _fspath, atomic_write, copy_range, crc32_range, open_for_read, report_progress
-
-__all__ = ["load_safetensors", "read_safetensors_header", "save_safetensors", "verify_safetensors"]
+from ..errors import CheckpointFormatError
+from ..storage import PathLike, atomic_write, copy_range, crc32_range, fspath, open_for_read, report_progress
+from .dtypes import ITEMSIZE
 
 # Metadata keys ckptools adds to the files it writes.
 CRC_KEY = "ckptools.crc32"  # {tensor name: CRC-32 of its bytes as 8 hex digits}
+
+
 ALIAS_KEY = "ckptools.aliases"  # {dropped name: stored name} for tied tensors stored once
+
+
 # The official reader refuses headers above 100 MB; so do we, before allocating anything.
 MAX_HEADER = 100_000_000
+
+
 _CHUNK = 16 << 20
-
-ITEMSIZE = {
-    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-    "C64": 8, "U64": 8, "U32": 4, "U16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1,
-    "F8_E8M0": 1,
-}  # fmt: skip
-
-
-# safetensors dtype -> torch dtype name.
-TORCH_NAMES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64", "I32": "int32",
-               "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool", "C64": "complex64", "U64": "uint64",
-               "U32": "uint32", "U16": "uint16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-               "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz",
-               "F8_E8M0": "float8_e8m0fnu"}  # fmt: skip
-
-
-def torch_dtypes() -> dict[str, Any]:
-    import torch
-
-    return {st: getattr(torch, attr) for st, attr in TORCH_NAMES.items() if hasattr(torch, attr)}
 
 
 class Spec:
@@ -119,7 +103,7 @@ def write_specs(
     return atomic_write(path, write)
 
 
-def _write_chunks(f: IO[bytes], view: memoryview) -> int:
+def write_chunks(f: IO[bytes], view: memoryview) -> int:
     crc = 0
     for start in range(0, len(view), _CHUNK):
         chunk = view[start : start + _CHUNK]
@@ -127,74 +111,6 @@ def _write_chunks(f: IO[bytes], view: memoryview) -> int:
         f.write(chunk)
         report_progress(len(chunk))
     return crc
-
-
-def save_safetensors(path: PathLike, tensors: Mapping[str, Any], *, metadata: Mapping[str, str] | None = None) -> str:
-    """Write ``tensors`` as a safetensors file, one tensor at a time, atomically.
-
-    Tied tensors (the same view of one storage) are stored once, under the first of their names
-    in ``tensors``' order, and the dropped names recorded in ``ckptools.aliases``; each stored
-    tensor's CRC-32 goes into ``ckptools.crc32`` so that `verify_safetensors` can detect bit
-    rot later. Memory stays at one tensor's
-    contiguous copy at most (none for tensors that are already contiguous on CPU).
-    """
-    specs, aliases = tensor_specs(tensors)
-    return write_specs(path, specs, aliases, metadata)
-
-
-def tensor_specs(tensors: Mapping[str, Any]) -> tuple[dict[str, Spec], dict[str, str]]:
-    """Specs that write each tensor's bytes, and ``{dropped name: kept name}`` for tied tensors.
-
-    Of tied names the first in ``tensors``' own order is kept: in a state dict that is the input
-    embedding, not ``lm_head``, which is the name transformers ties *to* the embedding (keeping
-    ``lm_head`` would leave ``from_pretrained`` a freshly initialised embedding).
-    """
-    import torch
-
-    names = {dtype: name for name, dtype in torch_dtypes().items()}
-    specs: dict[str, Spec] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple[Any, ...], str] = {}
-    for name in tensors:
-        t = tensors[name]
-        if not isinstance(t, torch.Tensor):
-            raise CheckpointFormatError(
-                f"entry {name!r} is a {type(t).__name__}, not a tensor; pass key=... to pick the weights"
-            )
-        if t.is_nested:
-            raise CheckpointFormatError(
-                f"tensor {name!r} is a nested tensor; safetensors stores dense tensors only (store its .unbind() parts)"
-            )
-        if t.layout != torch.strided:
-            raise CheckpointFormatError(
-                f"tensor {name!r} is {t.layout}; safetensors stores dense tensors only (call .to_dense())"
-            )
-        if t.device.type == "meta":
-            raise CheckpointFormatError(
-                f"tensor {name!r} is on the meta device: it has a shape but no values to write (saved from a model "
-                "built without memory); load real weights into it first"
-            )
-        if t.dtype not in names:
-            raise CheckpointFormatError(f"tensor {name!r} has dtype {t.dtype}, which safetensors cannot store")
-        identity = tensor_identity(t)  # None for an empty tensor: never an alias
-        if identity is not None and identity in seen:
-            aliases[name] = seen[identity]
-            continue
-        if identity is not None:
-            seen[identity] = name
-
-        def write(f: IO[bytes], t: torch.Tensor = t) -> int:
-            if sys.byteorder != "little":  # pragma: no cover - no big-endian machine to test on
-                raise NotImplementedError("writing safetensors on a big-endian machine is not supported")
-            # A conjugate or negative view's bytes are not its values: resolve them (a copy).
-            flat = t.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
-            if flat.numel() <= 1:  # one element may keep any stride, and view(uint8) needs stride 1
-                flat = torch.empty(flat.numel(), dtype=flat.dtype).copy_(flat)
-            data = flat.view(torch.uint8).numpy()
-            return _write_chunks(f, memoryview(data))  # type: ignore[arg-type]  # ndarray is a buffer
-
-        specs[name] = Spec(names[t.dtype], list(t.shape), t.numel() * t.element_size(), write)
-    return specs, aliases
 
 
 def read_safetensors_header(path: PathLike) -> tuple[dict[str, Any], dict[str, str], int, int]:
@@ -210,7 +126,7 @@ def read_safetensors_header(path: PathLike) -> tuple[dict[str, Any], dict[str, s
             names, unknown dtype, offsets that overlap, leave gaps or run past the end, or
             shapes that do not match their byte ranges.
     """
-    path = _fspath(path)
+    path = fspath(path)
     source, local = open_for_read(path)
     handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
     try:
@@ -305,7 +221,7 @@ def verify_safetensors(path: PathLike) -> int:
     Raises:
         CheckpointFormatError: the structure is invalid or a checksum does not match.
     """
-    path = _fspath(path)
+    path = fspath(path)
     header, metadata, start, _ = read_safetensors_header(path)
     if CRC_KEY not in metadata:
         return 0
@@ -341,7 +257,7 @@ def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
     Raises:
         CheckpointFormatError: the file is invalid, or two names would become one.
     """
-    src, dst = _fspath(src), _fspath(dst)
+    src, dst = fspath(src), fspath(dst)
     header, metadata, start, size = read_safetensors_header(src)
     renamed = transform({name: name for name in header})
     if len(renamed) != len(header):
@@ -349,10 +265,10 @@ def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
     new_name = {old: new for new, old in renamed.items()}
     meta = dict(metadata)
     if CRC_KEY in meta:
-        crcs = _name_map(src, metadata, CRC_KEY)
+        crcs = name_map(src, metadata, CRC_KEY)
         meta[CRC_KEY] = json.dumps({new_name.get(k, k): v for k, v in crcs.items()}, separators=(",", ":"))
     if ALIAS_KEY in meta:
-        aliases = _name_map(src, metadata, ALIAS_KEY)
+        aliases = name_map(src, metadata, ALIAS_KEY)
         renamed_aliases = transform(dict(aliases.items()))
         meta[ALIAS_KEY] = json.dumps({k: new_name.get(v, v) for k, v in renamed_aliases.items()}, separators=(",", ":"))
     entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
@@ -371,30 +287,7 @@ def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
     return sum(1 for old, new in new_name.items() if old != new)
 
 
-def load_safetensors(path: PathLike) -> dict[str, Any]:
-    """Load every tensor of a safetensors file on CPU, re-tying aliases recorded by ckptools."""
-    import safetensors.torch
-
-    path = _fspath(path)
-    _, metadata, _, _ = read_safetensors_header(path)  # strict checks first: clear errors, no huge allocations
-    source, local = open_for_read(path)
-    try:
-        tensors = safetensors.torch.load_file(source) if local else safetensors.torch.load(source.getvalue())
-    except (safetensors.SafetensorError, OSError, ValueError) as err:
-        raise CheckpointFormatError(f"{path} is not a valid safetensors file ({err})") from err
-    # safetensors gives every zero-size tensor the same data pointer, whatever its dtype, and
-    # torch.save then refuses them ("view the same data as different types"): give each its own.
-    import torch
-
-    tensors = {k: torch.empty(v.shape, dtype=v.dtype) if v.numel() == 0 else v for k, v in tensors.items()}
-    for alias, target in _name_map(path, metadata, ALIAS_KEY).items():
-        # Only names the file does not store: metadata never overrides a stored tensor.
-        if target in tensors and alias not in tensors:
-            tensors[alias] = tensors[target]
-    return tensors
-
-
-def _name_map(path: str, metadata: Mapping[str, str], key: str) -> dict[str, str]:
+def name_map(path: str, metadata: Mapping[str, str], key: str) -> dict[str, str]:
     """ckptools' own metadata ``key`` (a JSON map of strings), validated like any untrusted input."""
     if key not in metadata:
         return {}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -18,12 +17,10 @@ from contextlib import contextmanager
 from typing import Annotated, Any, Optional
 
 import typer
-from rich.console import Console
-from rich.table import Table
 from typer.core import TyperGroup
 
-out = Console()
-err = Console(stderr=True)
+from .render import err, out, render_diff, render_info
+
 # click's exception classes: from click itself, or from the copy newer typer versions carry.
 _click_errors = sys.modules[typer.BadParameter.__module__]
 
@@ -68,7 +65,7 @@ app = typer.Typer(
 
 def _show_version(value: bool) -> None:
     if value:
-        from . import __version__
+        from .._version import __version__
 
         out.print(f"ckpt (ckptools) {__version__}", highlight=False)
         raise typer.Exit()
@@ -81,9 +78,6 @@ def _options(
     ] = False,
 ) -> None:
     """Inspect, rename, convert, compare and verify PyTorch checkpoints (.pt/.pth/.bin/.ckpt/.safetensors)."""
-
-
-TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 class _Fail(Exception):
@@ -106,7 +100,7 @@ def _about(*paths: str) -> Iterator[None]:
 
 
 def _run(body: Callable[[], int | None]) -> None:
-    from .errors import CheckpointError
+    from ..errors import CheckpointError
 
     try:
         with warnings.catch_warnings():
@@ -138,7 +132,7 @@ def _progress(description: str, path: str) -> Iterator[None]:
         return
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
-    from .storage import progress_hook
+    from ..storage import progress_hook
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
     with Progress(*columns, console=err, transient=True) as bar:
@@ -147,11 +141,10 @@ def _progress(description: str, path: str) -> Iterator[None]:
             yield
 
 
-def _is_safetensors(path: str) -> bool:
-    return path.endswith(".safetensors")
-
-
+# One spelling of the opt-in, as the library's trust_code=True; --trust-pickled-code is the name
+# ckptools 0.2 gave it, still accepted.
 _TRUST = typer.Option(
+    "--trust-code",
     "--trust-pickled-code",
     help="UNSAFE: let torch unpickle any class the file names, running its code. Only for files you trust; "
     "without it such entries are skipped and the weights are read without running anything.",
@@ -170,81 +163,15 @@ def info(
     """Show format, entries, tensors (name, shape, dtype, bytes, saved device), totals and metadata."""
 
     def body() -> None:
-        from .reading import inspect
+        from ..inspection import inspect
 
         report = inspect(path, trust_code=trust)
         if as_json:
             out.print_json(json.dumps(report, default=repr))
             return
-        _render_info(report)
+        render_info(report)
 
     _run(body)
-
-
-def _listed(items: list[str], limit: int = 20) -> str:
-    """The first ``limit`` of ``items``, and how many more there are (a cut list says so)."""
-    shown = ", ".join(items[:limit])
-    return shown + (f", and {len(items) - limit} more" if len(items) > limit else "")
-
-
-def _names_table(columns: list[str], rows: list[list[str]], *, title: str, styles: list[Any] | None = None) -> Table:
-    """A table whose first column holds names. Names are what people read: that column is as wide
-    as the longest name, or as the terminal leaves once the other columns have their widths, and
-    then folds onto more lines; a name is never cut short with an ellipsis."""
-    widths = [max([len(columns[i])] + [len(r[i]) for r in rows]) for i in range(len(columns))]
-    room = max(12, out.width - sum(widths[1:]) - 3 * len(columns) - 1)
-    table = Table(title=title, title_justify="left")
-    table.add_column(columns[0], min_width=min(widths[0], room), max_width=room, overflow="fold")
-    for column in columns[1:]:
-        table.add_column(column, no_wrap=True)
-    for i, row in enumerate(rows):
-        table.add_row(*row, style=styles[i] if styles else None)
-    return table
-
-
-def _render_info(report: dict[str, Any]) -> None:
-    from .storage import human_size, plural
-
-    size = report["file_bytes"]
-    out.print(f"[bold]{report['path']}[/]  {report['format']}" + (f", {human_size(size)}" if size is not None else ""))
-    if len(report.get("files", [])) > 1:
-        out.print(f"{plural(len(report['files']), 'file')}: " + _listed([os.path.basename(f) for f in report["files"]]))
-    if report["entries"]:
-        rows = [[key, text] for key, text in report["entries"].items()]
-        out.print(_names_table(["entry", "content"], rows, title="entries"))
-    sharded = any("file" in t for t in report["tensors"])
-    devices = {t["device"] + (" (shared)" if t.get("shared") else "") for t in report["tensors"]}
-    one_device = len(devices) == 1  # then said once, under the table: room for the names
-    columns = (
-        ["tensor", "shape", "dtype", "bytes"] + ([] if one_device else ["saved on"]) + (["file"] if sharded else [])
-    )
-    rows = [[t["name"], str(t["shape"]), t["dtype"], human_size(t["bytes"])]
-            + ([] if one_device else [t["device"] + (" (shared)" if t.get("shared") else "")])
-            for t in report["tensors"]]  # fmt: skip
-    if sharded:
-        files = [t.get("file") or "" for t in report["tensors"]]
-        widest = max(len(r[0]) + sum(map(len, r[1:])) for r in rows) + max(map(len, files)) + 3 * len(columns) + 1
-        if widest > out.width:  # no room for whole shard names beside whole tensor names: "2/5"
-            files = [re.sub(r"^.*?0*(\d+)-of-0*(\d+)\..*$", r"\1/\2", f) for f in files]
-        rows = [[*r, f] for r, f in zip(rows, files)]
-    out.print(_names_table(columns, rows, title="tensors"))
-    totals = report["totals"]
-    saved_on = f", all saved on {devices.pop()}" if one_device else ""
-    out.print(f"{plural(totals['tensors'], 'tensor')}, {human_size(totals['bytes'])}{saved_on}")
-    if report["metadata"]:
-        out.print("metadata: " + json.dumps(report["metadata"], default=str))
-    for name, what in report.get("extras", {}).items():
-        out.print(f"also in the folder: {name} ({what})")
-    if report.get("skipped_globals"):
-        out.print(
-            "[yellow]not loaded[/] (they need classes torch's safe loader refuses; nothing was run): "
-            + ", ".join(report["skipped_globals"])
-        )
-    if totals["module_prefixed"]:
-        out.print(
-            f"[yellow]{totals['module_prefixed']} tensor names carry a wrapper's prefix (DDP's 'module.', "
-            f"torch.compile's '_orig_mod.')[/]; remove it with: ckpt strip-module {report['path']} -o OUT"
-        )
 
 
 # --- strip-module / add-module -------------------------------------------------------------------
@@ -257,20 +184,24 @@ def _target(path: str, output: Optional[str], in_place: bool, force: bool) -> st
         raise _Fail("give -o OUT to write a new file, or --in-place to rewrite the input")
     if in_place:
         return path
-    if _is_folder(path):
+    if _writes_folder(path):
         _check_folder_output(str(output), force)
     else:
         _check_output(str(output), force, suggestion=os.path.basename(path))
     return str(output)
 
 
-def _is_folder(path: str) -> bool:
-    return "://" not in path and os.path.isdir(path)
+def _writes_folder(path: str) -> bool:
+    """Whether renaming ``path`` writes a folder (a Hugging Face folder, a sharded index), as its layout says."""
+    from ..layouts import detect
+    from ..storage import resolve
+
+    return detect(resolve(path)).folder
 
 
 def _check_output(dst: str, force: bool, *, suggestion: str) -> None:
     """Refuse an OUT that is a directory, or that exists without --force (nothing is touched)."""
-    from .storage import get_filesystem, join
+    from ..storage import get_filesystem, join
 
     fs, fpath = get_filesystem(dst)
     if fs.isdir(fpath):
@@ -294,7 +225,7 @@ def _rename_command(
     path: str, output: Optional[str], in_place: bool, prefixes: list[str], add: bool, force: bool, key: Optional[str]
 ) -> None:
     def body() -> None:
-        from .state_dict import add_prefix, strip_prefix
+        from ..state_dict import add_prefix, strip_prefix
 
         dst = _target(path, output, in_place, force)
 
@@ -304,7 +235,7 @@ def _rename_command(
             return sd
 
         with _progress("renaming", path), _about(path):
-            from .rewrite import rename_checkpoint
+            from ..rewrite import rename_checkpoint
 
             changed = rename_checkpoint(path, dst, transform, key=key)
         verb = "added to" if add else "removed from"
@@ -333,7 +264,7 @@ def strip_module(
     not) is written as a folder: shards renamed without decoding, the index rewritten, config and
     tokenizer files copied.
     """
-    from .state_dict import WRAPPER_PREFIXES
+    from ..state_dict import WRAPPER_PREFIXES
 
     prefixes = list(WRAPPER_PREFIXES[::-1]) if compile_prefix else [prefix]
     _rename_command(path, output, in_place, prefixes, add=False, force=force, key=key)
@@ -377,58 +308,25 @@ def convert(
     from --config), or to a torch file."""
 
     def body() -> None:
-        with _about(src):
-            convert_body()
+        from ..converting import convert as run_convert
 
-    def convert_body() -> None:
-        strip = None if no_strip else "module."
-        to_folder = dst.endswith("/") or _is_folder(dst) or max_shard_size is not None
-        if to_folder:
-            from .convert import export_huggingface
-
-            if trust:
-                raise _Fail(
-                    "--trust-pickled-code writes single files: convert to OUT.safetensors with it first, "
-                    "then that file to a folder"
-                )
-
-            with _progress("converting", src):
-                written = export_huggingface(src, dst, max_shard_size=max_shard_size or "5GB", key=key, strip=strip,
-                                             force=force, config=config)  # fmt: skip
-            out.print(f"wrote {dst.rstrip('/')}/: " + ", ".join(os.path.basename(w) for w in written))
-            if not os.path.isfile(os.path.join(dst, "config.json")):
-                err.print(
-                    f"ckpt: note: {dst.rstrip('/')}/ has no config.json, which from_pretrained needs: pass "
-                    "--config MODEL/config.json (or the folder the model came from), or copy it in",
-                    markup=False, highlight=False, soft_wrap=True,
-                )  # fmt: skip
+        to_folder = dst.endswith("/") or os.path.isdir(dst) or max_shard_size is not None
+        if not to_folder:
+            stem = os.path.basename(src.rstrip("/")).rsplit(".", 1)[0] or "model"
+            _check_output(dst, force, suggestion=f"{stem}.safetensors")
+        with _about(src), _progress("converting", src):
+            written = run_convert(src, dst, key=key, strip=None if no_strip else "module.", config=config,
+                                  max_shard_size=max_shard_size, force=force, trust_code=trust)  # fmt: skip
+        if not to_folder:
+            out.print(f"wrote {dst}")
             return
-        if config is not None:
-            raise _Fail("--config is for a folder output (OUT_DIR/): a single file holds no config")
-        stem = os.path.basename(src.rstrip("/")).rsplit(".", 1)[0] or "model"
-        _check_output(dst, force, suggestion=f"{stem}.safetensors")
-        if _is_safetensors(dst) and not trust:
-            from .convert import convert_to_safetensors
-
-            with _progress("converting", src):
-                convert_to_safetensors(src, dst, key=key, strip=strip)
-        elif _is_safetensors(dst) or dst.endswith(TORCH_SUFFIXES):
-            # Through the view: --trust-pickled-code lets torch unpickle everything (a whole pickled
-            # module gives its state_dict), which the streaming safetensors path above never does.
-            from .reading import open_checkpoint
-            from .safetensors_file import save_safetensors
-            from .serialization import save_file
-            from .state_dict import strip_for_reading
-
-            with _progress("converting", src):
-                weights = dict(strip_for_reading(dict(open_checkpoint(src, trust_code=trust).weights(key)), strip))
-                if _is_safetensors(dst):
-                    save_safetensors(dst, weights, metadata={"format": "pt"})
-                else:
-                    save_file(dst, weights)
-        else:
-            raise _Fail(f"cannot convert {src} to {dst}: name a .safetensors or .pt file, or a folder ending in /")
-        out.print(f"wrote {dst}")
+        out.print(f"wrote {dst.rstrip('/')}/: " + ", ".join(os.path.basename(w) for w in written))
+        if not os.path.isfile(os.path.join(dst, "config.json")):
+            err.print(
+                f"ckpt: note: {dst.rstrip('/')}/ has no config.json, which from_pretrained needs: pass "
+                "--config MODEL/config.json (or the folder the model came from), or copy it in",
+                markup=False, highlight=False, soft_wrap=True,
+            )  # fmt: skip
 
     _run(body)
 
@@ -454,42 +352,17 @@ def diff(
     transformer.wte.weight) is reported as tied, not as a difference."""
 
     def body() -> int:
-        from .reading import diff as compare
+        from ..inspection import diff as compare
 
         with _about(a, b):
             result = compare(a, b, atol=atol, trust_code=trust, key=key)
         if as_json:
             out.print_json(json.dumps(result))
         else:
-            _render_diff(result, verbose=verbose)
+            render_diff(result, verbose=verbose)
         return 1 if result["differ"] else 0
 
     _run(body)
-
-
-def _render_diff(result: dict[str, Any], *, verbose: bool = False) -> None:
-    from .storage import plural
-
-    for label, key in (("only in A", "missing_in_b"), ("only in B", "only_in_b")):
-        if result[key]:
-            out.print(f"[red]{label}[/] ({len(result[key])}): " + _listed(result[key]))
-    tied = list(result["tied"].items())
-    for name, partner in tied[:20]:
-        out.print(f"{name}: tied to {partner} (stored once on the other side; compared there)")
-    if len(tied) > 20:
-        out.print(f"and {len(tied) - 20} more tied names")
-    for m in result["shape_or_dtype_mismatch"]:
-        out.print(f"[red]mismatch[/] {m['name']}: {m['a']} vs {m['b']}")
-    deltas = result["max_abs_diff"]
-    if deltas and (verbose or result["differ"]):
-        rows = [[name, f"{delta:.3g}"] for name, delta in deltas.items()]
-        styles = ["red" if name in result["changed"] else None for name in deltas]
-        out.print(_names_table(["tensor", "max |a-b|"], rows, title="common tensors", styles=styles))
-    elif deltas:  # all match: one line; --verbose shows the table
-        largest = max(deltas.values())
-        said = "equal bit for bit" if largest == 0 else f"within atol={result['atol']:g} (largest |a-b| {largest:.3g})"
-        out.print(f"{plural(len(deltas), 'common tensor')} {said} (--verbose lists them)")
-    out.print("[red]checkpoints differ[/]" if result["differ"] else "[green]checkpoints match[/]")
 
 
 # --- verify --------------------------------------------------------------------------------------
@@ -503,17 +376,15 @@ def verify(
     """Read everything and check integrity: exit 0 good, 1 damaged, 2 missing/unsafe/bad arguments."""
 
     def body() -> None:
-        from .errors import CheckpointFormatError, CheckpointLayoutError
-        from .reading import verify as check
+        from ..errors import CheckpointFormatError, CheckpointLayoutError
+        from ..inspection import verify as check
 
         try:
             with _progress("verifying", path):
                 what = check(path, trust_code=trust)
         except CheckpointLayoutError:
-            raise  # a valid file of another kind is never called damaged
+            raise  # a valid file (or a folder) of another kind is never called damaged
         except CheckpointFormatError as error:
-            if "is a directory" in str(error):
-                raise
             raise _Fail(f"DAMAGED: {error}", code=1) from error
         out.print(f"OK {path}: {what}")
 

@@ -1,6 +1,7 @@
-"""Conversion: torch checkpoints to safetensors (one file, or a Hugging Face folder of shards).
+"""Conversion: the weights of any layout to safetensors (one file, or a Hugging Face folder of
+shards), or to a torch file.
 
-The safetensors format itself (reader, writer, checks) is `ckptools.safetensors_file`.
+The safetensors format itself (reader, writer, checks) is `ckptools.codecs.safetensors`.
 """
 
 from __future__ import annotations
@@ -13,19 +14,24 @@ import re
 from collections.abc import Mapping
 from typing import IO, Any
 
-from .errors import CheckpointFormatError, CheckpointLayoutError, UnsafeCheckpointError
-from .safetensors_file import ITEMSIZE, Spec, write_specs
+from . import log
+from .codecs.dtypes import ITEMSIZE, STORAGE_TO_SAFETENSORS
+from .codecs.pickles import loads
+from .codecs.safetensors import Spec, write_specs
+from .codecs.torchzip import TorchZip, is_local_zip
+from .codecs.trees import META_KEY, locate_weights, simple_tensor
+from .errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError, UnsafeCheckpointError
+from .layouts import detect, read_weights
+from .layouts.safetensors_file import tensor_specs
+from .layouts.torch_file import load_torch
+from .serialization import save_file
 from .state_dict import strip_for_reading
-from .storage import PathLike, _fspath, atomic_write, crc32_range, get_filesystem, is_local, open_for_read
-from .torchzip import META_KEY, TorchZip, loads, locate_weights, simple_tensor
+from .storage import PathLike, atomic_write, crc32_range, fspath, resolve
 
-__all__ = ["convert_to_safetensors", "export_huggingface", "parse_size"]
+__all__ = ["TORCH_SUFFIXES", "convert", "convert_to_safetensors", "export_huggingface", "parse_size"]
 
-STORAGE_TO_SAFETENSORS = {
-    "DoubleStorage": "F64", "FloatStorage": "F32", "HalfStorage": "F16", "BFloat16Storage": "BF16",
-    "LongStorage": "I64", "IntStorage": "I32", "ShortStorage": "I16", "CharStorage": "I8", "ByteStorage": "U8",
-    "BoolStorage": "BOOL", "ComplexFloatStorage": "C64",
-}  # fmt: skip
+# What a torch file is called; ``convert`` writes one for these.
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 def _scalars(ckpt: Mapping[str, Any]) -> dict[str, str]:
@@ -104,6 +110,7 @@ def convert_to_safetensors(
     strip: str | None = "module.",
     metadata: Mapping[str, str] | None = None,
     max_shard_size: int | str | None = None,
+    trust_code: bool = False,
 ) -> str:
     """Convert a checkpoint's weights to a safetensors file, or to a Hugging Face folder.
 
@@ -128,6 +135,8 @@ def convert_to_safetensors(
         strip: prefix to remove from every key that has it; None keeps keys as stored.
         metadata: extra string metadata.
         max_shard_size: for a folder: the largest shard (``"5GB"``, ``"500MB"``, or bytes).
+        trust_code: let torch unpickle everything in ``src`` (runs code from the file: for files
+            you trust only); a whole pickled module (``torch.save(model)``) gives its ``state_dict()``.
 
     Returns:
         ``dst`` as a string.
@@ -144,22 +153,25 @@ def convert_to_safetensors(
         >>> ck.convert_to_safetensors("/tmp/c.pt", "/tmp/c.safetensors")
         '/tmp/c.safetensors'
     """
-    src, dst = _fspath(src), _fspath(dst)
+    src, dst = fspath(src), fspath(dst)
     if dst.endswith("/") or os.path.isdir(dst) or max_shard_size is not None:
-        export_huggingface(src, dst, key=key, strip=strip, max_shard_size=max_shard_size or "5GB", metadata=metadata)
+        export_huggingface(src, dst, key=key, strip=strip, max_shard_size=max_shard_size or "5GB", metadata=metadata,
+                           trust_code=trust_code)  # fmt: skip
         return dst
-    specs, aliases, meta = _plan(src, key, strip)
+    specs, aliases, meta = _plan(src, key, strip, trust_code)
     return write_specs(dst, specs, aliases, {**meta, **dict(metadata or {})})
 
 
-def _plan(src: str, key: str | None, strip: str | None) -> tuple[dict[str, Spec], dict[str, str], dict[str, str]]:
+def _plan(
+    src: str, key: str | None, strip: str | None, trust_code: bool
+) -> tuple[dict[str, Spec], dict[str, str], dict[str, str]]:
     """What to write for ``src``'s weights: specs, aliases (the first of tied names in the
     checkpoint's own order is kept, as transformers expects), metadata."""
-    from .reading import _is_layout
-
-    if not _is_layout(src) and _local_zip(src):
+    location = resolve(src)
+    torch_file = detect(location).training_state and not trust_code
+    if torch_file and is_local_zip(location):
         # Fast path: tensors are copied straight out of their zip records, torch is not needed.
-        archive = TorchZip(src)
+        archive = TorchZip(location.path)
         try:
             tree = loads(archive.read_pickle(), src, archive)
         except UnsafeCheckpointError:
@@ -173,20 +185,17 @@ def _plan(src: str, key: str | None, strip: str | None) -> tuple[dict[str, Spec]
                 return planned[0], planned[1], meta
     import torch
 
-    from .reading import _is_layout, read_weights
-    from .safetensors_file import tensor_specs
-
     meta = {"format": "pt"}
     tree = None
-    if not _is_layout(src) and not src.endswith(".safetensors"):
+    if torch_file:
         with contextlib.suppress(UnsafeCheckpointError):  # then read_weights reads the weights without code
-            tree = load_torch(src)  # read once: the weights and the scalar entries (epoch, step)
+            tree = load_torch(location)  # read once: the weights and the scalar entries (epoch, step)
     if tree is not None:
         weights = locate_weights(tree, key=key, path=src, is_leaf=lambda v: isinstance(v, torch.Tensor))[2]
         if isinstance(tree, Mapping):
             meta.update(_scalars(tree))
     else:
-        weights = read_weights(src, key=key, map_location="cpu")
+        weights = read_weights(location, key=key, map_location="cpu", trust_code=trust_code)
     weights = dict(strip_for_reading(dict(weights), strip))
     specs, aliases = tensor_specs(weights)
     return specs, aliases, meta
@@ -230,6 +239,7 @@ def export_huggingface(
     metadata: Mapping[str, str] | None = None,
     force: bool = False,
     config: PathLike | None = None,
+    trust_code: bool = False,
 ) -> list[str]:
     """Write ``src``'s weights as a folder ``transformers``' ``from_pretrained`` reads.
 
@@ -258,6 +268,7 @@ def export_huggingface(
         metadata: as for `convert_to_safetensors`.
         force: replace weight files (and config files ``config`` brings) already in ``out_dir``.
         config: a ``config.json``, or a folder holding one (and tokenizer files), to copy in.
+        trust_code: as for `convert_to_safetensors`.
 
     Returns:
         The files written (weights first, then the config files copied).
@@ -268,7 +279,7 @@ def export_huggingface(
         >>> ck.export_huggingface("/tmp/e.pt", "/tmp/e-hf", force=True)
         ['/tmp/e-hf/model.safetensors']
     """
-    src, out = _fspath(src), _fspath(out_dir).rstrip("/") or "/"
+    src, out = fspath(src), fspath(out_dir).rstrip("/") or "/"
     if "://" in out:
         raise CheckpointLayoutError(f"{out}: a Hugging Face folder is written to a local path; copy it up afterwards")
     limit = parse_size(max_shard_size)
@@ -277,8 +288,8 @@ def export_huggingface(
     old = sorted(n for n in os.listdir(out) if _WEIGHT_FILES.fullmatch(n)) if os.path.isdir(out) else []
     if old and not force:
         raise FileExistsError(f"{out} already holds weights ({', '.join(old[:3])}); pass --force to replace them")
-    extras = _config_files(_fspath(config), out, force) if config is not None else []
-    specs, aliases, meta = _plan(src, key, strip)
+    extras = _config_files(fspath(config), out, force) if config is not None else []
+    specs, aliases, meta = _plan(src, key, strip, trust_code)
     meta = {**meta, **dict(metadata or {}), "format": "pt"}  # transformers refuses files without format=pt
     shards: list[list[str]] = [[]]
     filled = 0
@@ -311,9 +322,7 @@ def export_huggingface(
     for source in extras:
         written.append(atomic_write(os.path.join(out, os.path.basename(source)), _writer(source)))
     if not os.path.exists(os.path.join(out, "config.json")):
-        from . import _log
-
-        _log.warn(
+        log.warn(
             f"{out} has no config.json, which from_pretrained needs: pass config= (ckpt convert --config), a "
             "config.json or the folder the model came from, or copy it in"
         )
@@ -340,8 +349,6 @@ def _writer(source: str) -> Any:
 
 def _config_files(config: str, out: str, force: bool) -> list[str]:
     """The files to copy for ``config`` (a config.json, or a folder holding one), checked first."""
-    from .errors import CheckpointNotFoundError
-
     if os.path.isdir(config):
         files = [os.path.join(config, n) for n in CONFIG_FILES if os.path.isfile(os.path.join(config, n))]
         if not any(os.path.basename(f) == "config.json" for f in files):
@@ -363,21 +370,49 @@ def _config_files(config: str, out: str, force: bool) -> list[str]:
     return [f for f in files if f not in same]
 
 
-def _local_zip(path: str) -> bool:
-    if path.endswith(".safetensors") or not is_local(get_filesystem(path)[0]):
-        return False  # a remote file is not fetched just to say so
-    source, _ = open_for_read(path)  # raises the clear not-found / is-a-directory errors
-    with open(source, "rb") as f:
-        return f.read(4) == b"PK\x03\x04"
+def convert(
+    src: PathLike,
+    dst: PathLike,
+    *,
+    key: str | None = None,
+    strip: str | None = "module.",
+    max_shard_size: int | str | None = None,
+    config: PathLike | None = None,
+    force: bool = False,
+    trust_code: bool = False,
+) -> list[str]:
+    """Convert the weights of any checkpoint into what ``dst`` names: what ``ckpt convert`` does.
 
+    ``dst`` ending in ``/`` (or an existing folder, or ``max_shard_size`` given): a Hugging Face
+    folder (`export_huggingface`, with ``config`` and ``force``); ``.safetensors``: one file
+    (`convert_to_safetensors`); ``.pt``/``.pth``/``.bin``/``.ckpt``: a torch file of the bare
+    weights, which ``torch.load(weights_only=True)`` reads. ``trust_code`` is the opt-in of every
+    reader: let torch unpickle everything in a file you trust.
 
-def load_torch(path: str) -> Any:
-    """torch.load safely, memory-mapping local zip files (tensors are read only when touched)."""
-    from .serialization import load_file  # imports torch: only on this path
+    Returns:
+        The files written.
 
-    source, local = open_for_read(path)
-    if local:
-        with open(source, "rb") as f:
-            if f.read(4) == b"PK\x03\x04":
-                return load_file(path, map_location="cpu", mmap=True)
-    return load_file(path, map_location="cpu")
+    Raises:
+        CheckpointLayoutError: ``dst`` names none of these, or ``config`` is given for a single file.
+
+    Examples:
+        >>> import torch, ckptools as ck
+        >>> torch.save({"model": {"module.w": torch.ones(2)}}, "/tmp/k.pt")
+        >>> ck.convert("/tmp/k.pt", "/tmp/k.safetensors"), ck.convert("/tmp/k.pt", "/tmp/k-weights.pt")
+        (['/tmp/k.safetensors'], ['/tmp/k-weights.pt'])
+    """
+    src, dst = fspath(src), fspath(dst)
+    if dst.endswith("/") or os.path.isdir(dst) or max_shard_size is not None:
+        return export_huggingface(src, dst, max_shard_size=max_shard_size or "5GB", key=key, strip=strip,
+                                  force=force, config=config, trust_code=trust_code)  # fmt: skip
+    if config is not None:
+        raise CheckpointLayoutError("--config is for a folder output (OUT_DIR/): a single file holds no config")
+    if dst.endswith(".safetensors"):
+        return [convert_to_safetensors(src, dst, key=key, strip=strip, trust_code=trust_code)]
+    if dst.endswith(TORCH_SUFFIXES):
+        weights = read_weights(src, key=key, map_location="cpu", trust_code=trust_code)
+        save_file(dst, dict(strip_for_reading(dict(weights), strip)))
+        return [dst]
+    raise CheckpointLayoutError(
+        f"cannot convert {src} to {dst}: name a .safetensors or .pt file, or a folder ending in /"
+    )

@@ -1,0 +1,103 @@
+"""How ``ckpt`` shows what the library returned: tables and lines on the terminal (rich)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ..text import human_size, plural
+
+out = Console()
+err = Console(stderr=True)
+
+
+def listed(items: list[str], limit: int = 20) -> str:
+    """The first ``limit`` of ``items``, and how many more there are (a cut list says so)."""
+    shown = ", ".join(items[:limit])
+    return shown + (f", and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def names_table(columns: list[str], rows: list[list[str]], *, title: str, styles: list[Any] | None = None) -> Table:
+    """A table whose first column holds names. Names are what people read: that column is as wide
+    as the longest name, or as the terminal leaves once the other columns have their widths, and
+    then folds onto more lines; a name is never cut short with an ellipsis."""
+    widths = [max([len(columns[i])] + [len(r[i]) for r in rows]) for i in range(len(columns))]
+    room = max(12, out.width - sum(widths[1:]) - 3 * len(columns) - 1)
+    table = Table(title=title, title_justify="left")
+    table.add_column(columns[0], min_width=min(widths[0], room), max_width=room, overflow="fold")
+    for column in columns[1:]:
+        table.add_column(column, no_wrap=True)
+    for i, row in enumerate(rows):
+        table.add_row(*row, style=styles[i] if styles else None)
+    return table
+
+
+def render_info(report: dict[str, Any]) -> None:
+    size = report["file_bytes"]
+    out.print(f"[bold]{report['path']}[/]  {report['format']}" + (f", {human_size(size)}" if size is not None else ""))
+    if len(report.get("files", [])) > 1:
+        out.print(f"{plural(len(report['files']), 'file')}: " + listed([os.path.basename(f) for f in report["files"]]))
+    if report["entries"]:
+        rows = [[key, text] for key, text in report["entries"].items()]
+        out.print(names_table(["entry", "content"], rows, title="entries"))
+    sharded = any("file" in t for t in report["tensors"])
+    devices = {t["device"] + (" (shared)" if t.get("shared") else "") for t in report["tensors"]}
+    one_device = len(devices) == 1  # then said once, under the table: room for the names
+    columns = (
+        ["tensor", "shape", "dtype", "bytes"] + ([] if one_device else ["saved on"]) + (["file"] if sharded else [])
+    )
+    rows = [[t["name"], str(t["shape"]), t["dtype"], human_size(t["bytes"])]
+            + ([] if one_device else [t["device"] + (" (shared)" if t.get("shared") else "")])
+            for t in report["tensors"]]  # fmt: skip
+    if sharded:
+        files = [t.get("file") or "" for t in report["tensors"]]
+        widest = max(len(r[0]) + sum(map(len, r[1:])) for r in rows) + max(map(len, files)) + 3 * len(columns) + 1
+        if widest > out.width:  # no room for whole shard names beside whole tensor names: "2/5"
+            files = [re.sub(r"^.*?0*(\d+)-of-0*(\d+)\..*$", r"\1/\2", f) for f in files]
+        rows = [[*r, f] for r, f in zip(rows, files)]
+    out.print(names_table(columns, rows, title="tensors"))
+    totals = report["totals"]
+    saved_on = f", all saved on {devices.pop()}" if one_device else ""
+    out.print(f"{plural(totals['tensors'], 'tensor')}, {human_size(totals['bytes'])}{saved_on}")
+    if report["metadata"]:
+        out.print("metadata: " + json.dumps(report["metadata"], default=str))
+    for name, what in report.get("extras", {}).items():
+        out.print(f"also in the folder: {name} ({what})")
+    if report.get("skipped_globals"):
+        out.print(
+            "[yellow]not loaded[/] (they need classes torch's safe loader refuses; nothing was run): "
+            + ", ".join(report["skipped_globals"])
+        )
+    if totals["module_prefixed"]:
+        out.print(
+            f"[yellow]{totals['module_prefixed']} tensor names carry a wrapper's prefix (DDP's 'module.', "
+            f"torch.compile's '_orig_mod.')[/]; remove it with: ckpt strip-module {report['path']} -o OUT"
+        )
+
+
+def render_diff(result: dict[str, Any], *, verbose: bool = False) -> None:
+    for label, key in (("only in A", "missing_in_b"), ("only in B", "only_in_b")):
+        if result[key]:
+            out.print(f"[red]{label}[/] ({len(result[key])}): " + listed(result[key]))
+    tied = list(result["tied"].items())
+    for name, partner in tied[:20]:
+        out.print(f"{name}: tied to {partner} (stored once on the other side; compared there)")
+    if len(tied) > 20:
+        out.print(f"and {len(tied) - 20} more tied names")
+    for m in result["shape_or_dtype_mismatch"]:
+        out.print(f"[red]mismatch[/] {m['name']}: {m['a']} vs {m['b']}")
+    deltas = result["max_abs_diff"]
+    if deltas and (verbose or result["differ"]):
+        rows = [[name, f"{delta:.3g}"] for name, delta in deltas.items()]
+        styles = ["red" if name in result["changed"] else None for name in deltas]
+        out.print(names_table(["tensor", "max |a-b|"], rows, title="common tensors", styles=styles))
+    elif deltas:  # all match: one line; --verbose shows the table
+        largest = max(deltas.values())
+        said = "equal bit for bit" if largest == 0 else f"within atol={result['atol']:g} (largest |a-b| {largest:.3g})"
+        out.print(f"{plural(len(deltas), 'common tensor')} {said} (--verbose lists them)")
+    out.print("[red]checkpoints differ[/]" if result["differ"] else "[green]checkpoints match[/]")

@@ -1,0 +1,394 @@
+"""Reading torch's ``data.pkl`` pickles without torch: the allowlist, the strict and lenient readers.
+
+The reader is at least as strict as ``torch.load(weights_only=True)``: ``find_class`` answers
+only a fixed allowlist of the globals torch checkpoints use, with inert placeholders (`Global`,
+`Call`, `StorageRef`); anything else raises `UnsafeCheckpointError` and is never imported or
+called. The lenient reader stands an inert `Opaque` in for such a global instead, and
+`hostile` says which of them run code (a file made to attack, refused whole).
+"""
+
+from __future__ import annotations
+
+import _compat_pickle
+import io
+import pickle
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any, ClassVar, Protocol
+
+from ..errors import CheckpointFormatError, UnsafeCheckpointError
+from .dtypes import DTYPE_ITEMSIZE, STORAGE_ITEMSIZE
+
+
+class Archive(Protocol):
+    """What the readers need of the zip a ``data.pkl`` came from (`ckptools.codecs.torchzip.TorchZip`)."""
+
+    def check_storages(self, storages: Iterable[StorageRef]) -> None: ...
+
+
+REBUILD_FUNCTIONS = {
+    "_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+    "_rebuild_parameter_with_state", "_rebuild_meta_tensor_no_storage", "_rebuild_qtensor",
+    "_rebuild_sparse_tensor", "_rebuild_nested_tensor", "_rebuild_wrapper_subclass",
+    "_rebuild_device_tensor_from_cpu_tensor",
+}  # fmt: skip
+
+
+_QSCHEMES = {"per_tensor_affine", "per_tensor_symmetric", "per_channel_affine", "per_channel_symmetric",
+             "per_channel_affine_float_qparams"}  # fmt: skip
+
+
+_TORCH_NAMES = {"Size", "device", "Tensor", "strided", "sparse_coo", *DTYPE_ITEMSIZE, *STORAGE_ITEMSIZE} | _QSCHEMES
+
+
+# Real objects that are harmless to construct.
+_SAFE_REAL = {
+    ("collections", "OrderedDict"): OrderedDict,
+    ("builtins", "set"): set,  # torch's allowlist has set but not frozenset: neither has this reader
+    ("builtins", "bytearray"): bytearray,
+    ("builtins", "complex"): complex,
+    ("_codecs", "encode"): __import__("codecs").encode,
+}
+
+
+def canonical(module: str, name: str) -> tuple[str, str]:
+    """The Python 3 name of a global that a protocol-2 pickle may give its Python 2 name.
+
+    ``pickle`` (protocol < 3) and ``torch.load(weights_only=True)`` both read ``__builtin__.set``
+    as ``builtins.set`` and ``__builtin__.long`` as ``builtins.int``; OmegaConf's pickles name plain
+    types that way. Every reader here judges the Python 3 name.
+
+    Examples:
+        >>> canonical("__builtin__", "long"), canonical("copy_reg", "_reconstructor")
+        (('builtins', 'int'), ('copyreg', '_reconstructor'))
+    """
+    mapped = _compat_pickle.NAME_MAPPING.get((module, name))
+    if mapped is not None:
+        return mapped
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
+
+class Global:
+    """A reference to an allowlisted global (``torch._utils._rebuild_tensor_v2``), never imported."""
+
+    __slots__ = ("module", "name")
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any) -> Call:
+        return Call(self, args)
+
+    def __repr__(self) -> str:
+        return f"{self.module}.{self.name}"
+
+
+class Call:
+    """What ``REDUCE`` of a `Global` would have built; kept as (func, args, BUILD state)."""
+
+    __slots__ = ("args", "func", "state")
+
+    def __init__(self, func: Global, args: tuple[Any, ...]) -> None:
+        self.func, self.args, self.state = func, args, None
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+class StorageRef:
+    """A persistent storage reference: ``('storage', type, key, location, numel)``."""
+
+    __slots__ = ("key", "location", "numel", "storage_type")
+
+    def __init__(self, storage_type: Global, key: str, location: str, numel: int) -> None:
+        self.storage_type, self.key, self.location, self.numel = storage_type, key, location, numel
+
+
+def _allowed(module: str, name: str) -> bool:
+    if module == "torch":
+        return name in _TORCH_NAMES
+    if module == "torch._utils":
+        return name in REBUILD_FUNCTIONS
+    return (module, name) in {
+        ("torch.storage", "UntypedStorage"),  # float8 and uint16/32/64 tensors: _rebuild_tensor_v3 gives the dtype
+        ("torch._tensor", "_rebuild_from_type_v2"),
+        ("torch.nn.parameter", "Parameter"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "Counter"),
+    }
+
+
+# The pure-Python pickle classes, whose internals (stack, memo, dispatch tables) the readers and
+# the writer below extend; typeshed describes only the public interface of the C ones.
+PyUnpickler: Any = pickle._Unpickler
+
+
+class PickleReader(PyUnpickler):  # type: ignore[misc]  # subclassing Any: see above
+    """The strict unpickler: allowlisted globals become inert placeholders, nothing is imported.
+
+    Built on the pure-Python unpickler on purpose: the C one sizes its memo table by the index a
+    ``LONG_BINPUT`` names, so five hostile bytes make it allocate gigabytes (found by fuzzing);
+    this one keeps the memo in a dict and reads every length-prefixed field from a ``BytesIO``,
+    which never returns more than is there. ``data.pkl`` files are small: the speed is moot.
+    """
+
+    def __init__(self, data: bytes, path: str) -> None:
+        super().__init__(io.BytesIO(data))
+        self._data = data
+        self._path = path
+        self._globals: dict[tuple[str, str], Global] = {}
+        self.storages: list[StorageRef] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        module, name = canonical(module, name)
+        real = _SAFE_REAL.get((module, name))
+        if real is not None:
+            return real
+        if not _allowed(module, name):
+            needed = ", ".join(refused_globals(self._data)) or f"{module}.{name}"
+            raise UnsafeCheckpointError(
+                f"{self._path} needs {needed} to load, which could run arbitrary code, so it was refused and "
+                "nothing was executed. Only for a file you trust: load it with torch.load(..., weights_only=False)"
+            )
+        # One object per global, so the writer memoizes it exactly as the original did.
+        return self._globals.setdefault((module, name), Global(module, name))
+
+    def persistent_load(self, pid: Any) -> StorageRef:
+        if (
+            isinstance(pid, tuple)
+            and len(pid) == 5
+            and pid[0] == "storage"
+            and isinstance(pid[1], Global)
+            and isinstance(pid[2], str)
+            and isinstance(pid[3], str)
+            and isinstance(pid[4], int)
+        ):
+            ref = StorageRef(pid[1], pid[2], pid[3], pid[4])
+            self.storages.append(ref)
+            return ref
+        raise CheckpointFormatError(f"{self._path}: unexpected persistent id {pid!r} in data.pkl")
+
+
+_STRING_OPS = frozenset(
+    {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "SHORT_BINSTRING", "BINSTRING", "STRING"}
+)
+
+
+_PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
+
+
+_GET_OPS = frozenset({"GET", "BINGET", "LONG_BINGET"})
+
+
+def refused_globals(data: bytes) -> list[str]:
+    """Every global outside the allowlist that ``data`` names, found by reading opcodes only.
+
+    ``STACK_GLOBAL`` (protocol 4+) takes its module and name from the stack, and a pickler
+    fetches a string it wrote before from the memo (``BINGET``) instead of writing it again: the
+    last two values pushed are followed through the memo, so the names are the real ones.
+    """
+    import pickletools
+
+    found: list[str] = []
+    memo: dict[Any, Any] = {}
+    recent: list[Any] = []  # the values the latest opcodes pushed (None: not a string)
+    try:
+        for opcode, arg, _ in pickletools.genops(data):
+            op = opcode.name
+            if op in _STRING_OPS:
+                recent.append(arg if isinstance(arg, str) else None)
+            elif op == "MEMOIZE":
+                memo[len(memo)] = recent[-1] if recent else None
+            elif op in _PUT_OPS:
+                memo[arg] = recent[-1] if recent else None
+            elif op in _GET_OPS:
+                recent.append(memo.get(arg))
+            elif op == "GLOBAL" and isinstance(arg, str):
+                module, _, name = arg.partition(" ")
+                _note(found, module, name)
+                recent.append(None)
+            elif op == "STACK_GLOBAL":
+                if len(recent) >= 2 and isinstance(recent[-2], str) and isinstance(recent[-1], str):
+                    _note(found, recent[-2], recent[-1])
+                recent.append(None)
+            else:
+                recent.append(None)
+            del recent[:-2]
+    except (ValueError, EOFError, pickle.UnpicklingError):
+        pass  # a corrupt tail: report what was found before it
+    return found
+
+
+def _refused(module: str, name: str) -> bool:
+    return (module, name) not in _SAFE_REAL and not _allowed(module, name)
+
+
+def _note(found: list[str], module: str, name: str) -> None:
+    module, name = canonical(module, name)
+    if _refused(module, name) and f"{module}.{name}" not in found:
+        found.append(f"{module}.{name}")
+
+
+class Opaque:
+    """An object of a class the strict reader refuses, in a lenient read: inert, never built.
+
+    Holds what the pickle said about it (class, constructor arguments, items, state), so reading
+    the *weights* of a file never needs the classes of its other entries (a Lightning
+    checkpoint's ``hyper_parameters`` holding a ``pathlib.Path`` or an ``argparse.Namespace``),
+    and `dumps` writes it back as it was read (``ckpt strip-module`` keeps such entries).
+    ``cls`` is None for the class reference itself.
+    """
+
+    __slots__ = ("args", "cls", "dictitems", "listitems", "module", "name", "newobj", "qualname", "state")
+
+    def __init__(self, module: str, qualname: str, cls: Opaque | None = None, args: tuple[Any, ...] = ()) -> None:
+        self.module, self.qualname, self.name = module, qualname, f"{module}.{qualname}"
+        self.cls, self.args, self.newobj = cls, args, False
+        self.state: Any = None
+        self.listitems: list[Any] = []
+        self.dictitems: list[tuple[Any, Any]] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
+        return Opaque(self.module, self.qualname, self, args)
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        self.dictitems.append((key, value))
+
+    def append(self, value: Any) -> None:
+        self.listitems.append(value)
+
+    def extend(self, values: Any) -> None:
+        self.listitems.extend(values)
+
+    def __repr__(self) -> str:
+        return f"<{self.name}, not loaded>"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickled as itself (a broadcast load sends the tree to every rank): the placeholder, not
+        # the class it stands for. (dumps() writes it back as the original object instead.)
+        fields = (self.cls, self.args, self.newobj, self.state, self.listitems, self.dictitems)
+        return (_opaque, (self.module, self.qualname, *fields))
+
+
+def _opaque(module: str, qualname: str, cls: Opaque | None, args: tuple[Any, ...], newobj: bool, state: Any,
+            listitems: list[Any], dictitems: list[tuple[Any, Any]]) -> Opaque:  # fmt: skip
+    made = Opaque(module, qualname, cls, args)
+    made.newobj, made.state, made.listitems, made.dictitems = newobj, state, listitems, dictitems
+    return made
+
+
+class LenientReader(PickleReader):
+    """The strict reader, except that a refused global becomes an `Opaque` placeholder."""
+
+    dispatch: ClassVar[dict[int, Any]] = dict(PickleReader.dispatch)
+
+    def __init__(self, data: bytes, path: str) -> None:
+        super().__init__(data, path)
+        self.skipped: list[str] = []
+
+    def find_class(self, module: str, name: str) -> Any:
+        module, name = canonical(module, name)
+        if not _refused(module, name):
+            return super().find_class(module, name)
+        if f"{module}.{name}" not in self.skipped:
+            self.skipped.append(f"{module}.{name}")
+        return Opaque(module, name)
+
+    # NEWOBJ calls cls.__new__(cls, ...), which a placeholder instance cannot answer.
+    def load_newobj(self) -> None:
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        self.append(_new_opaque(cls, args) if isinstance(cls, Opaque) else cls.__new__(cls, *args))
+
+    def load_newobj_ex(self) -> None:
+        kwargs = self.stack.pop()
+        args = self.stack.pop()
+        cls = self.stack.pop()
+        if isinstance(cls, Opaque) and kwargs:
+            raise CheckpointFormatError(f"{self._path}: {cls.name} is built with keyword arguments; it cannot be kept")
+        self.append(_new_opaque(cls, args) if isinstance(cls, Opaque) else cls.__new__(cls, *args, **kwargs))
+
+    dispatch[pickle.NEWOBJ[0]] = load_newobj
+    dispatch[pickle.NEWOBJ_EX[0]] = load_newobj_ex
+
+
+# Modules whose callables exist to run code, spawn processes or reach the network: a legitimate
+# checkpoint never names them, so a file that does is refused even by the lenient reader (which
+# would not run them either) and called what it is.
+_HOSTILE_MODULES = ("os", "posix", "nt", "subprocess", "builtins", "sys", "runpy", "importlib",
+                    "shutil", "socket", "pty", "code", "codeop", "pickle", "_pickle", "marshal", "ctypes",
+                    "webbrowser", "pdb", "timeit", "multiprocessing", "asyncio", "signal", "urllib", "http",
+                    "requests", "functools", "operator", "types", "inspect", "torch._dynamo", "torch.jit")  # fmt: skip
+
+
+# The builtins that only are or build plain data (types, as OmegaConf's metadata names them:
+# ``object_type=list``, ``key_type=int``). A lenient read keeps them as placeholders like any
+# other class; every other builtin (eval, exec, getattr, __import__, open, compile, ...)
+# can run code or reach any object, and makes the file hostile.
+DATA_BUILTINS = frozenset({
+    "list", "dict", "set", "frozenset", "tuple", "int", "float", "complex", "bool", "str", "bytes",
+    "bytearray", "slice", "range", "object", "NoneType", "Ellipsis", "NotImplemented",
+    "type",  # pickle writes type(None) as a call of builtins.type
+})  # fmt: skip
+
+
+def hostile(globals_: list[str]) -> list[str]:
+    """Those of ``globals_`` (``module.name``) that belong to code-running modules.
+
+    Python 2 names count as their Python 3 ones (``__builtin__.eval`` is ``builtins.eval``); the
+    builtins that only are data types (`DATA_BUILTINS`) are not hostile.
+
+    Examples:
+        >>> hostile(["pathlib.PosixPath", "posix.system", "__builtin__.list", "__builtin__.eval"])
+        ['posix.system', '__builtin__.eval']
+    """
+    found = []
+    for name in globals_:
+        module, _, attr = name.rpartition(".")
+        module, attr = canonical(module, attr)
+        if module == "builtins" and attr in DATA_BUILTINS:
+            continue
+        if any(module == m or module.startswith(m + ".") for m in _HOSTILE_MODULES):
+            found.append(name)
+    return found
+
+
+def _new_opaque(cls: Opaque, args: tuple[Any, ...]) -> Opaque:
+    made = cls(*args)
+    made.newobj = True  # written back with NEWOBJ: cls.__new__, no __init__, as it was read
+    return made
+
+
+def loads_lenient(data: bytes, path: str = "checkpoint", archive: Archive | None = None) -> tuple[Any, list[str]]:
+    """Like `loads`, with refused globals read as inert `Opaque` placeholders.
+
+    Returns the tree and the globals that were skipped. Nothing is imported or executed.
+    """
+    reader = LenientReader(data, path)
+    return _parse(reader, path, archive), reader.skipped
+
+
+def loads(data: bytes, path: str = "checkpoint", archive: Archive | None = None) -> Any:
+    """Parse a torch ``data.pkl`` into plain containers, `Call` and `StorageRef`.
+
+    With ``archive`` (the zip it came from), every storage it names must have a record that
+    holds all its bytes (`TorchZip.check_storages`).
+    """
+    return _parse(PickleReader(data, path), path, archive)
+
+
+def _parse(reader: PickleReader, path: str, archive: Archive | None = None) -> Any:
+    try:
+        tree = reader.load()
+    except (UnsafeCheckpointError, CheckpointFormatError):
+        raise
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            RecursionError, MemoryError, struct.error) as err:  # fmt: skip
+        raise CheckpointFormatError(f"{path}: data.pkl is corrupt ({type(err).__name__}: {err})") from err
+    if archive is not None:
+        archive.check_storages(reader.storages)
+    return tree

@@ -1,0 +1,102 @@
+"""Checkpoint layouts, one module each, and the one place that decides which layout a path is.
+
+========================  ====================================================================
+layout (module)           recognised by (`detect`)
+========================  ====================================================================
+torch file (torch_file)   any other file: ``torch.save``'s zip (since 1.6: .pt/.pth/.bin/.ckpt,
+                          starting ``PK``) or its legacy (pre-1.6) format
+safetensors file          a ``.safetensors`` file
+sharded index (sharded)   a ``*.json`` file: transformers' ``model.safetensors.index.json`` /
+                          ``pytorch_model.bin.index.json`` (a ``weight_map``)
+Hugging Face folder       a local folder holding ``model.safetensors[.index.json]`` or
+(hf_folder)               ``pytorch_model.bin[.index.json]`` (``save_pretrained``); with
+                          ``optimizer.bin`` and the like beside it, an Accelerate ``save_state`` folder
+DCP folder (dcp)          a local folder holding ``.metadata``, that ``.metadata`` file, or one of
+                          its ``.distcp`` files (refused, naming the folder to pass)
+========================  ====================================================================
+
+Each layout implements `ckptools.layouts.base.Layout` (the order of its calls is documented
+there). A new layout is one module here with one `Layout` subclass, and one line in `detect`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..storage import Location, PathLike, resolve
+from ..view import CheckpointView, TensorInfo
+from .base import Layout
+from .dcp import DCP_FOLDER
+from .hf_folder import HUGGING_FACE_FOLDER
+from .safetensors_file import SAFETENSORS_FILE
+from .sharded import SHARDED_INDEX
+from .torch_file import TORCH_FILE
+
+__all__ = ["CheckpointView", "Layout", "TensorInfo", "detect", "open_checkpoint", "read_weights"]
+
+
+def detect(location: Location) -> Layout:
+    """The layout of ``location``: the one place ckptools decides what a path is.
+
+    Decided from the name and, for a local folder, its listing; no file is opened (a file that
+    turns out to be something else is named as such when its layout opens it).
+
+    Examples:
+        >>> from ckptools.storage import resolve
+        >>> detect(resolve("model.safetensors")).name, detect(resolve("s3://b/step-5.pt")).name
+        ('safetensors file', 'torch file')
+    """
+    name = os.path.basename(location.path.rstrip("/"))
+    if location.local and os.path.isdir(location.path):
+        return DCP_FOLDER if os.path.exists(os.path.join(location.path, ".metadata")) else HUGGING_FACE_FOLDER
+    if (name == ".metadata" and location.local) or name.endswith(".distcp"):
+        return DCP_FOLDER
+    if name.endswith(".json"):
+        return SHARDED_INDEX
+    if name.endswith(".safetensors"):
+        return SAFETENSORS_FILE
+    return TORCH_FILE
+
+
+def open_checkpoint(path: PathLike, *, trust_code: bool = False) -> CheckpointView:
+    """Open a checkpoint file or folder of any layout ckptools reads (see `ckptools.layouts`).
+
+    Args:
+        path: a file, a folder, or an fsspec URL of a file.
+        trust_code: let torch unpickle globals outside its allowlist (runs code from the file:
+            for files you trust only). Without it such entries are read as inert placeholders
+            and only the weights are available.
+
+    Raises:
+        CheckpointNotFoundError: nothing there.
+        CheckpointLayoutError: a valid file or folder of another kind (one shard of a DCP
+            checkpoint, a folder holding no model file, a JSON file that is no index).
+        CheckpointFormatError: damaged or not a checkpoint.
+        UnsafeCheckpointError: the weights themselves need refused globals and ``trust_code`` is off.
+
+    Examples:
+        >>> import torch, ckptools as ck
+        >>> torch.save({"model": {"w": torch.ones(2)}, "step": 3}, "/tmp/v.pt")
+        >>> view = ck.open_checkpoint("/tmp/v.pt")
+        >>> view.format, [t.name for t in view.tensors], view.entries["step"]
+        ('torch zip', ['model.w'], '3')
+    """
+    location = resolve(path)
+    return detect(location).open(location, trust_code=trust_code)
+
+
+def read_weights(
+    path: PathLike, *, key: str | None, map_location: Any, verify: bool = False, trust_code: bool = False
+) -> Mapping[str, Any]:
+    """The model weights of any layout, names as stored: what ``load_state_dict`` and ``load`` use.
+
+    A single file is read directly (no view is built: a remote file is fetched once); ``verify``
+    checks its checksums first. A folder or index is opened, and ``verify`` runs its whole check
+    (every shard, index agreement) first.
+    """
+    location = resolve(path)
+    return detect(location).read_weights(
+        location, key=key, map_location=map_location, verify=verify, trust_code=trust_code
+    )

@@ -1,0 +1,284 @@
+"""Collective ``load`` of training checkpoints, and ``load_state_dict`` for the weights of any file.
+
+What ``state`` names is restored in place (a model whether it and the file carry ``module.`` or
+not, its tied weights filled), with this rank's RNG on a resume; an error on one rank is raised
+on every rank. Files of every layout are read through `ckptools.layouts`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from . import background, log
+from .broadcast import broadcast_tree
+from .codecs.torchzip import is_local_zip
+from .devices import MapLocation, resolve_map_location
+from .dist import all_gather_object, broadcast_object, get_rank, get_world_size
+from .errors import (
+    CheckpointError,
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+)
+from .layouts import detect, read_weights
+from .layouts.placeholders import load_without_code
+from .restoring import restore_all, restore_rng_state
+from .sampler import ResumableDistributedSampler, note_rng_restored
+from .serialization import load_file, verify_torch_file
+from .state_dict import (
+    strip_for_reading,
+)
+from .storage import Location, PathLike, fspath, resolve
+
+__all__ = ["load", "load_state_dict"]
+
+# Objects that exist only to continue training: a load that restores one of them is a resume,
+# so it restores the RNG too (see `load`'s restore_rng).
+_TRAINING_TYPES: tuple[type, ...] = (
+    torch.optim.Optimizer,
+    torch.optim.lr_scheduler.LRScheduler,
+    torch.optim.lr_scheduler.ReduceLROnPlateau,
+    torch.amp.GradScaler,
+    DistributedSampler,
+)
+
+
+def _all_ok(error: BaseException | None, what: str, *, missing_hint: str | None = None) -> None:
+    """Raise on every rank if any rank failed (a collective; no-op without a process group).
+
+    ``missing_hint`` is added to a `CheckpointNotFoundError` of a rank that could not
+    find a file rank 0 read (a node-local disk).
+    """
+    messages = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
+    if isinstance(error, CheckpointNotFoundError) and missing_hint and messages[0] is None:
+        raise CheckpointNotFoundError(f"{error}, but rank 0 read it: {missing_hint}") from error
+    if error is not None:
+        raise error
+    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
+    if failed:
+        rank, msg = failed[0]
+        raise CheckpointError(f"{what} failed on rank {rank}: {msg}")
+
+
+def load(
+    path: PathLike,
+    state: Mapping[str, Any] | None = None,
+    *,
+    map_location: MapLocation = "auto",
+    strict: bool = True,
+    weights_only: bool = True,
+    restore_rng: bool | None = None,
+    verify: bool = False,
+    broadcast: bool = False,
+    trust_code: bool = False,
+) -> dict[str, Any]:
+    """Load a checkpoint and restore, in place, every object named in ``state``.
+
+    Collective when a process group exists: every rank reads the file, and if any rank fails
+    every rank raises (so no rank runs ahead into a collective the others never reach).
+    A model loads whether it or the file carries ``module.``; whether to strip or add it is
+    decided against the model's own keys. Optimizer state lands on its parameters' device.
+    Plain ``torch.save`` dicts load too: entries are matched by name, and a lone model in
+    ``state`` also finds its weights in a bare state dict or under
+    ``state_dict``/``model``/``model_state_dict``/``module``, or in a ``.safetensors`` file.
+    Its keys may carry ``module.``, ``_orig_mod.`` (``torch.compile``) or a leading component
+    every key shares (a LightningModule's ``model.``): what to strip or add is decided
+    against the model's own keys.
+
+    Restoring RNG is part of resuming training, not of looking at a file. By default
+    (``restore_rng=None``) this rank's RNG states (python, numpy, torch, CUDA) are restored only
+    when ``state`` holds something that exists to continue training: an optimizer, an LR
+    scheduler, a GradScaler or a sampler. ``ck.load(path)`` or ``ck.load(path, {"model": m})``
+    in a notebook leaves the notebook's random streams alone (and says nothing about the world
+    size). `CheckpointManager.restore` always restores them. They are restored only when
+    the file was saved by ckptools with the same world size; otherwise the per-rank streams have
+    no meaningful mapping, so they are left alone and rank 0 warns.
+
+    Args:
+        path: file path or fsspec URL.
+        state: names mapped to objects to restore (model, optimizer, scaler, scheduler, sampler,
+            tensors, anything with ``load_state_dict``).
+        map_location: see `resolve_map_location`; ``"auto"`` is this rank's device.
+        strict: raise `KeyMismatchError` when a named entry is missing or a model's keys
+            differ; with False, load what matches.
+        weights_only: keep torch's safe unpickler; False runs arbitrary code from the file and
+            is for trusted files only. torch's own name for the opt-in; ``trust_code=True`` is
+            the same, spelled as every other ckptools reader and ``--trust-code`` spell it.
+        restore_rng: restore this rank's RNG states from the file: True, False, or None to
+            decide by ``state`` as above.
+        verify: check every record's CRC-32 before loading (reads the file twice).
+        broadcast: only rank 0 reads the file; every other rank receives what it read over the
+            process group (GPU to GPU with nccl) in buckets of 64 MiB, and ends holding exactly
+            what it would have read itself, its own RNG state included. For node-local disks
+            where only rank 0's node has the file, and to read a file once instead of once per
+            rank on a shared filesystem.
+        trust_code: the same as ``weights_only=False``.
+
+    Returns:
+        The whole checkpoint dict (entries on ``map_location``), including ``__ckptools__``.
+
+    Raises:
+        CheckpointNotFoundError, CheckpointFormatError, UnsafeCheckpointError, KeyMismatchError:
+            on the rank where it happened; other ranks raise `CheckpointError`.
+
+    Examples:
+        >>> import torch, ckptools as ck
+        >>> model = torch.nn.Linear(2, 2)
+        >>> _ = ck.save("/tmp/ckpt.pt", {"model": model, "step": 10})
+        >>> ck.load("/tmp/ckpt.pt", {"model": model})["step"]
+        10
+    """
+    background.finish_pending()  # the file may be the one still being written
+    started = time.monotonic()
+    path = fspath(path)
+    source = resolve(path)
+    state = state or {}
+    weights_only = weights_only and not trust_code
+    error: BaseException | None = None
+    ckpt: dict[str, Any] = {}
+    try:
+        location = resolve_map_location(map_location)
+        if broadcast and get_world_size() > 1:
+            loaded: Any = _read_on_rank0(source, location, weights_only=weights_only, verify=verify, state=state)
+        else:
+            loaded = _read(source, location, weights_only=weights_only, verify=verify, state=state)
+        if isinstance(loaded, torch.nn.Module):  # a trusted torch.save(model): its weights, as a checkpoint holds them
+            loaded = dict(loaded.state_dict())
+        if not isinstance(loaded, dict):
+            raise CheckpointFormatError(
+                f"{path} holds a {type(loaded).__name__}, not a checkpoint dict; "
+                "use ck.load_state_dict for bare weights"
+            )
+        ckpt = loaded
+        restore_all(ckpt, state, strict=strict, path=path)
+        if restore_rng is None:
+            restore_rng = any(isinstance(obj, _TRAINING_TYPES) for obj in state.values())
+        if restore_rng and restore_rng_state(ckpt, path):
+            for obj in state.values():
+                if isinstance(obj, ResumableDistributedSampler):
+                    note_rng_restored(obj)  # lets it notice the stream moving before the first batch
+    except Exception as err:  # noqa: BLE001 - shared with every rank, then re-raised
+        error = err
+    hint = None if broadcast else "pass broadcast=True to ck.load / manager.restore to send it from rank 0"
+    _all_ok(error, f"loading checkpoint {path}", missing_hint=hint)
+    log.report("loaded", path, started)
+    return ckpt
+
+
+def _read(location: Location, map_location: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]) -> Any:
+    """What this rank reads from ``location`` for `load`."""
+    if not detect(location).training_state:
+        # Bare weights (a model entry finds them): a .safetensors file, a Hugging Face or
+        # Accelerate folder, a sharded index, a DCP folder. No code can run from these.
+        return dict(read_weights(location, key=None, map_location=map_location, verify=verify))
+    if verify:
+        verify_torch_file(location)
+    zipped = is_local_zip(location)
+    try:
+        if zipped:
+            # Memory-mapped: tensors are read from the page cache when restore_all copies them
+            # into the model and optimizer, so resuming needs no second copy of the checkpoint in
+            # anonymous memory. The mapping is private (copy-on-write): writing to a returned
+            # tensor never touches the file, and replacing or deleting the file later is safe.
+            try:
+                return load_file(location, map_location=map_location, weights_only=weights_only, mmap=True)
+            except CheckpointFormatError:
+                pass  # a filesystem that cannot map files (some FUSE mounts): read it as usual
+        return load_file(location, map_location=map_location, weights_only=weights_only)
+    except UnsafeCheckpointError as err:
+        if not weights_only:
+            raise
+        if not state:  # ck.load(path) alone asks for the whole checkpoint: placeholders would surprise
+            raise UnsafeCheckpointError(
+                f"{err}. To read it without running anything, name what to restore: ck.load(path, "
+                "{'model': model}) restores it and gives the other entries as inert placeholders; "
+                "ck.load_state_dict(path) gives the weights"
+            ) from None
+        # Entries torch's safe loader refuses (a Lightning checkpoint's pathlib.Path or OmegaConf
+        # hyper-parameters) come back as inert placeholders, with a warning; what ``state`` names
+        # is restored, and refused below only if it needs one of them.
+        return load_without_code(location, map_location, err, mmap=zipped)[0]
+
+
+def _read_on_rank0(
+    source: Location, location: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]
+) -> Any:
+    """Collective: rank 0 reads ``source``, every rank gets what it read (tensors on ``location``)."""
+    path = source.url
+    tree, error = None, None
+    if get_rank() == 0:
+        try:
+            tree = _read(source, location, weights_only=weights_only, verify=verify, state=state)
+        except Exception as err:  # noqa: BLE001 - told to every rank before the transfer starts
+            error = err
+    failed = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise CheckpointError(f"loading checkpoint {path} failed on rank 0: {failed}")
+    nccl = torch.distributed.get_backend() == "nccl"
+    comm = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    device = location if isinstance(location, torch.device) else torch.device("cpu")
+    return broadcast_tree(tree, device=device, comm_device=comm)
+
+
+def load_state_dict(
+    path: PathLike,
+    *,
+    map_location: MapLocation = "cpu",
+    key: str | None = None,
+    strip: str | None = "module.",
+    verify: bool = False,
+    trust_code: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Return just the model weights, from a file or folder of any layout ckptools reads.
+
+    A ``.pt/.pth/.bin/.ckpt`` or ``.safetensors`` file, a sharded index
+    (``model.safetensors.index.json``), a Hugging Face ``save_pretrained`` or Accelerate
+    ``save_state`` folder, or a DCP folder (see `ckptools.open_checkpoint`). Weights are
+    found as a bare state dict, or under ``state_dict``, ``model_state_dict``, ``model`` or
+    ``module`` (or ``key``, dotted for deeper nesting: ``"ema.model"``). A file whose *other*
+    entries need classes torch's safe unpickler refuses (a Lightning checkpoint whose
+    ``hyper_parameters`` hold a ``pathlib.Path``) still gives its weights: they are read without
+    running any code, with a warning naming what was skipped.
+
+    Args:
+        path: file path, folder, or fsspec URL of a file.
+        map_location: where the tensors go (default ``"cpu"``); see `resolve_map_location`.
+        key: the entry holding the weights, when the usual names do not find it.
+        strip: prefix removed from every key that has it; None keeps keys as stored. The
+            default ``"module."`` removes every wrapper's prefix: DDP's ``module.``,
+            ``torch.compile``'s ``_orig_mod.``, and both nested (``module._orig_mod.``).
+        verify: check checksums first: every zip record's CRC-32 of a ``.pt`` file, or the
+            per-tensor CRC-32s ``ckpt convert`` stores in a ``.safetensors`` file (files from
+            other tools carry none; then only their structure is checked); for a folder, every
+            shard and the index's agreement with them (`ckptools.verify`).
+        trust_code: let torch unpickle everything in the file (runs code from it: for files you
+            trust only); a whole pickled module (``torch.save(model)``) gives its ``state_dict()``.
+
+    Returns:
+        A dict of tensors.
+
+    Raises:
+        CheckpointNotFoundError: nothing at ``path``.
+        CheckpointFormatError: the file is damaged or not a checkpoint.
+        UnsafeCheckpointError: the weights themselves need classes torch's safe loader refuses.
+        KeyMismatchError: ``key`` names no entry.
+
+    Examples:
+        >>> import torch, ckptools as ck
+        >>> torch.save({"state_dict": {"module.w": torch.ones(1)}}, "/tmp/lightning.ckpt")
+        >>> list(ck.load_state_dict("/tmp/lightning.ckpt"))
+        ['w']
+    """
+    started = time.monotonic()
+    path = fspath(path)
+    location = resolve_map_location(map_location)
+    weights = dict(read_weights(path, key=key, map_location=location, verify=verify, trust_code=trust_code))
+    log.report("loaded weights from", path, started)
+    return dict(strip_for_reading(weights, strip))

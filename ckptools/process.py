@@ -1,0 +1,52 @@
+"""Leaving a DDP job: every rank together, with nothing ckptools or the script wrote lost."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import sys
+from typing import NoReturn
+
+from . import background
+from .dist import barrier
+
+__all__ = ["exit_process", "leave"]
+
+
+def exit_process(code: int = 0, *, collective: bool = True) -> NoReturn:
+    """End a DDP script: finish a save in flight, barrier, flush, then ``os._exit(code)``.
+
+    Collective: every rank calls it, as the script's last line (while the DDP model is still
+    referenced). Returning from ``main`` instead lets Python free the DDP model, and freeing it
+    destroys the process group from inside a destructor that can hang in gloo's thread join or
+    abort with "terminate called without an active exception". Everything ckptools wrote is
+    complete and fsynced by the time this runs, stdout, stderr and every logging handler are
+    flushed, so skipping the interpreter's teardown loses nothing written through them (close
+    files the script opened itself first).
+
+    ``collective=False`` is for error paths, where the other ranks may never arrive: no barrier
+    and no waiting for a background save (an interrupted write leaves the previous checkpoint
+    intact); only the flush and the exit.
+
+    Examples:
+        >>> import ckptools as ck
+        >>> if False:  # the last line of a DDP script's main(), on every rank
+        ...     ck.exit_process(0)
+    """
+    if collective:
+        background.finish_pending()
+        barrier()
+    leave(code)
+
+
+def leave(code: int) -> NoReturn:
+    """Flush stdout, stderr and every logging handler, then ``os._exit(code)``."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            with contextlib.suppress(Exception):
+                handler.flush()
+    os._exit(code)

@@ -1,0 +1,211 @@
+"""Putting a loaded checkpoint into the objects ``state`` names: `ckptools.load`'s second half.
+
+A model gets its weights whether it and the file carry ``module.`` (or ``_orig_mod.``, or a
+shared leading component) or not, decided against the model's own keys, and its tied weights
+filled; every other object its entry through ``load_state_dict``; this rank its RNG on a resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.utils.data.distributed import DistributedSampler
+
+from . import log, rng
+from .codecs.pickles import Opaque
+from .codecs.trees import META_KEY, locate_weights
+from .dist import get_rank, get_world_size
+from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError
+from .state_dict import WRAPPER_PREFIXES, add_prefix, strip_prefix, strip_wrappers, tensor_identity, unwrap_model
+
+__all__ = ["restore_all", "restore_rng_state"]
+
+
+def _model_keys(model: torch.nn.Module) -> list[str]:
+    return list(model.state_dict().keys())
+
+
+def _prefix_candidates(weights: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+    """``weights`` with wrapper prefixes stripped or added, and with a leading component every
+    key shares (a LightningModule holding ``self.model`` saves ``model.0.weight``) stripped."""
+
+    def renamed(rename: Any, *args: Any) -> list[Mapping[str, Any]]:
+        try:
+            return [rename(*args)]
+        except ValueError:  # two keys would become one: not a candidate
+            return []
+
+    bases = [weights, *(w for p in WRAPPER_PREFIXES for w in renamed(strip_prefix, weights, p))]
+    found = [*bases, *renamed(add_prefix, weights, "module.")]
+    for base in bases:
+        heads = {key.split(".", 1)[0] for key in base}
+        if len(heads) == 1 and all("." in key for key in base):
+            inner = strip_prefix(base, f"{heads.pop()}.")  # every key has it: no two collide
+            found += [inner, *renamed(strip_wrappers, inner)]  # "model._orig_mod.": a compiled inner network
+    return found
+
+
+def _fit_prefix(weights: Mapping[str, Any], target_keys: list[str]) -> Mapping[str, Any]:
+    """Strip or add prefixes so ``weights`` match ``target_keys``, judged by the keys themselves.
+
+    Candidates: ``module.``, ``_orig_mod.`` (``torch.compile``) and their nestings stripped,
+    ``module.`` added, and a leading component every key shares stripped. A candidate is taken
+    only when it makes more keys match, so a model whose own submodule is really named
+    ``module`` (or ``_orig_mod``, or ``model``) keeps its keys.
+    """
+    target = set(target_keys)
+    best = weights
+    best_hits = len(target.intersection(weights))
+    for candidate in _prefix_candidates(weights):
+        hits = len(target.intersection(candidate))
+        if hits > best_hits:
+            best, best_hits = candidate, hits
+    return best
+
+
+def _load_model(model: torch.nn.Module, weights: Mapping[str, Any], *, strict: bool, path: str, name: str) -> None:
+    inner = unwrap_model(model)
+    target_keys = _model_keys(inner)
+    weights = _fit_prefix(weights, target_keys)
+    weights = _fill_ties(inner, weights)
+    missing = sorted(set(target_keys) - set(weights))
+    unexpected = sorted(set(weights) - set(target_keys))
+    if strict and (missing or unexpected):
+        raise KeyMismatchError(
+            f"{path}: entry {name!r} does not match the model: missing keys {_short(missing)}, unexpected keys "
+            f"{_short(unexpected)}; check the architecture, or pass strict=False to load the matching keys",
+            missing=missing,
+            unexpected=unexpected,
+        )
+    try:
+        inner.load_state_dict(weights, strict=strict)
+    except RuntimeError as err:  # shape mismatches
+        raise KeyMismatchError(f"{path}: entry {name!r} cannot be loaded into the model: {err}") from err
+
+
+def _fill_ties(model: torch.nn.Module, weights: Mapping[str, Any]) -> Mapping[str, Any]:
+    """``weights`` with each key the model ties to a loaded key (the same tensor: transformers'
+    ``lm_head.weight`` and ``transformer.wte.weight``) filled from it: files store a tie once."""
+    own = model.state_dict(keep_vars=True)
+    absent = [k for k in own if k not in weights]
+    if not absent:
+        return weights
+    loaded: dict[tuple[Any, ...], str] = {}
+    for k, v in own.items():
+        ident = tensor_identity(v) if k in weights else None
+        if ident is not None:
+            loaded.setdefault(ident, k)
+    filled = dict(weights)
+    for k in absent:
+        ident = tensor_identity(own[k])
+        if ident is not None and ident in loaded:
+            filled[k] = weights[loaded[ident]]
+    return filled
+
+
+def _short(keys: list[str], limit: int = 10) -> str:
+    if not keys:
+        return "[]"
+    shown = ", ".join(keys[:limit])
+    return f"[{shown}{', ...' if len(keys) > limit else ''}] ({len(keys)})"
+
+
+def _restore(obj: Any, entry: Any, *, strict: bool, path: str, name: str) -> None:
+    if isinstance(obj, torch.nn.Module):
+        if not isinstance(entry, Mapping):
+            raise CheckpointFormatError(f"{path}: entry {name!r} is a {type(entry).__name__}, not a model state dict")
+        _load_model(obj, entry, strict=strict, path=path, name=name)
+    elif isinstance(obj, torch.Tensor):
+        with torch.no_grad():
+            obj.copy_(entry)
+    elif callable(getattr(obj, "load_state_dict", None)):
+        obj.load_state_dict(entry)
+    elif isinstance(obj, DistributedSampler):
+        obj.set_epoch(int(entry["epoch"]))
+
+
+def _find_weights(ckpt: Any, *, key: str | None, path: str) -> Mapping[str, Any]:
+    """The model weights inside a loaded checkpoint (see `ckptools.codecs.trees.locate_weights`)."""
+    return locate_weights(ckpt, key=key, path=path, is_leaf=lambda v: isinstance(v, torch.Tensor))[2]
+
+
+def restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool, path: str) -> None:
+    models = [name for name, obj in state.items() if isinstance(obj, torch.nn.Module)]
+    for name, obj in state.items():
+        if name in ckpt:
+            entry = ckpt[name]
+        elif META_KEY not in ckpt and len(models) == 1 and name == models[0]:
+            # A file written without ckptools: the weights may be bare or nested.
+            try:
+                entry = _find_weights(ckpt, key=None, path=path)
+            except CheckpointFormatError:
+                raise CheckpointFormatError(
+                    f"cannot find model weights in {path}: entries are {sorted(map(str, ckpt))[:20]}; name the entry "
+                    f"that holds them in state (ck.load(path, {{'ENTRY': model}})), or for a nested one "
+                    f"model.load_state_dict(ck.load_state_dict(path, key='a.b'))"
+                ) from None
+        elif strict:
+            raise KeyMismatchError(
+                f"{path} has no entry {name!r} (it has {sorted(map(str, ckpt))}); rename the entry in state, "
+                "or pass strict=False to skip it",
+                missing=[name],
+            )
+        else:
+            continue
+        placeholder = _placeholder_in(entry)
+        if placeholder is not None:
+            raise UnsafeCheckpointError(
+                f"{path}: entry {name!r} needs {placeholder}, which could run arbitrary code, so it was read as an "
+                "inert placeholder and cannot be restored. Only for a file you trust: pass weights_only=False"
+            )
+        try:
+            _restore(obj, entry, strict=strict, path=path, name=name)
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as err:
+            raise CheckpointFormatError(
+                f"{path}: cannot restore entry {name!r} into {type(obj).__name__}: {err}"
+            ) from err
+
+
+def _placeholder_in(entry: Any) -> str | None:
+    """The class of the first inert placeholder inside ``entry`` (see `load_without_code`), if any."""
+
+    stack = [entry]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, Opaque):
+            return node.name
+        if isinstance(node, Mapping):
+            stack.extend(node.keys())
+            stack.extend(node.values())
+        elif isinstance(node, (list, tuple, set, frozenset)):
+            stack.extend(node)
+    return None
+
+
+def restore_rng_state(ckpt: dict[str, Any], path: str) -> bool:
+    """Restore this rank's RNG states from ``ckpt``; whether they were restored."""
+    meta = ckpt.get(META_KEY)
+    if not isinstance(meta, Mapping) or "rng" not in meta:
+        return False
+    states = meta["rng"]
+    world = get_world_size()
+    if len(states) != world:
+        log.warn(
+            f"{path} was saved by {len(states)} ranks and is loaded by {world}: RNG states are per rank, "
+            "so they are not restored (the run continues, but not bit-exactly)",
+        )
+        return False
+    before = rng.get_rng_state()
+    try:
+        rng.set_rng_state(states[get_rank()])
+    except (ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError, RuntimeError) as err:
+        rng.set_rng_state(before)  # all or nothing: no generator is left half-restored
+        raise CheckpointFormatError(
+            f"{path}: the RNG state stored for rank {get_rank()} is corrupt ({type(err).__name__}: {err}); "
+            "load with restore_rng=False to skip it"
+        ) from err
+    return True
