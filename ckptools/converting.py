@@ -183,14 +183,14 @@ def _plan(
             if planned is not None:
                 meta = {"format": "pt", **(_scalars(tree) if isinstance(tree, Mapping) else {})}
                 return planned[0], planned[1], meta
-    import torch
-
     meta = {"format": "pt"}
     tree = None
     if torch_file:
         with contextlib.suppress(UnsafeCheckpointError):  # then read_weights reads the weights without code
             tree = load_torch(location)  # read once: the weights and the scalar entries (epoch, step)
     if tree is not None:
+        import torch  # loaded by now (a file refused above is refused without it)
+
         weights = locate_weights(tree, key=key, path=src, is_leaf=lambda v: isinstance(v, torch.Tensor))[2]
         if isinstance(tree, Mapping):
             meta.update(_scalars(tree))

@@ -72,11 +72,11 @@ def diff(
         >>> ck.diff("/tmp/a.pt", "/tmp/b.pt")["differ"]
         False
     """
-    import torch
-
     a, b = fspath(a), fspath(b)
     wa = _weights_at(open_checkpoint(a, trust_code=trust_code), key)
     wb = _weights_at(open_checkpoint(b, trust_code=trust_code), key)
+    import torch  # after both opened: a file refused there is refused without it
+
     # Compared without any wrapper's prefix (DDP's "module.", torch.compile's "_orig_mod."). Names
     # are mapped first and tensors read one at a time, in A's order: a sharded checkpoint is
     # then read shard by shard, never held whole.

@@ -129,8 +129,8 @@ def load(
     Examples:
         >>> import torch, ckptools as ck
         >>> model = torch.nn.Linear(2, 2)
-        >>> _ = ck.save("/tmp/ckpt.pt", {"model": model, "step": 10})
-        >>> ck.load("/tmp/ckpt.pt", {"model": model})["step"]
+        >>> _ = ck.save("/tmp/load.pt", {"model": model, "step": 10})
+        >>> ck.load("/tmp/load.pt", {"model": model})["step"]
         10
     """
     background.finish_pending()  # the file may be the one still being written

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import multiprocessing
 import os
 import signal
 import sys
@@ -22,22 +23,40 @@ __all__ = ["Preemption"]
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 
+def _prctl() -> Any:
+    """libc's ``prctl``, looked up once in the process that configures the loader (Linux), else None.
+
+    Looked up *before* DataLoader workers are forked: ``ctypes.CDLL`` is a ``dlopen``, which takes
+    the dynamic loader's lock, and a worker forked while another thread of the rank held that lock
+    would wait for it forever. A forked worker then only calls the function it inherited.
+    """
+    global _PRCTL
+    if _PRCTL is None:
+        import ctypes
+
+        try:
+            _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
+        except (OSError, AttributeError):
+            _PRCTL = False  # not Linux: torch's watchdog still ends an orphaned worker within 5 s
+    return _PRCTL or None
+
+
+_PRCTL: Any = None
+
+
 def _die_with_parent() -> None:
     """Have the kernel kill this DataLoader worker the moment its rank process dies (Linux).
 
     A worker forked after ``init_process_group`` holds copies of the rank's sockets: when the rank
     dies (a crash, ``kill -9``, ``os._exit``), its gloo connections stay open until its orphaned
     workers notice (torch's watchdog polls every 5 s), so the other ranks find out seconds late.
-    Ignoring SIGTERM (below) must not make workers outlive their rank either.
+    Ignoring SIGTERM (below) must not make workers outlive their rank either. Runs in the worker:
+    it imports nothing and opens no library (see `_prctl`; a spawned worker looks it up afresh).
     """
-    import ctypes
-    import multiprocessing
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return  # not Linux: torch's watchdog still ends the worker within 5 s
+    prctl = _prctl()
+    if prctl is None:
+        return
+    prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     parent = multiprocessing.parent_process()
     if parent is not None and parent.pid is not None and os.getppid() != parent.pid:
         os._exit(0)  # the rank died before the line above took effect
@@ -274,6 +293,7 @@ class Preemption:
         """
         inner = loader.worker_init_fn
         if not isinstance(inner, _IgnoreSignals):
+            _prctl()  # here, in the rank, not in a forked worker (see there)
             loader.worker_init_fn = _IgnoreSignals(tuple(int(s) for s in self.signals), inner)
         return loader
 

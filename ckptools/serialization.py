@@ -98,8 +98,8 @@ def load_file(
         UnsafeCheckpointError: ``weights_only=True`` and the file needs arbitrary globals.
         CheckpointFormatError: the file is empty, truncated, corrupt or not a torch file.
     """
+    source, local = open_for_read(path)  # a Location is used as resolved, not parsed again
     path = fspath(path)
-    source, local = open_for_read(path)
     # torch allocates what a file claims (a zip record's size, a legacy storage's numel) before
     # reading it: a 4 GiB claim in a 1 KiB file would be allocated. Claims are checked first.
     with _opened(source, local) as handle:
@@ -137,7 +137,7 @@ def load_file(
         raise MissingClassError(
             f"{path} names {missing}, which cannot be imported here ({_first_line(err)}); the file is intact: "
             "install the module that defines it, or read the weights without trusting the file (drop "
-            "--trust-pickled-code / weights_only=False), which stands inert placeholders in for such classes"
+            "--trust-code / trust_code=True), which stands inert placeholders in for such classes"
         ) from err
     except OSError as err:
         raise CheckpointFormatError(f"{path} could not be read ({err})") from err
@@ -189,8 +189,8 @@ def verify_torch_file(path: PathLike) -> None:
         CheckpointFormatError: the file is truncated, a record is damaged, or it is not a zip
             torch checkpoint.
     """
+    source, local = open_for_read(path)  # a Location is used as resolved, not parsed again
     path = fspath(path)
-    source, local = open_for_read(path)
     with _opened(source, local) as handle:
         _scan_zip(path, handle, crc=True)
 

@@ -86,8 +86,8 @@ class CheckpointView:
 
         Examples:
             >>> import torch, ckptools as ck
-            >>> torch.save({"model": {"w": torch.ones(2)}}, "/tmp/v.pt")
-            >>> list(ck.open_checkpoint("/tmp/v.pt").weights())
+            >>> torch.save({"model": {"w": torch.ones(2)}}, "/tmp/view.pt")
+            >>> list(ck.open_checkpoint("/tmp/view.pt").weights())
             ['w']
         """
         if self.layout is None:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from ..errors import CheckpointFormatError
-from ..storage import PathLike, atomic_write, copy_range, crc32_range, fspath, open_for_read, report_progress
+from ..storage import PathLike, atomic_write, copy_range, crc32_range, fspath, open_for_read, report_progress, resolve
 from .dtypes import ITEMSIZE
 
 # Metadata keys ckptools adds to the files it writes.
@@ -126,8 +126,8 @@ def read_safetensors_header(path: PathLike) -> tuple[dict[str, Any], dict[str, s
             names, unknown dtype, offsets that overlap, leave gaps or run past the end, or
             shapes that do not match their byte ranges.
     """
+    source, local = open_for_read(path)  # a Location is used as resolved, not parsed again
     path = fspath(path)
-    source, local = open_for_read(path)
     handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
     try:
         size = os.fstat(handle.fileno()).st_size if local else len(source.getbuffer())
@@ -221,8 +221,9 @@ def verify_safetensors(path: PathLike) -> int:
     Raises:
         CheckpointFormatError: the structure is invalid or a checksum does not match.
     """
-    path = fspath(path)
-    header, metadata, start, _ = read_safetensors_header(path)
+    location = resolve(path)  # once: the reads below use it as resolved
+    path = location.url
+    header, metadata, start, _ = read_safetensors_header(location)
     if CRC_KEY not in metadata:
         return 0
     try:
@@ -231,7 +232,7 @@ def verify_safetensors(path: PathLike) -> int:
         raise CheckpointFormatError(f"{path}: {CRC_KEY} metadata is not valid JSON") from err
     if not isinstance(expected, dict) or set(expected) != set(header):
         raise CheckpointFormatError(f"{path}: {CRC_KEY} metadata does not list exactly the stored tensors")
-    source, local = open_for_read(path)
+    source, local = open_for_read(location)
     handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
     try:
         for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
@@ -257,8 +258,9 @@ def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
     Raises:
         CheckpointFormatError: the file is invalid, or two names would become one.
     """
-    src, dst = fspath(src), fspath(dst)
-    header, metadata, start, size = read_safetensors_header(src)
+    location = resolve(src)
+    src, dst = location.url, fspath(dst)
+    header, metadata, start, size = read_safetensors_header(location)
     renamed = transform({name: name for name in header})
     if len(renamed) != len(header):
         raise CheckpointFormatError(f"{src}: renaming would give two tensors the same name; nothing was written")
@@ -275,7 +277,7 @@ def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
     new_header: dict[str, Any] = {"__metadata__": meta} if meta else {}
     new_header.update({new_name[name]: entry for name, entry in entries})
     raw = _encode_header(new_header, f"{src} -> {dst}")
-    source, local = open_for_read(src)
+    source, local = open_for_read(location)
 
     def write(f: IO[bytes]) -> None:
         f.write(len(raw).to_bytes(8, "little"))

@@ -24,7 +24,7 @@ from ..codecs.safetensors import (
 from ..codecs.trees import locate_weights
 from ..errors import CheckpointFormatError, CheckpointLayoutError
 from ..state_dict import tensor_identity
-from ..storage import Location, PathLike, fspath, open_for_read
+from ..storage import Location, PathLike, open_for_read, resolve
 from ..text import plural
 from ..view import CheckpointView, TensorInfo
 from .base import Layout, Transform
@@ -184,9 +184,10 @@ def load_safetensors(path: PathLike) -> dict[str, Any]:
     """Load every tensor of a safetensors file on CPU, re-tying aliases recorded by ckptools."""
     import safetensors.torch
 
-    path = fspath(path)
-    _, metadata, _, _ = read_safetensors_header(path)  # strict checks first: clear errors, no huge allocations
-    source, local = open_for_read(path)
+    location = resolve(path)
+    path = location.url
+    _, metadata, _, _ = read_safetensors_header(location)  # strict checks first: clear errors, no huge allocations
+    source, local = open_for_read(location)
     try:
         tensors = safetensors.torch.load_file(source) if local else safetensors.torch.load(source.getvalue())
     except (safetensors.SafetensorError, OSError, ValueError) as err:

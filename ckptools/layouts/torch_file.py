@@ -113,9 +113,9 @@ class TorchFile(Layout):
             payload = dumps(tree)
             atomic_write(dst, lambda f: archive.write_with_pickle(f, payload))
         else:  # legacy (pre-1.6) format or a remote URL: through torch
-            import torch
-
             ckpt = load_torch(location)
+            import torch  # loaded by now (a file refused above is refused without it)
+
             located = locate_weights(ckpt, key=key, path=path, is_leaf=lambda v: isinstance(v, torch.Tensor))
             ckpt, weights, renamed = _rename_in_tree(ckpt, located, transform)
             save_file(dst, ckpt)
