@@ -4,16 +4,34 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import random
 import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
 
+# Ports for test servers come from below the kernel's ephemeral range (32768-60999 by default), so
+# the port a test picked cannot be handed meanwhile to an outgoing connection (a gloo peer's, a
+# moto client's), and from a block of its own per pytest-xdist worker, so two tests running side by
+# side never pick the same one. Within a block, each call moves on to the next port.
+_BLOCK = 2000
+_XDIST = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+_FIRST = 20000 + (int(_XDIST) % 6 if _XDIST.isdigit() else 0) * _BLOCK
+_next = _FIRST + random.randrange(_BLOCK)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback TCP port free now, from this test process's own block (see above)."""
+    global _next
+    for _ in range(_BLOCK):
+        port, _next = _next, _FIRST + (_next + 1 - _FIRST) % _BLOCK
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (or in TIME_WAIT): the next one
+            return port
+    raise RuntimeError(f"no free port in {_FIRST}-{_FIRST + _BLOCK - 1}")
 
 
 def _worker(
@@ -94,8 +112,10 @@ def run_ranks(
             else:
                 errors.append(f"rank {rank}: {value}")
     finally:
-        for p in procs:
-            p.join(timeout=10)
+        for rank, p in enumerate(procs):
+            # A rank allowed to die (or to hang: the scenario under test) is not waited for once
+            # every other rank has reported; the others get 10 s to leave.
+            p.join(timeout=1 if rank in may_die else 10)
             if p.is_alive():
                 p.kill()
     if errors:

@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 
 def torchrun(
@@ -59,6 +61,20 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
+def _proc_state(pid: int) -> str:
+    """What the kernel says the process is doing: its state and the wait channel of each thread."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().split(") ", 1)[1].split()[0]
+        waits = []
+        for task in sorted(os.listdir(f"/proc/{pid}/task")):
+            with open(f"/proc/{pid}/task/{task}/wchan") as f:
+                waits.append(f"{task}:{f.read() or '-'}")
+        return f"state {state}, threads waiting in {' '.join(waits)}"
+    except OSError as err:
+        return f"(no /proc entry: {err})"
+
+
 def _stacks_and_kill(pid: int) -> str:
     """Python stacks of a hung launch and its workers (py-spy, where installed), then SIGKILL all.
 
@@ -67,12 +83,21 @@ def _stacks_and_kill(pid: int) -> str:
     pids = [pid, *_descendants(pid)]
     stacks = []
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    gdb = shutil.which("gdb")
     for p in pids:
+        said = [f"--- pid {p}: {_proc_state(p)}"]
         if os.path.exists(spy):
             dump = subprocess.run(
                 [spy, "dump", "--native", "--pid", str(p)], capture_output=True, text=True, timeout=60
             )
-            stacks.append(f"--- pid {p}\n{dump.stdout}{dump.stderr}")
+            if dump.returncode != 0:  # py-spy cannot unwind some native frames: the Python stack alone
+                dump = subprocess.run([spy, "dump", "--pid", str(p)], capture_output=True, text=True, timeout=60)
+            said.append(dump.stdout + dump.stderr)
+            if dump.returncode != 0 and gdb:  # a process py-spy cannot read at all: its native threads
+                native = subprocess.run([gdb, "-p", str(p), "-batch", "-ex", "thread apply all bt 30"],
+                                        capture_output=True, text=True, timeout=60)  # fmt: skip
+                said.append("\n".join(line for line in native.stdout.splitlines() if line.startswith(("#", "Thread"))))
+        stacks.append("\n".join(said))
     for p in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(p, signal.SIGKILL)
@@ -130,3 +155,21 @@ def rank_processes(pid: int) -> list[int]:
     """The rank processes torchrun started (its direct children)."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()
     return sorted(int(p) for p in out)
+
+
+def computed_once(tmp_path_factory: Any, name: str, compute: Callable[[Path], None]) -> Path:
+    """The folder ``compute(folder)`` filled, computed once per test session even when pytest-xdist
+    runs the tests that need it in several worker processes (the first takes a lock and computes,
+    the others wait for it and reuse the folder). A computation that fails is retried by the next."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # the session's own folder
+    folder = shared / f"shared-{name}"
+    with FileLock(str(folder) + ".lock"):
+        if not (folder / ".complete").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            compute(folder)
+            (folder / ".complete").touch()
+    return folder

@@ -75,7 +75,10 @@ def test_every_python_snippet_runs(tmp_path, page):
 
 def _modules() -> list[str]:
     # __main__ is the CLI entry: importing it runs `ckpt`.
-    return ["ckptools"] + [f"ckptools.{m.name}" for m in pkgutil.iter_modules(ck.__path__) if m.name != "__main__"]
+    # Every module, also inside the subpackages (codecs, layouts, cli).
+    return ["ckptools"] + [
+        m.name for m in pkgutil.walk_packages(ck.__path__, "ckptools.") if m.name != "ckptools.__main__"
+    ]
 
 
 @pytest.mark.parametrize("name", _modules())

@@ -79,3 +79,84 @@ def test_the_package_and_code_using_it_type_check_strictly(tmp_path):
         timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _imports() -> dict[str, set[tuple[str, str]]]:
+    """Every module of the package -> the (module, name) pairs it imports from the package, at any depth."""
+    import ast
+    import pathlib
+
+    package = pathlib.Path(ROOT) / "ckptools"
+    graph: dict[str, set[tuple[str, str]]] = {}
+    for path in package.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_init = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_init else parts)
+        found: set[tuple[str, str]] = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {(a.name, "") for a in node.names if a.name.split(".")[0] == "ckptools"}
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").split(".")[0] == "ckptools"):
+                base = module.split(".") if is_init else module.split(".")[:-1]
+                base = base[: len(base) - node.level + 1] if node.level else []
+                target = ".".join(base + ([node.module] if node.module else []))
+                for alias in node.names:
+                    sub = f"{target}.{alias.name}"
+                    if (package.parent / (sub.replace(".", "/") + ".py")).exists() or (
+                        package.parent / sub.replace(".", "/") / "__init__.py"
+                    ).exists():
+                        found.add((sub, ""))  # `from . import log`: the module itself
+                    else:
+                        found.add((target, alias.name))
+        graph[module] = found
+    return graph
+
+
+def test_the_package_imports_point_one_way():
+    """No import cycle (imports inside functions count), no private name taken from another module,
+    codecs/ never imports a layout or torch-side module, and nothing but __main__ imports the CLI:
+    the shape docs/development.md draws."""
+    graph = _imports()
+    edges = {m: {t for t, _ in found if t in graph and t != m} for m, found in graph.items()}
+    state: dict[str, int] = {}
+
+    def visit(node: str, trail: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*trail[trail.index(nxt) :], nxt]))
+            if nxt not in state:
+                visit(nxt, [*trail, nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    private = sorted(f"{m} takes {t}.{n}" for m, found in graph.items() for t, n in found
+                     if n.startswith("_") and n != "__version__" and t != m)  # fmt: skip
+    assert private == [], private
+    allowed = ("ckptools.codecs", "ckptools.errors", "ckptools.storage")
+    codecs_out = sorted(f"{m} -> {t}" for m in graph if m.startswith("ckptools.codecs") for t in edges[m]
+                        if not t.startswith(allowed))  # fmt: skip
+    assert codecs_out == [], codecs_out
+    cli_users = sorted(
+        m for m in graph for t in edges[m] if t.startswith("ckptools.cli") and not m.startswith("ckptools.cli")
+    )
+    assert cli_users == ["ckptools.__main__"], cli_users
+
+
+def test_reading_a_file_and_every_codec_need_no_torch(tmp_path):
+    """The byte formats, the layouts and the commands that only read a file import no torch (over a
+    second); a file refused as damaged is refused without it too."""
+    (tmp_path / "garbage.pt").write_bytes(os.urandom(64))
+    code = (
+        "import sys, pkgutil, importlib, ckptools.codecs as c, ckptools.layouts, ckptools.inspection\n"
+        "for m in pkgutil.iter_modules(c.__path__): importlib.import_module(f'ckptools.codecs.{m.name}')\n"
+        "try:\n"
+        f"    ckptools.inspection.verify({str(tmp_path / 'garbage.pt')!r})\n"
+        "except ckptools.errors.CheckpointFormatError:\n"
+        "    pass\n"
+        "print('torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "False", proc.stdout + proc.stderr

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _torchrun import ok, torchrun
+from _torchrun import computed_once, ok, torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = {"readme": ROOT / "README.md", "guide": ROOT / "docs" / "getting-started.md"}
@@ -125,20 +125,20 @@ def launch(script: Path, workdir: Path, *, kill: bool):
     return torchrun(["--standalone", "--nproc-per-node=2", "--max-restarts=0", str(script)], cwd=workdir, env=env)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
-    """Final weights of a run that is never killed, per page and num_workers (computed once)."""
-    cache: dict[tuple[str, int], dict] = {}
+    """Final weights of a run that is never killed, per page, computed once per session (shared by
+    xdist workers). With 0 DataLoader workers: SeededDataset makes the run with 2 the same run, so
+    a killed run with 2 workers is held against this one too."""
 
-    def get(page: str, num_workers: int) -> dict:
-        if (page, num_workers) not in cache:
-            work = tmp_path_factory.mktemp(f"uninterrupted-{page}{num_workers}")
+    def get(page: str) -> dict:
+        def run(work: Path) -> None:
             script = work / "train.py"
-            script.write_text(fill_in(quickstart(page), num_workers, page))
+            script.write_text(fill_in(quickstart(page), 0, page))
             out = ok(launch(script, work, kill=False))
             assert "resumed from None, ended at step 32" in out
-            cache[page, num_workers] = torch.load(work / "final.pt", weights_only=True)
-        return cache[page, num_workers]
+
+        return torch.load(computed_once(tmp_path_factory, f"uninterrupted-{page}", run) / "final.pt", weights_only=True)
 
     return get
 
@@ -152,7 +152,7 @@ def test_quickstart_killed_and_relaunched_is_bit_exact(tmp_path, uninterrupted, 
     again = ok(launch(script, tmp_path, kill=True))  # the same command: resumes, and does not die again
     assert "resumed from 20, ended at step 32" in again
     final = torch.load(tmp_path / "final.pt", weights_only=True)
-    expected = uninterrupted(page, num_workers)
+    expected = uninterrupted(page)
     assert final["step"] == expected["step"] == 32
     assert sorted(final["weights"]) == sorted(expected["weights"])
     for name, tensor in expected["weights"].items():
