@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import pickle
 from typing import Any
 
 import torch
@@ -200,30 +201,71 @@ def _object_group() -> Any:
     return _SIDE[1]
 
 
+# The tensors of the last object exchange, held until the next one. A gloo worker thread releases
+# its references to a collective's tensors a moment after the caller's wait() returned; had Python
+# dropped its own by then, that release would free a tensor with a Python object attached, taking
+# the GIL from the worker thread, and on CPython before 3.11.10 a DataLoader worker forked at that
+# moment deadlocks for good in the fork's cleanup (gh-112275; seen as a launch hung at an epoch's
+# start, right after the epoch-end save). Held here, they are freed later by this thread.
+_KEPT: tuple[torch.Tensor, ...] = ()
+
+
+def _keep(*tensors: torch.Tensor) -> None:
+    global _KEPT
+    _KEPT = tensors
+
+
+def _payload(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Return rank ``src``'s ``obj`` on every rank (identity without a process group)."""
+    """Return rank ``src``'s ``obj`` on every rank (identity without a process group).
+
+    Like ``torch.distributed.broadcast_object_list`` (pickled, CPU tensors on the gloo group, see
+    ``_object_group``), with the tensors kept until the next exchange (see ``_KEPT``).
+    """
     if not _dist_ready() or get_world_size() == 1:
         return obj
-    box = [obj]
     try:
         group = _object_group()
-        torch.distributed.broadcast_object_list(box, src=src, group=group, device=torch.device("cpu"))
+        mine = get_rank() == src
+        data = _payload(obj) if mine else torch.empty(0, dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        torch.distributed.broadcast(size, src=src, group=group)
+        if not mine:
+            data = torch.empty(int(size.item()), dtype=torch.uint8)
+        torch.distributed.broadcast(data, src=src, group=group)
     except RuntimeError as err:  # DistBackendError and friends
         raise peer_error(err) from err
-    return box[0]
+    _keep(size, data)
+    # Pickled by a rank of this job, as torch's own object collectives do.
+    return obj if mine else pickle.loads(data.numpy().tobytes())
 
 
 def all_gather_object(obj: Any) -> list[Any]:
-    """Return every rank's ``obj``, indexed by rank (``[obj]`` without a process group)."""
+    """Return every rank's ``obj``, indexed by rank (``[obj]`` without a process group).
+
+    Like ``torch.distributed.all_gather_object``, with the tensors kept until the next exchange.
+    """
     if not _dist_ready() or get_world_size() == 1:
         return [obj]
-    out: list[Any] = [None] * get_world_size()
+    world = get_world_size()
     try:
-        # On a gloo group all_gather_object moves CPU tensors (see _object_group).
-        torch.distributed.all_gather_object(out, obj, group=_object_group())
+        group = _object_group()
+        data = _payload(obj)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        torch.distributed.all_gather(sizes, size, group=group)
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded[: data.numel()] = data
+        gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        torch.distributed.all_gather(gathered, padded, group=group)
     except RuntimeError as err:
         raise peer_error(err) from err
-    return out
+    _keep(size, *sizes, padded, *gathered)
+    return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gathered, sizes)]
 
 
 # The preemption check's 1-byte tensor, made once: nothing is allocated per step, and gloo's

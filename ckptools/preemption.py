@@ -57,9 +57,15 @@ def _die_with_parent() -> None:
     if prctl is None:
         return
     prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
-    parent = multiprocessing.parent_process()
-    if parent is not None and parent.pid is not None and os.getppid() != parent.pid:
-        os._exit(0)  # the rank died before the line above took effect
+    parent = multiprocessing.parent_process()  # the rank
+    if parent is None or parent.pid is None or os.getppid() == parent.pid:
+        return
+    # Not the rank's child: a forkserver's (then tied to the forkserver, which ends with the rank),
+    # or an orphan whose rank died before the line above took effect.
+    try:
+        os.kill(parent.pid, 0)
+    except ProcessLookupError:
+        os._exit(0)
 
 
 class _IgnoreSignals:
