@@ -60,12 +60,15 @@ def _die_with_parent() -> None:
     parent = multiprocessing.parent_process()  # the rank
     if parent is None or parent.pid is None or os.getppid() == parent.pid:
         return
-    # Not the rank's child: a forkserver's (then tied to the forkserver, which ends with the rank),
-    # or an orphan whose rank died before the line above took effect.
+    # Not the rank's child: an orphan whose rank died before the line above took effect, or a
+    # forkserver's child. The forkserver shares the rank's process group and does not ignore
+    # SIGTERM, so a worker tied to it would die with it at the first signal to the group: such a
+    # worker is left to torch's watchdog (which ends it within 5 s of its rank).
     try:
         os.kill(parent.pid, 0)
     except ProcessLookupError:
         os._exit(0)
+    prctl(1, 0, 0, 0, 0)
 
 
 class _IgnoreSignals:
@@ -294,9 +297,22 @@ class Preemption:
         torch's watchdog to find up to 5 s later. Create the loader's iterator in the thread
         that keeps running (the main thread, as usual): the kernel ties the signal to it.
 
+        Raises:
+            ValueError: the loader starts its workers with ``forkserver``: the forkserver is a
+                process of the rank's group that does not ignore the signal, and when it dies
+                torch ends its workers; use ``fork`` (the default) or ``spawn``.
+
         Examples:
             >>> loader = preemption.protect(DataLoader(dataset, num_workers=4))  # doctest: +SKIP
         """
+        context = getattr(loader, "multiprocessing_context", None)
+        method = context if isinstance(context, str) else getattr(context, "_name", None)
+        if method == "forkserver":
+            raise ValueError(
+                "Preemption.protect cannot keep forkserver-started DataLoader workers alive through a signal to "
+                "the process group (the forkserver dies of it, and torch then ends its workers); start them "
+                "with multiprocessing_context='spawn' or 'fork'"
+            )
         inner = loader.worker_init_fn
         if not isinstance(inner, _IgnoreSignals):
             _prctl()  # here, in the rank, not in a forked worker (see there)

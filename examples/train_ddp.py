@@ -65,8 +65,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--persistent-workers", action="store_true", help="DataLoader workers live across epochs")
-    p.add_argument("--worker-start", choices=["fork", "spawn", "forkserver"], default=None,
-                   help="DataLoader workers' start method (default: fork)")  # fmt: skip
+    p.add_argument("--worker-start", choices=["fork", "spawn"], default=None, help="DataLoader workers' start method")
     p.add_argument(
         "--augment",
         action=argparse.BooleanOptionalAction,

@@ -119,30 +119,37 @@ class Slow(Dataset):
 def init(worker_id):  # the loader's own worker_init_fn still runs (a file: workers share stdout)
     open(os.path.join(sys.argv[2], f"init{worker_id}"), "w").close()
 
-# The stop comes up to 20 batches after the signal (as after a long step or a slow save): more
-# than the workers prefetched, so the loop needs live workers to get there.
-preemption = ck.Preemption(grace_seconds=60, check_every=20)
-loader = DataLoader(Slow(), batch_size=4, num_workers=2, worker_init_fn=init)
-if sys.argv[1] == "protect":
-    loader = preemption.protect(loader)
-seen = 0
-for batch in loader:
-    seen += 1
-    if seen == 5:
-        print("ready", flush=True)  # the test now signals the whole process group
-        while not preemption.requested():  # however late the signal comes, it lands mid-epoch
-            time.sleep(0.01)
-    if preemption.should_stop():
-        print("stopping after", seen, "batches", flush=True)
-        preemption.exit()
-print("finished", flush=True)
+def main():
+    # The stop comes up to 20 batches after the signal (as after a long step or a slow save): more
+    # than the workers prefetched, so the loop needs live workers to get there.
+    preemption = ck.Preemption(grace_seconds=60, check_every=20)
+    loader = DataLoader(Slow(), batch_size=4, num_workers=2, worker_init_fn=init)
+    if sys.argv[1] == "protect":
+        loader = preemption.protect(loader)
+    seen = 0
+    for batch in loader:
+        seen += 1
+        if seen == 5:
+            print("ready", flush=True)  # the test now signals the whole process group
+            while not preemption.requested():  # however late the signal comes, it lands mid-epoch
+                time.sleep(0.01)
+        if preemption.should_stop():
+            print("stopping after", seen, "batches", flush=True)
+            preemption.exit()
+    print("finished", flush=True)
+
+
+if __name__ == "__main__":
+    main()
 """
 
 
 @pytest.mark.parametrize("mode", ["protect", "unprotected"])
 def test_dataloader_workers_survive_a_signal_to_the_process_group(tmp_path, mode):
+    script = tmp_path / "loop.py"
+    script.write_text(_LOADER_SCRIPT)
     proc = subprocess.Popen(
-        [sys.executable, "-c", _LOADER_SCRIPT, mode, str(tmp_path)],
+        [sys.executable, str(script), mode, str(tmp_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -244,3 +251,12 @@ def test_a_dead_ranks_protected_workers_die_with_it_and_the_others_find_out_at_o
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert all(_gone(pid) for pid in pids), [pid for pid in pids if not _gone(pid)]
+
+
+def test_protect_refuses_forkserver_workers_it_cannot_keep_alive():
+    from torch.utils.data import DataLoader
+
+    with ck.Preemption() as preemption:
+        loader = DataLoader(range(8), num_workers=2, multiprocessing_context="forkserver")
+        with pytest.raises(ValueError, match="forkserver.*'spawn' or 'fork'"):
+            preemption.protect(loader)
