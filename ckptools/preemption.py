@@ -307,6 +307,8 @@ class Preemption:
         """
         context = getattr(loader, "multiprocessing_context", None)
         method = context if isinstance(context, str) else getattr(context, "_name", None)
+        if context is None and getattr(loader, "num_workers", 0) > 0:
+            method = multiprocessing.get_start_method(allow_none=True)  # the loader starts workers as set
         if method == "forkserver":
             raise ValueError(
                 "Preemption.protect cannot keep forkserver-started DataLoader workers alive through a signal to "

@@ -66,3 +66,13 @@ def _no_async_save_left():
         with contextlib.suppress(Exception):  # the test that left it saw (or ignored) its failure
             handle.wait()
     background._BUFFERS.release()
+
+
+# The slowest tests (whole launches under torchrun, kill loops, moto) run first: with pytest-xdist
+# the last minutes of `make test` are then short tests that spread over every worker, instead of
+# one worker finishing a long end-to-end run while the others idle.
+_SLOW_FIRST = ("test_train_ddp_e2e.py", "test_quickstart_e2e.py", "test_s3.py", "test_crash.py", "test_faults.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] not in _SLOW_FIRST)

@@ -253,10 +253,17 @@ def test_a_dead_ranks_protected_workers_die_with_it_and_the_others_find_out_at_o
     assert all(_gone(pid) for pid in pids), [pid for pid in pids if not _gone(pid)]
 
 
-def test_protect_refuses_forkserver_workers_it_cannot_keep_alive():
+def test_protect_refuses_forkserver_workers_it_cannot_keep_alive(monkeypatch):
+    import multiprocessing
+
     from torch.utils.data import DataLoader
 
     with ck.Preemption() as preemption:
         loader = DataLoader(range(8), num_workers=2, multiprocessing_context="forkserver")
         with pytest.raises(ValueError, match="forkserver.*'spawn' or 'fork'"):
             preemption.protect(loader)
+        # The same when the program made forkserver its default start method.
+        monkeypatch.setattr(multiprocessing, "get_start_method", lambda allow_none=False: "forkserver")
+        with pytest.raises(ValueError, match="forkserver"):
+            preemption.protect(DataLoader(range(8), num_workers=2))
+        assert preemption.protect(DataLoader(range(8))) is not None  # no workers: nothing to start
