@@ -53,6 +53,7 @@ def _worker(
     queue: Any,
     pg_timeout: float = 60,
     env: dict[str, str] | None = None,
+    leave: Any = None,
 ) -> None:
     import datetime
 
@@ -85,18 +86,23 @@ def _worker(
         queue.put((rank, "ok", result))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which fails the test
         queue.put((rank, "error", f"{type(err).__name__}: {err}\n{traceback.format_exc()}"))
-    _exit_now(queue)
+    _exit_now(queue, leave)
 
 
-def _exit_now(queue: Any) -> None:
+def _exit_now(queue: Any, leave: Any = None) -> None:
     """Deliver the result, then leave without destroying the gloo group.
 
     Destroying a gloo group (or a DDP model holding it) joins its worker threads with the GIL
     held, which can deadlock against a worker releasing a collective's Python tensors; see the
     reference loop guide's Teardown note (docs/guides/reference-loop.md). The parent only needs the result.
+    Every rank waits for ``leave`` (set by the parent once each rank reported): rank 0 hosts the
+    group's store, and a rank whose function made no collective could otherwise finish and take the
+    store away while another rank is still joining the group (seen under load: "Failed to recv").
     """
     queue.close()
     queue.join_thread()
+    if leave is not None:
+        leave.wait(120)
     os._exit(0)
 
 
@@ -119,8 +125,9 @@ def run_ranks(
     queue = ctx.Queue()
     port = free_port()
     env = dict(os.environ)  # as now: the forkserver started with the environment of its own first use
+    leave = ctx.Event()
     procs = [
-        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, pg_timeout, env))
+        ctx.Process(target=_worker, args=(fn, r, world_size, port, args, queue, pg_timeout, env, leave))
         for r in range(world_size)
     ]
     for p in procs:
@@ -137,6 +144,7 @@ def run_ranks(
             else:
                 errors.append(f"rank {rank}: {value}")
     finally:
+        leave.set()  # every rank that reported may go now (see _exit_now)
         for rank, p in enumerate(procs):
             # A rank allowed to die (or to hang: the scenario under test) is not waited for once
             # every other rank has reported; the others get 10 s to leave.
