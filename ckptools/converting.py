@@ -102,6 +102,13 @@ def _zip_specs(archive: TorchZip, weights: Mapping[str, Any]) -> tuple[dict[str,
     return specs, aliases
 
 
+def writes_folder(dst: str, max_shard_size: int | str | None = None) -> bool:
+    """Whether converting to ``dst`` writes a Hugging Face folder: ``dst`` ends in ``/`` or is a
+    folder, or a shard size is given. The one rule `convert`, `convert_to_safetensors` and
+    ``ckpt convert`` follow."""
+    return dst.endswith("/") or os.path.isdir(dst) or max_shard_size is not None
+
+
 def convert_to_safetensors(
     src: PathLike,
     dst: PathLike,
@@ -154,7 +161,7 @@ def convert_to_safetensors(
         '/tmp/c.safetensors'
     """
     src, dst = fspath(src), fspath(dst)
-    if dst.endswith("/") or os.path.isdir(dst) or max_shard_size is not None:
+    if writes_folder(dst, max_shard_size):
         export_huggingface(src, dst, key=key, strip=strip, max_shard_size=max_shard_size or "5GB", metadata=metadata,
                            trust_code=trust_code)  # fmt: skip
         return dst
@@ -402,7 +409,7 @@ def convert(
         (['/tmp/k.safetensors'], ['/tmp/k-weights.pt'])
     """
     src, dst = fspath(src), fspath(dst)
-    if dst.endswith("/") or os.path.isdir(dst) or max_shard_size is not None:
+    if writes_folder(dst, max_shard_size):
         return export_huggingface(src, dst, max_shard_size=max_shard_size or "5GB", key=key, strip=strip,
                                   force=force, config=config, trust_code=trust_code)  # fmt: skip
     if config is not None:

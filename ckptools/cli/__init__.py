@@ -309,8 +309,9 @@ def convert(
 
     def body() -> None:
         from ..converting import convert as run_convert
+        from ..converting import writes_folder
 
-        to_folder = dst.endswith("/") or os.path.isdir(dst) or max_shard_size is not None
+        to_folder = writes_folder(dst, max_shard_size)
         if not to_folder:
             stem = os.path.basename(src.rstrip("/")).rsplit(".", 1)[0] or "model"
             _check_output(dst, force, suggestion=f"{stem}.safetensors")

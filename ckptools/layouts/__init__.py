@@ -48,7 +48,7 @@ def detect(location: Location) -> Layout:
         >>> detect(resolve("model.safetensors")).name, detect(resolve("s3://b/step-5.pt")).name
         ('safetensors file', 'torch file')
     """
-    name = os.path.basename(location.path.rstrip("/"))
+    name = location.name
     if location.local and os.path.isdir(location.path):
         return DCP_FOLDER if os.path.exists(os.path.join(location.path, ".metadata")) else HUGGING_FACE_FOLDER
     if (name == ".metadata" and location.local) or name.endswith(".distcp"):

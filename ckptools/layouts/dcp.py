@@ -39,7 +39,7 @@ class DcpFolder(Layout):
     folder = True
 
     def open(self, location: Location, *, trust_code: bool) -> CheckpointView:
-        name = os.path.basename(location.path)
+        name = location.name
         if name.endswith(".distcp"):
             folder = os.path.dirname(location.path) or "."
             if not location.fs.exists(location.path):
