@@ -281,7 +281,8 @@ def test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact(tmp_path, ref
     args[args.index("--step-seconds") + 1] = "0.01" if "--async-save" in extra else "0.1"
     first, exit_seconds = torchrun_signalled(args, cwd=ROOT, when="epoch 1 step 20 ", send=_signal(targets, signum))
     out = first.stdout
-    assert exit_seconds >= 0, out[-3000:]
+    # A launch killed as hung carries every process's stack: all of them, or the ranks' are cut.
+    assert exit_seconds >= 0, out[-60000:] if "launch killed" in out else out[-3000:]
     how = "finishing its background save" if "--async-save" in extra else "saving it"
     stopped = re.findall(rf"preempted at step (\d+) \({signal.Signals(signum).name}\): {how}", out)
     assert len(stopped) == 1, out[-4000:]  # rank 0 logs it once; every rank stopped at that step
