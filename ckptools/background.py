@@ -165,13 +165,17 @@ class AsyncSave:
         self._error: BaseException | None = None
         self._outcome: str | None = None  # rank 0's failure text, shared by wait()
         self._finished = False
+        # Set when wait() gave up on this save (a peer died): rank 0's writer stops waiting for
+        # the other ranks' shares (writers="all") and removes its temporary file.
+        self.abandoned = threading.Event()
 
     def __repr__(self) -> str:
         state = "finished" if self._finished else ("writing" if not self.done() else "written, not waited for")
         return f"AsyncSave({self.path!r}, {state})"
 
-    def _start_thread(self, write: Callable[[], int], after: Callable[[], None] | None) -> None:
-        """Rank 0: run ``write`` (then ``after``) in a writer thread."""
+    def _start_thread(self, write: Callable[[], int | None], after: Callable[[], None] | None) -> None:
+        """Run ``write`` (then ``after``) in a writer thread. ``write`` returns the bytes of the
+        file it committed, or None on a rank whose share rank 0 commits (``writers="all"``)."""
 
         def run() -> None:
             try:
@@ -186,6 +190,8 @@ class AsyncSave:
                     err,
                 )
                 return
+            if written is None:
+                return  # another rank's share: rank 0 commits the file and reports it
             log.report("saved", self.path, self._started, written)
             if after is not None:
                 after()  # housekeeping that must come after the commit (the manager's pruning)
@@ -198,8 +204,9 @@ class AsyncSave:
     def done(self) -> bool:
         """Whether this rank's part is finished: local, never blocks, never communicates.
 
-        On global rank 0 (the writer) True once the background write ended, successfully or
-        not; on every other rank always True, since they do not write. Never decide whether
+        On a rank that writes (global rank 0; every rank with ``writers="all"``) True once its
+        background write ended, successfully or not (rank 0's after it committed the file);
+        on every other rank always True. Never decide whether
         to call `wait` (a collective) from ``done()``: ranks would disagree and hang.
         """
         return self._thread is None or not self._thread.is_alive()
@@ -216,8 +223,8 @@ class AsyncSave:
             The checkpoint's path, on every rank.
 
         Raises:
-            CheckpointError: rank 0's write failed (on every rank; rank 0 chains the original
-                exception). The file at ``path`` is then untouched (an earlier one stays).
+            CheckpointError: a writer's write failed (on every rank, naming the rank; rank 0
+                chains the original exception). The file at ``path`` is then untouched (an earlier one stays).
                 Raised again by a later ``wait()`` of this handle.
 
         Examples:
@@ -228,17 +235,19 @@ class AsyncSave:
         global _PENDING
         if not self._finished:
             self._join_thread()
-            failure = None if self._error is None else f"{type(self._error).__name__}: {self._error}"
+            failure = None if self._error is None else _failure_text(self._error)
             try:
                 self._outcome = broadcast_object(failure if get_rank() == 0 else None)
                 self._finished = True
             finally:
+                if not self._finished:
+                    self.abandoned.set()
                 # Even when the exchange itself broke (a peer died): the group is gone then, and
                 # every later call must not try to finish this save again.
                 if _PENDING is self:
                     _PENDING = None
         if self._outcome is not None:
-            text = f"saving checkpoint {self.path} in the background failed on rank 0: {self._outcome}"
+            text = f"saving checkpoint {self.path} in the background failed on {self._outcome}"
             raise CheckpointError(f"{text}; earlier checkpoints are untouched") from self._error
         return self.path
 
@@ -282,9 +291,20 @@ def take_snapshot(payload: Any) -> Any:
     return _BUFFERS.take(payload)
 
 
-def start_writing(handle: AsyncSave, write: Callable[[], int], after: Callable[[], None] | None = None) -> None:
-    """Rank 0: run ``write`` (then ``after``, housekeeping after the commit) in ``handle``'s writer thread."""
+def start_writing(handle: AsyncSave, write: Callable[[], int | None], after: Callable[[], None] | None = None) -> None:
+    """Run ``write`` (then ``after``, housekeeping after the commit) in ``handle``'s writer thread."""
     handle._start_thread(write, after)
+
+
+class PeerFailure(Exception):
+    """A failure another rank reported to rank 0's writer; its text starts with ``rank N:``."""
+
+
+def _failure_text(error: BaseException) -> str:
+    """``rank N: what failed``, for the message every rank raises."""
+    if isinstance(error, PeerFailure):
+        return str(error)
+    return f"rank 0: {type(error).__name__}: {error}"
 
 
 def join_writer(handle: AsyncSave) -> None:

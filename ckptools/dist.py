@@ -215,6 +215,22 @@ def _keep(*tensors: torch.Tensor) -> None:
     _KEPT = tensors
 
 
+def default_store() -> Any:
+    """The default process group's key-value store (None without a group).
+
+    Not a collective: a background thread may use it (``writers="all"`` async saves report each
+    rank's share to rank 0's writer through it), as torch's own watchdog threads do.
+    """
+    if not _dist_ready():
+        return None
+    return torch.distributed.distributed_c10d._get_default_store()
+
+
+def collective_timeout() -> datetime.timedelta:
+    """How long ckptools waits for another rank: the process group's timeout (30 min by default)."""
+    return _TIMEOUT if _TIMEOUT is not None else datetime.timedelta(minutes=30)
+
+
 def _payload(obj: Any) -> torch.Tensor:
     return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 

@@ -133,8 +133,9 @@ class CheckpointManager:
             self._housekeeping(lambda: self._prune(step), "prune")
 
         if not blocking:
-            hooks = {"before_write": cleanup, "after_write": prune}
-            async_save_with_hooks(path, state, metadata=metadata, **hooks, **save_kwargs)
+            async_save_with_hooks(
+                path, state, metadata=metadata, before_write=cleanup, after_write=prune, **save_kwargs
+            )
             return path
         save_with_hooks(path, state, metadata=metadata, before_write=cleanup, **save_kwargs)
         if get_rank() == 0:

@@ -6,12 +6,12 @@ raised on every rank. What is read back is `ckptools.loading`'s part.
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from torch.utils.data.distributed import DistributedSampler
 
 from . import background, log, rng
 from ._version import __version__
@@ -21,28 +21,44 @@ from .dist import all_gather_object, broadcast_object, get_rank, get_world_size
 from .errors import CheckpointError, UnsafeStateError
 from .layouts.safetensors_file import save_safetensors
 from .serialization import check_loadable, save_file
+from .sharing import (
+    Plan,
+    adopt,
+    check_writers,
+    choose,
+    collect_shares,
+    commit,
+    compare_digests,
+    digests,
+    discard,
+    first_error,
+    locate,
+    make_plan,
+    report_share,
+    sees,
+    state_entry,
+    write_shares,
+)
 from .state_dict import strip_wrappers, unwrap_model
-from .storage import PathLike, fspath
+from .storage import Location, PathLike, fspath, resolve
+
+# Who writes when the caller does not say; see `save`.
+DEFAULT_WRITERS = "auto"
 
 __all__ = ["async_save", "save", "save_weights"]
 
 FORMAT_VERSION = 1
 
 
-def _entry(obj: Any) -> Any:
-    """What a state entry becomes on disk."""
-    if isinstance(obj, torch.nn.Module):
-        # Unwrapped, so the file never carries "module." / "_orig_mod." whatever the wrapping.
-        return unwrap_model(obj).state_dict()
-    if isinstance(obj, DistributedSampler) and not hasattr(obj, "state_dict"):
-        return {"epoch": int(obj.epoch), "seed": int(obj.seed)}
-    if callable(getattr(obj, "state_dict", None)):
-        return obj.state_dict()
-    return obj
-
-
-def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None) -> str:
-    """Save a training checkpoint; collective: every rank calls it, global rank 0 writes.
+def save(
+    path: PathLike,
+    state: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    writers: str = DEFAULT_WRITERS,
+    verify_replicas: bool = False,
+) -> str:
+    """Save a training checkpoint; collective: every rank calls it, and rank 0 or every rank writes.
 
     With no process group (a notebook, a single process) it is a plain, atomic save: the same
     call works before and after ``init_process_group``. Missing parent folders are created
@@ -57,7 +73,7 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
 
     The model stays where it is (on its GPU, inside DDP); buffers are stored as rank 0 holds
     them. The write is atomic (temporary name, fsync, rename; a multipart upload on S3) and every rank returns
-    only after the file is complete. If rank 0 fails, every rank raises
+    only after the file is complete. If a writer fails, every rank raises
     `CheckpointError` (rank 0 chains the original exception): no rank is left waiting in a
     barrier, and an earlier file at ``path`` is untouched. No RNG is advanced. An
     `async_save` still in flight is finished first (and its failure raised, on every rank).
@@ -68,10 +84,24 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
     `UnsafeStateError` on every rank, naming the entry and the fix (``vars(args)``,
     ``str(path)``, ``x.item()``). Otherwise the run would only find out when it restarts.
 
+    Who writes (``writers``): with ``"rank0"`` global rank 0 writes the whole file. With
+    ``"all"`` every rank writes a balanced share of what DDP keeps equal on every rank (the
+    parameters of a ``DistributedDataParallel`` entry and an optimizer's state for them) into
+    the same one file, at offsets rank 0 planned; everything else (buffers, scaler, sampler,
+    RNG, plain values) comes from rank 0 as always, and the file loads bit-identical to the
+    ``"rank0"`` one (see `ckptools.sharing`). It needs every rank to see the directory: if one
+    does not, ``"all"`` raises on every rank before writing, while ``"auto"`` (the default)
+    lets rank 0 write alone. Object stores, single processes and a ``state`` without a
+    ``DistributedDataParallel`` entry (nothing known to be replicated) get rank 0's writer.
+    ``verify_replicas=True`` first checks (a CRC-32 of every shared tensor on every rank) that
+    the replicas really agree, and refuses to save if they do not.
+
     Args:
         path: file path or fsspec URL (``s3://bucket/run/step_100.pt``, ``memory://...``).
         state: names mapped to objects to store.
         metadata: extra plain values (str, int, float, bool, None, lists/dicts of them).
+        writers: ``"auto"``, ``"all"`` or ``"rank0"``, the same on every rank.
+        verify_replicas: check that the shared tensors are equal on every rank first.
 
     Returns:
         ``path`` as a string.
@@ -79,8 +109,10 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
     Raises:
         UnsafeStateError: a value the checkpoint could not be loaded back with (every rank,
             nothing written; also a ``TypeError``).
-        CheckpointError: writing failed on rank 0 (raised on every rank).
+        CheckpointError: writing failed on some rank, the replicas differ, or ``"all"`` was
+            asked for a directory not every rank sees (raised on every rank).
         TypeError: ``state`` is not a mapping of string names or names ``__ckptools__``.
+        ValueError: ``writers`` is none of the three.
 
     Examples:
         >>> import torch, ckptools as ck
@@ -89,7 +121,7 @@ def save(path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any
         >>> ck.save("/tmp/ckpt.pt", {"model": model, "optimizer": opt, "step": 10})
         '/tmp/ckpt.pt'
     """
-    return save_with_hooks(path, state, metadata=metadata)
+    return save_with_hooks(path, state, metadata=metadata, writers=writers, verify_replicas=verify_replicas)
 
 
 def save_weights(path: PathLike, model: Any, *, metadata: Mapping[str, str] | None = None) -> str:
@@ -142,52 +174,172 @@ def save_with_hooks(
     *,
     metadata: Mapping[str, Any] | None = None,
     before_write: Callable[[], None] | None = None,
+    writers: str = DEFAULT_WRITERS,
+    verify_replicas: bool = False,
 ) -> str:
     """`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
-    path, started, written = _on_rank0(path, state, metadata, lambda p, payload: _write(p, payload, before_write))
-    log.report("saved", path, started, written)
-    return path
+    check_writers(writers)
+    start = _begin(path, state, metadata)
+    sharing = choose(writers, start.location, state) == "all"
+    planned = _plan(start, state, before_write, writers, verify_replicas) if sharing else None
+    if planned is None:
+        written = _on_rank0(start, state, lambda payload: _write(start.path, payload, before_write, start.written))
+    else:
+        plan, storages = planned
+        error: BaseException | None = None
+        crcs: dict[str, int] = {}
+        try:
+            crcs = write_shares(plan, list(zip(plan.mine(), storages)))
+        except Exception as err:  # noqa: BLE001 - gathered below and raised on every rank
+            error = err
+        written = _commit(start, plan, error, crcs)
+    log.report("saved", start.path, start.started, written)
+    return start.path
 
 
-def _write(path: str, payload: Any, before_write: Callable[[], None] | None) -> int:
-    """Rank 0: housekeeping, then the atomic write; the bytes written."""
-    if before_write is not None:
+class _Start:
+    """What every save has once it began: the checked arguments and every rank's RNG."""
+
+    def __init__(self, path: str, user_meta: dict[str, Any], rng_states: list[Any], started: float) -> None:
+        self.path, self.user_meta, self.rng_states, self.started = path, user_meta, rng_states, started
+        self.location: Location = resolve(path)
+        self.written = False  # rank 0: whether before_write ran already (a fallback must not rerun it)
+
+
+def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any] | None) -> _Start:
+    """The collective part every save opens with: finish a save in flight, check the
+    arguments, gather every rank's RNG (before rank 0 does anything that could draw from it)."""
+    background.finish_pending()
+    started = time.monotonic()
+    path, user_meta = _checked_args(path, state, metadata)
+    return _Start(path, user_meta, all_gather_object(rng.get_rng_state()), started)
+
+
+def _write(path: str, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:
+    """Rank 0: housekeeping (unless it ran already), then the atomic write; the bytes written."""
+    if before_write is not None and not ran:
         before_write()
     return save_file(path, payload)
 
 
-def _on_rank0(
-    path: PathLike,
-    state: Mapping[str, Any],
-    metadata: Mapping[str, Any] | None,
-    then: Callable[[str, dict[str, Any]], Any],
-) -> tuple[str, float, Any]:
-    """The collective part every save shares: finish a save in flight, check the arguments,
-    gather every rank's RNG, and on rank 0 build the checked payload and pass it to ``then``.
-
-    Returns the path, when the save started, and what ``then`` returned (None off rank 0); an
-    error on rank 0 is raised on every rank.
-    """
-    background.finish_pending()
-    started = time.monotonic()
-    path, user_meta = _checked_args(path, state, metadata)
-    # Every rank's RNG is captured before rank 0 does anything that could draw from it.
-    rng_states = all_gather_object(rng.get_rng_state())
+def _on_rank0(start: _Start, state: Mapping[str, Any], then: Callable[[dict[str, Any]], Any]) -> Any:
+    """Rank 0 builds the checked payload and passes it to ``then``; its result (None off rank
+    0). An error on rank 0 is raised on every rank."""
     error: BaseException | None = None
     result: Any = None
     if get_rank() == 0:
         try:
-            result = then(path, _payload(state, user_meta, rng_states))
+            result = then(_payload(state, start.user_meta, start.rng_states))
         except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
             error = err
-    _share_outcome(error, path)
-    return path, started, result
+    _share_outcome(error, start.path)
+    return result
+
+
+def _plan(
+    start: _Start,
+    state: Mapping[str, Any],
+    before_write: Callable[[], None] | None,
+    writers: str,
+    verify: bool,
+    *,
+    on_cpu: bool = False,
+) -> tuple[Plan, list[Any]] | None:
+    """``writers="all"``: rank 0 plans and every rank checks it can take part (two collectives).
+
+    Returns the plan and this rank's storages to write, or None when rank 0 is to write alone
+    (``"auto"`` and a directory some rank does not see). Raises on every rank otherwise.
+    """
+    plan: Plan | None = None
+    error: BaseException | None = None
+    if get_rank() == 0:
+        try:
+            payload = _payload(state, start.user_meta, start.rng_states)
+            if before_write is not None:
+                before_write()
+            start.written = True
+            plan = make_plan(start.location, state, payload, on_cpu=on_cpu)
+        except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
+            error = err
+    outcome, sent = broadcast_object((_outcome(error), plan))
+    _raise_outcome(outcome, error, start.path)
+    plan = plan if plan is not None else adopt(sent, start.location)
+    try:
+        seen, storages, problem, hashes = sees(plan), locate(plan, state, plan.mine()), None, None
+        if verify:
+            hashes = digests(plan, state)
+    except CheckpointError as err:
+        seen, storages, problem, hashes = False, [], str(err), None
+    replies = _gathered(plan, (seen, problem, hashes))
+    failure = first_error(replies, lambda reply: reply[1])
+    if failure is None and verify:
+        failure = compare_digests(plan, [reply[2] for reply in replies])
+    blind = [rank for rank, reply in enumerate(replies) if not reply[0] and reply[1] is None]
+    if failure is None and blind and writers == "all":
+        failure = (
+            f"rank {', '.join(map(str, blind))} cannot see the temporary file rank 0 created in "
+            f"{os.path.dirname(plan.tmp)}, so not every rank can write into the one file (node-local "
+            "directory?); save to a directory every rank shares, or pass writers='auto' (rank 0 writes when "
+            "they do not share it) or writers='rank0'"
+        )
+    if (failure is not None or blind) and get_rank() == 0:
+        discard(plan)
+    if failure is not None:
+        raise CheckpointError(f"saving checkpoint {start.path} failed: {failure}; earlier checkpoints are untouched")
+    if blind:
+        log.warn(
+            f"rank {', '.join(map(str, blind))} cannot see {os.path.dirname(plan.tmp)}, where rank 0 saves: rank 0 "
+            "writes the checkpoint alone (writers='auto')",
+            once="writers-blind",
+        )
+        return None
+    return plan, storages
+
+
+def _gathered(plan: Plan | None, reply: Any) -> list[Any]:
+    """all_gather_object; rank 0 removes the temporary file first if the exchange breaks."""
+    try:
+        return all_gather_object(reply)
+    except BaseException:
+        if get_rank() == 0:
+            discard(plan)
+        raise
+
+
+def _commit(start: _Start, plan: Plan, error: BaseException | None, crcs: dict[str, int]) -> int | None:
+    """Every rank's write done (or failed): gather the CRC-32s, rank 0 commits or discards,
+    the outcome is raised on every rank (collective). Rank 0's file size."""
+    replies = _gathered(plan, (None if error is None else f"{type(error).__name__}: {error}", crcs))
+    failure: BaseException | None = None
+    written = None
+    if get_rank() == 0:
+        text = first_error(replies, lambda reply: reply[0])
+        if text is not None:
+            failure = _Failed(text)
+            discard(plan)
+        else:
+            try:
+                written = commit(plan, start.path, {k: v for reply in replies for k, v in reply[1].items()})
+            except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
+                discard(plan)
+                failure = err
+    _share_outcome(failure, start.path)
+    return written
+
+
+class _Failed(Exception):
+    """A failure on some rank, as rank 0 learnt it (its text starts with ``rank N:``)."""
 
 
 def async_save(
-    path: PathLike, state: Mapping[str, Any], *, metadata: Mapping[str, Any] | None = None
+    path: PathLike,
+    state: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    writers: str = DEFAULT_WRITERS,
+    verify_replicas: bool = False,
 ) -> background.AsyncSave:
-    """Save like `save`, but return once the state is copied; rank 0 writes in the background.
+    """Save like `save`, but return once the state is copied; the writers write in the background.
 
     Collective: every rank calls it. It returns as soon as global rank 0 has copied ``state``
     into host memory that training never touches, so the caller may step the optimizer the
@@ -209,10 +361,21 @@ def async_save(
     cost is one memory copy of the state; that memory (one state's size) stays held until
     `ckptools.release_snapshot_buffers`. Only rank 0 copies anything.
 
+    With ``writers="all"`` (what ``"auto"`` becomes when every rank sees the directory; see
+    `save`) each rank copies only its own share, about 1/N of the state (rank 0 also what
+    only it writes), and writes it from its own background thread; the stall and the host
+    memory per rank drop to about 1/N. Each rank's writer thread reports its CRC-32s to rank
+    0's through the process group's store (no collective runs off the main thread), and rank
+    0's writer commits the file the moment the last share is on disk, as one writer would. A
+    writer's failure is raised on every rank by ``wait()`` or the next checkpoint call, naming
+    the rank.
+
     Args:
         path: as for `save`.
         state: as for `save`.
         metadata: as for `save`.
+        writers: as for `save`.
+        verify_replicas: as for `save`.
 
     Returns:
         An `AsyncSave` handle: ``wait()`` (collective) returns the path on every rank or
@@ -227,7 +390,7 @@ def async_save(
         >>> handle.wait()
         '/tmp/async.pt'
     """
-    return async_save_with_hooks(path, state, metadata=metadata)
+    return async_save_with_hooks(path, state, metadata=metadata, writers=writers, verify_replicas=verify_replicas)
 
 
 def async_save_with_hooks(
@@ -237,14 +400,67 @@ def async_save_with_hooks(
     metadata: Mapping[str, Any] | None = None,
     before_write: Callable[[], None] | None = None,
     after_write: Callable[[], None] | None = None,
+    writers: str = DEFAULT_WRITERS,
+    verify_replicas: bool = False,
 ) -> background.AsyncSave:
-    """`async_save`; ``before_write``/``after_write`` run in rank 0's writer thread (file I/O)."""
-    path, started, snapshot = _on_rank0(path, state, metadata, lambda _, payload: background.take_snapshot(payload))
-    handle = background.AsyncSave(path, started)
-    if get_rank() == 0:
-        background.start_writing(handle, lambda: _write(path, snapshot, before_write), after_write)
+    """`async_save`; ``before_write``/``after_write`` run on rank 0 around the write (file I/O),
+    in its writer thread (``before_write`` on the main thread with ``writers="all"``)."""
+    check_writers(writers)
+    start = _begin(path, state, metadata)
+    planned = (
+        _plan(start, state, before_write, writers, verify_replicas, on_cpu=True)
+        if choose(writers, start.location, state) == "all"
+        else None
+    )
+    handle = background.AsyncSave(start.path, start.started)
+    if planned is None:
+        snapshot = _on_rank0(start, state, background.take_snapshot)
+        if get_rank() == 0:
+            ran = start.written
+            background.start_writing(handle, lambda: _write(start.path, snapshot, before_write, ran), after_write)
+    else:
+        plan, storages = planned
+        # This rank's share only, into the reused host buffers: 1/N of the state per rank.
+        copies = background.take_snapshot([_whole(storage) for storage in storages])
+        pairs = [(share, copy.untyped_storage()) for share, copy in zip(plan.mine(), copies)]
+        background.start_writing(handle, lambda: _write_share(start, plan, pairs, handle), after_write)
     background.set_pending(handle)
     return handle
+
+
+def _write_share(start: _Start, plan: Plan, pairs: list[Any], handle: background.AsyncSave) -> int | None:
+    """A writer thread, ``writers="all"``: write this rank's share; every rank but 0 reports it
+    through the store, rank 0 collects the reports and commits the file (or removes it).
+
+    No collective: the outcome reaches every rank at ``wait()``, from rank 0, as with one writer.
+    """
+    error: BaseException | None = None
+    crcs: dict[str, int] = {}
+    try:
+        crcs = write_shares(plan, pairs)
+    except Exception as err:  # noqa: BLE001 - reported below, raised on every rank by wait()
+        error = err
+    if get_rank() != 0:
+        report_share(plan, error, crcs)
+        if error is not None:
+            raise error
+        return None
+    try:
+        replies = [(None, crcs), *collect_shares(plan, handle.abandoned)]
+        if error is not None:
+            raise error
+        failure = first_error(replies, lambda reply: reply[0])
+        if failure is not None:
+            raise background.PeerFailure(failure)
+        return commit(plan, start.path, {k: v for reply in replies for k, v in reply[1].items()})
+    except BaseException:
+        discard(plan)
+        raise
+
+
+def _whole(storage: Any) -> torch.Tensor:
+    """A uint8 tensor over all of ``storage`` (so a snapshot copies the whole storage)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _checked_args(
@@ -265,7 +481,7 @@ def _payload(state: Mapping[str, Any], user_meta: dict[str, Any], rng_states: li
     """Rank 0: what goes into the file, every value checked to load back with weights_only."""
     payload = {}
     for name, obj in state.items():
-        payload[name] = entry = _entry(obj)
+        payload[name] = entry = state_entry(obj)
         check_loadable(entry, f"state[{name!r}]" + (".state_dict()" if entry is not obj else ""))
     check_loadable(user_meta, "metadata")
     payload[META_KEY] = {
@@ -280,17 +496,19 @@ def _payload(state: Mapping[str, Any], user_meta: dict[str, Any], rng_states: li
     return payload
 
 
-def _share_outcome(error: BaseException | None, path: str) -> None:
-    """Raise rank 0's ``error`` on every rank (collective).
+def _outcome(error: BaseException | None) -> tuple[bool, str] | None:
+    """What every rank needs to raise ``error`` too: whether it is a refusal of the state, and its text."""
+    if error is None:
+        return None
+    if isinstance(error, UnsafeStateError):
+        return (True, str(error))
+    if isinstance(error, _Failed):
+        return (False, f"on {error}")
+    return (False, f"on rank 0: {type(error).__name__}: {error}")
 
-    A failure on rank 0 surfaces everywhere at once instead of leaving the other ranks in a
-    barrier until the collective timeout.
-    """
-    outcome: tuple[bool, str] | None = None
-    if error is not None:
-        unsafe = isinstance(error, UnsafeStateError)
-        outcome = (unsafe, str(error) if unsafe else f"{type(error).__name__}: {error}")
-    outcome = broadcast_object(outcome)
+
+def _raise_outcome(outcome: tuple[bool, str] | None, error: BaseException | None, path: str) -> None:
+    """Raise the shared outcome (rank 0 chains its own ``error``)."""
     if outcome is None:
         return
     unsafe, message = outcome
@@ -298,7 +516,16 @@ def _share_outcome(error: BaseException | None, path: str) -> None:
         if error is not None:
             raise error
         raise UnsafeStateError(message)
-    text = f"saving checkpoint {path} failed on rank 0: {message}; earlier checkpoints are untouched"
-    if error is not None:
+    text = f"saving checkpoint {path} failed {message}; earlier checkpoints are untouched"
+    if error is not None and not isinstance(error, _Failed):
         raise CheckpointError(text) from error
     raise CheckpointError(text)
+
+
+def _share_outcome(error: BaseException | None, path: str) -> None:
+    """Raise rank 0's ``error`` on every rank (collective).
+
+    A failure on rank 0 surfaces everywhere at once instead of leaving the other ranks in a
+    barrier until the collective timeout.
+    """
+    _raise_outcome(broadcast_object(_outcome(error)), error, path)

@@ -105,7 +105,8 @@ def join(directory: PathLike, name: str) -> str:
     return directory.rstrip("/") + "/" + name if "://" in directory else os.path.join(directory, name)
 
 
-def _fsync_dir(directory: str) -> None:
+def fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable (fsync of the directory; skipped where refused)."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:  # e.g. Windows cannot open directories; the rename is still atomic there
@@ -240,7 +241,7 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any], *, streamabl
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(directory)
+    fsync_dir(directory)
     return path
 
 

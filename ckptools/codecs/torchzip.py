@@ -256,60 +256,112 @@ def _copier(src: IO[bytes], out: IO[bytes], start: int, length: int) -> Any:
     return copy
 
 
+ALIGN = 64  # torch aligns every record's data on 64 bytes (mmap needs it)
+_LIMIT = 0xFFFFFFFF
+
+
+def local_header(name: str, size: int, crc: int, offset: int, *, force_zip64: bool = False) -> bytes:
+    """The local header of a stored record that starts at ``offset``, padded so that its data
+    starts on a 64-byte boundary; its length does not depend on ``crc`` (planned layouts)."""
+    raw = name.encode("utf-8")
+    zip64 = force_zip64 or size >= _LIMIT
+    extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
+    # A padding extra field (id 'FB', as torch's writer uses) puts the data on a 64-byte boundary.
+    pad = -(offset + 30 + len(raw) + len(extra) + 4) % ALIGN
+    extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
+    sizes = _LIMIT if zip64 else size
+    version = 45 if zip64 else 20
+    fields = (0x04034B50, version, 0, 0, 0, 0x21, crc, sizes, sizes, len(raw), len(extra))
+    return struct.pack("<IHHHHHIIIHH", *fields) + raw + extra
+
+
+def central_directory(entries: list[tuple[str, int, int, int]], start: int, *, force_zip64: bool = False) -> bytes:
+    """The central directory and end records of stored records ``(name, size, crc, header
+    offset)``, the directory starting at ``start``."""
+    force = force_zip64
+    central = bytearray()
+    for name, size, crc, offset in entries:
+        raw = name.encode("utf-8")
+        fields = []
+        if force or size >= _LIMIT:
+            fields += [size, size]
+        if force or offset >= _LIMIT:
+            fields.append(offset)
+        extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
+        sizes = _LIMIT if (force or size >= _LIMIT) else size
+        local = _LIMIT if (force or offset >= _LIMIT) else offset
+        version = 45 if fields else 20
+        central += struct.pack(
+            "<IHHHHHHIIIHHHHHII", 0x02014B50, 45, version, 0, 0, 0, 0x21, crc, sizes, sizes, len(raw), len(extra),
+            0, 0, 0, 0, local,
+        )  # fmt: skip
+        central += raw + extra
+    cd_size, count = len(central), len(entries)
+    end = start + cd_size
+    if force or count >= 0xFFFF or start >= _LIMIT or cd_size >= _LIMIT:
+        central += struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, start)
+        central += struct.pack("<IIQI", 0x07064B50, 0, end, 1)
+        central += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, _LIMIT, _LIMIT, 0)
+    else:
+        central += struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, cd_size, start, 0)
+    return bytes(central)
+
+
+class ZipPlan:
+    """Where every record of a stored zip goes, decided before any byte is written, so that
+    several writers can fill their records at once (`ckptools.sharing`).
+
+    ``records`` are ``(name, size)`` in file order; ``data_offsets[i]`` is where record ``i``'s
+    data starts, ``header_offsets[i]`` its local header, ``size`` the whole file's length.
+
+    Examples:
+        >>> plan = ZipPlan([("archive/data/0", 12)])
+        >>> plan.data_offsets[0] % 64, plan.size > 12
+        (0, True)
+    """
+
+    def __init__(self, records: list[tuple[str, int]], *, force_zip64: bool = False) -> None:
+        self.records, self.force = list(records), force_zip64
+        self.header_offsets: list[int] = []
+        self.data_offsets: list[int] = []
+        offset = 0
+        for name, size in self.records:
+            self.header_offsets.append(offset)
+            offset += len(local_header(name, size, 0, offset, force_zip64=force_zip64))
+            self.data_offsets.append(offset)
+            offset += size
+        self.directory_offset = offset
+        entries = [(name, size, 0, at) for (name, size), at in zip(self.records, self.header_offsets)]
+        self.size = offset + len(central_directory(entries, offset, force_zip64=force_zip64))
+
+    def header(self, index: int, crc: int) -> bytes:
+        """Record ``index``'s local header, with its data's CRC-32."""
+        name, size = self.records[index]
+        return local_header(name, size, crc, self.header_offsets[index], force_zip64=self.force)
+
+    def directory(self, crcs: list[int]) -> bytes:
+        """The central directory and end records, given every record's CRC-32."""
+        entries = [(n, s, c, at) for (n, s), c, at in zip(self.records, crcs, self.header_offsets)]
+        return central_directory(entries, self.directory_offset, force_zip64=self.force)
+
+
 class _ZipWriter:
     """A minimal writer of stored (uncompressed) zip records, data 64-byte aligned, zip64 as needed."""
-
-    ALIGN = 64
-    LIMIT = 0xFFFFFFFF
 
     def __init__(self, out: IO[bytes], *, force_zip64: bool = False) -> None:
         self.out, self.force = out, force_zip64
         self.offset = 0
-        self.entries: list[tuple[bytes, int, int, int]] = []
+        self.entries: list[tuple[str, int, int, int]] = []
 
     def add(self, name: str, size: int, crc: int, write_data: Any) -> None:
-        raw = name.encode("utf-8")
-        zip64 = self.force or size >= self.LIMIT
-        extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
-        # A padding extra field (id 'FB', as torch's writer uses) puts the data on a 64-byte boundary.
-        pad = -(self.offset + 30 + len(raw) + len(extra) + 4) % self.ALIGN
-        extra += struct.pack("<HH", 0x4246, pad) + b"Z" * pad
-        sizes = self.LIMIT if zip64 else size
-        version = 45 if zip64 else 20
-        fields = (0x04034B50, version, 0, 0, 0, 0x21, crc, sizes, sizes, len(raw), len(extra))
-        header = struct.pack("<IHHHHHIIIHH", *fields)
-        self.out.write(header + raw + extra)
+        header = local_header(name, size, crc, self.offset, force_zip64=self.force)
+        self.out.write(header)
         write_data()
-        self.entries.append((raw, size, crc, self.offset))
-        self.offset += len(header) + len(raw) + len(extra) + size
+        self.entries.append((name, size, crc, self.offset))
+        self.offset += len(header) + size
 
     def finish(self) -> None:
-        cd_start = self.offset
-        central = bytearray()
-        for raw, size, crc, offset in self.entries:
-            fields = []
-            if self.force or size >= self.LIMIT:
-                fields += [size, size]
-            if self.force or offset >= self.LIMIT:
-                fields.append(offset)
-            extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(f"<{len(fields)}Q", *fields) if fields else b""
-            sizes = self.LIMIT if (self.force or size >= self.LIMIT) else size
-            local = self.LIMIT if (self.force or offset >= self.LIMIT) else offset
-            version = 45 if fields else 20
-            central += struct.pack(
-                "<IHHHHHHIIIHHHHHII", 0x02014B50, 45, version, 0, 0, 0, 0x21, crc, sizes, sizes, len(raw), len(extra),
-                0, 0, 0, 0, local,
-            )  # fmt: skip
-            central += raw + extra
-        self.out.write(central)
-        cd_size, count = len(central), len(self.entries)
-        end = cd_start + cd_size
-        if self.force or count >= 0xFFFF or cd_start >= self.LIMIT or cd_size >= self.LIMIT:
-            self.out.write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, cd_start))
-            self.out.write(struct.pack("<IIQI", 0x07064B50, 0, end, 1))
-            self.out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF, 0xFFFF, self.LIMIT, self.LIMIT, 0))
-        else:
-            self.out.write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, count, count, cd_size, cd_start, 0))
+        self.out.write(central_directory(self.entries, self.offset, force_zip64=self.force))
 
 
 def is_local_zip(path: PathLike) -> bool:

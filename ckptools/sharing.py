@@ -1,0 +1,495 @@
+"""``writers="all"``: every rank writes its share of the replicated tensors into one torch file.
+
+Under DDP every rank holds the same parameters and the same optimizer state for them. Instead
+of rank 0 copying and writing all of it while the others wait, the save is planned first and
+then written by every rank at once, into the *one* ordinary torch zip `ckptools.save` writes
+with ``writers="rank0"`` (``torch.load`` reads it; it loads bit-identical to that file):
+
+1. Rank 0 builds the checked payload and pickles it as ``torch.save`` does, which names every
+   storage. Each storage becomes a record at a planned offset (`ZipPlan`: 64-byte aligned data,
+   headers of known length). Storages of replicated tensors are spread over the ranks,
+   largest first onto the least loaded rank (rank 0 starts with everything that is not
+   replicated: buffers, scaler, RNG, plain values). A storage is named to the other ranks by
+   where it sits in ``state`` (entry and key path), never by a memory address.
+2. Rank 0 creates the temporary file at the file's full size with a random token at its
+   start; the plan (temporary path, token, who writes what where) is broadcast.
+3. Every rank opens the temporary file and checks the token: one all-gather. A rank that does
+   not see it (a node-local directory) makes ``"auto"`` fall back to rank 0 alone and
+   ``"all"`` fail on every rank before anything is written, since a file one rank cannot see
+   whole would be written in part. With ``verify_replicas`` the same exchange carries a CRC-32
+   of every replicated storage as each rank holds it, and any difference fails the save.
+4. Every rank writes its records' data with ``pwrite`` at their offsets, CRC-32 as it goes,
+   fsyncs, and sends its CRC-32s (or its error) to rank 0: the second all-gather, the one
+   barrier. Rank 0 then writes every local header (they hold the CRC-32s), the small records
+   and the central directory, fsyncs, renames the file into place and fsyncs the directory,
+   and the outcome is broadcast: every rank returns, or every rank raises. A failure or a
+   death anywhere before the rename leaves only the temporary file (removed by rank 0, or by a
+   later `CheckpointManager` save once its writer is gone) and the previous checkpoint intact.
+
+Local filesystems only: an object store has no shared file to write at offsets; its multipart
+upload could take parts from several ranks, but every part but the last must be at least
+5 MiB and the parts are fixed before the sizes of the ranks' shares are known, so rank 0
+writes there (``"auto"`` and ``"all"`` alike; `choose` says so once).
+
+The asynchronous variant (`ckptools.async_save`) snapshots each rank's own share only and
+writes it from each rank's background thread. A background thread may do file I/O but never a
+collective, so step 4's exchange goes through the process group's key-value store instead:
+each rank's writer sets a key with its CRC-32s (or its error), rank 0's writer polls for all of
+them, commits or discards, and ``wait()`` shares the outcome as with one writer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import secrets
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from . import log
+from .codecs.torchzip import ZipPlan
+from .dist import collective_timeout, default_store, get_rank, get_world_size
+from .errors import CheckpointError
+from .state_dict import unwrap_model
+from .storage import Location, fsync_dir, tmp_name
+
+__all__ = ["WRITERS", "Plan", "adopt", "choose", "make_plan"]
+
+WRITERS = ("rank0", "all", "auto")
+_PREFIX = "archive/"
+_TOKEN = 16  # bytes of the token rank 0 writes at the temporary file's start
+
+
+def check_writers(writers: str) -> None:
+    """Refuse an unknown ``writers`` value (on every rank, before any collective)."""
+    if writers not in WRITERS:
+        raise ValueError(f"writers must be one of {', '.join(map(repr, WRITERS))}, got {writers!r}")
+
+
+def choose(writers: str, location: Location, state: Mapping[str, Any]) -> str:
+    """``"rank0"`` or ``"all"``: what this save can do, decided alike on every rank (no exchange).
+
+    A single process, a state without a ``DistributedDataParallel`` model (nothing in it is
+    known to be replicated) and an object store get rank 0's writer; ``"auto"`` and ``"all"``
+    both get the planned writer otherwise (whether every rank sees the directory is checked
+    once the plan exists).
+    """
+    if writers == "rank0" or get_world_size() == 1:
+        return "rank0"
+    if not any(isinstance(obj, DistributedDataParallel) for obj in state.values()):
+        return "rank0"
+    if not location.local:
+        if writers == "all":
+            log.warn(
+                f"writers='all' writes local files only; rank 0 writes {location} (an object store has no "
+                "shared file to write at offsets)",
+                once="writers-remote",
+            )
+        return "rank0"
+    return "all"
+
+
+@dataclass
+class Share:
+    """One storage's record: written by rank ``writer`` at ``offset``; ``where`` names it in
+    ``state`` (entry, then keys) for the other ranks, None when only rank 0 holds it."""
+
+    key: str
+    nbytes: int
+    offset: int
+    writer: int
+    where: tuple[Any, ...] | None
+
+
+@dataclass
+class Plan:
+    """What every rank needs to write its part (broadcast by rank 0)."""
+
+    tmp: str
+    token: bytes
+    records: list[tuple[str, int]]
+    shares: list[Share]
+    force_zip64: bool = False
+    # Rank 0 only, never sent: the pickle, the other small records and the storages by key.
+    small: dict[int, bytes] = field(default_factory=dict, repr=False)
+    storages: dict[str, torch.UntypedStorage] = field(default_factory=dict, repr=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "small": {}, "storages": {}}
+
+    def mine(self) -> list[Share]:
+        rank = get_rank()
+        return [s for s in self.shares if s.writer == rank]
+
+
+def describe(where: tuple[Any, ...]) -> str:
+    """``state['model']['fc.weight']`` for a share's ``where``."""
+    return "state" + "".join(f"[{k!r}]" for k in where)
+
+
+def state_entry(obj: Any) -> Any:
+    """What a state entry becomes on disk (`ckptools.save`'s rules)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    if isinstance(obj, torch.nn.Module):
+        # Unwrapped, so the file never carries "module." / "_orig_mod." whatever the wrapping.
+        return unwrap_model(obj).state_dict()
+    if isinstance(obj, DistributedSampler) and not hasattr(obj, "state_dict"):
+        return {"epoch": int(obj.epoch), "seed": int(obj.seed)}
+    if callable(getattr(obj, "state_dict", None)):
+        return obj.state_dict()
+    return obj
+
+
+# --- rank 0: the plan -----------------------------------------------------------------------------
+
+
+def pickle_payload(payload: Any, *, on_cpu: bool = False) -> tuple[bytes, dict[str, torch.UntypedStorage]]:
+    """``data.pkl`` as ``torch.save`` writes it, and its storages by record key, in order.
+
+    The storage naming is torch.serialization._save's: storages by reference, keys in order of
+    first appearance, the storage type and ``location_tag`` of each (``"cpu"`` for all with
+    ``on_cpu``: an async save stores the CPU snapshot, as with ``writers="rank0"``); views of one
+    storage with different dtypes are refused as torch refuses them.
+    """
+    from torch.serialization import location_tag, normalize_storage_type
+
+    storages: dict[str, torch.UntypedStorage] = {}
+    keys: dict[int, str] = {}
+    dtypes: dict[int, torch.dtype] = {}
+
+    def persistent_id(obj: Any) -> Any:
+        if not (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
+            return None
+        if isinstance(obj, torch.storage.TypedStorage):
+            storage, dtype = obj._untyped_storage, obj.dtype
+            storage_type = getattr(torch, obj._pickle_storage_type())  # type: ignore[no-untyped-call]
+            numel = obj._size()  # type: ignore[no-untyped-call]
+        else:
+            storage, dtype = obj, torch.uint8
+            storage_type = normalize_storage_type(type(obj))  # type: ignore[no-untyped-call]
+            numel = storage.nbytes()
+        allocated = str(storage.device) != "meta" and storage.data_ptr() != 0
+        if allocated and dtypes.setdefault(storage.data_ptr(), dtype) != dtype:
+            raise RuntimeError("Cannot save multiple tensors or storages that view the same data as different types")
+        key = keys.setdefault(storage._cdata, str(len(keys)))
+        storages[key] = storage
+        fake = getattr(obj, "_fake_device", None)
+        location = "cpu" if on_cpu else (str(fake) if fake is not None else location_tag(storage))
+        return ("storage", storage_type, key, location, numel)
+
+    class _Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            return persistent_id(obj)
+
+    import io
+
+    buffer = io.BytesIO()
+    _Pickler(buffer, protocol=2).dump(payload)  # torch.save's default protocol
+    return buffer.getvalue(), storages
+
+
+def replicated(state: Mapping[str, Any], payload: Mapping[str, Any]) -> dict[int, tuple[Any, ...]]:
+    """Storages (by ``_cdata``) that every rank holds alike, each with where it sits in ``state``.
+
+    Replicated are the parameters of a ``DistributedDataParallel`` model (not those it was told
+    to ignore) and an optimizer's state for those parameters. Buffers are not (BatchNorm
+    statistics differ per rank), nor is anything else.
+    """
+    params: set[int] = set()
+    for obj in state.values():
+        if isinstance(obj, DistributedDataParallel):
+            ignored = set(getattr(obj, "parameters_to_ignore", ()) or ())
+            for name, param in unwrap_model(obj).named_parameters(remove_duplicate=False):
+                if name not in ignored:
+                    params.add(id(param))
+    found: dict[int, tuple[Any, ...]] = {}
+
+    def note(tensor: Any, where: tuple[Any, ...]) -> None:
+        if type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided:
+            found.setdefault(tensor.untyped_storage()._cdata, where)
+
+    for name, obj in state.items():
+        if isinstance(obj, DistributedDataParallel):
+            ignored = set(getattr(obj, "parameters_to_ignore", ()) or ())
+            names = {n for n, _ in unwrap_model(obj).named_parameters(remove_duplicate=False)} - ignored
+            for key, tensor in payload[name].items():
+                if key in names:
+                    note(tensor, (name, key))
+        elif _plain_optimizer(obj):
+            index, indices = 0, set()
+            for group in obj.param_groups:
+                for param in group["params"]:
+                    if id(param) in params:
+                        indices.add(index)
+                    index += 1
+            for index, values in payload[name].get("state", {}).items():
+                if index in indices and isinstance(values, dict):
+                    for key, tensor in values.items():
+                        note(tensor, (name, "state", index, key))
+    return found
+
+
+def _plain_optimizer(obj: Any) -> bool:
+    # ZeroRedundancyOptimizer shards its state: a rank holds only its own part.
+    return isinstance(obj, torch.optim.Optimizer) and type(obj).__name__ != "ZeroRedundancyOptimizer"
+
+
+def make_plan(
+    location: Location, state: Mapping[str, Any], payload: Mapping[str, Any], *, on_cpu: bool = False
+) -> Plan:
+    """Rank 0: pickle ``payload``, assign every storage to a writer, lay out the file and
+    create its temporary file (full size, token at its start) next to ``location``."""
+    data_pkl, storages = pickle_payload(payload, on_cpu=on_cpu)
+    where = replicated(state, payload)
+    world = get_world_size()
+    load = [0] * world
+    writer: dict[str, int] = {}
+    spread = []
+    for key, storage in storages.items():
+        if storage.device.type not in ("cpu", "cuda") or storage._cdata not in where:
+            writer[key] = 0
+            load[0] += storage.nbytes()
+        else:
+            spread.append(key)
+    # Largest first onto the least loaded rank (ties: the lowest rank): within one storage of even.
+    for key in sorted(spread, key=lambda k: (-storages[k].nbytes(), int(k))):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        writer[key] = rank
+        load[rank] += storages[key].nbytes()
+    serial = str(secrets.randbits(128)).zfill(40)[:40]
+    small = {
+        "data.pkl": data_pkl,
+        ".format_version": b"1",
+        ".storage_alignment": b"64",
+        "byteorder": sys.byteorder.encode(),
+    }
+    tail = {"version": b"3\n", ".data/serialization_id": serial.encode()}
+    records = [(_PREFIX + n, len(b)) for n, b in small.items()]
+    records += [(f"{_PREFIX}data/{k}", s.nbytes()) for k, s in storages.items()]
+    records += [(_PREFIX + n, len(b)) for n, b in tail.items()]
+    zplan = ZipPlan(records)
+    first = len(small)
+    shares = [
+        Share(k, s.nbytes(), zplan.data_offsets[first + i], writer[k], where.get(s._cdata) if writer[k] else None)
+        for i, (k, s) in enumerate(storages.items())
+    ]
+    # Rank 0 also needs where its own replicated storages sit only to hash them (verify).
+    for share, storage in zip(shares, storages.values()):
+        if share.writer == 0 and storage._cdata in where:
+            share.where = where[storage._cdata]
+    content = {i: b for i, b in enumerate(small.values())}
+    content.update({len(records) - len(tail) + i: b for i, b in enumerate(tail.values())})
+    directory, name = os.path.split(os.path.abspath(location.path))
+    if not os.path.isdir(directory):
+        if os.path.exists(directory):
+            raise NotADirectoryError(f"cannot write {location}: {directory} is not a directory")
+        os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, tmp_name(name))
+    token = secrets.token_bytes(_TOKEN)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(token)
+            f.truncate(zplan.size)  # the full size now: a file size limit or a quota says so at once
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    return Plan(tmp, token, records, shares, small=content, storages=storages)
+
+
+# --- every rank: see, locate, write ----------------------------------------------------------------
+
+
+def adopt(plan: Plan, location: Location) -> Plan:
+    """The plan as this rank sees it: the temporary file in the directory *this* rank resolves
+    the path to (a relative path, or a node-local one, may name another directory than rank 0's)."""
+    directory = os.path.dirname(os.path.abspath(location.path))
+    plan.tmp = os.path.join(directory, os.path.basename(plan.tmp))
+    return plan
+
+
+def sees(plan: Plan) -> bool:
+    """Whether this rank sees rank 0's temporary file (the same directory)."""
+    try:
+        with open(plan.tmp, "rb") as f:
+            return f.read(_TOKEN) == plan.token
+    except OSError:
+        return False
+
+
+def locate(plan: Plan, state: Mapping[str, Any], shares: list[Share]) -> list[torch.UntypedStorage]:
+    """This rank's storages for ``shares``, found where the plan says they sit in ``state``."""
+    entries: dict[str, Any] = {}
+    found = []
+    for share in shares:
+        if share.where is None:
+            found.append(plan.storages[share.key])
+            continue
+        name, *keys = share.where
+        try:
+            if name not in entries:
+                entries[name] = state_entry(state[name])
+            node = entries[name]
+            for key in keys:
+                node = node[key]
+            storage = node.untyped_storage()
+        except (KeyError, IndexError, TypeError, AttributeError) as err:
+            raise CheckpointError(
+                f"rank {get_rank()} has no tensor at {describe(share.where)}, which rank 0 has ({err!r}): "
+                "the ranks passed different state to save(); pass the same entries on every rank"
+            ) from err
+        if storage.nbytes() != share.nbytes:
+            raise CheckpointError(
+                f"rank {get_rank()}'s {describe(share.where)} holds {storage.nbytes()} bytes, rank 0's "
+                f"{share.nbytes}: the ranks' models differ; pass the same model on every rank"
+            )
+        found.append(storage)
+    return found
+
+
+def host_bytes(storage: torch.UntypedStorage) -> memoryview:
+    """A storage's bytes on the CPU, without a copy when it is there already."""
+    if storage.device.type != "cpu":
+        storage = storage.cpu()  # type: ignore[no-untyped-call]
+    if storage.nbytes() == 0:
+        return memoryview(b"")
+    return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())  # type: ignore[arg-type]
+
+
+def digests(plan: Plan, state: Mapping[str, Any]) -> list[int]:
+    """CRC-32 of every replicated storage as this rank holds it (``verify_replicas``)."""
+    spread = [s for s in plan.shares if s.where is not None]
+    return [zlib.crc32(host_bytes(storage)) for storage in locate(plan, state, spread)]
+
+
+def compare_digests(plan: Plan, gathered: list[list[int]]) -> str | None:
+    """Which replicated tensor differs between which ranks, if any."""
+    spread = [s for s in plan.shares if s.where is not None]
+    for rank, theirs in enumerate(gathered[1:], start=1):
+        for share, mine, other in zip(spread, gathered[0], theirs):
+            if mine != other:
+                assert share.where is not None
+                return (
+                    f"{describe(share.where)} differs between rank 0 and rank {rank}, although DDP keeps it "
+                    "equal on every rank (was one rank's copy changed outside the training step?); nothing "
+                    "was written. Make the replicas agree, or save with writers='rank0' to store rank 0's"
+                )
+    return None
+
+
+def write_shares(plan: Plan, chunks: list[tuple[Share, Any]]) -> dict[str, int]:
+    """Write each share's bytes at its offset in the temporary file, fsync; CRC-32 by key.
+
+    ``chunks`` pairs each share with its storage (or a snapshot of it).
+    """
+    crcs: dict[str, int] = {}
+    fd = os.open(plan.tmp, os.O_WRONLY)
+    try:
+        for share, storage in chunks:
+            data = host_bytes(storage)
+            crcs[share.key] = zlib.crc32(data)
+            _pwrite_all(fd, data, share.offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return crcs
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    # One pwrite moves at most ~2 GiB on Linux; the rest goes in further calls.
+    data = data.cast("B")
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done : done + (1 << 30)], offset + done)
+
+
+# --- rank 0: the commit ----------------------------------------------------------------------------
+
+
+def commit(plan: Plan, path: str, crcs: dict[str, int]) -> int:
+    """Rank 0: headers, small records and central directory, fsync, rename, fsync the directory.
+
+    Returns the file's size.
+    """
+    zplan = ZipPlan(plan.records, force_zip64=plan.force_zip64)
+    by_key = {f"{_PREFIX}data/{k}": c for k, c in crcs.items()}
+    all_crcs = []
+    fd = os.open(plan.tmp, os.O_WRONLY)
+    try:
+        for index, (name, _) in enumerate(plan.records):
+            data = plan.small.get(index)
+            crc = zlib.crc32(data) if data is not None else by_key[name]
+            all_crcs.append(crc)
+            os.pwrite(fd, zplan.header(index, crc), zplan.header_offsets[index])
+            if data is not None:
+                os.pwrite(fd, data, zplan.data_offsets[index])
+        os.pwrite(fd, zplan.directory(all_crcs), zplan.directory_offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    directory, name = os.path.split(os.path.abspath(path))
+    os.replace(plan.tmp, os.path.join(directory, name))
+    fsync_dir(directory)
+    return zplan.size
+
+
+def discard(plan: Plan | None) -> None:
+    """Rank 0: remove the temporary file of a save that failed."""
+    if plan is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(plan.tmp)
+
+
+# --- async: each rank's share reported to rank 0's writer thread, through the group's store ---------
+
+
+def _share_key(plan: Plan, rank: int) -> str:
+    return f"ckptools/share/{plan.token.hex()}/{rank}"
+
+
+def report_share(plan: Plan, error: BaseException | None, crcs: dict[str, int]) -> None:
+    """A rank's writer thread: tell rank 0 its share is on disk (its CRC-32s) or what failed."""
+    text = None if error is None else f"{type(error).__name__}: {error}"
+    default_store().set(_share_key(plan, get_rank()), pickle.dumps((text, crcs)))
+
+
+def collect_shares(plan: Plan, abandoned: threading.Event) -> list[tuple[str | None, dict[str, int]]]:
+    """Rank 0's writer thread: every other rank's report, by rank (file I/O's pace: polled).
+
+    Gives up (raising `CheckpointError`) when ``abandoned`` is set, i.e. the main thread found a
+    peer dead, or after the process group's timeout.
+    """
+    store = default_store()
+    keys = [_share_key(plan, rank) for rank in range(1, get_world_size())]
+    deadline = time.monotonic() + collective_timeout().total_seconds()
+    pause = 0.001
+    while not store.check(keys):
+        if abandoned.is_set() or time.monotonic() > deadline:
+            missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
+            raise CheckpointError(f"rank {', '.join(missing)} never reported its share of the checkpoint")
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    replies = []
+    for key in keys:
+        replies.append(pickle.loads(store.get(key)))  # written by a rank of this job
+        store.delete_key(key)
+    return replies
+
+
+def first_error(gathered: list[Any], what: Callable[[Any], str | None]) -> str | None:
+    """The first rank's complaint among gathered replies, prefixed with its rank."""
+    for rank, reply in enumerate(gathered):
+        text = what(reply)
+        if text:
+            return f"rank {rank}: {text}"
+    return None

@@ -1,0 +1,285 @@
+"""``writers="all"``: every rank writes its share of the replicated tensors into the one torch file.
+
+Real gloo ranks on 127.0.0.1; the files are read back with ``torch.load(weights_only=True)`` and
+compared bit for bit with the file ``writers="rank0"`` writes from the same state.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import zipfile
+
+import numpy as np
+import pytest
+import torch
+from _dist import run_ranks
+
+import ckptools as ck
+from ckptools.codecs.trees import META_KEY
+from ckptools.storage import TMP_MARKER
+
+
+def _state(rank: int, seed_steps: int = 2) -> dict:
+    """A DDP model with BatchNorm (whose running statistics differ per rank), Adam after a few
+    steps on each rank's own data, a CPU GradScaler, a scheduler and plain values; each rank's
+    RNG differs."""
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(
+        torch.nn.Linear(8, 64),
+        torch.nn.BatchNorm1d(64),
+        torch.nn.ReLU(),
+        torch.nn.Linear(64, 64),
+        torch.nn.Linear(64, 64),
+    )
+    net[4].weight = net[3].weight  # tied: one storage under two names, stored once
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**rank)  # differs per rank: rank 0's is stored
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(seed_steps):
+        model(torch.randn(16, 8, generator=g)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+    torch.manual_seed(1000 + rank)
+    np.random.seed(1000 + rank)
+    return {"model": model, "optimizer": opt, "scheduler": sched, "scaler": scaler, "step": seed_steps, "rank": rank}
+
+
+def _count_writes() -> dict:
+    """Wrap ckptools' share writer to count the bytes this rank writes (the real writer runs)."""
+    import ckptools.saving as saving
+
+    counted = {"bytes": []}
+    real = saving.write_shares
+
+    def counting(plan, chunks):
+        counted["bytes"].append(sum(share.nbytes for share, _ in chunks))
+        return real(plan, chunks)
+
+    saving.write_shares = counting
+    return counted
+
+
+def _same_files(rank: int, world: int, directory: str) -> dict:
+    state = _state(rank)
+    counted = _count_writes()
+    ck.save(f"{directory}/rank0.pt", state, writers="rank0")
+    ck.save(f"{directory}/all.pt", state, writers="all", verify_replicas=True)
+    on_disk = sorted(os.listdir(directory))
+    # Async: the file holds the state as of the call, whatever training does before wait().
+    handle = ck.async_save(f"{directory}/async.pt", state, writers="all", verify_replicas=True)
+    from ckptools import background
+
+    snapshot = background._BUFFERS.nbytes
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.add_(1.0)
+    handle.wait()
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.sub_(1.0)
+    replicated = sum(p.numel() * p.element_size() for p in state["model"].parameters())
+    replicated += sum(
+        t.numel() * t.element_size() for s in state["optimizer"].state.values() for t in s.values() if t.numel() > 1
+    )
+    ck.release_snapshot_buffers()
+    return {"written": counted["bytes"], "on_disk": on_disk, "snapshot": snapshot, "replicated": replicated}
+
+
+def _assert_same(a, b, where="file"):
+    """Equal trees, tensors bit for bit (dtype, shape, strides, bytes)."""
+    if isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            if k != "created_unix":
+                _assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.stride(), a.device) == (b.dtype, b.shape, b.stride(), b.device), where
+        raw_a, raw_b = (t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
+        assert torch.equal(raw_a, raw_b), where
+    else:
+        assert a == b, (where, a, b)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_writes_its_share_into_one_file_equal_to_rank0s(tmp_path, world):
+    results = run_ranks(_same_files, world, str(tmp_path))
+    rank0 = torch.load(tmp_path / "rank0.pt", weights_only=True)
+    for name in ("all.pt", "async.pt"):
+        shared = torch.load(tmp_path / name, weights_only=True)
+        _assert_same(rank0, shared, name)
+        # A plain zip with every CRC-32 right, and ckptools' own check of it.
+        with zipfile.ZipFile(tmp_path / name) as z:
+            assert z.testzip() is None
+        assert "every record's CRC-32 matches" in ck.verify(tmp_path / name)
+        mapped = torch.load(tmp_path / name, weights_only=True, mmap=True)  # 64-byte aligned records
+        _assert_same(rank0, mapped, name)
+    # The rank-specific entries are rank 0's: its scaler, its BatchNorm statistics, every RNG.
+    assert rank0["scaler"]["scale"] == 1.0 and rank0["rank"] == 0
+    assert len(rank0[META_KEY]["rng"]) == world
+    # Every rank wrote its share, the same for the sync and the async save: the replicated
+    # tensors spread so that the ranks write about as much, within one tensor (64x64 float32)
+    # of even, rank 0 starting with what only it holds (buffers, every rank's RNG); and each
+    # rank's snapshot held its own share only.
+    written = [r["written"][0] for r in results]
+    assert all(r["written"] == [written[rank]] * 2 for rank, r in enumerate(results)), results
+    largest = 64 * 64 * 4
+    assert min(written) > 0 and max(written[1:]) - min(written[1:]) <= largest, written
+    assert written[0] + largest >= max(written[1:]), written
+    assert sum(written) >= results[0]["replicated"]
+    for rank, r in enumerate(results):
+        assert r["snapshot"] == written[rank], r
+    # Nothing left behind but the three files.
+    assert sorted(os.listdir(tmp_path)) == ["all.pt", "async.pt", "rank0.pt"]
+    assert all(r["on_disk"] == ["all.pt", "rank0.pt"] for r in results)
+
+
+def _node_local(rank: int, world: int, root: str) -> dict:
+    # The same relative path names a different directory on each rank, as a node-local one
+    # (/tmp, a local NVMe) does on each machine of a multi-node job.
+    os.makedirs(f"{root}/node{rank}/ckpt", exist_ok=True)
+    os.chdir(f"{root}/node{rank}")
+    state = _state(rank)
+    out = {}
+    try:
+        ck.save("ckpt/all.pt", state, writers="all")
+        out["all"] = "saved"
+    except ck.CheckpointError as err:
+        out["all"] = str(err)
+    out["auto"] = ck.save("ckpt/auto.pt", state)  # the default: "auto"
+    handle = ck.async_save("ckpt/async.pt", state, writers="auto")
+    out["async"] = handle.wait()
+    return out
+
+
+def test_ranks_that_do_not_share_the_directory_fall_back_to_rank0_or_refuse(tmp_path):
+    results = run_ranks(_node_local, 2, str(tmp_path))
+    for r in results:
+        assert "rank 1 cannot see the temporary file" in r["all"] and "writers='auto'" in r["all"], r
+        assert r["auto"] == "ckpt/auto.pt" and r["async"] == "ckpt/async.pt"
+    # Rank 0 wrote both files whole in its own directory; rank 1's holds nothing, not even a
+    # temporary file, and "all" wrote nothing anywhere.
+    assert sorted(os.listdir(tmp_path / "node0/ckpt")) == ["async.pt", "auto.pt"]
+    assert os.listdir(tmp_path / "node1/ckpt") == []
+    reference = torch.load(tmp_path / "node0/ckpt/auto.pt", weights_only=True)
+    assert reference["rank"] == 0 and "every record's CRC-32 matches" in ck.verify(tmp_path / "node0/ckpt/async.pt")
+
+
+def _diverged(rank: int, world: int, directory: str) -> dict:
+    state = _state(rank)
+    ck.save(f"{directory}/good.pt", state, writers="all", verify_replicas=True)
+    if rank == 1:
+        with torch.no_grad():
+            state["model"].module[3].weight[0, 0] += 1.0  # one rank's copy changed behind DDP's back
+    out = {}
+    for name, call in (("sync", ck.save), ("async", lambda *a, **k: ck.async_save(*a, **k).wait())):
+        try:
+            call(f"{directory}/bad-{name}.pt", state, writers="all", verify_replicas=True)
+            out[name] = "saved"
+        except ck.CheckpointError as err:
+            out[name] = str(err)
+    return out
+
+
+def test_replicas_that_differ_are_refused_on_every_rank(tmp_path):
+    results = run_ranks(_diverged, 2, str(tmp_path))
+    for r in results:
+        for name in ("sync", "async"):
+            assert "state['model']['3.weight'] differs between rank 0 and rank 1" in r[name], r
+    assert os.listdir(tmp_path) == ["good.pt"], "nothing written, the earlier file intact"
+    assert "every record's CRC-32 matches" in ck.verify(tmp_path / "good.pt")
+
+
+def _writer_trouble(rank: int, world: int, directory: str, victim: int, how: str) -> tuple[str, dict]:
+    import ckptools.saving as saving
+
+    state = _state(rank)
+    ck.save(f"{directory}/ckpt.pt", state, writers="all")
+    saved = {k: v.clone() for k, v in ck.unwrap_model(state["model"]).state_dict().items()}
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.add_(1.0)
+    real = saving.write_shares
+    if rank == victim:
+
+        def dies_midway(plan, chunks):
+            # Half of this rank's first record reaches the file, then the rank is gone (or its
+            # disk fails).
+            share = chunks[0][0]
+            fd = os.open(plan.tmp, os.O_WRONLY)
+            os.pwrite(fd, bytes(share.nbytes // 2), share.offset)
+            os.close(fd)
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(28, "No space left on device")
+
+        saving.write_shares = dies_midway
+    try:
+        ck.save(f"{directory}/ckpt.pt", state, writers="all")
+    except ck.CheckpointError as err:
+        return str(err), saved
+    finally:
+        saving.write_shares = real
+    return "saved", saved
+
+
+@pytest.mark.parametrize(
+    ("victim", "how"),
+    [(1, "kill"), (0, "kill"), (1, "fail"), (0, "fail")],
+    ids=["kill-rank1", "kill-rank0", "fail-rank1", "fail-rank0"],
+)
+def test_a_writer_that_dies_or_fails_leaves_the_previous_checkpoint_and_every_rank_raises(tmp_path, victim, how):
+    results = run_ranks(
+        _writer_trouble,
+        2,
+        str(tmp_path),
+        victim,
+        how,
+        may_die=frozenset({victim} if how == "kill" else ()),
+        pg_timeout=20,
+    )
+    survivors = [r for rank, r in enumerate(results) if not (how == "kill" and rank == victim)]
+    for message, _ in survivors:
+        assert message.startswith("saving checkpoint") or "checkpoint collective" in message, message
+        if how == "fail":
+            assert f"failed on rank {victim}: OSError" in message and "No space left" in message, message
+    # The previous checkpoint is intact: the state of the first save, not the failed one's.
+    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert "every record's CRC-32 matches" in ck.verify(tmp_path / "ckpt.pt")
+    # (Parameters: those are what every rank holds alike; a surviving rank 1's buffers are its own.)
+    params = {k: v for k, v in survivors[0][1].items() if "running" not in k and "batches" not in k}
+    _assert_same(params, {k: loaded["model"][k] for k in params})
+    # No temporary file stays behind while its writer lives; a killed rank 0's is left to the
+    # manager (its writer is gone), which removes it at its next save.
+    leftovers = [n for n in os.listdir(tmp_path) if TMP_MARKER in n]
+    assert leftovers == [] or (victim == 0 and how == "kill"), leftovers
+
+
+def _manager(rank: int, world: int, directory: str) -> list[str]:
+    state = _state(rank)
+    manager = ck.CheckpointManager(directory, keep_last=2)
+    for step in range(1, 5):
+        manager.save(state, step=step, blocking=step % 2 == 0, writers="all", verify_replicas=True)
+    manager.wait()
+    fresh = _state(rank, seed_steps=0)
+    manager.restore(fresh)
+    same = all(torch.equal(a, b) for a, b in zip(fresh["model"].parameters(), state["model"].parameters()))
+    return [*sorted(os.listdir(directory)), f"restored={same}"]
+
+
+def test_manager_saves_with_every_rank_writing_and_prunes(tmp_path):
+    results = run_ranks(_manager, 2, str(tmp_path))
+    assert results[0] == results[1] == ["ckpt-0000000003.pt", "ckpt-0000000004.pt", "restored=True"]
+
+
+def test_unknown_writers_value_is_refused():
+    with pytest.raises(ValueError, match="writers must be one of 'rank0', 'all', 'auto', got 'rank1'"):
+        ck.save("/tmp/never.pt", {"x": torch.ones(1)}, writers="rank1")
+    assert not os.path.exists("/tmp/never.pt")
