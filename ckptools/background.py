@@ -18,7 +18,7 @@ import torch
 
 from . import log
 from .devices import keep_view_bits
-from .dist import broadcast_object, get_rank
+from .dist import all_gather_object, broadcast_object, get_rank
 from .errors import CheckpointError
 
 __all__ = ["AsyncSave", "release_snapshot_buffers"]
@@ -165,8 +165,11 @@ class AsyncSave:
         self._error: BaseException | None = None
         self._outcome: str | None = None  # rank 0's failure text, shared by wait()
         self._finished = False
-        # Set when wait() gave up on this save (a peer died): rank 0's writer stops waiting for
-        # the other ranks' shares (writers="all") and removes its temporary file.
+        # writers="all": every rank writes a share and reports it to rank 0's writer (`reported`);
+        # `abandoned` is set when wait() gave up on the save (a peer died or never reported), so
+        # rank 0's writer stops waiting for the other ranks' shares and removes its temporary file.
+        self.shared = False
+        self.reported = False
         self.abandoned = threading.Event()
 
     def __repr__(self) -> str:
@@ -201,6 +204,17 @@ class AsyncSave:
         self._thread = threading.Thread(target=run, name="ckptools-async-save", daemon=False)
         self._thread.start()
 
+    def _meet(self) -> None:
+        """``writers="all"``: before rank 0 joins its writer, which waits for every other rank's
+        report, every rank meets once. The other ranks have joined their writers (so their reports
+        are in the store); a dead rank breaks this exchange (raised, and rank 0's writer told to
+        give up) instead of leaving rank 0 joined to a writer that waits for it."""
+        if get_rank() != 0:
+            self._join_thread()
+        unreported = all_gather_object(not self.reported)
+        if any(unreported):
+            self.abandoned.set()  # that rank's report will never come: rank 0's writer stops now
+
     def done(self) -> bool:
         """Whether this rank's part is finished: local, never blocks, never communicates.
 
@@ -234,14 +248,17 @@ class AsyncSave:
         """
         global _PENDING
         if not self._finished:
-            self._join_thread()
-            failure = None if self._error is None else _failure_text(self._error)
             try:
+                if self.shared:
+                    self._meet()
+                self._join_thread()
+                failure = None if self._error is None else _failure_text(self._error)
                 self._outcome = broadcast_object(failure if get_rank() == 0 else None)
                 self._finished = True
             finally:
                 if not self._finished:
                     self.abandoned.set()
+                    self._join_thread()  # rank 0's writer gives up at once and removes its file
                 # Even when the exchange itself broke (a peer died): the group is gone then, and
                 # every later call must not try to finish this save again.
                 if _PENDING is self:

@@ -28,12 +28,12 @@ from .sharing import (
     choose,
     collect_shares,
     commit,
-    compare_digests,
-    digests,
+    compare_replicas,
     discard,
     first_error,
     locate,
     make_plan,
+    replica_digests,
     report_share,
     sees,
     state_entry,
@@ -93,8 +93,11 @@ def save(
     does not, ``"all"`` raises on every rank before writing, while ``"auto"`` (the default)
     lets rank 0 write alone. Object stores, single processes and a ``state`` without a
     ``DistributedDataParallel`` entry (nothing known to be replicated) get rank 0's writer.
-    ``verify_replicas=True`` first checks (a CRC-32 of every shared tensor on every rank) that
-    the replicas really agree, and refuses to save if they do not.
+    ``verify_replicas=True`` first checks, whoever writes, that the replicated tensors really
+    agree (a CRC-32 of each, on every rank, compared in the exchange every save makes anyway;
+    a full read of them, copied to the CPU first on a GPU) and refuses to save on every rank,
+    naming the tensor, if they do not: a rank whose copy was changed outside the training step
+    would otherwise have its share stored as if it were everyone's.
 
     Args:
         path: file path or fsspec URL (``s3://bucket/run/step_100.pt``, ``memory://...``).
@@ -179,9 +182,9 @@ def save_with_hooks(
 ) -> str:
     """`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
     check_writers(writers)
-    start = _begin(path, state, metadata)
+    start = _begin(path, state, metadata, verify_replicas)
     sharing = choose(writers, start.location, state) == "all"
-    planned = _plan(start, state, before_write, writers, verify_replicas) if sharing else None
+    planned = _plan(start, state, before_write, writers) if sharing else None
     if planned is None:
         written = _on_rank0(start, state, lambda payload: _write(start.path, payload, before_write, start.written))
     else:
@@ -206,13 +209,19 @@ class _Start:
         self.written = False  # rank 0: whether before_write ran already (a fallback must not rerun it)
 
 
-def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any] | None) -> _Start:
+def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, verify: bool) -> _Start:
     """The collective part every save opens with: finish a save in flight, check the
-    arguments, gather every rank's RNG (before rank 0 does anything that could draw from it)."""
+    arguments, gather every rank's RNG (before rank 0 does anything that could draw from it)
+    and, with ``verify``, every rank's CRC-32s of the replicated tensors (the same exchange)."""
     background.finish_pending()
     started = time.monotonic()
     path, user_meta = _checked_args(path, state, metadata)
-    return _Start(path, user_meta, all_gather_object(rng.get_rng_state()), started)
+    gathered = all_gather_object((rng.get_rng_state(), replica_digests(state) if verify else None))
+    if verify:  # every rank has every rank's digests: the same verdict everywhere, no exchange
+        failure = compare_replicas([digests for _, digests in gathered])
+        if failure is not None:
+            raise CheckpointError(f"saving checkpoint {path} failed: {failure}; earlier checkpoints are untouched")
+    return _Start(path, user_meta, [rng_state for rng_state, _ in gathered], started)
 
 
 def _write(path: str, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:
@@ -241,7 +250,6 @@ def _plan(
     state: Mapping[str, Any],
     before_write: Callable[[], None] | None,
     writers: str,
-    verify: bool,
     *,
     on_cpu: bool = False,
 ) -> tuple[Plan, list[Any]] | None:
@@ -265,15 +273,11 @@ def _plan(
     _raise_outcome(outcome, error, start.path)
     plan = plan if plan is not None else adopt(sent, start.location)
     try:
-        seen, storages, problem, hashes = sees(plan), locate(plan, state, plan.mine()), None, None
-        if verify:
-            hashes = digests(plan, state)
+        seen, storages, problem = sees(plan), locate(plan, state, plan.mine()), None
     except CheckpointError as err:
-        seen, storages, problem, hashes = False, [], str(err), None
-    replies = _gathered(plan, (seen, problem, hashes))
+        seen, storages, problem = False, [], str(err)
+    replies = _gathered(plan, (seen, problem))
     failure = first_error(replies, lambda reply: reply[1])
-    if failure is None and verify:
-        failure = compare_digests(plan, [reply[2] for reply in replies])
     blind = [rank for rank, reply in enumerate(replies) if not reply[0] and reply[1] is None]
     if failure is None and blind and writers == "all":
         failure = (
@@ -406,9 +410,9 @@ def async_save_with_hooks(
     """`async_save`; ``before_write``/``after_write`` run on rank 0 around the write (file I/O),
     in its writer thread (``before_write`` on the main thread with ``writers="all"``)."""
     check_writers(writers)
-    start = _begin(path, state, metadata)
+    start = _begin(path, state, metadata, verify_replicas)
     planned = (
-        _plan(start, state, before_write, writers, verify_replicas, on_cpu=True)
+        _plan(start, state, before_write, writers, on_cpu=True)
         if choose(writers, start.location, state) == "all"
         else None
     )
@@ -423,6 +427,9 @@ def async_save_with_hooks(
         # This rank's share only, into the reused host buffers: 1/N of the state per rank.
         copies = background.take_snapshot([_whole(storage) for storage in storages])
         pairs = [(share, copy.untyped_storage()) for share, copy in zip(plan.mine(), copies)]
+        handle.shared = handle.reported = True  # rank 0 reports nothing (it collects)
+        if get_rank() != 0:
+            handle.reported = False
         background.start_writing(handle, lambda: _write_share(start, plan, pairs, handle), after_write)
     background.set_pending(handle)
     return handle
@@ -442,6 +449,7 @@ def _write_share(start: _Start, plan: Plan, pairs: list[Any], handle: background
         error = err
     if get_rank() != 0:
         report_share(plan, error, crcs)
+        handle.reported = True
         if error is not None:
             raise error
         return None

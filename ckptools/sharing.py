@@ -48,7 +48,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -198,12 +198,14 @@ def pickle_payload(payload: Any, *, on_cpu: bool = False) -> tuple[bytes, dict[s
     return buffer.getvalue(), storages
 
 
-def replicated(state: Mapping[str, Any], payload: Mapping[str, Any]) -> dict[int, tuple[Any, ...]]:
-    """Storages (by ``_cdata``) that every rank holds alike, each with where it sits in ``state``.
+def replicated_tensors(state: Mapping[str, Any], entries: Mapping[str, Any]) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """The tensors every rank holds alike, each with where it sits (entry, then keys), in an
+    order that depends only on the structure of ``state`` (the same on every rank).
 
     Replicated are the parameters of a ``DistributedDataParallel`` model (not those it was told
     to ignore) and an optimizer's state for those parameters. Buffers are not (BatchNorm
-    statistics differ per rank), nor is anything else.
+    statistics differ per rank), nor is anything else. ``entries`` are the state's entries as
+    saved (`state_entry`; rank 0's payload).
     """
     params: set[int] = set()
     for obj in state.values():
@@ -212,19 +214,17 @@ def replicated(state: Mapping[str, Any], payload: Mapping[str, Any]) -> dict[int
             for name, param in unwrap_model(obj).named_parameters(remove_duplicate=False):
                 if name not in ignored:
                     params.add(id(param))
-    found: dict[int, tuple[Any, ...]] = {}
 
-    def note(tensor: Any, where: tuple[Any, ...]) -> None:
-        if type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided:
-            found.setdefault(tensor.untyped_storage()._cdata, where)
+    def plain(tensor: Any) -> bool:
+        return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided
 
     for name, obj in state.items():
         if isinstance(obj, DistributedDataParallel):
             ignored = set(getattr(obj, "parameters_to_ignore", ()) or ())
             names = {n for n, _ in unwrap_model(obj).named_parameters(remove_duplicate=False)} - ignored
-            for key, tensor in payload[name].items():
-                if key in names:
-                    note(tensor, (name, key))
+            for key, tensor in entries[name].items():
+                if key in names and plain(tensor):
+                    yield (name, key), tensor
         elif _plain_optimizer(obj):
             index, indices = 0, set()
             for group in obj.param_groups:
@@ -232,11 +232,46 @@ def replicated(state: Mapping[str, Any], payload: Mapping[str, Any]) -> dict[int
                     if id(param) in params:
                         indices.add(index)
                     index += 1
-            for index, values in payload[name].get("state", {}).items():
+            for index, values in entries[name].get("state", {}).items():
                 if index in indices and isinstance(values, dict):
                     for key, tensor in values.items():
-                        note(tensor, (name, "state", index, key))
+                        if plain(tensor):
+                            yield (name, "state", index, key), tensor
+
+
+def replicated(state: Mapping[str, Any], payload: Mapping[str, Any]) -> dict[int, tuple[Any, ...]]:
+    """Storages (by ``_cdata``) of `replicated_tensors`, each with where it first sits."""
+    found: dict[int, tuple[Any, ...]] = {}
+    for where, tensor in replicated_tensors(state, payload):
+        found.setdefault(tensor.untyped_storage()._cdata, where)
     return found
+
+
+def replica_digests(state: Mapping[str, Any]) -> list[tuple[tuple[Any, ...], int]]:
+    """Each replicated tensor's place and the CRC-32 of its bytes as this rank holds it
+    (``verify_replicas``; a full read of them, on the CPU)."""
+    entries = {name: state_entry(obj) for name, obj in state.items() if isinstance(obj, DistributedDataParallel)}
+    entries.update({name: state_entry(obj) for name, obj in state.items() if _plain_optimizer(obj)})
+    found = []
+    for where, tensor in replicated_tensors(state, entries):
+        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0)
+        found.append((where, zlib.crc32(host_bytes(data.cpu().untyped_storage()))))
+    return found
+
+
+def compare_replicas(gathered: list[list[tuple[tuple[Any, ...], int]]]) -> str | None:
+    """Which replicated tensor differs between rank 0 and another rank, if any."""
+    for rank, theirs in enumerate(gathered[1:], start=1):
+        for (where, mine), (other_where, other) in zip(gathered[0], theirs):
+            if where != other_where or mine != other:
+                return (
+                    f"{describe(where)} differs between rank 0 and rank {rank}, although DDP keeps it equal on "
+                    "every rank (was one rank's copy changed outside the training step?); nothing was written. "
+                    "Make the replicas agree, or save without verify_replicas to store rank 0's"
+                )
+        if len(theirs) != len(gathered[0]):
+            return f"rank {rank} holds {len(theirs)} replicated tensors, rank 0 {len(gathered[0])}: the states differ"
+    return None
 
 
 def _plain_optimizer(obj: Any) -> bool:
@@ -366,27 +401,6 @@ def host_bytes(storage: torch.UntypedStorage) -> memoryview:
     return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())  # type: ignore[arg-type]
 
 
-def digests(plan: Plan, state: Mapping[str, Any]) -> list[int]:
-    """CRC-32 of every replicated storage as this rank holds it (``verify_replicas``)."""
-    spread = [s for s in plan.shares if s.where is not None]
-    return [zlib.crc32(host_bytes(storage)) for storage in locate(plan, state, spread)]
-
-
-def compare_digests(plan: Plan, gathered: list[list[int]]) -> str | None:
-    """Which replicated tensor differs between which ranks, if any."""
-    spread = [s for s in plan.shares if s.where is not None]
-    for rank, theirs in enumerate(gathered[1:], start=1):
-        for share, mine, other in zip(spread, gathered[0], theirs):
-            if mine != other:
-                assert share.where is not None
-                return (
-                    f"{describe(share.where)} differs between rank 0 and rank {rank}, although DDP keeps it "
-                    "equal on every rank (was one rank's copy changed outside the training step?); nothing "
-                    "was written. Make the replicas agree, or save with writers='rank0' to store rank 0's"
-                )
-    return None
-
-
 def write_shares(plan: Plan, chunks: list[tuple[Share, Any]]) -> dict[str, int]:
     """Write each share's bytes at its offset in the temporary file, fsync; CRC-32 by key.
 
@@ -471,10 +485,17 @@ def collect_shares(plan: Plan, abandoned: threading.Event) -> list[tuple[str | N
     """
     store = default_store()
     keys = [_share_key(plan, rank) for rank in range(1, get_world_size())]
-    deadline = time.monotonic() + collective_timeout().total_seconds()
+    started = time.monotonic()
+    deadline = started + collective_timeout().total_seconds()
     pause = 0.001
+    orphaned: float | None = None
     while not store.check(keys):
-        if abandoned.is_set() or time.monotonic() > deadline:
+        now = time.monotonic()
+        if orphaned is None and not threading.main_thread().is_alive():
+            # The program ended without wait(): the other ranks' writers still get as long as
+            # this one took (at least a minute), then the interpreter may exit.
+            orphaned = now + max(60.0, 3 * (now - started))
+        if abandoned.is_set() or now > deadline or (orphaned is not None and now > orphaned):
             missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
             raise CheckpointError(f"rank {', '.join(missing)} never reported its share of the checkpoint")
         time.sleep(pause)

@@ -178,6 +178,40 @@ def test_collective_save_and_restore_two_ranks(s3_env):
     assert _objects("ddp") == ["ckpt-0000000007.pt"]
 
 
+def _every_rank_asked_to_write_on_s3(rank: int, world: int, url: str) -> list[str]:
+    import warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ck.save(f"{url}/sync.pt", {"model": model}, writers="all", verify_replicas=True)
+        ck.async_save(f"{url}/async.pt", {"model": model}, writers="all").wait()
+        ck.save(f"{url}/auto.pt", {"model": model}, verify_replicas=True)  # "auto": rank 0, without a word
+        if rank == 1:
+            with torch.no_grad():
+                model.module.weight[0, 0] += 1
+        try:
+            ck.save(f"{url}/never.pt", {"model": model}, verify_replicas=True)
+        except ck.CheckpointError as err:  # whoever writes: the replicas are checked
+            caught.append(warnings.WarningMessage(str(err), UserWarning, "", 0))
+    return [str(w.message) for w in caught]
+
+
+def test_every_rank_writing_falls_back_to_rank0_on_s3(s3_env):
+    said = run_ranks(_every_rank_asked_to_write_on_s3, 2, f"s3://{BUCKET}/writers")
+    # An object store has no shared file to write at offsets: rank 0 uploads, and says so once.
+    assert len(said[0]) == 2 and "writers='all' writes local files only" in said[0][0], said
+    assert all("state['model']['weight'] differs between rank 0 and rank 1" in s[-1] for s in said), said
+    assert len(said[1]) == 1
+    assert _objects("writers") == ["async.pt", "auto.pt", "sync.pt"]  # no temporary object left
+    torch.manual_seed(0)
+    expected = torch.nn.Linear(64, 64).state_dict()
+    for name in ("async.pt", "auto.pt", "sync.pt"):
+        got = ck.load_state_dict(f"s3://{BUCKET}/writers/{name}")
+        assert all(torch.equal(got[k], expected[k]) for k in expected), name
+
+
 def test_cli_on_s3_urls(s3_env):
     src = f"s3://{BUCKET}/cli/ddp.pt"
     net = torch.nn.DataParallel(torch.nn.Linear(3, 2))

@@ -283,3 +283,52 @@ def test_unknown_writers_value_is_refused():
     with pytest.raises(ValueError, match="writers must be one of 'rank0', 'all', 'auto', got 'rank1'"):
         ck.save("/tmp/never.pt", {"x": torch.ones(1)}, writers="rank1")
     assert not os.path.exists("/tmp/never.pt")
+
+
+def _async_trouble(rank: int, world: int, directory: str, victim: int, how: str) -> tuple[str, dict]:
+    import ckptools.saving as saving
+
+    state = _state(rank)
+    ck.async_save(f"{directory}/ckpt.pt", state, writers="all").wait()
+    saved = {k: v.clone() for k, v in ck.unwrap_model(state["model"]).state_dict().items()}
+    real = saving.write_shares
+    if rank == victim:
+
+        def dies_midway(plan, chunks):  # in the writer thread
+            share = chunks[0][0]
+            fd = os.open(plan.tmp, os.O_WRONLY)
+            os.pwrite(fd, bytes(share.nbytes // 2), share.offset)
+            os.close(fd)
+            if how == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            raise OSError(28, "No space left on device")
+
+        saving.write_shares = dies_midway
+    handle = ck.async_save(f"{directory}/ckpt.pt", state, writers="all")
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.add_(1.0)  # training goes on
+    try:
+        handle.wait()
+    except ck.CheckpointError as err:
+        return str(err), saved
+    finally:
+        saving.write_shares = real
+    return "saved", saved
+
+
+@pytest.mark.parametrize(("victim", "how"), [(1, "kill"), (1, "fail"), (0, "fail")])
+def test_an_async_writer_that_dies_or_fails_leaves_the_previous_checkpoint(tmp_path, victim, how):
+    may_die = frozenset({victim} if how == "kill" else ())
+    results = run_ranks(_async_trouble, 2, str(tmp_path), victim, how, may_die=may_die, pg_timeout=20)
+    survivors = [r for rank, r in enumerate(results) if rank not in may_die]
+    for message, _ in survivors:
+        if how == "fail":  # every rank learns which rank failed, and why
+            assert f"in the background failed on rank {victim}: OSError" in message and "No space" in message, message
+        else:  # the dead peer breaks wait()'s exchange; rank 0's writer gives up on its share
+            assert "checkpoint collective with the other ranks failed" in message, message
+    loaded = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert "every record's CRC-32 matches" in ck.verify(tmp_path / "ckpt.pt")
+    params = {k: v for k, v in survivors[0][1].items() if "running" not in k and "batches" not in k}
+    _assert_same(params, {k: loaded["model"][k] for k in params})
+    assert [n for n in os.listdir(tmp_path) if TMP_MARKER in n] == [], "rank 0 removed its temporary file"
