@@ -6,7 +6,6 @@ raised on every rank. What is read back is `ckptools.loading`'s part.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -17,28 +16,13 @@ from . import background, log, rng
 from ._version import __version__
 from .codecs.trees import META_KEY
 from .devices import to_cpu
-from .dist import all_gather_object, broadcast_object, get_rank, get_world_size
-from .errors import CheckpointError, UnsafeStateError
+from .dist import all_gather_object, get_rank, get_world_size
+from .errors import CheckpointError
 from .layouts.safetensors_file import save_safetensors
+from .outcome import share_outcome
 from .serialization import check_loadable, save_file
-from .sharing import (
-    Plan,
-    adopt,
-    check_writers,
-    choose,
-    collect_shares,
-    commit,
-    compare_replicas,
-    discard,
-    first_error,
-    locate,
-    make_plan,
-    replica_digests,
-    report_share,
-    sees,
-    state_entry,
-    write_shares,
-)
+from .shared_write import plan_shares, whole_storage, write_and_commit, write_share_in_background
+from .sharing import check_writers, choose, compare_replicas, replica_digests, state_entry
 from .state_dict import strip_wrappers, unwrap_model
 from .storage import Location, PathLike, fspath, resolve
 
@@ -167,7 +151,7 @@ def save_weights(path: PathLike, model: Any, *, metadata: Mapping[str, str] | No
                 save_file(path, tensors)
         except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
             error = err
-    _share_outcome(error, path)
+    share_outcome(error, path)
     return path
 
 
@@ -183,19 +167,11 @@ def save_with_hooks(
     """`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
     check_writers(writers)
     start = _begin(path, state, metadata, verify_replicas)
-    sharing = choose(writers, start.location, state) == "all"
-    planned = _plan(start, state, before_write, writers) if sharing else None
+    planned = _shares(start, state, before_write, writers)
     if planned is None:
         written = _on_rank0(start, state, lambda payload: _write(start.path, payload, before_write, start.written))
     else:
-        plan, storages = planned
-        error: BaseException | None = None
-        crcs: dict[str, int] = {}
-        try:
-            crcs = write_shares(plan, list(zip(plan.mine(), storages)))
-        except Exception as err:  # noqa: BLE001 - gathered below and raised on every rank
-            error = err
-        written = _commit(start, plan, error, crcs)
+        written = write_and_commit(start.path, *planned)
     log.report("saved", start.path, start.started, written)
     return start.path
 
@@ -207,6 +183,25 @@ class _Start:
         self.path, self.user_meta, self.rng_states, self.started = path, user_meta, rng_states, started
         self.location: Location = resolve(path)
         self.written = False  # rank 0: whether before_write ran already (a fallback must not rerun it)
+
+    def payload(self, state: Mapping[str, Any]) -> Callable[[], dict[str, Any]]:
+        """Rank 0's way to build the checked payload of ``state`` (when it is needed)."""
+        return lambda: _payload(state, self.user_meta, self.rng_states)
+
+
+def _shares(
+    start: _Start,
+    state: Mapping[str, Any],
+    before_write: Callable[[], None] | None,
+    writers: str,
+    *,
+    on_cpu: bool = False,
+) -> tuple[Any, list[Any]] | None:
+    """The plan and this rank's storages when every rank writes its share, else None (rank 0 writes)."""
+    if choose(writers, start.location, state) != "all":
+        return None
+    start.written = True  # rank 0 runs before_write while planning, whatever comes of it
+    return plan_shares(start.location, state, start.payload(state), before_write, writers, on_cpu=on_cpu)
 
 
 def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, verify: bool) -> _Start:
@@ -241,98 +236,8 @@ def _on_rank0(start: _Start, state: Mapping[str, Any], then: Callable[[dict[str,
             result = then(_payload(state, start.user_meta, start.rng_states))
         except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
             error = err
-    _share_outcome(error, start.path)
+    share_outcome(error, start.path)
     return result
-
-
-def _plan(
-    start: _Start,
-    state: Mapping[str, Any],
-    before_write: Callable[[], None] | None,
-    writers: str,
-    *,
-    on_cpu: bool = False,
-) -> tuple[Plan, list[Any]] | None:
-    """``writers="all"``: rank 0 plans and every rank checks it can take part (two collectives).
-
-    Returns the plan and this rank's storages to write, or None when rank 0 is to write alone
-    (``"auto"`` and a directory some rank does not see). Raises on every rank otherwise.
-    """
-    plan: Plan | None = None
-    error: BaseException | None = None
-    if get_rank() == 0:
-        try:
-            payload = _payload(state, start.user_meta, start.rng_states)
-            if before_write is not None:
-                before_write()
-            start.written = True
-            plan = make_plan(start.location, state, payload, on_cpu=on_cpu)
-        except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
-            error = err
-    outcome, sent = broadcast_object((_outcome(error), plan))
-    _raise_outcome(outcome, error, start.path)
-    plan = plan if plan is not None else adopt(sent, start.location)
-    try:
-        seen, storages, problem = sees(plan), locate(plan, state, plan.mine()), None
-    except CheckpointError as err:
-        seen, storages, problem = False, [], str(err)
-    replies = _gathered(plan, (seen, problem))
-    failure = first_error(replies, lambda reply: reply[1])
-    blind = [rank for rank, reply in enumerate(replies) if not reply[0] and reply[1] is None]
-    if failure is None and blind and writers == "all":
-        failure = (
-            f"rank {', '.join(map(str, blind))} cannot see the temporary file rank 0 created in "
-            f"{os.path.dirname(plan.tmp)}, so not every rank can write into the one file (node-local "
-            "directory?); save to a directory every rank shares, or pass writers='auto' (rank 0 writes when "
-            "they do not share it) or writers='rank0'"
-        )
-    if (failure is not None or blind) and get_rank() == 0:
-        discard(plan)
-    if failure is not None:
-        raise CheckpointError(f"saving checkpoint {start.path} failed: {failure}; earlier checkpoints are untouched")
-    if blind:
-        log.warn(
-            f"rank {', '.join(map(str, blind))} cannot see {os.path.dirname(plan.tmp)}, where rank 0 saves: rank 0 "
-            "writes the checkpoint alone (writers='auto')",
-            once="writers-blind",
-        )
-        return None
-    return plan, storages
-
-
-def _gathered(plan: Plan | None, reply: Any) -> list[Any]:
-    """all_gather_object; rank 0 removes the temporary file first if the exchange breaks."""
-    try:
-        return all_gather_object(reply)
-    except BaseException:
-        if get_rank() == 0:
-            discard(plan)
-        raise
-
-
-def _commit(start: _Start, plan: Plan, error: BaseException | None, crcs: dict[str, int]) -> int | None:
-    """Every rank's write done (or failed): gather the CRC-32s, rank 0 commits or discards,
-    the outcome is raised on every rank (collective). Rank 0's file size."""
-    replies = _gathered(plan, (None if error is None else f"{type(error).__name__}: {error}", crcs))
-    failure: BaseException | None = None
-    written = None
-    if get_rank() == 0:
-        text = first_error(replies, lambda reply: reply[0])
-        if text is not None:
-            failure = _Failed(text)
-            discard(plan)
-        else:
-            try:
-                written = commit(plan, start.path, {k: v for reply in replies for k, v in reply[1].items()})
-            except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
-                discard(plan)
-                failure = err
-    _share_outcome(failure, start.path)
-    return written
-
-
-class _Failed(Exception):
-    """A failure on some rank, as rank 0 learnt it (its text starts with ``rank N:``)."""
 
 
 def async_save(
@@ -411,11 +316,7 @@ def async_save_with_hooks(
     in its writer thread (``before_write`` on the main thread with ``writers="all"``)."""
     check_writers(writers)
     start = _begin(path, state, metadata, verify_replicas)
-    planned = (
-        _plan(start, state, before_write, writers, on_cpu=True)
-        if choose(writers, start.location, state) == "all"
-        else None
-    )
+    planned = _shares(start, state, before_write, writers, on_cpu=True)
     handle = background.AsyncSave(start.path, start.started)
     if planned is None:
         snapshot = _on_rank0(start, state, background.take_snapshot)
@@ -425,50 +326,16 @@ def async_save_with_hooks(
     else:
         plan, storages = planned
         # This rank's share only, into the reused host buffers: 1/N of the state per rank.
-        copies = background.take_snapshot([_whole(storage) for storage in storages])
+        copies = background.take_snapshot([whole_storage(storage) for storage in storages])
         pairs = [(share, copy.untyped_storage()) for share, copy in zip(plan.mine(), copies)]
         handle.shared = handle.reported = True  # rank 0 reports nothing (it collects)
         if get_rank() != 0:
             handle.reported = False
-        background.start_writing(handle, lambda: _write_share(start, plan, pairs, handle), after_write)
+        background.start_writing(
+            handle, lambda: write_share_in_background(start.path, plan, pairs, handle), after_write
+        )
     background.set_pending(handle)
     return handle
-
-
-def _write_share(start: _Start, plan: Plan, pairs: list[Any], handle: background.AsyncSave) -> int | None:
-    """A writer thread, ``writers="all"``: write this rank's share; every rank but 0 reports it
-    through the store, rank 0 collects the reports and commits the file (or removes it).
-
-    No collective: the outcome reaches every rank at ``wait()``, from rank 0, as with one writer.
-    """
-    error: BaseException | None = None
-    crcs: dict[str, int] = {}
-    try:
-        crcs = write_shares(plan, pairs)
-    except Exception as err:  # noqa: BLE001 - reported below, raised on every rank by wait()
-        error = err
-    if get_rank() != 0:
-        report_share(plan, error, crcs)
-        handle.reported = True
-        if error is not None:
-            raise error
-        return None
-    try:
-        replies = [(None, crcs), *collect_shares(plan, handle.abandoned)]
-        if error is not None:
-            raise error
-        failure = first_error(replies, lambda reply: reply[0])
-        if failure is not None:
-            raise background.PeerFailure(failure)
-        return commit(plan, start.path, {k: v for reply in replies for k, v in reply[1].items()})
-    except BaseException:
-        discard(plan)
-        raise
-
-
-def _whole(storage: Any) -> torch.Tensor:
-    """A uint8 tensor over all of ``storage`` (so a snapshot copies the whole storage)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _checked_args(
@@ -502,38 +369,3 @@ def _payload(state: Mapping[str, Any], user_meta: dict[str, Any], rng_states: li
         "metadata": user_meta,
     }
     return payload
-
-
-def _outcome(error: BaseException | None) -> tuple[bool, str] | None:
-    """What every rank needs to raise ``error`` too: whether it is a refusal of the state, and its text."""
-    if error is None:
-        return None
-    if isinstance(error, UnsafeStateError):
-        return (True, str(error))
-    if isinstance(error, _Failed):
-        return (False, f"on {error}")
-    return (False, f"on rank 0: {type(error).__name__}: {error}")
-
-
-def _raise_outcome(outcome: tuple[bool, str] | None, error: BaseException | None, path: str) -> None:
-    """Raise the shared outcome (rank 0 chains its own ``error``)."""
-    if outcome is None:
-        return
-    unsafe, message = outcome
-    if unsafe:  # the same refusal on every rank: rank 0's own error, the others its text
-        if error is not None:
-            raise error
-        raise UnsafeStateError(message)
-    text = f"saving checkpoint {path} failed {message}; earlier checkpoints are untouched"
-    if error is not None and not isinstance(error, _Failed):
-        raise CheckpointError(text) from error
-    raise CheckpointError(text)
-
-
-def _share_outcome(error: BaseException | None, path: str) -> None:
-    """Raise rank 0's ``error`` on every rank (collective).
-
-    A failure on rank 0 surfaces everywhere at once instead of leaving the other ranks in a
-    barrier until the collective timeout.
-    """
-    _raise_outcome(broadcast_object(_outcome(error)), error, path)

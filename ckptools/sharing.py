@@ -45,10 +45,8 @@ import os
 import pickle
 import secrets
 import sys
-import threading
-import time
 import zlib
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,16 +55,15 @@ from torch.nn.parallel import DistributedDataParallel
 
 from . import log
 from .codecs.torchzip import ZipPlan
-from .dist import collective_timeout, default_store, get_rank, get_world_size
-from .errors import CheckpointError
+from .dist import get_rank, get_world_size
 from .state_dict import unwrap_model
-from .storage import Location, fsync_dir, tmp_name
+from .storage import Location, tmp_name
 
-__all__ = ["WRITERS", "Plan", "adopt", "choose", "make_plan"]
+__all__ = ["WRITERS", "Plan", "choose", "make_plan"]
 
 WRITERS = ("rank0", "all", "auto")
-_PREFIX = "archive/"
-_TOKEN = 16  # bytes of the token rank 0 writes at the temporary file's start
+PREFIX = "archive/"  # the folder torch.save puts every record in
+TOKEN_BYTES = 16  # bytes of the token rank 0 writes at the temporary file's start
 
 
 def check_writers(writers: str) -> None:
@@ -101,7 +98,7 @@ def choose(writers: str, location: Location, state: Mapping[str, Any]) -> str:
 @dataclass
 class Share:
     """One storage's record: written by rank ``writer`` at ``offset``; ``where`` names it in
-    ``state`` (entry, then keys) for the other ranks, None when only rank 0 holds it."""
+    ``state`` (entry, then keys) for that rank, None when rank 0 writes it (from the payload)."""
 
     key: str
     nbytes: int
@@ -247,6 +244,15 @@ def replicated(state: Mapping[str, Any], payload: Mapping[str, Any]) -> dict[int
     return found
 
 
+def host_bytes(storage: torch.UntypedStorage) -> memoryview:
+    """A storage's bytes on the CPU, without a copy when it is there already."""
+    if storage.device.type != "cpu":
+        storage = storage.cpu()  # type: ignore[no-untyped-call]
+    if storage.nbytes() == 0:
+        return memoryview(b"")
+    return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())  # type: ignore[arg-type]
+
+
 def replica_digests(state: Mapping[str, Any]) -> list[tuple[tuple[Any, ...], int]]:
     """Each replicated tensor's place and the CRC-32 of its bytes as this rank holds it
     (``verify_replicas``; a full read of them, on the CPU)."""
@@ -309,19 +315,15 @@ def make_plan(
         "byteorder": sys.byteorder.encode(),
     }
     tail = {"version": b"3\n", ".data/serialization_id": serial.encode()}
-    records = [(_PREFIX + n, len(b)) for n, b in small.items()]
-    records += [(f"{_PREFIX}data/{k}", s.nbytes()) for k, s in storages.items()]
-    records += [(_PREFIX + n, len(b)) for n, b in tail.items()]
+    records = [(PREFIX + n, len(b)) for n, b in small.items()]
+    records += [(f"{PREFIX}data/{k}", s.nbytes()) for k, s in storages.items()]
+    records += [(PREFIX + n, len(b)) for n, b in tail.items()]
     zplan = ZipPlan(records)
     first = len(small)
     shares = [
         Share(k, s.nbytes(), zplan.data_offsets[first + i], writer[k], where.get(s._cdata) if writer[k] else None)
         for i, (k, s) in enumerate(storages.items())
     ]
-    # Rank 0 also needs where its own replicated storages sit only to hash them (verify).
-    for share, storage in zip(shares, storages.values()):
-        if share.writer == 0 and storage._cdata in where:
-            share.where = where[storage._cdata]
     content = {i: b for i, b in enumerate(small.values())}
     content.update({len(records) - len(tail) + i: b for i, b in enumerate(tail.values())})
     directory, name = os.path.split(os.path.abspath(location.path))
@@ -330,7 +332,7 @@ def make_plan(
             raise NotADirectoryError(f"cannot write {location}: {directory} is not a directory")
         os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, tmp_name(name))
-    token = secrets.token_bytes(_TOKEN)
+    token = secrets.token_bytes(TOKEN_BYTES)
     try:
         with open(tmp, "wb") as f:
             f.write(token)
@@ -340,177 +342,3 @@ def make_plan(
             os.unlink(tmp)
         raise
     return Plan(tmp, token, records, shares, small=content, storages=storages)
-
-
-# --- every rank: see, locate, write ----------------------------------------------------------------
-
-
-def adopt(plan: Plan, location: Location) -> Plan:
-    """The plan as this rank sees it: the temporary file in the directory *this* rank resolves
-    the path to (a relative path, or a node-local one, may name another directory than rank 0's)."""
-    directory = os.path.dirname(os.path.abspath(location.path))
-    plan.tmp = os.path.join(directory, os.path.basename(plan.tmp))
-    return plan
-
-
-def sees(plan: Plan) -> bool:
-    """Whether this rank sees rank 0's temporary file (the same directory)."""
-    try:
-        with open(plan.tmp, "rb") as f:
-            return f.read(_TOKEN) == plan.token
-    except OSError:
-        return False
-
-
-def locate(plan: Plan, state: Mapping[str, Any], shares: list[Share]) -> list[torch.UntypedStorage]:
-    """This rank's storages for ``shares``, found where the plan says they sit in ``state``."""
-    entries: dict[str, Any] = {}
-    found = []
-    for share in shares:
-        if share.where is None:
-            found.append(plan.storages[share.key])
-            continue
-        name, *keys = share.where
-        try:
-            if name not in entries:
-                entries[name] = state_entry(state[name])
-            node = entries[name]
-            for key in keys:
-                node = node[key]
-            storage = node.untyped_storage()
-        except (KeyError, IndexError, TypeError, AttributeError) as err:
-            raise CheckpointError(
-                f"rank {get_rank()} has no tensor at {describe(share.where)}, which rank 0 has ({err!r}): "
-                "the ranks passed different state to save(); pass the same entries on every rank"
-            ) from err
-        if storage.nbytes() != share.nbytes:
-            raise CheckpointError(
-                f"rank {get_rank()}'s {describe(share.where)} holds {storage.nbytes()} bytes, rank 0's "
-                f"{share.nbytes}: the ranks' models differ; pass the same model on every rank"
-            )
-        found.append(storage)
-    return found
-
-
-def host_bytes(storage: torch.UntypedStorage) -> memoryview:
-    """A storage's bytes on the CPU, without a copy when it is there already."""
-    if storage.device.type != "cpu":
-        storage = storage.cpu()  # type: ignore[no-untyped-call]
-    if storage.nbytes() == 0:
-        return memoryview(b"")
-    return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())  # type: ignore[arg-type]
-
-
-def write_shares(plan: Plan, chunks: list[tuple[Share, Any]]) -> dict[str, int]:
-    """Write each share's bytes at its offset in the temporary file, fsync; CRC-32 by key.
-
-    ``chunks`` pairs each share with its storage (or a snapshot of it).
-    """
-    crcs: dict[str, int] = {}
-    fd = os.open(plan.tmp, os.O_WRONLY)
-    try:
-        for share, storage in chunks:
-            data = host_bytes(storage)
-            crcs[share.key] = zlib.crc32(data)
-            _pwrite_all(fd, data, share.offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return crcs
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    # One pwrite moves at most ~2 GiB on Linux; the rest goes in further calls.
-    data = data.cast("B")
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done : done + (1 << 30)], offset + done)
-
-
-# --- rank 0: the commit ----------------------------------------------------------------------------
-
-
-def commit(plan: Plan, path: str, crcs: dict[str, int]) -> int:
-    """Rank 0: headers, small records and central directory, fsync, rename, fsync the directory.
-
-    Returns the file's size.
-    """
-    zplan = ZipPlan(plan.records, force_zip64=plan.force_zip64)
-    by_key = {f"{_PREFIX}data/{k}": c for k, c in crcs.items()}
-    all_crcs = []
-    fd = os.open(plan.tmp, os.O_WRONLY)
-    try:
-        for index, (name, _) in enumerate(plan.records):
-            data = plan.small.get(index)
-            crc = zlib.crc32(data) if data is not None else by_key[name]
-            all_crcs.append(crc)
-            os.pwrite(fd, zplan.header(index, crc), zplan.header_offsets[index])
-            if data is not None:
-                os.pwrite(fd, data, zplan.data_offsets[index])
-        os.pwrite(fd, zplan.directory(all_crcs), zplan.directory_offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    directory, name = os.path.split(os.path.abspath(path))
-    os.replace(plan.tmp, os.path.join(directory, name))
-    fsync_dir(directory)
-    return zplan.size
-
-
-def discard(plan: Plan | None) -> None:
-    """Rank 0: remove the temporary file of a save that failed."""
-    if plan is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(plan.tmp)
-
-
-# --- async: each rank's share reported to rank 0's writer thread, through the group's store ---------
-
-
-def _share_key(plan: Plan, rank: int) -> str:
-    return f"ckptools/share/{plan.token.hex()}/{rank}"
-
-
-def report_share(plan: Plan, error: BaseException | None, crcs: dict[str, int]) -> None:
-    """A rank's writer thread: tell rank 0 its share is on disk (its CRC-32s) or what failed."""
-    text = None if error is None else f"{type(error).__name__}: {error}"
-    default_store().set(_share_key(plan, get_rank()), pickle.dumps((text, crcs)))
-
-
-def collect_shares(plan: Plan, abandoned: threading.Event) -> list[tuple[str | None, dict[str, int]]]:
-    """Rank 0's writer thread: every other rank's report, by rank (file I/O's pace: polled).
-
-    Gives up (raising `CheckpointError`) when ``abandoned`` is set, i.e. the main thread found a
-    peer dead, or after the process group's timeout.
-    """
-    store = default_store()
-    keys = [_share_key(plan, rank) for rank in range(1, get_world_size())]
-    started = time.monotonic()
-    deadline = started + collective_timeout().total_seconds()
-    pause = 0.001
-    orphaned: float | None = None
-    while not store.check(keys):
-        now = time.monotonic()
-        if orphaned is None and not threading.main_thread().is_alive():
-            # The program ended without wait(): the other ranks' writers still get as long as
-            # this one took (at least a minute), then the interpreter may exit.
-            orphaned = now + max(60.0, 3 * (now - started))
-        if abandoned.is_set() or now > deadline or (orphaned is not None and now > orphaned):
-            missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
-            raise CheckpointError(f"rank {', '.join(missing)} never reported its share of the checkpoint")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-    replies = []
-    for key in keys:
-        replies.append(pickle.loads(store.get(key)))  # written by a rank of this job
-        store.delete_key(key)
-    return replies
-
-
-def first_error(gathered: list[Any], what: Callable[[Any], str | None]) -> str | None:
-    """The first rank's complaint among gathered replies, prefixed with its rank."""
-    for rank, reply in enumerate(gathered):
-        text = what(reply)
-        if text:
-            return f"rank {rank}: {text}"
-    return None

@@ -50,7 +50,7 @@ def _state(rank: int, seed_steps: int = 2) -> dict:
 
 def _count_writes() -> dict:
     """Wrap ckptools' share writer to count the bytes this rank writes (the real writer runs)."""
-    import ckptools.saving as saving
+    import ckptools.shared_write as saving
 
     counted = {"bytes": []}
     real = saving.write_shares
@@ -198,7 +198,7 @@ def test_replicas_that_differ_are_refused_on_every_rank(tmp_path):
 
 
 def _writer_trouble(rank: int, world: int, directory: str, victim: int, how: str) -> tuple[str, dict]:
-    import ckptools.saving as saving
+    import ckptools.shared_write as saving
 
     state = _state(rank)
     ck.save(f"{directory}/ckpt.pt", state, writers="all")
@@ -286,7 +286,7 @@ def test_unknown_writers_value_is_refused():
 
 
 def _async_trouble(rank: int, world: int, directory: str, victim: int, how: str) -> tuple[str, dict]:
-    import ckptools.saving as saving
+    import ckptools.shared_write as saving
 
     state = _state(rank)
     ck.async_save(f"{directory}/ckpt.pt", state, writers="all").wait()
