@@ -38,12 +38,12 @@ def _throttle(mib: float) -> None:
     """Cap this process's checkpoint writes at ``mib`` MiB/s (both writers' paths)."""
     if mib <= 0:
         return
-    import ckptools.sharing as sharing
+    import ckptools.shared_write as shared_write
     import ckptools.storage as storage
 
     rate = mib * 2**20
     real_write = storage._WriteRecorder.write
-    real_pwrite = sharing.os.pwrite
+    real_pwrite = shared_write.os.pwrite
 
     def slow_write(self: Any, data: Any) -> int:
         started = time.perf_counter()
@@ -58,9 +58,9 @@ def _throttle(mib: float) -> None:
         return n
 
     storage._WriteRecorder.write = slow_write  # type: ignore[method-assign]
-    sharing.os = type(sys)("os_throttled")  # the sharing module's own view of os, pwrite slowed
-    sharing.os.__dict__.update(os.__dict__)
-    sharing.os.pwrite = slow_pwrite  # type: ignore[attr-defined]
+    shared_write.os = type(sys)("os_throttled")  # the module's own view of os, pwrite slowed
+    shared_write.os.__dict__.update(os.__dict__)
+    shared_write.os.pwrite = slow_pwrite  # type: ignore[attr-defined]
 
 
 def _rank(rank: int, world: int, port: int, args: Any, queue: Any) -> None:

@@ -20,6 +20,7 @@ from . import log
 from .devices import keep_view_bits
 from .dist import all_gather_object, broadcast_object, get_rank
 from .errors import CheckpointError
+from .outcome import RankFailure
 
 __all__ = ["AsyncSave", "release_snapshot_buffers"]
 
@@ -313,13 +314,9 @@ def start_writing(handle: AsyncSave, write: Callable[[], int | None], after: Cal
     handle._start_thread(write, after)
 
 
-class PeerFailure(Exception):
-    """A failure another rank reported to rank 0's writer; its text starts with ``rank N:``."""
-
-
 def _failure_text(error: BaseException) -> str:
     """``rank N: what failed``, for the message every rank raises."""
-    if isinstance(error, PeerFailure):
+    if isinstance(error, RankFailure):  # another rank's, reported to rank 0's writer
         return str(error)
     return f"rank 0: {type(error).__name__}: {error}"
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from . import log
-from .background import AsyncSave, PeerFailure
+from .background import AsyncSave
 from .codecs.torchzip import ZipPlan
 from .dist import all_gather_object, broadcast_object, collective_timeout, default_store, get_rank, get_world_size
 from .errors import CheckpointError
@@ -124,10 +124,10 @@ def commit(plan: Plan, path: str, crcs: dict[str, int]) -> int:
             data = plan.small.get(index)
             crc = zlib.crc32(data) if data is not None else by_key[name]
             all_crcs.append(crc)
-            os.pwrite(fd, zplan.header(index, crc), zplan.header_offsets[index])
+            _pwrite_all(fd, memoryview(zplan.header(index, crc)), zplan.header_offsets[index])
             if data is not None:
-                os.pwrite(fd, data, zplan.data_offsets[index])
-        os.pwrite(fd, zplan.directory(all_crcs), zplan.directory_offset)
+                _pwrite_all(fd, memoryview(data), zplan.data_offsets[index])
+        _pwrite_all(fd, memoryview(zplan.directory(all_crcs)), zplan.directory_offset)
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -323,7 +323,7 @@ def write_share_in_background(path: str, plan: Plan, pairs: list[Any], handle: A
             raise error
         failure = first_error(replies, lambda reply: reply[0])
         if failure is not None:
-            raise PeerFailure(failure)
+            raise RankFailure(failure)
         return commit(plan, path, {k: v for reply in replies for k, v in reply[1].items()})
     except BaseException:
         discard(plan)
