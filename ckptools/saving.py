@@ -21,7 +21,7 @@ from .errors import CheckpointError
 from .layouts.safetensors_file import save_safetensors
 from .outcome import share_outcome
 from .serialization import check_loadable, save_file
-from .shared_write import plan_shares, whole_storage, write_and_commit, write_share_in_background
+from .shared_write import plan_shares, whole_storage, write_alone, write_and_commit, write_share_in_background
 from .sharing import check_writers, choose, compare_replicas, replica_digests, state_entry
 from .state_dict import strip_wrappers, unwrap_model
 from .storage import Location, PathLike, fspath, resolve
@@ -220,9 +220,16 @@ def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any]
 
 
 def _write(path: str, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:
-    """Rank 0: housekeeping (unless it ran already), then the atomic write; the bytes written."""
+    """Rank 0: housekeeping (unless it ran already), then the atomic write; the bytes written.
+
+    A local file goes through the planned writer (`ckptools.shared_write.write_alone`: one
+    pwrite per storage, about 2x faster than torch.save through a file object); anything else
+    streams through ``torch.save`` (a multipart upload on S3)."""
     if before_write is not None and not ran:
         before_write()
+    location = resolve(path)
+    if location.local:
+        return write_alone(location, payload)
     return save_file(path, payload)
 
 

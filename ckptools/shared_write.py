@@ -8,10 +8,10 @@ group's store (`report_share`, `collect_shares`) since a background thread never
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import os
 import pickle
+import queue
 import threading
 import time
 import zlib
@@ -29,7 +29,14 @@ from .outcome import RankFailure, outcome_of, raise_outcome, share_outcome
 from .sharing import PREFIX, TOKEN_BYTES, Plan, Share, describe, host_bytes, make_plan, state_entry
 from .storage import Location, fsync_dir
 
-__all__ = ["commit_shares", "plan_shares", "write_and_commit", "write_share_in_background", "write_shares"]
+__all__ = [
+    "commit_shares",
+    "plan_shares",
+    "write_alone",
+    "write_and_commit",
+    "write_share_in_background",
+    "write_shares",
+]
 
 
 # --- every rank: see, locate, write ----------------------------------------------------------------
@@ -87,23 +94,70 @@ def write_shares(plan: Plan, chunks: list[tuple[Share, Any]]) -> dict[str, int]:
 
     ``chunks`` pairs each share with its storage (or a snapshot of it).
     """
+    checksums = _Checksums()
     fd = os.open(plan.tmp, os.O_WRONLY)
     try:
-        # The CRC-32s are computed by a helper thread while this one writes the same bytes: both
-        # release the GIL, so the checksum costs no time beside the write (it took ~25% of it).
-        with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptools-crc") as helper:
-            pending: list[tuple[str, concurrent.futures.Future[int]]] = []
-            for share, storage in chunks:
-                if len(pending) >= 2:
-                    pending[-2][1].result()  # at most two host copies (of GPU storages) in flight
-                data = host_bytes(storage)
-                pending.append((share.key, helper.submit(zlib.crc32, data)))
-                _pwrite_all(fd, data, share.offset)
-            crcs = {key: future.result() for key, future in pending}
+        for share, storage in chunks:
+            data = host_bytes(storage)
+            checksums.add(share.key, data)
+            _pwrite_all(fd, data, share.offset)
+        crcs = checksums.results()
         os.fsync(fd)
     finally:
+        checksums.close()
         os.close(fd)
     return crcs
+
+
+class _Checksums:
+    """CRC-32s computed by a helper thread while the caller writes the same bytes.
+
+    Both ``zlib.crc32`` and ``pwrite`` release the GIL, so the checksum costs no time beside the
+    write (done in turn, it took about a quarter of it). A plain thread, not an executor:
+    ``concurrent.futures`` refuses new work once the interpreter is exiting, which is exactly when
+    a script that returned with an async save in flight still writes its file; where no thread can
+    start at all, the checksums are computed inline. At most two buffers wait (host copies of GPU
+    storages are made one at a time).
+    """
+
+    def __init__(self) -> None:
+        self._done: dict[str, int] = {}
+        self._queue: queue.SimpleQueue[tuple[str, Any] | None] = queue.SimpleQueue()
+        self._room = threading.Semaphore(2)
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = threading.Thread(target=self._run, name="ckptools-crc", daemon=True)
+        try:
+            self._thread.start()
+        except RuntimeError:  # interpreter shutdown on a Python that refuses new threads then
+            self._thread = None
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            key, data = item
+            try:
+                self._done[key] = zlib.crc32(data)
+            except BaseException as err:  # noqa: BLE001 - raised by results()
+                self._error = err
+            self._room.release()
+
+    def add(self, key: str, data: Any) -> None:
+        if self._thread is None:
+            self._done[key] = zlib.crc32(data)
+            return
+        self._room.acquire()
+        self._queue.put((key, data))
+
+    def results(self) -> dict[str, int]:
+        self.close()
+        if self._error is not None:
+            raise self._error
+        return self._done
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -142,6 +196,23 @@ def commit(plan: Plan, path: str, crcs: dict[str, int]) -> int:
     os.replace(plan.tmp, os.path.join(directory, name))
     fsync_dir(directory)
     return zplan.size
+
+
+def write_alone(location: Location, payload: Mapping[str, Any]) -> int:
+    """Rank 0 writes all of ``payload`` to a local file through the planned writer, no exchange.
+
+    The same file ``torch.save`` would write, atomically (temporary name, fsync, rename,
+    directory fsync), but each storage goes to disk with one ``pwrite`` straight from the
+    tensor's memory, its CRC-32 computed beside it: measured 1.08x ``cp`` + ``sync`` of the same
+    1 GiB (median of 7), where ``torch.save`` through a file object took 2.6x. Returns the size.
+    """
+    plan = make_plan(location, payload, payload, alone=True)
+    try:
+        crcs = write_shares(plan, [(share, plan.storages[share.key]) for share in plan.shares])
+        return commit(plan, location.path, crcs)
+    except BaseException:
+        discard(plan)
+        raise
 
 
 def discard(plan: Plan | None) -> None:

@@ -286,13 +286,19 @@ def _plain_optimizer(obj: Any) -> bool:
 
 
 def make_plan(
-    location: Location, state: Mapping[str, Any], payload: Mapping[str, Any], *, on_cpu: bool = False
+    location: Location,
+    state: Mapping[str, Any],
+    payload: Mapping[str, Any],
+    *,
+    on_cpu: bool = False,
+    alone: bool = False,
 ) -> Plan:
-    """Rank 0: pickle ``payload``, assign every storage to a writer, lay out the file and
-    create its temporary file (full size, token at its start) next to ``location``."""
+    """Rank 0: pickle ``payload``, assign every storage to a writer (all to rank 0 when
+    ``alone``), lay out the file and create its temporary file (full size, token at its start)
+    next to ``location``."""
     data_pkl, storages = pickle_payload(payload, on_cpu=on_cpu)
-    where = replicated(state, payload)
-    world = get_world_size()
+    where = {} if alone else replicated(state, payload)
+    world = 1 if alone else get_world_size()
     load = [0] * world
     writer: dict[str, int] = {}
     spread = []
