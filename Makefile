@@ -94,7 +94,8 @@ golden: interop
 # saves, DCP's async_save and the copy floor; the preemption check's cost; the reference loop's
 # throughput with no, sync and async checkpoints, and a preemption's exit time and steps lost; resuming
 # with every rank reading vs broadcast=True; the peak memory of a 1 GiB save to S3 (moto); resume memory
-# and time of ck.load against torch.load for 1 and 4 GiB; what ck.SeededDataset costs per item and per step.
+# and time of ck.load against torch.load for 1 and 4 GiB; what ck.SeededDataset costs per item and per step;
+# writers="all" against "rank0" with 1, 2 and 4 ranks (plain, and each writer throttled to 200 MiB/s).
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py --gib 1
 	$(PY) benchmarks/bench_cli.py --gib 1
@@ -103,6 +104,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_broadcast.py --gib 1 --nproc 2 4
 	$(PY) benchmarks/bench_s3.py --gib 1
+	$(PY) benchmarks/bench_writers.py --gib 1 --ranks 1 2 4
+	$(PY) benchmarks/bench_writers.py --gib 1 --ranks 1 2 4 --repeat 2 --throttle-mib 200
 	$(PY) benchmarks/bench_resume.py --gib 1 4
 	$(PY) benchmarks/bench_seeded.py
 
