@@ -25,6 +25,7 @@ def _best(fn, repeat: int) -> float:
     """The median wall time of ``repeat`` runs (the name is kept for the callers below)."""
     times = []
     for _ in range(repeat):
+        os.sync()  # every run starts with nothing of the previous ones still being written back
         start = time.perf_counter()
         fn()
         times.append(time.perf_counter() - start)

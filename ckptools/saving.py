@@ -223,8 +223,9 @@ def _write(path: str, payload: Any, before_write: Callable[[], None] | None, ran
     """Rank 0: housekeeping (unless it ran already), then the atomic write; the bytes written.
 
     A local file goes through the planned writer (`ckptools.shared_write.write_alone`: one
-    pwrite per storage, about 2x faster than torch.save through a file object); anything else
-    streams through ``torch.save`` (a multipart upload on S3)."""
+    pwrite per storage from the tensors' memory, the file ``writers="all"`` writes; see
+    docs/guides/writers.md for the figures); anything else streams through ``torch.save``
+    (a multipart upload on S3)."""
     if before_write is not None and not ran:
         before_write()
     location = resolve(path)
