@@ -160,3 +160,18 @@ def test_reading_a_file_and_every_codec_need_no_torch(tmp_path):
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
+
+
+def test_the_wheel_lists_every_subpackage():
+    # setuptools puts into the wheel only the packages pyproject names: a subpackage missing from
+    # the list is missing from every install but an editable one (`ckpt` then fails at start with
+    # "No module named 'ckptools.cli'"; `make dist` caught it, the editable test venv could not).
+    from pathlib import Path
+
+    import pytest
+
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml itself")
+    root = Path(__file__).resolve().parent.parent
+    listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    on_disk = {".".join(init.parent.relative_to(root).parts) for init in (root / "ckptools").rglob("__init__.py")}
+    assert listed == on_disk, (sorted(on_disk - listed), sorted(listed - on_disk))
