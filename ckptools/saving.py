@@ -169,7 +169,7 @@ def save_with_hooks(
     start = _begin(path, state, metadata, verify_replicas)
     planned = _shares(start, state, before_write, writers)
     if planned is None:
-        written = _on_rank0(start, state, lambda payload: _write(start.path, payload, before_write, start.written))
+        written = _on_rank0(start, state, lambda payload: _write(start.location, payload, before_write, start.written))
     else:
         written = write_and_commit(start.path, *planned)
     log.report("saved", start.path, start.started, written)
@@ -219,7 +219,7 @@ def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any]
     return _Start(path, user_meta, [rng_state for rng_state, _ in gathered], started)
 
 
-def _write(path: str, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:
+def _write(location: Location, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:
     """Rank 0: housekeeping (unless it ran already), then the atomic write; the bytes written.
 
     A local file goes through the planned writer (`ckptools.shared_write.write_alone`: one
@@ -228,10 +228,9 @@ def _write(path: str, payload: Any, before_write: Callable[[], None] | None, ran
     (a multipart upload on S3)."""
     if before_write is not None and not ran:
         before_write()
-    location = resolve(path)
-    if location.local:
+    if location.local:  # the save's path, resolved once by _begin
         return write_alone(location, payload)
-    return save_file(path, payload)
+    return save_file(location, payload)
 
 
 def _on_rank0(start: _Start, state: Mapping[str, Any], then: Callable[[dict[str, Any]], Any]) -> Any:
@@ -330,7 +329,7 @@ def async_save_with_hooks(
         snapshot = _on_rank0(start, state, background.take_snapshot)
         if get_rank() == 0:
             ran = start.written
-            background.start_writing(handle, lambda: _write(start.path, snapshot, before_write, ran), after_write)
+            background.start_writing(handle, lambda: _write(start.location, snapshot, before_write, ran), after_write)
     else:
         plan, storages = planned
         # This rank's share only, into the reused host buffers: 1/N of the state per rank.

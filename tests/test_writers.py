@@ -50,16 +50,16 @@ def _state(rank: int, seed_steps: int = 2) -> dict:
 
 def _count_writes() -> dict:
     """Wrap ckptools' share writer to count the bytes this rank writes (the real writer runs)."""
-    import ckptools.shared_write as saving
+    import ckptools.shared_write as shared_write
 
     counted = {"bytes": []}
-    real = saving.write_shares
+    real = shared_write.write_shares
 
     def counting(plan, chunks):
         counted["bytes"].append(sum(share.nbytes for share, _ in chunks))
         return real(plan, chunks)
 
-    saving.write_shares = counting
+    shared_write.write_shares = counting
     return counted
 
 
@@ -199,8 +199,24 @@ def test_replicas_that_differ_are_refused_on_every_rank(tmp_path):
     assert "every record's CRC-32 matches" in ck.verify(tmp_path / "good.pt")
 
 
+def _dies_midway(how: str):
+    """A stand-in for a rank's ``write_shares``: half of its first record reaches the file, then
+    the rank is gone (``how="kill"``: SIGKILL) or its disk fails (ENOSPC)."""
+
+    def write_shares(plan, chunks):
+        share = chunks[0][0]
+        fd = os.open(plan.tmp, os.O_WRONLY)
+        os.pwrite(fd, bytes(share.nbytes // 2), share.offset)
+        os.close(fd)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(28, "No space left on device")
+
+    return write_shares
+
+
 def _writer_trouble(rank: int, world: int, directory: str, victim: int, how: str) -> tuple[str, dict]:
-    import ckptools.shared_write as saving
+    import ckptools.shared_write as shared_write
 
     state = _state(rank)
     ck.save(f"{directory}/ckpt.pt", state, writers="all")
@@ -208,27 +224,15 @@ def _writer_trouble(rank: int, world: int, directory: str, victim: int, how: str
     with torch.no_grad():
         for p in state["model"].parameters():
             p.add_(1.0)
-    real = saving.write_shares
+    real = shared_write.write_shares
     if rank == victim:
-
-        def dies_midway(plan, chunks):
-            # Half of this rank's first record reaches the file, then the rank is gone (or its
-            # disk fails).
-            share = chunks[0][0]
-            fd = os.open(plan.tmp, os.O_WRONLY)
-            os.pwrite(fd, bytes(share.nbytes // 2), share.offset)
-            os.close(fd)
-            if how == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise OSError(28, "No space left on device")
-
-        saving.write_shares = dies_midway
+        shared_write.write_shares = _dies_midway(how)
     try:
         ck.save(f"{directory}/ckpt.pt", state, writers="all")
     except ck.CheckpointError as err:
         return str(err), saved
     finally:
-        saving.write_shares = real
+        shared_write.write_shares = real
     return "saved", saved
 
 
@@ -288,24 +292,14 @@ def test_unknown_writers_value_is_refused():
 
 
 def _async_trouble(rank: int, world: int, directory: str, victim: int, how: str) -> tuple[str, dict]:
-    import ckptools.shared_write as saving
+    import ckptools.shared_write as shared_write
 
     state = _state(rank)
     ck.async_save(f"{directory}/ckpt.pt", state, writers="all").wait()
     saved = {k: v.clone() for k, v in ck.unwrap_model(state["model"]).state_dict().items()}
-    real = saving.write_shares
+    real = shared_write.write_shares
     if rank == victim:
-
-        def dies_midway(plan, chunks):  # in the writer thread
-            share = chunks[0][0]
-            fd = os.open(plan.tmp, os.O_WRONLY)
-            os.pwrite(fd, bytes(share.nbytes // 2), share.offset)
-            os.close(fd)
-            if how == "kill":
-                os.kill(os.getpid(), signal.SIGKILL)
-            raise OSError(28, "No space left on device")
-
-        saving.write_shares = dies_midway
+        shared_write.write_shares = _dies_midway(how)  # runs in the writer thread
     handle = ck.async_save(f"{directory}/ckpt.pt", state, writers="all")
     with torch.no_grad():
         for p in state["model"].parameters():
@@ -315,7 +309,7 @@ def _async_trouble(rank: int, world: int, directory: str, victim: int, how: str)
     except ck.CheckpointError as err:
         return str(err), saved
     finally:
-        saving.write_shares = real
+        shared_write.write_shares = real
     return "saved", saved
 
 
