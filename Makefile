@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 venv: $(STAMP)
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" -n auto --dist worksteal
+	$(PY) -m pytest -q -m "not slow" -n auto --dist load --maxschedchunk 2
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check ckptools tests examples benchmarks

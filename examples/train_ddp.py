@@ -57,8 +57,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--fail-at-step",
         type=int,
-        default=None,
-        help="one rank os._exit()s right after this step, in a launch that started fresh, on torchrun's first attempt",
+        nargs="+",
+        default=[],
+        help="one rank os._exit()s right after this step, in a launch that started fresh, on torchrun's first "
+        "attempt; with several steps, torchrun's attempt k dies after the k-th (one launch, several crashes)",
     )
     p.add_argument("--fail-rank", type=int, default=None, help="which rank dies (default: the last)")
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=False, help="fp16 on GPU, bf16 on CPU")
@@ -303,10 +305,10 @@ def main(argv: list[str] | None = None) -> NoReturn:
                 augmented.flush()
             if step % args.log_every == 0:
                 log(f"epoch {epoch} step {step} loss {loss.item():.4f} lr {scheduler.get_last_lr()[0]:.5f}")
-            # A simulated crash fires once: not after torchrun restarted the job (attempt > 0) and
-            # not in a relaunch that resumed, so `--max-restarts=0` followed by the same command
-            # again recovers too.
-            if args.fail_at_step == step and attempt == 0 and ckpt is None and rank == _fail_rank(args, world):
+            # A simulated crash fires once per attempt listed: torchrun's attempt k dies after the
+            # k-th step given, and a relaunch that resumed never dies, so `--max-restarts=0`
+            # followed by the same command again recovers too.
+            if _fails_now(args, attempt, step, fresh=ckpt is None) and rank == _fail_rank(args, world):
                 print(f"[rank{rank}] simulated crash right after step {step}", flush=True)
                 os._exit(17)  # abrupt: no cleanup, no save, like a killed process
             if args.step_seconds:
@@ -346,6 +348,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
     # Leave from here, while `ddp` is still referenced: returning would free it, and freeing the
     # DDP model destroys the process group, which can hang (see ck.exit_process).
     ck.exit_process(0)
+
+
+def _fails_now(args: argparse.Namespace, attempt: int, step: int, fresh: bool) -> bool:
+    planned = args.fail_at_step
+    return attempt < len(planned) and planned[attempt] == step and (fresh or attempt > 0)
 
 
 def _fail_rank(args: argparse.Namespace, world: int) -> int:

@@ -70,7 +70,9 @@ def _no_async_save_left():
 
 # The slowest tests (whole launches under torchrun, kill loops, moto) run first: with pytest-xdist
 # the last minutes of `make test` are then short tests that spread over every worker, instead of
-# one worker finishing a long end-to-end run while the others idle.
+# one worker finishing a long end-to-end run while the others idle. The Makefile hands tests out
+# two at a time in this order (`--dist load --maxschedchunk 2`): `worksteal` gave the first half
+# of the list, every slow test, to one worker, and the other stole from its end.
 _SLOW_FIRST = ("test_train_ddp_e2e.py", "test_quickstart_e2e.py", "test_s3.py", "test_crash.py", "test_faults.py")
 
 

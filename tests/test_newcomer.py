@@ -92,18 +92,19 @@ def test_info_at_80_columns_shows_every_name_whole_and_says_when_a_list_is_cut(t
 def test_diff_says_one_line_when_all_match_and_shows_the_table_when_not(tmp_path):
     weights = {f"block{i}.weight": torch.full((2,), float(i)) for i in range(5)}
     torch.save(weights, tmp_path / "a.pt")
+    # The CLI in this process (the installed command's output is test_cli.py's): no torch import per diff.
     safetensors.torch.save_file(weights, tmp_path / "b.safetensors")
-    same = _cli("diff", tmp_path / "a.pt", tmp_path / "b.safetensors")
-    assert same.returncode == 0
+    same = _run("diff", tmp_path / "a.pt", tmp_path / "b.safetensors")
+    assert same.exit_code == 0
     assert "5 common tensors equal bit for bit" in same.stdout and "block0.weight" not in same.stdout
-    verbose = _cli("diff", "--verbose", tmp_path / "a.pt", tmp_path / "b.safetensors")
-    assert verbose.returncode == 0 and all(name in verbose.stdout for name in weights)
+    verbose = _run("diff", "--verbose", tmp_path / "a.pt", tmp_path / "b.safetensors")
+    assert verbose.exit_code == 0 and all(name in verbose.stdout for name in weights)
     weights["block3.weight"] = weights["block3.weight"] + 1
     torch.save(weights, tmp_path / "c.pt")
-    differ = _cli("diff", tmp_path / "a.pt", tmp_path / "c.pt")
-    assert differ.returncode == 1 and all(name in differ.stdout for name in weights)
-    close = _cli("diff", "--atol", "2", tmp_path / "a.pt", tmp_path / "c.pt")
-    assert close.returncode == 0 and "within atol=2 (largest |a-b| 1)" in close.stdout
+    differ = _run("diff", tmp_path / "a.pt", tmp_path / "c.pt")
+    assert differ.exit_code == 1 and all(name in differ.stdout for name in weights)
+    close = _run("diff", "--atol", "2", tmp_path / "a.pt", tmp_path / "c.pt")
+    assert close.exit_code == 0 and "within atol=2 (largest |a-b| 1)" in close.stdout
 
 
 # --- 4. a file that is no checkpoint is said to be what it is --------------------------------------

@@ -143,7 +143,10 @@ def uninterrupted(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize(("page", "num_workers"), [("guide", 0), ("guide", 2), ("readme", 0)])
+# The guide's script is killed with 2 DataLoader workers and held against its run with 0 (the
+# uninterrupted one); the README's runs with 0 both times. So each script and both worker
+# counts are in, without a third pair of launches.
+@pytest.mark.parametrize(("page", "num_workers"), [("guide", 2), ("readme", 0)])
 def test_quickstart_killed_and_relaunched_is_bit_exact(tmp_path, uninterrupted, page, num_workers):
     script = tmp_path / "train.py"
     script.write_text(fill_in(quickstart(page), num_workers, page))

@@ -15,6 +15,8 @@ import urllib.request
 
 import pytest
 import torch
+from click.testing import Result
+from typer.testing import CliRunner
 
 pytest.importorskip("s3fs", reason="the s3 extra is not installed: pip install 'ckptools[s3]'")
 pytest.importorskip("moto.server", reason="moto[server] is not installed (it comes with the dev extra)")
@@ -23,6 +25,7 @@ from _dist import free_port, run_ranks
 from _killer import kill_loop
 
 import ckptools as ck
+from ckptools.cli import app
 
 BUCKET = "ckpt-test"
 CKPT = shutil.which("ckpt") or os.path.join(os.path.dirname(sys.executable), "ckpt")
@@ -217,22 +220,24 @@ def test_cli_on_s3_urls(s3_env):
     net = torch.nn.DataParallel(torch.nn.Linear(3, 2))
     ck.save(src, {"state_dict": net.state_dict(), "epoch": 2})
     env = {**os.environ, **s3_env}
-
-    def ckpt(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([CKPT, *args], capture_output=True, text=True, env=env, timeout=120)
-
-    info = ckpt("info", src)
+    # The installed command in a process of its own, once; then the CLI's code in this process
+    # (s3_env points it at the same server), without importing torch and s3fs per command.
+    info = subprocess.run([CKPT, "info", src], capture_output=True, text=True, env=env, timeout=120)
     assert info.returncode == 0 and "module.weight" in info.stdout, info.stderr
+
+    def ckpt(*args: str) -> Result:
+        return CliRunner().invoke(app, list(args))
+
     checked = ckpt("verify", src)
-    assert checked.returncode == 0 and "every record's CRC-32 matches" in checked.stdout, checked.stderr
-    assert ckpt("strip-module", src, "-o", f"s3://{BUCKET}/cli/clean.pt").returncode == 0
+    assert checked.exit_code == 0 and "every record's CRC-32 matches" in checked.stdout, checked.stderr
+    assert ckpt("strip-module", src, "-o", f"s3://{BUCKET}/cli/clean.pt").exit_code == 0
     assert list(ck.load_state_dict(f"s3://{BUCKET}/cli/clean.pt", strip=None)) == ["weight", "bias"]
-    assert ckpt("convert", src, f"s3://{BUCKET}/cli/model.safetensors").returncode == 0
+    assert ckpt("convert", src, f"s3://{BUCKET}/cli/model.safetensors").exit_code == 0
     verify = ckpt("verify", f"s3://{BUCKET}/cli/model.safetensors")
-    assert verify.returncode == 0 and "CRC-32s match" in verify.stdout, verify.stdout + verify.stderr
-    assert ckpt("diff", src, f"s3://{BUCKET}/cli/model.safetensors").returncode == 0
+    assert verify.exit_code == 0 and "CRC-32s match" in verify.stdout, verify.stdout + verify.stderr
+    assert ckpt("diff", src, f"s3://{BUCKET}/cli/model.safetensors").exit_code == 0
     missing = ckpt("info", f"s3://{BUCKET}/cli/missing.pt")
-    assert missing.returncode == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
+    assert missing.exit_code == 2 and len(missing.stderr.strip().splitlines()) == 1, missing.stderr
     assert "missing.pt" in missing.stderr
     assert _objects("cli") == ["clean.pt", "ddp.pt", "model.safetensors"]
 

@@ -46,8 +46,11 @@ def reference(tmp_path_factory):
     (nproc, amp, model args)."""
 
     def get(nproc: int = 2, amp: bool = False, model: tuple[str, ...] = ()) -> Path:
+        # Saves never change the weights: a big model's reference saves at epoch ends only.
+        saves = ("--save-every-steps", "1000") if model else ()
+
         def run(d: Path) -> None:
-            out = ok(torchrun(d, *(["--amp"] if amp else []), *model, nproc=nproc))
+            out = ok(torchrun(d, *(["--amp"] if amp else []), *model, *saves, nproc=nproc))
             assert "fresh start" in out and "resumed" not in out
 
         name = f"ref{nproc}{'amp' if amp else ''}-" + hashlib.sha1(" ".join(model).encode()).hexdigest()[:8]
@@ -56,28 +59,25 @@ def reference(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize(
-    ("fail_at", "resumed_from"),
-    # between two saves; right after a save; right before one; right after the epoch-end save
-    [(23, 20), (26, 25), (24, 20), (17, 16)],
-)
-def test_killed_and_restarted_by_torchrun_is_bit_exact(tmp_path, reference, fail_at, resumed_from):
-    out = ok(torchrun(tmp_path, "--fail-at-step", str(fail_at), max_restarts=1))
-    assert f"simulated crash right after step {fail_at}" in out
-    assert "attempt 1" in out and f"resumed from step {resumed_from}" in out
+def test_killed_and_restarted_by_torchrun_again_and_again_is_bit_exact(tmp_path, reference):
+    """One launch, four crashes: torchrun's attempt k loses a rank right after the k-th step of
+    17 (right after the epoch-end save), 23 (between two saves), 24 (right before one) and 26
+    (right after one), and restarts the job each time. The loop's dataset augments every sample
+    with torch, python and numpy draws in 2 DataLoader workers; it ends as the uninterrupted run
+    with 0 workers did (SeededDataset: each sample's draws depend on (seed, epoch, index) alone)."""
+    kills = [(17, 16), (23, 20), (24, 20), (26, 25)]
+    out = ok(torchrun(tmp_path, "--num-workers", "2", "--fail-at-step", *(str(k) for k, _ in kills),
+                      max_restarts=len(kills)))  # fmt: skip
+    for attempt, (fail_at, resumed_from) in enumerate(kills, start=1):
+        assert f"simulated crash right after step {fail_at}" in out, out[-3000:]
+        this_attempt = out.split(f"attempt {attempt},", 1)[1].split(f"attempt {attempt + 1},", 1)[0]
+        assert f"resumed from step {resumed_from} " in this_attempt, (attempt, out[-3000:])
+    assert "resumed from step 20 (epoch 1: 128 of its 512 samples consumed, 192 left for each rank)" in out
+    assert f"attempt {len(kills) + 1}," not in out
     assert_bit_identical(reference(), tmp_path)
     ckpts = sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt-"))
     assert ckpts == ["ckpt-0000000040.pt", "ckpt-0000000045.pt", "ckpt-0000000048.pt"]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")], "no temp leftovers"
-
-
-def test_killed_with_dataloader_workers_is_bit_exact(tmp_path, reference):
-    """The loop's dataset augments every sample with torch, python and numpy draws in 2 workers;
-    killed mid-epoch and resumed with 2 workers, it ends as the uninterrupted run with 0 workers
-    (SeededDataset: each sample's draws depend on (seed, epoch, index) alone)."""
-    out = ok(torchrun(tmp_path, "--num-workers", "2", "--fail-at-step", "23", max_restarts=1))
-    assert "resumed from step 20 (epoch 1: 128 of its 512 samples consumed, 192 left for each rank)" in out
-    assert_bit_identical(reference(), tmp_path)
     assert "CheckpointWarning" not in out
 
 
@@ -252,50 +252,68 @@ _SLURM_TORCHRUN = ("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",)
 
 
 @pytest.mark.parametrize(
-    ("who", "extra", "model"),
+    ("chain", "extra", "model"),
     [
-        pytest.param(_TORCHRUN, (), (), id="sigterm-to-torchrun"),
-        pytest.param(_TORCHRUN, ("--num-workers", "2"), (), id="sigterm-to-torchrun-workers2"),
-        pytest.param(_EVERY_PROCESS, ("--num-workers", "2"), (), id="sigterm-to-every-process-workers2"),
-        pytest.param(_ONE_RANK_USR1, (), (), id="sigusr1-to-one-rank"),
-        pytest.param(_EVERY_PROCESS_USR1, ("--num-workers", "2"), (), id="sigusr1-to-every-process-slurm"),
+        # One job preempted again and again, each launch resuming where the last stopped: the
+        # signals of one chain share its processes (a launch each), not their paths.
+        pytest.param((_TORCHRUN, _ONE_RANK_USR1), (), (), id="sigterm-to-torchrun-then-sigusr1-to-one-rank"),
+        pytest.param(
+            (_TORCHRUN, _EVERY_PROCESS, _EVERY_PROCESS_USR1),
+            ("--num-workers", "2"),
+            (),
+            id="workers2-sigterm-to-torchrun-then-to-every-process-then-sigusr1-to-every-process-slurm",
+        ),
         # Async saves every step of a ~55 MB state: the stop finds that step's save being
         # written, and must finish it before every rank exits.
         pytest.param(
-            _TORCHRUN,
+            (_TORCHRUN,),
             ("--async-save", "--save-every-steps", "1"),
             ("--hidden", "1536", "--depth", "4", "--batch-size", "2", "--dataset-size", "64"),
             id="sigterm-async-save-in-flight",
         ),
     ],
 )
-def test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact(tmp_path, reference, who, extra, model):
-    targets, signum = who
-    # Periodic saves off (only the epoch-end one at step 16): only the preemption save can
-    # explain resuming at the step the signal stopped. With async saves, every step is saved,
-    # in the background; the stop's task is to make sure that save completes.
-    periodic = () if "--save-every-steps" in extra else ("--save-every-steps", "1000")
-    launcher = _SLURM_TORCHRUN if who is _EVERY_PROCESS_USR1 else ()
-    args = ["--standalone", "--nproc-per-node=2", "--max-restarts=0", *launcher, SCRIPT, "--ckpt-dir", str(tmp_path),
-            "--step-seconds", "0.1", "--log-every", "1", *periodic, *extra, *model]  # fmt: skip
-    args[args.index("--step-seconds") + 1] = "0.01" if "--async-save" in extra else "0.1"
-    first, exit_seconds = torchrun_signalled(args, cwd=ROOT, when="epoch 1 step 20 ", send=_signal(targets, signum))
-    out = first.stdout
-    # A launch killed as hung carries every process's stack: all of them, or the ranks' are cut.
-    assert exit_seconds >= 0, out[-60000:] if "launch killed" in out else out[-3000:]
-    how = "finishing its background save" if "--async-save" in extra else "saving it"
-    stopped = re.findall(rf"preempted at step (\d+) \({signal.Signals(signum).name}\): {how}", out)
-    assert len(stopped) == 1, out[-4000:]  # rank 0 logs it once; every rank stopped at that step
-    step = int(stopped[0])
-    assert 20 <= step < 32, out[-3000:]  # mid-epoch 1, not its end
-    assert f"every rank leaves with exit code {128 + signum}" in out, out[-3000:]
-    # No rank died of it (a dead DataLoader worker, a broken collective): only torchrun's own
-    # SignalException traceback, or its report that the ranks exited 138, may be there.
-    assert set(re.findall(r"\w+Error\b|DataLoader worker", out)) <= {"ChildFailedError"}, out[-4000:]
-    assert exit_seconds < 20, f"{exit_seconds:.1f} s from the signal to torchrun's exit"
-    if "--async-save" in extra:
-        # The save of that step had just begun: exiting without finishing it would lose it.
-        assert "finishing its background save (still being written)" in out, out[-3000:]
-    again = ok(torchrun(tmp_path, "--log-every", "1", *periodic, *extra, *model))
+def test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact(tmp_path, reference, chain, extra, model):
+    """Each launch of ``chain`` gets its signal 4 steps into an epoch (of 16 steps: the last
+    three epochs of the run for a chain of three), must stop mid-epoch at one step on every rank,
+    save it and exit with 128 + the signal; the next launch (the same command) resumes from that
+    very step, and the last one ends bit-identical to the uninterrupted run."""
+    asynchronous = "--async-save" in extra
+    # Periodic saves off (only the epoch-end ones): only the preemption save can explain resuming
+    # at the step the signal stopped. With async saves every step is saved, in the background;
+    # the stop's task is to make sure that save completes.
+    periodic = () if asynchronous else ("--save-every-steps", "1000")
+    # SLURM's signal: torchrun must be told to forward SIGUSR1 (to every launch of that chain).
+    launcher = _SLURM_TORCHRUN if _EVERY_PROCESS_USR1 in chain else ()
+    step = None
+    for epoch, (targets, signum) in zip(range(3 - len(chain), 3), chain):
+        args = ["--standalone", "--nproc-per-node=2", "--max-restarts=0", *launcher, SCRIPT, "--ckpt-dir",
+                str(tmp_path), "--step-seconds", "0.01" if asynchronous else "0.1", "--log-every", "1", *periodic,
+                *extra, *model]  # fmt: skip
+        when = f"epoch {epoch} step {16 * epoch + 4} "
+        run, exit_seconds = torchrun_signalled(args, cwd=ROOT, when=when, send=_signal(targets, signum))
+        out = run.stdout
+        name = signal.Signals(signum).name
+        # A launch killed as hung carries every process's stack: all of them, or the ranks' are cut.
+        assert exit_seconds >= 0, (name, out[-60000:] if "launch killed" in out else out[-3000:])
+        assert step is None or f"resumed from step {step} " in out, (name, out[-3000:])  # 0 steps lost
+        how = "finishing its background save" if asynchronous else "saving it"
+        stopped = re.findall(rf"preempted at step (\d+) \({name}\): {how}", out)
+        assert len(stopped) == 1, (name, out[-4000:])  # rank 0 logs it once; every rank stopped at that step
+        step = int(stopped[0])
+        assert 16 * epoch + 4 <= step < 16 * (epoch + 1), (name, out[-3000:])  # mid-epoch, not its end
+        assert f"every rank leaves with exit code {128 + signum}" in out, (name, out[-3000:])
+        # No rank died of it (a dead DataLoader worker, a broken collective): only torchrun's own
+        # SignalException traceback, or its report that the ranks exited 138, may be there.
+        assert set(re.findall(r"\w+Error\b|DataLoader worker", out)) <= {"ChildFailedError"}, (name, out[-4000:])
+        assert exit_seconds < 20, f"{name}: {exit_seconds:.1f} s from the signal to torchrun's exit"
+        if asynchronous:
+            # The save of that step had just begun: exiting without finishing it would lose it.
+            assert "finishing its background save (still being written)" in out, out[-3000:]
+    # The last launch's saves are not under test: the async chain's saves at epoch ends only
+    # (every step of a 55 MB state doubled this test's time).
+    saves = ("--save-every-steps", "1000") if asynchronous else periodic
+    kept = [a for i, a in enumerate(extra) if "--save-every-steps" not in (a, extra[i - 1] if i else "")]
+    again = ok(torchrun(tmp_path, "--log-every", "1", *saves, *kept, *model))
     assert f"resumed from step {step} " in again, again[-3000:]  # 0 steps lost
     assert_bit_identical(reference(model=model), tmp_path)
