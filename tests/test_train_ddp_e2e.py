@@ -268,14 +268,14 @@ _SLURM_TORCHRUN = ("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",)
         pytest.param(
             (_TORCHRUN,),
             ("--async-save", "--save-every-steps", "1"),
-            ("--hidden", "1536", "--depth", "4", "--batch-size", "2", "--dataset-size", "64"),
+            ("--hidden", "1536", "--depth", "4", "--batch-size", "2", "--dataset-size", "64", "--epochs", "2"),
             id="sigterm-async-save-in-flight",
         ),
     ],
 )
 def test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact(tmp_path, reference, chain, extra, model):
-    """Each launch of ``chain`` gets its signal 4 steps into an epoch (of 16 steps: the last
-    three epochs of the run for a chain of three), must stop mid-epoch at one step on every rank,
+    """Each launch of ``chain`` gets its signal 4 steps into an epoch (of 16 steps: the run's
+    last epoch, its last two, or all three for a chain of three), must stop mid-epoch at one step on every rank,
     save it and exit with 128 + the signal; the next launch (the same command) resumes from that
     very step, and the last one ends bit-identical to the uninterrupted run."""
     asynchronous = "--async-save" in extra
@@ -286,7 +286,8 @@ def test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact(tmp_path, ref
     # SLURM's signal: torchrun must be told to forward SIGUSR1 (to every launch of that chain).
     launcher = _SLURM_TORCHRUN if _EVERY_PROCESS_USR1 in chain else ()
     step = None
-    for epoch, (targets, signum) in zip(range(3 - len(chain), 3), chain):
+    epochs = int(model[model.index("--epochs") + 1]) if "--epochs" in model else 3
+    for epoch, (targets, signum) in zip(range(epochs - len(chain), epochs), chain):
         args = ["--standalone", "--nproc-per-node=2", "--max-restarts=0", *launcher, SCRIPT, "--ckpt-dir",
                 str(tmp_path), "--step-seconds", "0.01" if asynchronous else "0.1", "--log-every", "1", *periodic,
                 *extra, *model]  # fmt: skip
