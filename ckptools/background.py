@@ -25,13 +25,17 @@ from .outcome import RankFailure
 __all__ = ["AsyncSave", "release_snapshot_buffers"]
 
 
-class _Buffers:
+class SnapshotBuffers:
     """Host buffers, one per distinct storage of the last snapshot, reused while sizes match.
 
     A snapshot copies whole storages, not tensors, so tensors that share memory (tied weights,
     views) still share it in the snapshot and the file is laid out exactly as ``torch.save``
     would lay out the live state. CUDA storages land in pinned memory: the copies are issued
     non-blocking, back to back, and one synchronize per device waits for all of them.
+
+    `ckptools.async_save` uses one set for the whole process (`release_snapshot_buffers` frees
+    it); a writer of its own (the Lightning plugin) holds another, so that a snapshot still being
+    written is never overwritten by the other's next save.
     """
 
     def __init__(self) -> None:
@@ -127,7 +131,7 @@ def _collect(node: Any, found: dict[int, torch.Tensor]) -> None:
 
 
 # One snapshot's worth of host memory, held between saves so the next one only copies.
-_BUFFERS = _Buffers()
+_BUFFERS = SnapshotBuffers()
 
 
 def release_snapshot_buffers() -> int:

@@ -1,0 +1,236 @@
+"""Lightning writes and reads its checkpoints through ckptools: one line in the ``Trainer``.
+
+    >>> from ckptools.integrations.lightning import CkptoolsCheckpointIO  # doctest: +SKIP
+    >>> trainer = Trainer(strategy="ddp", plugins=[CkptoolsCheckpointIO()])  # doctest: +SKIP
+
+What changes against Lightning's own ``TorchCheckpointIO`` (``torch.save`` straight into the
+final name): the file is written under a temporary name, fsynced and renamed, so a kill at any
+moment leaves the previous ``last.ckpt`` (or whichever name) whole, never a torn one; it is the
+same torch zip ``torch.load`` and Lightning read, with every record's CRC-32; on S3 and other
+fsspec URLs it streams as one multipart upload that appears only when complete; loading checks
+every CRC-32 first (``verify=True``) and memory-maps local files; `remove_checkpoint` never
+removes the newest checkpoint of its folder. `AsyncCkptoolsCheckpointIO` snapshots the
+checkpoint into reused host buffers at the call (the file holds the state as of the call while
+training goes on) and writes it in a background thread; Lightning's teardown waits for it.
+
+Lightning calls a ``CheckpointIO`` on global rank 0 only (``Strategy.save_checkpoint``), so
+nothing here is a collective: this is ckptools' single-writer path, not `ckptools.save`.
+Works with ``pytorch_lightning`` / ``lightning_fabric`` and with the unified ``lightning``
+package (the plugin is registered as a ``CheckpointIO`` of each one installed).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+import time
+from typing import Any
+
+from .. import log
+from ..background import SnapshotBuffers
+from ..errors import CheckpointError
+from ..serialization import load_file, save_file, verify_torch_file
+from ..shared_write import write_alone
+from ..storage import TMP_MARKER, Location, is_abandoned_tmp, list_files, remove, resolve
+
+__all__ = ["AsyncCkptoolsCheckpointIO", "CkptoolsCheckpointIO"]
+
+_BASES = []
+for _module in ("lightning_fabric.plugins.io.checkpoint_io", "lightning.fabric.plugins.io.checkpoint_io"):
+    try:
+        _BASES.append(importlib.import_module(_module).CheckpointIO)
+    except ImportError:
+        continue
+if not _BASES:
+    raise ImportError("ckptools.integrations.lightning needs Lightning: pip install pytorch-lightning (or lightning)")
+
+
+class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type]  # Lightning's ABC, untyped here
+    """A Lightning ``CheckpointIO`` that saves atomically with CRC-32s and loads verified.
+
+    Args:
+        verify: check every record's CRC-32 before loading (one extra read of the file).
+            Lightning's own loader does not: ``torch.load`` ignores CRC-32s.
+        mmap: memory-map local files when loading (tensors are read when touched).
+
+    Examples:
+        >>> from ckptools.integrations.lightning import CkptoolsCheckpointIO  # doctest: +SKIP
+        >>> trainer = Trainer(plugins=[CkptoolsCheckpointIO()])  # doctest: +SKIP
+        >>> trainer.fit(model, ckpt_path="last")  # doctest: +SKIP
+    """
+
+    def __init__(self, *, verify: bool = True, mmap: bool = True) -> None:
+        super().__init__()
+        self.verify = verify
+        self.mmap = mmap
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` to ``path`` atomically (global rank 0 only, as Lightning calls it).
+
+        Raises:
+            TypeError: ``storage_options`` was given (as Lightning's ``TorchCheckpointIO``, none are taken).
+            CheckpointError: the write failed; the file at ``path`` is then untouched.
+        """
+        _no_storage_options(storage_options)
+        started = time.monotonic()
+        written = _write(resolve(os.fspath(path) if isinstance(path, os.PathLike) else path), checkpoint)
+        log.report("saved", str(path), started, written)
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """Read a checkpoint, after checking every CRC-32 (``verify``).
+
+        ``weights_only=None`` (Lightning's default) loads as ``torch.load`` does by default
+        (``weights_only=True``): a file that needs arbitrary code raises `UnsafeCheckpointError`
+        naming what it needs; pass ``weights_only=False`` to Lightning for a file you trust.
+        """
+        location = resolve(os.fspath(path) if isinstance(path, os.PathLike) else path)
+        if self.verify:
+            verify_torch_file(location)
+        loaded = load_file(
+            location,
+            map_location=map_location if map_location is not None else "cpu",
+            weights_only=True if weights_only is None else weights_only,
+            mmap=self.mmap and location.local,
+        )
+        if not isinstance(loaded, dict):
+            raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a Lightning checkpoint (a dict)")
+        return loaded
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Remove a checkpoint, unless it is the newest of its folder (then it is kept, with a warning).
+
+        Lightning's ``ModelCheckpoint`` removes the checkpoint a new one replaces; if the new one
+        never came (a failed write), the one asked for may be the newest complete checkpoint,
+        and removing it would leave nothing to resume from.
+        """
+        location = resolve(os.fspath(path) if isinstance(path, os.PathLike) else path)
+        if not location.fs.exists(location.path):
+            return
+        newer = _newest_sibling(location)
+        if newer is None or newer == location.path:
+            log.logger.warning("kept %s: it is the newest checkpoint in its folder (nothing newer was saved)", path)
+            return
+        location.fs.rm(location.path, recursive=True)
+
+
+class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
+    """`CkptoolsCheckpointIO` that writes in a background thread from a snapshot taken at the call.
+
+    ``save_checkpoint`` copies every tensor of the checkpoint into host buffers kept between
+    saves (pinned for CUDA tensors), returns, and a thread writes the file (atomically, as the
+    sync plugin). One save is in flight at most: the next call, a load, a removal and Lightning's
+    ``teardown`` first wait for it, and a failed background write is raised there.
+
+    Examples:
+        >>> from ckptools.integrations.lightning import AsyncCkptoolsCheckpointIO  # doctest: +SKIP
+        >>> trainer = Trainer(plugins=[AsyncCkptoolsCheckpointIO()])  # doctest: +SKIP
+    """
+
+    def __init__(self, *, verify: bool = True, mmap: bool = True) -> None:
+        super().__init__(verify=verify, mmap=mmap)
+        self._buffers = SnapshotBuffers()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+        """Snapshot ``checkpoint`` and write it in the background (see the class)."""
+        _no_storage_options(storage_options)
+        self.wait()  # the buffers are reused: the previous write must be done with them
+        started = time.monotonic()
+        location = resolve(os.fspath(path) if isinstance(path, os.PathLike) else path)
+        snapshot = self._buffers.take(checkpoint)
+        log.logger.debug("snapshot of %s taken in %.3f s", path, time.monotonic() - started)
+
+        def run() -> None:
+            try:
+                written = _write(location, snapshot)
+            except BaseException as err:  # noqa: BLE001 - raised in the caller's thread by wait()
+                self._error = err
+                log.logger.error("background save of %s failed: %s: %s", path, type(err).__name__, err)
+                return
+            log.report("saved", str(path), started, written)
+
+        # Not a daemon: a script that ends with a save in flight still gets its file.
+        self._thread = threading.Thread(target=run, name="ckptools-lightning-save", daemon=False)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is on disk; raise its failure (once)."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(f"a background checkpoint save failed: {type(error).__name__}: {error}") from error
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any | None = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """As `CkptoolsCheckpointIO.load_checkpoint`, after the save in flight is done."""
+        self.wait()
+        return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """As `CkptoolsCheckpointIO.remove_checkpoint`, once the save in flight (the file that
+        replaces this one) is on disk: if it failed, nothing is removed and the failure is raised."""
+        self.wait()
+        super().remove_checkpoint(path)
+
+    def teardown(self) -> None:
+        """Lightning's end of fit/validate/test: wait for the save in flight, free the buffers."""
+        try:
+            self.wait()
+        finally:
+            self._buffers.release()
+
+
+for _base in _BASES[1:]:
+    _base.register(CkptoolsCheckpointIO)  # an ABC: isinstance() holds for that Lightning too
+
+
+def _no_storage_options(storage_options: Any | None) -> None:
+    if storage_options is not None:
+        raise TypeError(
+            "CkptoolsCheckpointIO takes no storage_options (as Lightning's TorchCheckpointIO): pass the "
+            "options of an fsspec URL in the URL or the environment"
+        )
+
+
+def _write(location: Location, checkpoint: Any) -> int:
+    """Rank 0's writer alone, no exchange: the planned writer on a local path, a streamed
+    ``torch.save`` elsewhere; atomic either way."""
+    if location.local:
+        folder = os.path.dirname(os.path.abspath(location.path))
+        location.fs.makedirs(folder, exist_ok=True)
+        _sweep(folder, os.path.basename(location.path))
+        return write_alone(location, checkpoint)
+    return save_file(location, checkpoint)
+
+
+def _sweep(folder: str, name: str) -> None:
+    """Remove the temporary files of earlier writes of ``name`` whose writer is gone (a kill
+    mid-save leaves one), never one a live writer is still filling (`is_abandoned_tmp`)."""
+    for entry in list_files(folder):
+        if entry.startswith(f".{name}{TMP_MARKER}") and is_abandoned_tmp(os.path.join(folder, entry)):
+            remove(os.path.join(folder, entry))
+
+
+def _newest_sibling(location: Location) -> str | None:
+    """The most recently modified file beside ``location`` with its suffix (its own path included)."""
+    fs = location.fs
+    folder = os.path.dirname(location.path.rstrip("/")) or "."
+    suffix = os.path.splitext(location.path)[1]
+    newest: tuple[float, str] | None = None
+    for entry in fs.ls(folder, detail=True):
+        name = str(entry["name"])
+        base = os.path.basename(name)
+        if entry.get("type") != "file" or base.startswith(".") or not base.endswith(suffix):
+            continue  # temporary files of a write in progress are hidden; other kinds are not ours
+        mtime = entry.get("mtime") or entry.get("LastModified") or entry.get("created") or 0
+        stamp = mtime.timestamp() if hasattr(mtime, "timestamp") else float(mtime)
+        if newest is None or stamp > newest[0]:
+            newest = (stamp, name)
+    return None if newest is None else newest[1]

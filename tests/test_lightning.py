@@ -1,0 +1,170 @@
+"""ckptools inside Lightning: the CheckpointIO plugins with the real pytorch-lightning (interop extra)."""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import zipfile
+
+import pytest
+import torch
+
+pl = pytest.importorskip("pytorch_lightning", reason="the interop extra (pytorch-lightning) is not installed")
+
+import ckptools as ck  # noqa: E402
+from ckptools.integrations.lightning import AsyncCkptoolsCheckpointIO, CkptoolsCheckpointIO  # noqa: E402
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, lr: float = 0.1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        # No dropout and a fixed batch order: Lightning restores no RNG state on resume, so only
+        # a run that draws none resumes bit-exactly (whatever writes the files).
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.hparams.lr, momentum=0.9)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(64, 8, generator=g)
+        data = torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())
+        return torch.utils.data.DataLoader(data, batch_size=8)
+
+
+def _trainer(root, plugin, epochs: int) -> pl.Trainer:
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=str(root), save_last=True, every_n_epochs=1, save_top_k=1)
+    return pl.Trainer(
+        default_root_dir=str(root), max_epochs=epochs, accelerator="cpu", devices=1, plugins=[plugin],
+        callbacks=[checkpoint], logger=False, enable_progress_bar=False, enable_model_summary=False,
+        deterministic=True,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("plugin", [CkptoolsCheckpointIO, AsyncCkptoolsCheckpointIO])
+def test_fit_saves_through_the_plugin_and_resumes_from_last_bit_exact(tmp_path, plugin):
+    pl.seed_everything(3)
+    straight = Tiny()
+    _trainer(tmp_path / "straight", plugin(), 4).fit(straight)
+    pl.seed_everything(3)
+    _trainer(tmp_path / "run", plugin(), 2).fit(Tiny())  # stops after epoch 2 ...
+    last = tmp_path / "run" / "last.ckpt"
+    assert zipfile.is_zipfile(last) and "CRC-32" in ck.verify(last)  # an ordinary torch zip, every CRC-32 right
+    assert torch.load(last, weights_only=True)["epoch"] == 1  # Lightning's own loader reads it
+    assert not [p for p in os.listdir(tmp_path / "run") if p.startswith(".")], "no temporary files left"
+    pl.seed_everything(3)
+    resumed = Tiny()
+    _trainer(tmp_path / "run", plugin(), 4).fit(resumed, ckpt_path="last")  # ... and goes on to 4
+    for (name, a), (_, b) in zip(straight.state_dict().items(), resumed.state_dict().items()):
+        assert a.numpy().tobytes() == b.numpy().tobytes(), name
+
+
+def test_async_file_holds_the_state_at_the_call(tmp_path):
+    io = AsyncCkptoolsCheckpointIO()
+    weights = torch.arange(1_000_000, dtype=torch.float32)
+    io.save_checkpoint({"state_dict": {"w": weights}, "epoch": 1}, tmp_path / "a.ckpt")
+    weights.add_(1)  # training goes on while the file is written
+    io.save_checkpoint({"state_dict": {"w": weights}, "epoch": 2}, tmp_path / "b.ckpt")  # reuses the buffers
+    weights.add_(1)
+    io.teardown()
+    assert torch.equal(io.load_checkpoint(tmp_path / "a.ckpt")["state_dict"]["w"], torch.arange(1_000_000.0))
+    assert torch.equal(io.load_checkpoint(tmp_path / "b.ckpt")["state_dict"]["w"], torch.arange(1_000_000.0) + 1)
+
+
+def test_a_failed_background_write_is_raised_and_removes_nothing(tmp_path):
+    io = AsyncCkptoolsCheckpointIO()
+    io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "old.ckpt")
+    (tmp_path / "blocked").mkdir()  # a directory where the new file should go: its rename fails
+    io.save_checkpoint({"w": torch.zeros(3)}, tmp_path / "blocked")
+    with pytest.raises(ck.CheckpointError, match="background checkpoint save failed"):
+        io.remove_checkpoint(tmp_path / "old.ckpt")  # Lightning removes the old one after saving the new
+    assert torch.equal(io.load_checkpoint(tmp_path / "old.ckpt")["w"], torch.ones(3))
+
+
+def test_remove_keeps_the_newest_checkpoint_of_its_folder(tmp_path, caplog):
+    io = CkptoolsCheckpointIO()
+    io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "epoch=0.ckpt")
+    time.sleep(0.01)
+    io.save_checkpoint({"w": torch.ones(1)}, tmp_path / "epoch=1.ckpt")
+    io.remove_checkpoint(tmp_path / "epoch=1.ckpt")  # nothing newer: kept
+    assert (tmp_path / "epoch=1.ckpt").exists() and "newest checkpoint" in caplog.text
+    io.remove_checkpoint(tmp_path / "epoch=0.ckpt")
+    assert not (tmp_path / "epoch=0.ckpt").exists()
+    io.remove_checkpoint(tmp_path / "missing.ckpt")  # as Lightning's: nothing there, nothing to do
+
+
+def test_load_checks_crcs_and_refuses_code_unless_trusted(tmp_path):
+    io = CkptoolsCheckpointIO()
+    io.save_checkpoint({"w": torch.arange(4096.0), "hparams": {"lr": 0.1}}, tmp_path / "c.ckpt")
+    data = bytearray((tmp_path / "c.ckpt").read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor's record
+    (tmp_path / "bad.ckpt").write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointError, match="CRC"):
+        io.load_checkpoint(tmp_path / "bad.ckpt")
+    io.save_checkpoint({"when": pathlib_path()}, tmp_path / "code.ckpt")
+    with pytest.raises(ck.UnsafeCheckpointError):
+        io.load_checkpoint(tmp_path / "code.ckpt")
+    assert io.load_checkpoint(tmp_path / "code.ckpt", weights_only=False)["when"] == pathlib_path()
+    with pytest.raises(TypeError, match="storage_options"):
+        io.save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"a": 1})
+
+
+def pathlib_path():
+    import pathlib
+
+    return pathlib.PurePosixPath("/data/runs")
+
+
+_SAVER = """
+import sys, torch
+from ckptools.integrations.lightning import CkptoolsCheckpointIO
+from pytorch_lightning.plugins.io import TorchCheckpointIO
+io = CkptoolsCheckpointIO() if sys.argv[2] == "ckptools" else TorchCheckpointIO()
+step = 0
+while True:  # Lightning's last.ckpt, saved again and again, until killed
+    step += 1
+    io.save_checkpoint({"state_dict": {"w": torch.full((4_000_000,), float(step))}, "global_step": step}, sys.argv[1])
+    print(step, flush=True)
+"""
+
+
+@pytest.mark.slow  # each kill starts a process that imports Lightning (~4 s): `make interop` runs it
+@pytest.mark.parametrize("kills", [int(os.environ.get("CKPTOOLS_KILLS", "10"))])
+def test_kill_minus_9_mid_save_never_tears_last_ckpt_lightnings_own_does(tmp_path, kills):
+    """SIGKILL a process that saves a 16 MB last.ckpt over and over, at random moments: through the
+    plugin last.ckpt always loads whole; Lightning's TorchCheckpointIO (torch.save in place) is run
+    the same way beside it, and the test reports how often it was left torn."""
+    script = tmp_path / "saver.py"
+    script.write_text(_SAVER)
+    torn = {"ckptools": 0, "lightning": 0}
+    rng = random.Random(0)
+    for kind in torn:
+        target = tmp_path / kind / "last.ckpt"
+        target.parent.mkdir()
+        for _ in range(kills):
+            proc = subprocess.Popen([sys.executable, str(script), str(target), kind], stdout=subprocess.PIPE, text=True)
+            assert proc.stdout is not None
+            proc.stdout.readline()  # one save done: there is a previous file from here on
+            time.sleep(rng.uniform(0.0, 0.3))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            try:
+                loaded = torch.load(target, weights_only=True)
+                assert torch.equal(loaded["state_dict"]["w"], torch.full((4_000_000,), float(loaded["global_step"])))
+            except Exception:  # noqa: BLE001 - counted: a torn file, what a resume would trip over
+                torn[kind] += 1
+    print(f"\nkill -9 mid-save, {kills} kills each: torn last.ckpt with ckptools {torn['ckptools']}, "
+          f"with Lightning's TorchCheckpointIO {torn['lightning']}")  # fmt: skip
+    assert torn["ckptools"] == 0
+    # What a kill left behind, the next save removed: only the newest write's temporary can remain.
+    assert len([p for p in os.listdir(tmp_path / "ckptools") if p.startswith(".")]) <= 1
