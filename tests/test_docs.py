@@ -91,7 +91,10 @@ def test_every_docstring_example_runs(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
     if name.startswith("ckptools.integrations."):
         # Each needs its framework, an optional extra (`interop`): without it, its import says so.
-        framework = {"ckptools.integrations.lightning": "pytorch_lightning"}[name]
+        framework = {
+            "ckptools.integrations.lightning": "pytorch_lightning",
+            "ckptools.integrations.transformers": "transformers",
+        }[name]
         if importlib.util.find_spec(framework) is None:
             with pytest.raises(ImportError, match="pip install"):
                 importlib.import_module(name)
