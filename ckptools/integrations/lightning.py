@@ -46,7 +46,7 @@ if not _BASES:
     raise ImportError("ckptools.integrations.lightning needs Lightning: pip install pytorch-lightning (or lightning)")
 
 
-class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type]  # Lightning's ABC, untyped here
+class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  # an ABC from a list: Any to mypy
     """A Lightning ``CheckpointIO`` that saves atomically with CRC-32s and loads verified.
 
     Args:

@@ -76,7 +76,7 @@ def write_manifest(folder: str) -> str:
     return atomic_write(os.path.join(folder, MANIFEST), write)
 
 
-class CkptoolsCallback(TrainerCallback):
+class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # Any without transformers
     """A ``TrainerCallback`` that seals every ``checkpoint-N/`` the Trainer saves with a manifest.
 
     Runs on the process that saves (``args.should_save``), in ``on_save``, i.e. after the
