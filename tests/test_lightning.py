@@ -168,3 +168,85 @@ def test_kill_minus_9_mid_save_never_tears_last_ckpt_lightnings_own_does(tmp_pat
     assert torn["ckptools"] == 0
     # What a kill left behind, the next save removed: only the newest write's temporary can remain.
     assert len([p for p in os.listdir(tmp_path / "ckptools") if p.startswith(".")]) <= 1
+
+
+_DDP_FIT = """
+import os, sys, torch, pytorch_lightning as pl
+from ckptools.integrations.lightning import AsyncCkptoolsCheckpointIO, CkptoolsCheckpointIO
+
+class Wide(pl.LightningModule):  # 4M parameters: a 48 MB checkpoint with momentum, so saves take a while
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048),
+                                       torch.nn.ReLU(), torch.nn.Linear(2048, 2))
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
+
+    def train_dataloader(self):
+        x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long()), batch_size=8)
+
+root, epochs, kind, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4] == "resume"
+plugin = AsyncCkptoolsCheckpointIO() if kind == "async" else CkptoolsCheckpointIO()
+pl.seed_everything(3)
+model = Wide()
+trainer = pl.Trainer(
+    default_root_dir=root, max_epochs=epochs, accelerator="cpu", devices=2, strategy="ddp", plugins=[plugin],
+    callbacks=[pl.callbacks.ModelCheckpoint(dirpath=root, save_last=True, every_n_epochs=1, save_top_k=1)],
+    logger=False, enable_progress_bar=False, enable_model_summary=False,
+)
+trainer.fit(model, ckpt_path="last" if resume and os.path.exists(os.path.join(root, "last.ckpt")) else None)
+if trainer.global_rank == 0:
+    torch.save(model.state_dict(), os.path.join(root, "final.pt"))
+"""
+
+
+@pytest.mark.slow  # a dozen 2-process Lightning launches: `make interop` runs it
+@pytest.mark.parametrize("kind", ["sync", "async"])
+def test_ddp_fit_killed_at_random_moments_always_leaves_a_loadable_last_ckpt(tmp_path, kind):
+    """A 2-process DDP `Trainer.fit` on CPU, with the plugin, is SIGKILLed (both ranks) at random
+    moments, relaunched with ckpt_path="last" each time: last.ckpt always loads whole, its epoch
+    never goes back (no completed epoch lost), and the run ends bit-identical to one never killed."""
+    script = tmp_path / "fit.py"
+    script.write_text(_DDP_FIT)
+    epochs = 8
+
+    def launch(root, resume: bool) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), str(root), str(epochs), kind,
+                                 "resume" if resume else "fresh"], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, start_new_session=True)  # fmt: skip
+
+    started = time.monotonic()
+    straight = launch(tmp_path / "straight", resume=False)
+    assert straight.wait(timeout=600) == 0, straight.stderr.read()[-3000:] if straight.stderr else ""
+    whole = time.monotonic() - started  # a launch's import and start-up, then 8 epochs with a save each
+    rng = random.Random(1)
+    root, last, seen, kills = tmp_path / "run", tmp_path / "run" / "last.ckpt", -1, 0
+    for attempt in range(4):  # 3 launches killed at a random moment of their run, then one left to finish
+        proc = launch(root, resume=attempt > 0)
+        try:
+            code = proc.wait(timeout=rng.uniform(0.3, 0.9) * whole if attempt < 3 else 600)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            kills += 1
+            code = None
+        if last.exists():
+            epoch = torch.load(last, weights_only=True)["epoch"]  # whole, whatever the moment
+            assert epoch >= seen, f"last.ckpt went back from epoch {seen} to {epoch}"
+            seen = epoch
+        if code is not None:
+            assert code == 0, proc.stderr.read()[-3000:] if proc.stderr else ""
+            break
+    print(f"\nLightning DDP ({kind} plugin): run {whole:.1f} s, {kills} kills, last.ckpt loaded after each")
+    assert kills >= 1
+    a = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)
+    b = torch.load(root / "final.pt", weights_only=True)
+    for name in a:
+        assert a[name].numpy().tobytes() == b[name].numpy().tobytes(), name
