@@ -12,7 +12,7 @@ from .errors import CheckpointError
 from .loading import load
 from .saving import async_save_with_hooks, save_with_hooks
 from .serialization import verify_torch_file
-from .storage import TMP_MARKER, PathLike, fspath, is_abandoned_tmp, join, list_files, remove
+from .storage import PathLike, abandoned_tmps, fspath, join, list_files, remove
 
 __all__ = ["CheckpointManager"]
 
@@ -82,15 +82,7 @@ class CheckpointManager:
     def _leftovers(self) -> list[str]:
         # Only files whose writer is gone: a second job saving into this directory (a
         # misconfiguration, but one that happens) must not have its file deleted mid-write.
-        return [
-            path
-            for path in (
-                join(self.directory, name)
-                for name in list_files(self.directory)
-                if name.startswith(f".{self.prefix}-") and TMP_MARKER in name
-            )
-            if is_abandoned_tmp(path)
-        ]
+        return abandoned_tmps(self.directory, f".{self.prefix}-")
 
     def save(self, state: Mapping[str, Any], step: int, *, blocking: bool = True, **save_kwargs: Any) -> str:
         """Save ``state`` as the checkpoint for ``step`` (collective), then prune.

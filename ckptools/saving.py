@@ -222,15 +222,13 @@ def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any]
 def _write(location: Location, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:
     """Rank 0: housekeeping (unless it ran already), then the atomic write; the bytes written.
 
-    A local file goes through the planned writer (`ckptools.shared_write.write_alone`: one
-    pwrite per storage from the tensors' memory, the file ``writers="all"`` writes; see
-    docs/guides/writers.md for the figures); anything else streams through ``torch.save``
-    (a multipart upload on S3)."""
+    `ckptools.shared_write.write_alone`: a local file through the planned writer (one pwrite
+    per storage from the tensors' memory, the file ``writers="all"`` writes; see
+    docs/guides/writers.md for the figures), anything else through ``torch.save`` (a
+    multipart upload on S3)."""
     if before_write is not None and not ran:
         before_write()
-    if location.local:  # the save's path, resolved once by _begin
-        return write_alone(location, payload)
-    return save_file(location, payload)
+    return write_alone(location, payload)  # the save's path, resolved once by _begin
 
 
 def _on_rank0(start: _Start, state: Mapping[str, Any], then: Callable[[dict[str, Any]], Any]) -> Any:

@@ -25,6 +25,7 @@ from .codecs.torchzip import ZipPlan
 from .dist import all_gather_object, broadcast_object, collective_timeout, default_store, get_rank, get_world_size
 from .errors import CheckpointError
 from .outcome import RankFailure, outcome_of, raise_outcome, share_outcome
+from .serialization import save_file
 from .sharing import PREFIX, TOKEN_BYTES, Plan, Share, describe, host_bytes, make_plan, state_entry
 from .storage import Location, fsync_dir
 
@@ -123,7 +124,10 @@ def write_shares(plan: Plan, chunks: list[tuple[Share, torch.UntypedStorage]]) -
             except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
                 failed.append(err)
 
-        # File I/O only, never a collective: the thread blocks in fsync with the GIL released.
+        # File I/O only, never a collective: the thread blocks in fsync with the GIL released. A
+        # plain thread, not an executor: an async save still writing when the script ends runs
+        # during interpreter shutdown, where executors refuse new work ("cannot schedule new
+        # futures after interpreter shutdown"; test_a_script_that_ends_with_a_save_in_flight_...).
         flusher = threading.Thread(target=flush, name="ckptools-fsync", daemon=True)
         flusher.start()
         try:
@@ -176,12 +180,15 @@ def commit(plan: Plan, path: str, crcs: dict[str, int]) -> int:
 
 
 def write_alone(location: Location, payload: Mapping[str, Any]) -> int:
-    """Rank 0 writes all of ``payload`` to a local file through the planned writer, no exchange.
+    """Rank 0 writes all of ``payload``, no exchange, atomically; returns the size.
 
-    The same file ``torch.save`` would write, atomically (temporary name, fsync, rename,
-    directory fsync), but each storage goes to disk with one ``pwrite`` straight from the
-    tensor's memory. Returns the size.
+    A local file goes through the planned writer: the same file ``torch.save`` would write
+    (temporary name, fsync, rename, directory fsync), but each storage goes to disk with one
+    ``pwrite`` straight from the tensor's memory. Anything else streams through ``torch.save``
+    (`ckptools.serialization.save_file`: a multipart upload on S3).
     """
+    if not location.local:
+        return save_file(location, payload)
     plan = make_plan(location, payload, payload, alone=True)
     try:
         crcs = write_shares(plan, [(share, plan.storages[share.key]) for share in plan.shares])

@@ -180,6 +180,13 @@ def is_abandoned_tmp(path: PathLike) -> bool:
     return time.time() - stamp > STALE_TMP_SECONDS
 
 
+def abandoned_tmps(directory: PathLike, start: str) -> list[str]:
+    """Paths of the temporary files in ``directory`` whose names begin with ``start`` and whose
+    writer is gone (`is_abandoned_tmp`): what a kill mid-save left, never a live writer's file."""
+    names = [name for name in list_files(directory) if name.startswith(start) and TMP_MARKER in name]
+    return [path for path in (join(directory, name) for name in names) if is_abandoned_tmp(path)]
+
+
 def _is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
     protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
     return bool(_OBJECT_STORES.intersection(protocols))

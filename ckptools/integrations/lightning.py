@@ -30,9 +30,9 @@ from typing import Any
 from .. import log
 from ..background import SnapshotBuffers
 from ..errors import CheckpointError
-from ..serialization import load_file, save_file, verify_torch_file
+from ..serialization import load_file, verify_torch_file
 from ..shared_write import write_alone
-from ..storage import TMP_MARKER, Location, is_abandoned_tmp, list_files, remove, resolve
+from ..storage import TMP_MARKER, Location, abandoned_tmps, remove, resolve
 
 __all__ = ["AsyncCkptoolsCheckpointIO", "CkptoolsCheckpointIO"]
 
@@ -74,7 +74,7 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         """
         _no_storage_options(storage_options)
         started = time.monotonic()
-        written = _write(resolve(os.fspath(path) if isinstance(path, os.PathLike) else path), checkpoint)
+        written = _write(resolve(path), checkpoint)
         log.report("saved", str(path), started, written)
 
     def load_checkpoint(
@@ -86,7 +86,7 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         (``weights_only=True``): a file that needs arbitrary code raises `UnsafeCheckpointError`
         naming what it needs; pass ``weights_only=False`` to Lightning for a file you trust.
         """
-        location = resolve(os.fspath(path) if isinstance(path, os.PathLike) else path)
+        location = resolve(path)
         if self.verify:
             verify_torch_file(location)
         loaded = load_file(
@@ -106,7 +106,7 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         never came (a failed write), the one asked for may be the newest complete checkpoint,
         and removing it would leave nothing to resume from.
         """
-        location = resolve(os.fspath(path) if isinstance(path, os.PathLike) else path)
+        location = resolve(path)
         if not location.fs.exists(location.path):
             return
         newer = _newest_sibling(location)
@@ -140,7 +140,7 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
         _no_storage_options(storage_options)
         self.wait()  # the buffers are reused: the previous write must be done with them
         started = time.monotonic()
-        location = resolve(os.fspath(path) if isinstance(path, os.PathLike) else path)
+        location = resolve(path)
         snapshot = self._buffers.take(checkpoint)
         log.logger.debug("snapshot of %s taken in %.3f s", path, time.monotonic() - started)
 
@@ -200,22 +200,14 @@ def _no_storage_options(storage_options: Any | None) -> None:
 
 
 def _write(location: Location, checkpoint: Any) -> int:
-    """Rank 0's writer alone, no exchange: the planned writer on a local path, a streamed
-    ``torch.save`` elsewhere; atomic either way."""
+    """Rank 0's writer alone, no exchange (`ckptools.shared_write.write_alone`), into a folder
+    made if missing, after removing what a kill mid-save of this name left there."""
     if location.local:
         folder = os.path.dirname(os.path.abspath(location.path))
         location.fs.makedirs(folder, exist_ok=True)
-        _sweep(folder, os.path.basename(location.path))
-        return write_alone(location, checkpoint)
-    return save_file(location, checkpoint)
-
-
-def _sweep(folder: str, name: str) -> None:
-    """Remove the temporary files of earlier writes of ``name`` whose writer is gone (a kill
-    mid-save leaves one), never one a live writer is still filling (`is_abandoned_tmp`)."""
-    for entry in list_files(folder):
-        if entry.startswith(f".{name}{TMP_MARKER}") and is_abandoned_tmp(os.path.join(folder, entry)):
-            remove(os.path.join(folder, entry))
+        for leftover in abandoned_tmps(folder, f".{os.path.basename(location.path)}{TMP_MARKER}"):
+            remove(leftover)
+    return write_alone(location, checkpoint)
 
 
 def _newest_sibling(location: Location) -> str | None:

@@ -25,14 +25,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import zlib
 from typing import IO, Any
 
 from .. import log
 from ..codecs.safetensors import verify_safetensors
 from ..errors import CheckpointError
 from ..serialization import verify_torch_file
-from ..storage import TMP_MARKER, atomic_write
+from ..storage import TMP_MARKER, atomic_write, crc32_range
 
 try:
     from transformers import TrainerCallback
@@ -44,7 +43,6 @@ __all__ = ["MANIFEST", "CkptoolsCallback", "latest_complete_checkpoint", "write_
 MANIFEST = "ckptools-manifest.json"
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _TORCH = (".pt", ".pth", ".bin", ".ckpt")
-_PIECE = 16 << 20
 
 
 def write_manifest(folder: str) -> str:
@@ -162,8 +160,5 @@ def _incomplete(folder: str, verify: bool) -> str | None:
 
 
 def _crc32(path: str) -> int:
-    crc = 0
     with open(path, "rb") as f:
-        while piece := f.read(_PIECE):
-            crc = zlib.crc32(piece, crc)
-    return crc
+        return crc32_range(f, 0, os.path.getsize(path), what=path)
