@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .dist import broadcast_object, get_rank, peer_error
+from .dist import broadcast_object, get_rank, peer_error, run_collective
 
 __all__ = ["broadcast_tree"]
 
@@ -119,7 +119,7 @@ def broadcast_tree(
             if rank == 0:
                 for i, start, length, at in window:
                     bucket[at : at + length].copy_(views[i][start : start + length], non_blocking=True)
-            dist.broadcast(bucket, src=0)
+            run_collective(dist.broadcast, bucket, src=0)
             if rank != 0:
                 for i, start, length, at in window:
                     views[i][start : start + length].copy_(bucket[at : at + length], non_blocking=True)

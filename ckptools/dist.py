@@ -9,6 +9,7 @@ The *global* rank decides who writes: on two nodes both node-local rank-0 proces
 
 from __future__ import annotations
 
+import collections
 import datetime
 import os
 import pickle
@@ -89,9 +90,9 @@ def barrier() -> None:
     if not _dist_ready():
         return
     if torch.distributed.get_backend() == "nccl" and torch.cuda.is_available():
-        torch.distributed.barrier(device_ids=[torch.cuda.current_device()])
+        run_collective(torch.distributed.barrier, device_ids=[torch.cuda.current_device()])
     else:
-        torch.distributed.barrier()
+        run_collective(torch.distributed.barrier)
 
 
 def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta | None = None) -> torch.device:
@@ -201,18 +202,25 @@ def _object_group() -> Any:
     return _SIDE[1]
 
 
-# The tensors of the last object exchange, held until the next one. A gloo worker thread releases
-# its references to a collective's tensors a moment after the caller's wait() returned; had Python
-# dropped its own by then, that release would free a tensor with a Python object attached, taking
-# the GIL from the worker thread, and on CPython before 3.11.10 a DataLoader worker forked at that
-# moment deadlocks for good in the fork's cleanup (gh-112275; seen as a launch hung at an epoch's
-# start, right after the epoch-end save). Held here, they are freed later by this thread.
-_KEPT: tuple[torch.Tensor, ...] = ()
+# The Work of ckptools' last few collectives, held by the calling thread. A gloo worker thread
+# drops its reference to a collective a moment after wait() returned; were it the last one, the
+# tensors released on that thread, and a tensor with a Python object hands it back when its C++
+# references fall from two to one (torch 2.13's c10/util/intrusive_ptr.h, ``decref_pyobject``):
+# the gloo thread takes the GIL, first creating a Python thread state under the runtime's HEAD_LOCK. On
+# CPython before 3.11.10 (gh-112275) a DataLoader worker forked at that moment inherits the lock held
+# and deadlocks for good in the fork's cleanup: seen as a launch hung at an epoch's start, right
+# after the exchange that chose the checkpoint to resume from. Held here, every collective's tensors
+# are released on this thread (which has the GIL anyway) when the eighth collective after it pushes
+# it out; by then the gloo thread has long let go. Memory held: those 8 collectives' tensors (a
+# broadcast load's bucket among them). DDP's own collectives still do it; ours no longer add to it.
+_HELD: collections.deque[Any] = collections.deque(maxlen=8)
 
 
-def _keep(*tensors: torch.Tensor) -> None:
-    global _KEPT
-    _KEPT = tensors
+def run_collective(collective: Any, *args: Any, **kwargs: Any) -> None:
+    """``collective(*args, **kwargs)`` to completion, its Work held (see ``_HELD``)."""
+    work = collective(*args, async_op=True, **kwargs)
+    _HELD.append(work)
+    work.wait()
 
 
 def default_store() -> Any:
@@ -239,7 +247,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Return rank ``src``'s ``obj`` on every rank (identity without a process group).
 
     Like ``torch.distributed.broadcast_object_list`` (pickled, CPU tensors on the gloo group, see
-    ``_object_group``), with the tensors kept until the next exchange (see ``_KEPT``).
+    ``_object_group``), its Work held by this thread (see ``_HELD``).
     """
     if not _dist_ready() or get_world_size() == 1:
         return obj
@@ -248,13 +256,12 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
         mine = get_rank() == src
         data = _payload(obj) if mine else torch.empty(0, dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
-        torch.distributed.broadcast(size, src=src, group=group)
+        run_collective(torch.distributed.broadcast, size, src=src, group=group)
         if not mine:
             data = torch.empty(int(size.item()), dtype=torch.uint8)
-        torch.distributed.broadcast(data, src=src, group=group)
+        run_collective(torch.distributed.broadcast, data, src=src, group=group)
     except RuntimeError as err:  # DistBackendError and friends
         raise peer_error(err) from err
-    _keep(size, data)
     # Pickled by a rank of this job, as torch's own object collectives do.
     return obj if mine else pickle.loads(data.numpy().tobytes())
 
@@ -262,7 +269,7 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 def all_gather_object(obj: Any) -> list[Any]:
     """Return every rank's ``obj``, indexed by rank (``[obj]`` without a process group).
 
-    Like ``torch.distributed.all_gather_object``, with the tensors kept until the next exchange.
+    Like ``torch.distributed.all_gather_object``, its Work held by this thread (see ``_HELD``).
     """
     if not _dist_ready() or get_world_size() == 1:
         return [obj]
@@ -272,20 +279,18 @@ def all_gather_object(obj: Any) -> list[Any]:
         data = _payload(obj)
         size = torch.tensor([data.numel()], dtype=torch.int64)
         sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
-        torch.distributed.all_gather(sizes, size, group=group)
+        run_collective(torch.distributed.all_gather, sizes, size, group=group)
         longest = max(int(s.item()) for s in sizes)
         padded = torch.zeros(longest, dtype=torch.uint8)
         padded[: data.numel()] = data
         gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
-        torch.distributed.all_gather(gathered, padded, group=group)
+        run_collective(torch.distributed.all_gather, gathered, padded, group=group)
     except RuntimeError as err:
         raise peer_error(err) from err
-    _keep(size, *sizes, padded, *gathered)
     return [pickle.loads(t[: int(n.item())].numpy().tobytes()) for t, n in zip(gathered, sizes)]
 
 
-# The preemption check's 1-byte tensor, made once: nothing is allocated per step, and gloo's
-# worker never needs the GIL to free it after the all-reduce.
+# The preemption check's 1-byte tensor, made once: nothing is allocated per step.
 _FLAG = torch.zeros(1, dtype=torch.uint8)
 
 
@@ -296,7 +301,7 @@ def max_over_ranks(value: int) -> int:
     box = _FLAG
     box.fill_(value)
     try:
-        torch.distributed.all_reduce(box, op=torch.distributed.ReduceOp.MAX, group=_object_group())
+        run_collective(torch.distributed.all_reduce, box, op=torch.distributed.ReduceOp.MAX, group=_object_group())
     except RuntimeError as err:
         raise peer_error(err) from err
     return int(box.item())

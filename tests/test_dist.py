@@ -2,7 +2,11 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -78,3 +82,66 @@ def test_init_distributed_isolates_restart_attempts():
         assert store.num_keys() > 0
     finally:
         del store
+
+
+_GLOO_RANK = r"""
+import os, sys, time
+import torch, torch.distributed as dist
+import ckptools as ck
+
+ck.init_distributed()
+rank, folder, log = ck.get_rank(), sys.argv[1], f"{os.environ['THREADSTATES_LOG']}.{os.getpid()}"
+manager = ck.CheckpointManager(folder)
+state = {"w": torch.arange(1000.0)}
+assert manager.restore(state) is None  # rank 0 finds nothing and broadcasts it
+manager.save(state, 1)  # RNG states and digests gathered, then written
+assert ck.load(manager.latest(), broadcast=True)["w"].equal(state["w"])  # a bucket broadcast
+preemption = ck.Preemption(check_every=1)
+assert not any(preemption.should_stop() for _ in range(5))  # 1-byte all-reduces
+preemption.close()
+ck.barrier()
+time.sleep(0.5)  # a gloo thread's late release would be logged by now
+with open(log, "a") as f:
+    f.write("=== control\n")
+# The control: a broadcast whose Work the caller drops before it completes (rank 1 joins late),
+# so rank 0's gloo thread releases the last reference and hands the tensor's Python object back.
+t = torch.ones(4)
+if rank == 1:
+    time.sleep(0.5)
+    dist.broadcast(t, src=0)
+else:
+    dist.broadcast(t, src=0, async_op=True)
+    time.sleep(1.5)
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the LD_PRELOAD shim")
+def test_ckptools_collectives_never_make_a_gloo_thread_take_the_gil(tmp_path):
+    """After ckptools' collectives (the restore's choice, a save's exchanges, a broadcast load, the
+    preemption check, the barrier), no gloo worker thread creates a Python thread state: that is
+    what a DataLoader worker forked at the wrong moment deadlocks on for good on CPython before
+    3.11.10 (gh-112275). Seen with a C shim (LD_PRELOAD) that logs the native stack of every thread
+    state created off the main thread, on two real gloo ranks; a control collective whose Work
+    Python lets go early must show up in the log (else the shim saw nothing and proves nothing)."""
+    shim = tmp_path / "threadstates.so"
+    src = Path(__file__).parent / "gil" / "threadstates.c"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(shim), str(src), "-ldl"], check=True)
+    log = tmp_path / "threadstates"
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LD_PRELOAD": str(shim),
+               "THREADSTATES_LOG": str(log)}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-c", _GLOO_RANK, str(tmp_path / "ckpt")], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    logs = {p.pid: Path(f"{log}.{p.pid}").read_text() for p in procs}
+    for pid, text in logs.items():
+        ours, control = text.split("=== control\n")
+        stacks = [s for s in ours.split("=== thread state\n") if "ProcessGroupGloo" in s]
+        assert not stacks, f"rank pid {pid}: a gloo thread took the GIL after a ckptools collective:\n{stacks[0]}"
+    control = logs[procs[0].pid].split("=== control\n")[1]
+    assert "ProcessGroupGloo" in control and "decref" in control, "the shim saw no gloo thread take the GIL"
