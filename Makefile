@@ -85,8 +85,8 @@ $(INTEROP_STAMP): $(STAMP)
 
 interop: $(INTEROP_STAMP)
 	$(PY) tests/interop/make_golden.py build/golden --transformers4 build/transformers4
-	CKPTOOLS_GOLDEN=build/golden $(PY) -m pytest -q -p no:cacheprovider tests/test_interop.py tests/test_real_files.py \
-		tests/test_lightning.py tests/test_transformers.py
+	CKPTOOLS_GOLDEN=build/golden $(PY) -m pytest -q -p no:cacheprovider -n auto --dist load --maxschedchunk 1 \
+		tests/test_interop.py tests/test_real_files.py tests/test_lightning.py tests/test_transformers.py
 
 golden: interop
 	rm -rf tests/interop/golden && cp -r build/golden tests/interop/golden

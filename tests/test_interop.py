@@ -25,7 +25,8 @@ import ckptools as ck
 from ckptools.cli import app
 
 HERE = os.path.dirname(__file__)
-GOLDEN = os.environ.get("CKPTOOLS_GOLDEN") or os.path.join(HERE, "interop", "golden")
+# Absolute: some tests run the CLI from another working directory.
+GOLDEN = os.path.abspath(os.environ.get("CKPTOOLS_GOLDEN") or os.path.join(HERE, "interop", "golden"))
 CKPT = os.path.join(os.path.dirname(sys.executable), "ckpt")
 
 
