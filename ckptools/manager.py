@@ -9,10 +9,11 @@ from typing import Any
 from . import background, log
 from .dist import broadcast_object, get_rank
 from .errors import CheckpointError
+from .leftovers import abandoned_tmps
 from .loading import load
 from .saving import async_save_with_hooks, save_with_hooks
 from .serialization import verify_torch_file
-from .storage import PathLike, abandoned_tmps, fspath, join, list_files, remove
+from .storage import PathLike, fspath, join, list_files, remove
 
 __all__ = ["CheckpointManager"]
 
@@ -30,7 +31,7 @@ class CheckpointManager:
       that was abandoned by resuming from an earlier checkpoint; they are deleted too (with a
       warning), or ``latest()`` would later resume the abandoned timeline. Leftover temporary
       files of a crashed save are removed (those whose writer process is gone; see
-      `ckptools.storage.is_abandoned_tmp`).
+      `ckptools.leftovers.is_abandoned_tmp`).
     - ``latest()`` (local) returns the newest checkpoint whose every zip record passes its
       CRC-32 check, skipping damaged or truncated ones with a warning.
     - ``restore(state)`` (collective) loads the checkpoint rank 0's ``latest()`` chose on every

@@ -11,7 +11,6 @@ import os
 import re
 import secrets
 import socket
-import time
 import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -119,15 +118,13 @@ def fsync_dir(directory: str) -> None:
         os.close(fd)
 
 
-# A temporary file whose writer cannot be checked (another host) is treated as abandoned only
-# after this long without a change: a live writer touches its file continuously.
-STALE_TMP_SECONDS = 3600.0
 # Object stores: one PUT (or one completed multipart upload) makes an object appear whole or
 # not at all, and they have no rename; every other fsspec filesystem gets temp name + move.
 _OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "tos", "cos"})
 
 
-def _host() -> str:
+def host() -> str:
+    """This machine's name as temporary names carry it (`tmp_name`)."""
     # Only characters that survive in a file name on every filesystem and never split the name.
     return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
 
@@ -138,53 +135,7 @@ def tmp_name(name: str) -> str:
     It names its writer (host and pid), so a later save can tell a dead writer's leftover from
     the file a live writer is still filling (see `is_abandoned_tmp`).
     """
-    return f".{name}{TMP_MARKER}{_host()}-{os.getpid()}-{secrets.token_hex(4)}"
-
-
-def _tmp_owner(name: str) -> tuple[str, int] | None:
-    tail = name.rpartition(TMP_MARKER)[2]
-    parts = tail.rsplit("-", 2)
-    if len(parts) != 3 or not parts[1].isdigit():
-        return None
-    return parts[0], int(parts[1])
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except PermissionError:
-        return True  # it exists, under another user
-    except (ProcessLookupError, OverflowError, ValueError):
-        return False
-    return True
-
-
-def is_abandoned_tmp(path: PathLike) -> bool:
-    """Whether the temporary file at ``path`` was left by a writer that is gone.
-
-    True when its writer ran on this host and that process no longer exists, or when it has not
-    changed for `STALE_TMP_SECONDS` (a writer on another host, whose pid means nothing
-    here, or a pid since reused by another process). False while the writer may still be filling
-    it, so a second job writing into the same directory never has its file deleted under it.
-    """
-    path = fspath(path)
-    owner = _tmp_owner(path.rsplit("/", 1)[-1])
-    if owner is not None and owner[0] == _host() and not _pid_alive(owner[1]):
-        return True
-    fs, fpath = get_filesystem(path)
-    try:
-        modified = fs.modified(fpath)
-    except (OSError, NotImplementedError, ValueError):
-        return False
-    stamp = modified.timestamp() if hasattr(modified, "timestamp") else float(modified)
-    return time.time() - stamp > STALE_TMP_SECONDS
-
-
-def abandoned_tmps(directory: PathLike, start: str) -> list[str]:
-    """Paths of the temporary files in ``directory`` whose names begin with ``start`` and whose
-    writer is gone (`is_abandoned_tmp`): what a kill mid-save left, never a live writer's file."""
-    names = [name for name in list_files(directory) if name.startswith(start) and TMP_MARKER in name]
-    return [path for path in (join(directory, name) for name in names) if is_abandoned_tmp(path)]
+    return f".{name}{TMP_MARKER}{host()}-{os.getpid()}-{secrets.token_hex(4)}"
 
 
 def _is_object_store(fs: fsspec.AbstractFileSystem) -> bool:

@@ -18,7 +18,8 @@ from _dist import run_ranks
 
 import ckptools as ck
 from ckptools.codecs.trees import META_KEY
-from ckptools.storage import TMP_MARKER, _host
+from ckptools.storage import TMP_MARKER
+from ckptools.storage import host as _host
 
 
 def _net() -> torch.nn.Module:

@@ -8,7 +8,7 @@ from _corpus import tensor_record_offsets
 from _dist import run_ranks
 
 import ckptools as ck
-from ckptools.storage import _host
+from ckptools.storage import host as _host
 
 
 def _model(value: float) -> torch.nn.Module:

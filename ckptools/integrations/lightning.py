@@ -30,9 +30,10 @@ from typing import Any
 from .. import log
 from ..background import SnapshotBuffers
 from ..errors import CheckpointError
+from ..leftovers import abandoned_tmps
 from ..serialization import load_file, verify_torch_file
 from ..shared_write import write_alone
-from ..storage import TMP_MARKER, Location, abandoned_tmps, remove, resolve
+from ..storage import TMP_MARKER, Location, remove, resolve
 
 __all__ = ["AsyncCkptoolsCheckpointIO", "CkptoolsCheckpointIO"]
 
