@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,20 +24,33 @@ from transformers.trainer_utils import get_last_checkpoint
 from ckptools.integrations.transformers import CkptoolsCallback
 
 class Tiny(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, wide: bool):
         super().__init__()
         torch.manual_seed(0)
         self.lin = torch.nn.Linear(4, 2)
+        # wide: a 16 MB parameter the loss touches (48 MB of model and AdamW state per checkpoint),
+        # so that a save takes long enough to be killed in the middle of it at random
+        self.wide = torch.nn.Parameter(torch.zeros(4_000_000)) if wide else None
 
     def forward(self, x, labels=None):
         logits = self.lin(x)
-        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+        loss = torch.nn.functional.cross_entropy(logits, labels)
+        if self.wide is not None:
+            loss = loss + 1e-3 * self.wide.square().mean()
+        return {"loss": loss, "logits": logits}
 
 g = torch.Generator().manual_seed(1)
 xs = torch.randn(64, 4, generator=g)
 data = [{"x": x, "labels": int(x.sum() > 0)} for x in xs]
 out, kill_at, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-if kill_at:  # SIGKILL in the middle of that step's _save_checkpoint: model and optimizer written, not the rest
+wide = kill_at < 0  # killed from outside, at random
+if wide:  # says when each save begins (the killer's clock starts there)
+    real_save = Trainer._save_checkpoint
+    def saying(self, *args, **kwargs):
+        print("saving", self.state.global_step, flush=True)
+        return real_save(self, *args, **kwargs)
+    Trainer._save_checkpoint = saying
+elif kill_at:  # SIGKILL in the middle of that step's _save_checkpoint: model and optimizer written, not the rest
     real = Trainer._save_rng_state
     def dying(self, output_dir):
         if self.state.global_step == kill_at:
@@ -43,7 +59,7 @@ if kill_at:  # SIGKILL in the middle of that step's _save_checkpoint: model and 
     Trainer._save_rng_state = dying
 args = TrainingArguments(out, max_steps=8, save_steps=2, per_device_train_batch_size=8, report_to=[], use_cpu=True,
                          logging_steps=100, save_total_limit=None, seed=0, disable_tqdm=True)
-model = Tiny()
+model = Tiny(wide)
 trainer = Trainer(model, args, train_dataset=data, callbacks=[CkptoolsCallback()])
 trainer.train(resume_from_checkpoint=None if resume == "none" else resume)
 torch.save({k: v for k, v in model.state_dict().items()}, os.path.join(out, "final.pt"))
@@ -51,6 +67,7 @@ torch.save({k: v for k, v in model.state_dict().items()}, os.path.join(out, "fin
 
 
 def _train(tmp_path, out, kill_at: int = 0, resume: str = "none") -> subprocess.CompletedProcess:
+    """A Trainer run of 8 steps saving every 2; ``kill_at`` N > 0: it kills itself inside step N's save."""
     script = tmp_path / "train.py"
     script.write_text(_TRAIN)
     return subprocess.run([sys.executable, str(script), str(out), str(kill_at), resume], capture_output=True,
@@ -77,6 +94,70 @@ def test_a_kill_mid_save_is_skipped_and_the_resume_ends_as_the_straight_run(tmp_
     a = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)
     b = torch.load(tmp_path / "run" / "final.pt", weights_only=True)
     assert all(a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a)
+
+
+@pytest.mark.slow  # ~8 Trainer runs, each importing transformers: `make interop` runs it
+def test_killed_at_random_moments_of_saves_the_newest_whole_checkpoint_is_chosen(tmp_path):
+    """The Trainer (a model with 48 MB of checkpoint) is SIGKILLed at random moments of random
+    saves (0-0.3 s after `_save_checkpoint` began) and resumed each time from
+    `latest_complete_checkpoint`: its choice is always a folder whose every file loads, never a
+    newer one that does, and the run ends bit-identical to one never killed. How often the
+    Trainer's own choice (`get_last_checkpoint`, what `resume_from_checkpoint=True` takes) was a
+    folder that does not load is reported."""
+    from safetensors.torch import load_file
+    from transformers.trainer_utils import get_last_checkpoint
+
+    script = tmp_path / "train.py"
+    script.write_text(_TRAIN)
+
+    def launch(out, resume: str) -> subprocess.Popen:
+        return subprocess.Popen([sys.executable, str(script), str(out), "-1", resume], stdout=subprocess.PIPE,
+                                stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+
+    def whole(folder: str) -> bool:
+        try:
+            json.loads(Path(folder, "trainer_state.json").read_text())
+            load_file(os.path.join(folder, "model.safetensors"))
+            for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+                torch.load(os.path.join(folder, name), weights_only=False)
+            return True
+        except Exception:  # noqa: BLE001 - whatever a resume would trip over
+            return False
+
+    straight = launch(tmp_path / "straight", "none")
+    straight.communicate(timeout=300)
+    assert straight.returncode == 0
+    out, rng, kills, theirs_torn = tmp_path / "run", random.Random(2), 0, 0
+    resume, done = "none", 0  # the folder to resume from, and its step
+    while kills < int(os.environ.get("CKPTOOLS_HF_KILLS", "6")) and done < 8:
+        proc = launch(out, resume)
+        assert proc.stdout is not None
+        wanted = rng.choice([step for step in (2, 4, 6, 8) if step > done])  # one of the saves still to come
+        for line in proc.stdout:
+            if line.startswith(f"saving {wanted}"):
+                break
+        time.sleep(rng.uniform(0.0, 0.3))  # a save of this model takes ~0.1-0.3 s
+        proc.kill()
+        proc.communicate(timeout=60)
+        if proc.returncode == 0:
+            break  # the last save was done and the run ended before the kill
+        kills += 1
+        chosen = latest_complete_checkpoint(str(out))
+        folders = sorted((int(n.split("-")[1]), str(out / n)) for n in os.listdir(out) if n.startswith("checkpoint-"))
+        assert chosen is None or whole(chosen), chosen
+        newer = [f for step, f in folders if chosen is None or step > int(chosen.rsplit("-", 1)[1])]
+        assert not [f for f in newer if whole(f)], (chosen, newer)  # never passed over a whole one
+        theirs = get_last_checkpoint(str(out))
+        theirs_torn += theirs is not None and not whole(theirs)
+        resume, done = (chosen, int(chosen.rsplit("-", 1)[1])) if chosen else ("none", 0)
+    final = launch(out, resume)
+    final.communicate(timeout=300)
+    assert final.returncode == 0
+    a = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)
+    b = torch.load(out / "final.pt", weights_only=True)
+    assert all(a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a)
+    print(f"\nHF Trainer, {kills} kills at random moments of saves: get_last_checkpoint chose a folder that "
+          f"does not load {theirs_torn} times; latest_complete_checkpoint never")  # fmt: skip
 
 
 def test_latest_complete_checkpoint_skips_what_is_not_whole(tmp_path, caplog):
