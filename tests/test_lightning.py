@@ -74,6 +74,29 @@ def test_fit_saves_through_the_plugin_and_resumes_from_last_bit_exact(tmp_path, 
         assert a.numpy().tobytes() == b.numpy().tobytes(), name
 
 
+@pytest.mark.parametrize("plugin", [CkptoolsCheckpointIO, AsyncCkptoolsCheckpointIO])
+def test_fabric_saves_and_loads_through_the_plugin(tmp_path, plugin):
+    """Fabric(plugins=[...]): fabric.save and fabric.load go through the plugin."""
+    from lightning_fabric import Fabric
+
+    io, calls = plugin(), []
+    save, load = io.save_checkpoint, io.load_checkpoint
+    io.save_checkpoint = lambda *args, **kwargs: (calls.append("save"), save(*args, **kwargs))[1]  # type: ignore[method-assign]
+    io.load_checkpoint = lambda *args, **kwargs: (calls.append("load"), load(*args, **kwargs))[1]  # type: ignore[method-assign]
+    fabric = Fabric(accelerator="cpu", devices=1, plugins=[io])
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 2)
+    model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    fabric.save(tmp_path / "f.ckpt", {"model": model, "optimizer": optimizer, "step": 7})
+    with torch.no_grad():
+        model.weight.add_(1)  # training goes on after the save
+    remainder = fabric.load(tmp_path / "f.ckpt", {"model": model, "optimizer": optimizer})
+    assert calls == ["save", "load"] and remainder == {"step": 7}
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+    assert "CRC-32" in ck.verify(tmp_path / "f.ckpt")
+
+
 def test_async_file_holds_the_state_at_the_call(tmp_path):
     io = AsyncCkptoolsCheckpointIO()
     weights = torch.arange(1_000_000, dtype=torch.float32)
