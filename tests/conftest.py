@@ -11,6 +11,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
+from _s3 import s3_env  # noqa: F401  # the moto S3 server fixture, for test_s3 and test_lightning
 
 
 @pytest.fixture

@@ -20,6 +20,8 @@ import torch
 
 pl = pytest.importorskip("pytorch_lightning", reason="the interop extra (pytorch-lightning) is not installed")
 
+from _s3 import BUCKET  # noqa: E402  # the bucket of the s3_env fixture (a moto S3 server)
+
 import ckptools as ck  # noqa: E402
 from ckptools.integrations.lightning import AsyncCkptoolsCheckpointIO, CkptoolsCheckpointIO  # noqa: E402
 
@@ -356,3 +358,24 @@ def _kill_mid_save(launch, stderr, root, kind: str, kills: int, rng: random.Rand
     same = loaded is not None and all(loaded[k].numpy().tobytes() == expected[k].numpy().tobytes() for k in expected)
     return {"kills": killed, "torn": torn, "went back": went_back, "lost": lost, "ckptools temporary left": mid_write,
             "bit-identical": same, "failed": failed[-300:]}  # fmt: skip
+
+
+@pytest.mark.parametrize("plugin", [CkptoolsCheckpointIO, AsyncCkptoolsCheckpointIO])
+def test_s3_urls_save_load_and_remove_through_the_plugin(s3_env, plugin):
+    """An s3:// dirpath (a moto server): saved as one multipart upload, loaded verified; the
+    removal Lightning asks for after a newer save goes through, the newest file is never removed."""
+    import s3fs
+
+    io, folder = plugin(), f"s3://{BUCKET}/lightning-{plugin.__name__}"
+    io.save_checkpoint({"state_dict": {"w": torch.arange(100_000.0)}, "epoch": 0}, f"{folder}/epoch=0.ckpt")
+    time.sleep(1.1)  # S3 keeps modification times to the second
+    io.save_checkpoint({"state_dict": {"w": torch.arange(100_000.0) + 1}, "epoch": 1}, f"{folder}/epoch=1.ckpt")
+    loaded = io.load_checkpoint(f"{folder}/epoch=1.ckpt")
+    assert loaded["epoch"] == 1 and torch.equal(loaded["state_dict"]["w"], torch.arange(100_000.0) + 1)
+    assert "CRC-32" in ck.verify(f"{folder}/epoch=1.ckpt")
+    io.remove_checkpoint(f"{folder}/epoch=1.ckpt")  # the newest: kept
+    io.remove_checkpoint(f"{folder}/epoch=0.ckpt")
+    io.teardown()
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    assert [p.rsplit("/", 1)[1] for p in fs.ls(folder)] == ["epoch=1.ckpt"]

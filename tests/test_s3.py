@@ -10,8 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
-import urllib.request
 
 import pytest
 import torch
@@ -21,59 +19,14 @@ from typer.testing import CliRunner
 pytest.importorskip("s3fs", reason="the s3 extra is not installed: pip install 'ckptools[s3]'")
 pytest.importorskip("moto.server", reason="moto[server] is not installed (it comes with the dev extra)")
 
-from _dist import free_port, run_ranks
+from _dist import run_ranks
 from _killer import kill_loop
+from _s3 import BUCKET  # the bucket the s3_env fixture (conftest.py) makes
 
 import ckptools as ck
 from ckptools.cli import app
 
-BUCKET = "ckpt-test"
 CKPT = shutil.which("ckpt") or os.path.join(os.path.dirname(sys.executable), "ckpt")
-
-
-@pytest.fixture(scope="module")
-def s3_env():
-    """A moto S3 server on a random loopback port, and the environment that points clients at it."""
-    port = free_port()
-    server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    endpoint = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            urllib.request.urlopen(endpoint, timeout=1)
-            break
-        except OSError:
-            if time.monotonic() > deadline or server.poll() is not None:
-                server.kill()
-                pytest.fail("moto server did not start")
-            time.sleep(0.1)
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL_S3": endpoint,
-    }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    s3fs.S3FileSystem().mkdir(BUCKET)
-    try:
-        yield env
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        server.kill()
-        server.wait()
 
 
 def _objects(prefix: str) -> list[str]:
