@@ -204,7 +204,7 @@ def _object_group() -> Any:
 
 # The Work of ckptools' last few collectives, held by the calling thread. A gloo worker thread
 # drops its reference to a collective a moment after wait() returned; were it the last one, the
-# tensors released on that thread, and a tensor with a Python object hands it back when its C++
+# tensors would be released on that thread, and a tensor with a Python object hands it back when its C++
 # references fall from two to one (torch 2.13's c10/util/intrusive_ptr.h, ``decref_pyobject``):
 # the gloo thread takes the GIL, first creating a Python thread state under the runtime's HEAD_LOCK. On
 # CPython before 3.11.10 (gh-112275) a DataLoader worker forked at that moment inherits the lock held
