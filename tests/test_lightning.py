@@ -169,6 +169,7 @@ while True:  # Lightning's last.ckpt, saved again and again, until killed
 
 
 @pytest.mark.slow  # each kill starts a process that imports Lightning (~4 s): `make interop` runs it
+@pytest.mark.timeout(900)  # ~80 s on a quiet machine
 def test_kill_minus_9_mid_save_never_tears_last_ckpt_lightnings_own_does(tmp_path):
     """SIGKILL a process that saves a 16 MB last.ckpt over and over, at random moments: through the
     plugin last.ckpt always loads whole; Lightning's TorchCheckpointIO is run the same way beside it,
@@ -275,6 +276,7 @@ def _lines(proc: subprocess.Popen) -> queue.Queue:
 
 
 @pytest.mark.slow  # ~20 2-process Lightning launches: `make interop` runs it
+@pytest.mark.timeout(1200)  # ~150 s on a quiet machine; over the default 300 s on a loaded one
 def test_ddp_fit_killed_mid_save_again_and_again_always_leaves_a_loadable_last_ckpt(tmp_path):
     """A 2-process DDP `Trainer.fit` on CPU (8 epochs, a 48 MB checkpoint each) is SIGKILLed, both
     ranks, at a random moment of its first epoch-end save: 0-0.15 s after Lightning made the

@@ -97,6 +97,7 @@ def test_a_kill_mid_save_is_skipped_and_the_resume_ends_as_the_straight_run(tmp_
 
 
 @pytest.mark.slow  # ~8 Trainer runs, each importing transformers: `make interop` runs it
+@pytest.mark.timeout(900)  # ~30 s on a quiet machine
 def test_killed_at_random_moments_of_saves_the_newest_whole_checkpoint_is_chosen(tmp_path):
     """The Trainer (a model with 48 MB of checkpoint) is SIGKILLed at random moments of random
     saves (0-0.3 s after `_save_checkpoint` began) and resumed each time from
