@@ -133,7 +133,7 @@ def tmp_name(name: str) -> str:
     """A unique temporary name for ``name`` in the same directory.
 
     It names its writer (host and pid), so a later save can tell a dead writer's leftover from
-    the file a live writer is still filling (see `is_abandoned_tmp`).
+    the file a live writer is still filling (see `ckptools.leftovers.is_abandoned_tmp`).
     """
     return f".{name}{TMP_MARKER}{host()}-{os.getpid()}-{secrets.token_hex(4)}"
 

@@ -170,7 +170,7 @@ while True:  # Lightning's last.ckpt, saved again and again, until killed
 
 @pytest.mark.slow  # each kill starts a process that imports Lightning (~4 s): `make interop` runs it
 @pytest.mark.timeout(900)  # ~80 s on a quiet machine
-def test_kill_minus_9_mid_save_never_tears_last_ckpt_lightnings_own_does(tmp_path):
+def test_kill_minus_9_mid_save_never_tears_last_ckpt_lightnings_own_does(tmp_path, tmpdir_elsewhere):
     """SIGKILL a process that saves a 16 MB last.ckpt over and over, at random moments: through the
     plugin last.ckpt always loads whole; Lightning's TorchCheckpointIO is run the same way beside it,
     and the test reports how often it was left torn. The temporary directory is on another
@@ -180,29 +180,26 @@ def test_kill_minus_9_mid_save_never_tears_last_ckpt_lightnings_own_does(tmp_pat
     kills = int(os.environ.get("CKPTOOLS_KILLS", "10"))
     script = tmp_path / "saver.py"
     script.write_text(_SAVER)
-    env, other_fs, tmpdir = _tmpdir_elsewhere(tmp_path)
+    env, other_fs, _ = tmpdir_elsewhere
     torn = {"ckptools": 0, "lightning": 0}
     rng = random.Random(0)
-    try:
-        for kind in torn:
-            target = tmp_path / kind / "last.ckpt"
-            target.parent.mkdir()
-            for _ in range(kills):
-                proc = subprocess.Popen([sys.executable, str(script), str(target), kind], stdout=subprocess.PIPE,
-                                        text=True, env=env)  # fmt: skip
-                assert proc.stdout is not None
-                proc.stdout.readline()  # one save done: there is a previous file from here on
-                time.sleep(rng.uniform(0.0, 0.3))
-                proc.send_signal(signal.SIGKILL)
-                proc.wait()
-                try:
-                    loaded = torch.load(target, weights_only=True)
-                    w = loaded["state_dict"]["w"]
-                    assert torch.equal(w, torch.full((4_000_000,), float(loaded["global_step"])))
-                except Exception:  # noqa: BLE001 - counted: a torn file, what a resume would trip over
-                    torn[kind] += 1
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    for kind in torn:
+        target = tmp_path / kind / "last.ckpt"
+        target.parent.mkdir()
+        for _ in range(kills):
+            proc = subprocess.Popen([sys.executable, str(script), str(target), kind], stdout=subprocess.PIPE,
+                                    text=True, env=env)  # fmt: skip
+            assert proc.stdout is not None
+            proc.stdout.readline()  # one save done: there is a previous file from here on
+            time.sleep(rng.uniform(0.0, 0.3))
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            try:
+                loaded = torch.load(target, weights_only=True)
+                w = loaded["state_dict"]["w"]
+                assert torch.equal(w, torch.full((4_000_000,), float(loaded["global_step"])))
+            except Exception:  # noqa: BLE001 - counted: a torn file, what a resume would trip over
+                torn[kind] += 1
     where = "another" if other_fs else "the same"
     print(f"\nkill -9 mid-save, {kills} kills each (TMPDIR on {where} filesystem): torn last.ckpt with "
           f"ckptools {torn['ckptools']}, with Lightning's TorchCheckpointIO {torn['lightning']}")  # fmt: skip
@@ -211,13 +208,16 @@ def test_kill_minus_9_mid_save_never_tears_last_ckpt_lightnings_own_does(tmp_pat
     assert len([p for p in os.listdir(tmp_path / "ckptools") if p.startswith(".")]) <= 1
 
 
-def _tmpdir_elsewhere(tmp_path) -> tuple[dict[str, str], bool, str]:
-    """An environment whose TMPDIR is on another filesystem than ``tmp_path`` where one exists
-    (/dev/shm), as on a cluster (node-local /tmp, checkpoints on shared storage); whether it is."""
+@pytest.fixture
+def tmpdir_elsewhere(tmp_path):
+    """(environment, whether it is elsewhere, the folder): TMPDIR on another filesystem than
+    ``tmp_path`` where one exists (/dev/shm), as on a cluster (node-local /tmp, checkpoints on
+    shared storage); removed afterwards, with whatever was left in it."""
     shm = "/dev/shm"
     other_fs = os.path.isdir(shm) and os.stat(shm).st_dev != os.stat(tmp_path).st_dev
     tmpdir = tempfile.mkdtemp(dir=shm if other_fs else tmp_path)
-    return dict(os.environ, TMPDIR=tmpdir), other_fs, tmpdir
+    yield dict(os.environ, TMPDIR=tmpdir), other_fs, tmpdir
+    shutil.rmtree(tmpdir, ignore_errors=True)
 
 
 _DDP_FIT = """
@@ -277,7 +277,7 @@ def _lines(proc: subprocess.Popen) -> queue.Queue:
 
 @pytest.mark.slow  # ~20 2-process Lightning launches: `make interop` runs it
 @pytest.mark.timeout(1200)  # ~150 s on a quiet machine; over the default 300 s on a loaded one
-def test_ddp_fit_killed_mid_save_again_and_again_always_leaves_a_loadable_last_ckpt(tmp_path):
+def test_ddp_fit_killed_mid_save_again_and_again_always_leaves_a_loadable_last_ckpt(tmp_path, tmpdir_elsewhere):
     """A 2-process DDP `Trainer.fit` on CPU (8 epochs, a 48 MB checkpoint each) is SIGKILLed, both
     ranks, at a random moment of its first epoch-end save: 0-0.15 s after Lightning made the
     checkpoint dict (rank 0's `on_save_checkpoint` says when), then relaunched with ckpt_path="last",
@@ -289,7 +289,7 @@ def test_ddp_fit_killed_mid_save_again_and_again_always_leaves_a_loadable_last_c
     script.write_text(_DDP_FIT)
     epochs, kills = 8, int(os.environ.get("CKPTOOLS_LIGHTNING_KILLS", "5"))
     # Lightning's fsspec transaction writes its temporary in TMPDIR: on another filesystem here.
-    env, other_fs, tmpdir = _tmpdir_elsewhere(tmp_path)
+    env, other_fs, tmpdir = tmpdir_elsewhere
 
     def launch(root, kind: str, resume: bool) -> subprocess.Popen:
         root.mkdir(exist_ok=True)
@@ -307,13 +307,10 @@ def test_ddp_fit_killed_mid_save_again_and_again_always_leaves_a_loadable_last_c
     expected = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)
     rng = random.Random(1)
     report = {}
-    try:
-        for kind in ("sync", "async", "lightning"):
-            before = len(os.listdir(tmpdir))
-            report[kind] = _kill_mid_save(launch, stderr, tmp_path / kind, kind, kills, rng, expected)
-            report[kind]["temporaries left in TMPDIR"] = len(os.listdir(tmpdir)) - before
-    finally:
-        shutil.rmtree(tmpdir, ignore_errors=True)
+    for kind in ("sync", "async", "lightning"):
+        before = len(os.listdir(tmpdir))
+        report[kind] = _kill_mid_save(launch, stderr, tmp_path / kind, kind, kills, rng, expected)
+        report[kind]["temporaries left in TMPDIR"] = len(os.listdir(tmpdir)) - before
     print(f"\nLightning DDP, kill -9 in the first save of each launch, 0-0.15 s after it began (TMPDIR on "
           f"{'another' if other_fs else 'the same'} filesystem): {report}")  # fmt: skip
     for kind in ("sync", "async"):
