@@ -25,6 +25,7 @@ from .errors import (
     CheckpointWarning,
     KeyMismatchError,
     MissingClassError,
+    NotChecksummedError,
     UnsafeCheckpointError,
     UnsafeStateError,
 )
@@ -41,7 +42,7 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
         init_distributed,
         is_main_process,
     )
-    from .inspection import diff, inspect, verify
+    from .inspection import diff, inspect, verify, verify_report
     from .layouts import open_checkpoint
     from .loading import load, load_state_dict
     from .manager import CheckpointManager
@@ -52,7 +53,7 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .saving import async_save, save, save_weights
     from .seeded import SeededDataset
     from .state_dict import add_prefix, strip_prefix, unwrap_model
-    from .view import CheckpointView, TensorInfo
+    from .view import CheckpointView, TensorInfo, Verification
 
 from ._version import __version__ as __version__
 
@@ -60,11 +61,13 @@ _LAZY = {
     "AsyncSave": ".background",
     "CheckpointView": ".view",
     "TensorInfo": ".view",
+    "Verification": ".view",
     "diff": ".inspection",
     "export_huggingface": ".converting",
     "inspect": ".inspection",
     "open_checkpoint": ".layouts",
     "verify": ".inspection",
+    "verify_report": ".inspection",
     "CheckpointManager": ".manager",
     "Preemption": ".preemption",
     "ResumableDistributedSampler": ".sampler",
@@ -103,12 +106,14 @@ __all__ = [
     "CheckpointWarning",
     "KeyMismatchError",
     "MissingClassError",
+    "NotChecksummedError",
     "Preemption",
     "ResumableDistributedSampler",
     "SeededDataset",
     "TensorInfo",
     "UnsafeCheckpointError",
     "UnsafeStateError",
+    "Verification",
     "add_prefix",
     "async_save",
     "barrier",
@@ -135,6 +140,7 @@ __all__ = [
     "to_cpu",
     "unwrap_model",
     "verify",
+    "verify_report",
 ]
 
 

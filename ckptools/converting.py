@@ -263,8 +263,10 @@ def export_huggingface(
     ``from_pretrained`` also needs the model's ``config.json`` (without it transformers fails with
     a misleading "ignore_mismatched_sizes" message): ``config`` copies it in, from a
     ``config.json`` file or from a folder (the one the model was loaded from, a Hub snapshot), with
-    the generation config and tokenizer files found beside it. A folder left without a
-    ``config.json`` gets a `CheckpointWarning` saying so.
+    the generation config and tokenizer files found beside it. Without ``config``, a source that
+    is itself such a folder (an HF Trainer's ``checkpoint-N/``, a ``save_pretrained`` folder or its
+    index) brings them along, except those ``out_dir`` already holds (replaced with ``force``). A
+    folder left without a ``config.json`` gets a `CheckpointWarning` saying so.
 
     Args:
         src: any checkpoint `ckptools.open_checkpoint` reads.
@@ -295,7 +297,12 @@ def export_huggingface(
     old = sorted(n for n in os.listdir(out) if _WEIGHT_FILES.fullmatch(n)) if os.path.isdir(out) else []
     if old and not force:
         raise FileExistsError(f"{out} already holds weights ({', '.join(old[:3])}); pass --force to replace them")
-    extras = _config_files(fspath(config), out, force) if config is not None else []
+    if config is not None:
+        extras = _config_files(fspath(config), out, force)
+    else:  # the source's own folder (checkpoint-N/, a save_pretrained folder) brings its config along
+        beside = _source_folder(src)
+        extras = [] if beside is None else _config_files(beside, out, force=True)
+        extras = [f for f in extras if force or not os.path.exists(os.path.join(out, os.path.basename(f)))]
     specs, aliases, meta = _plan(src, key, strip, trust_code)
     meta = {**meta, **dict(metadata or {}), "format": "pt"}  # transformers refuses files without format=pt
     shards: list[list[str]] = [[]]
@@ -343,6 +350,16 @@ CONFIG_FILES = (
     "sentencepiece.bpe.model", "chat_template.jinja", "chat_template.json", "preprocessor_config.json",
     "processor_config.json",
 )  # fmt: skip
+
+
+def _source_folder(src: str) -> str | None:
+    """The local folder ``src`` is (or whose index ``src`` is), when it holds a ``config.json``."""
+    if "://" in src:
+        return None
+    folder = src if os.path.isdir(src) else os.path.dirname(src) if src.endswith(".index.json") else None
+    if folder is None or not os.path.isfile(os.path.join(folder or ".", "config.json")):
+        return None
+    return folder or "."
 
 
 def _writer(source: str) -> Any:

@@ -95,6 +95,29 @@ def barrier() -> None:
         run_collective(torch.distributed.barrier)
 
 
+def _refuse_while_a_child_imports_main() -> None:
+    """Raise when called by a process multiprocessing is still starting, as it imports the main script.
+
+    A DataLoader worker (or any process) started with the ``spawn`` or ``forkserver`` method
+    imports the main script again before it runs; a script without an ``if __name__ ==
+    "__main__":`` guard then calls ``init_distributed`` in the worker, which joins the rendezvous
+    as a rank that is already there and waits forever, with no message. multiprocessing marks
+    that import (``_inheriting``; its own ``freeze_support`` check reads the same flag).
+    """
+    import multiprocessing
+    import sys
+
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main script"
+    raise CheckpointError(
+        f"ckptools.init_distributed() was called while a process started by multiprocessing (a DataLoader worker "
+        f"with the 'spawn' or 'forkserver' start method, or mp.spawn) was importing {script}: it would join the "
+        "process group a second time and wait forever. Put the script's training code under "
+        '`if __name__ == "__main__":` (workers import the script, and must not run it)'
+    )
+
+
 def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta | None = None) -> torch.device:
     """Initialise the default process group from torchrun's environment; return this rank's device.
 
@@ -118,6 +141,8 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
     Raises:
         ValueError: the environment names a rank or world size that is not an integer, or
             ``MASTER_ADDR``/``MASTER_PORT`` are missing while ``WORLD_SIZE`` is set.
+        CheckpointError: called while a spawned DataLoader worker imports a script that lacks an
+            ``if __name__ == "__main__":`` guard (it would wait in the rendezvous forever).
 
     Examples:
         >>> import ckptools as ck
@@ -125,6 +150,7 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
         >>> device.type
         'cpu'
     """
+    _refuse_while_a_child_imports_main()
     cuda = torch.cuda.is_available()
     local_rank = get_local_rank()
     if cuda:

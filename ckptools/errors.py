@@ -10,6 +10,7 @@ subclass also inherits the builtin exception that code without ckptools would ca
         ├── UnsafeCheckpointError    (also ValueError)   needs arbitrary code to load
         │   └── UnsafeStateError     (also TypeError)    save refused: the state holds such a value
         ├── MissingClassError        (also ImportError)  a trusted file's pickled class is not importable
+        ├── NotChecksummedError      (also ValueError)   verify(strict=True): bytes no checksum covers
         └── KeyMismatchError         (also KeyError)     missing / unexpected keys
 
     UserWarning
@@ -33,6 +34,7 @@ __all__ = [
     "CheckpointWarning",
     "KeyMismatchError",
     "MissingClassError",
+    "NotChecksummedError",
     "UnsafeCheckpointError",
     "UnsafeStateError",
 ]
@@ -75,6 +77,15 @@ class MissingClassError(CheckpointError, ImportError):
     ``omegaconf``. The file is intact: install the module (the message names it), or read the
     weights without trusting the file, with inert placeholders for such classes. ``ckpt verify``
     exits 2 for this, never 1 (damaged).
+    """
+
+
+class NotChecksummedError(CheckpointError, ValueError):
+    """``verify(..., strict=True)`` found nothing damaged, but some bytes carry no checksum to check.
+
+    A safetensors file written by another tool, a DCP folder, a legacy torch file, a folder's
+    tokenizer files: their structure was checked, their data could not be. Never a damaged
+    checkpoint; ``ckpt verify --strict`` exits 1 for it, and the message names the files.
     """
 
 

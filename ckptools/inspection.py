@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import CheckpointFormatError, KeyMismatchError
+from .errors import CheckpointFormatError, CheckpointLayoutError, NotChecksummedError
 from .layouts import open_checkpoint
 from .state_dict import strip_wrappers, tensor_identity
 from .storage import PathLike, fspath
 from .view import CheckpointView
 
-__all__ = ["diff", "inspect", "verify"]
+__all__ = ["diff", "inspect", "verify", "verify_report"]
 
 
 def inspect(path: PathLike, *, trust_code: bool = False) -> dict[str, Any]:
@@ -30,16 +30,28 @@ def inspect(path: PathLike, *, trust_code: bool = False) -> dict[str, Any]:
     return open_checkpoint(path, trust_code=trust_code).report()
 
 
-def verify(path: PathLike, *, trust_code: bool = False) -> str:
+def verify(path: PathLike, *, trust_code: bool = False, strict: bool = False) -> str:
     """Read every byte of a checkpoint and check what it stores; return a line saying what was checked.
 
     Zip records' CRC-32s for torch files, ckptools' per-tensor CRC-32s for safetensors, every
     shard and the index's agreement with them (each tensor present once, in the shard named, no
-    stray shard) for sharded checkpoints, every data file of a DCP folder.
+    stray shard) for sharded checkpoints, every data file of a DCP folder; for a Hugging Face,
+    Accelerate or HF Trainer folder, every file in it too (torch files' CRC-32s, safetensors
+    structure, a ``ckptools-manifest.json``'s sizes and CRC-32s, the Trainer's expected set: the
+    judgement ``latest_complete_checkpoint`` makes). Bytes no stored checksum covers (a
+    safetensors file from another tool, a DCP folder, a tokenizer file) are named at the end of
+    the line, after ``data not checksummed:``.
+
+    Args:
+        path: a file, a folder or an fsspec URL of a file.
+        trust_code: let torch unpickle globals outside its allowlist (files you trust only).
+        strict: raise `NotChecksummedError` when any byte is not covered by a checksum.
 
     Raises:
         CheckpointFormatError: damaged (``ckpt verify`` exits 1). A valid file of another kind
             raises `CheckpointLayoutError` instead, which ``ckpt verify`` never calls damaged.
+        NotChecksummedError: with ``strict``, whole as far as could be checked, but not every byte
+            carries a checksum (``ckpt verify --strict`` exits 1).
 
     Examples:
         >>> import torch, ckptools as ck
@@ -47,23 +59,63 @@ def verify(path: PathLike, *, trust_code: bool = False) -> str:
         >>> ck.verify("/tmp/f.pt")
         "torch zip, every record's CRC-32 matches, 1 tensor loaded"
     """
-    return open_checkpoint(path, trust_code=trust_code).verify()
+    found = open_checkpoint(path, trust_code=trust_code).verify()
+    if strict and not found.checksummed:
+        raise NotChecksummedError(f"{fspath(path)}: {found.line()}; with strict, every byte must carry a checksum")
+    return found.line()
+
+
+def verify_report(path: PathLike, *, trust_code: bool = False) -> dict[str, Any]:
+    """What ``ckpt verify --json`` prints, as a dict: damage is a result here, not an exception.
+
+    Keys: ``path``; ``status``: ``"ok"`` (every byte matched a stored checksum),
+    ``"structure_ok"`` (whole as far as it could be checked, but ``not_checksummed`` names bytes
+    no checksum covers) or ``"damaged"``; ``line`` (`verify`'s line, or what is damaged);
+    ``checksummed`` (bool); ``not_checksummed`` (file: what was checked instead).
+
+    Raises:
+        CheckpointNotFoundError, CheckpointLayoutError, UnsafeCheckpointError: not a checkpoint
+            that can be judged (``ckpt verify`` exits 2 for these).
+
+    Examples:
+        >>> import torch, ckptools as ck
+        >>> torch.save({"w": torch.ones(2)}, "/tmp/r.pt")
+        >>> ck.verify_report("/tmp/r.pt")["status"]
+        'ok'
+    """
+    path = fspath(path)
+    try:
+        found = open_checkpoint(path, trust_code=trust_code).verify()
+    except CheckpointLayoutError:
+        raise  # a valid file of another kind is never called damaged
+    except CheckpointFormatError as damage:
+        return {"path": path, "status": "damaged", "line": str(damage), "checksummed": False, "not_checksummed": {}}
+    status = "ok" if found.checksummed else "structure_ok"
+    return {"path": path, "status": status, "line": found.line(), "checksummed": found.checksummed,
+            "not_checksummed": found.not_checksummed}  # fmt: skip
 
 
 def diff(
     a: PathLike, b: PathLike, *, atol: float = 0.0, trust_code: bool = False, key: str | None = None
 ) -> dict[str, Any]:
-    """Compare the weights of two checkpoints of any layouts (wrapper prefixes ignored).
+    """Compare the weights of two checkpoints of any layouts (wrapper prefixes ignored), or one entry.
 
-    ``key`` (dotted for nesting: ``"model.state_dict"``) names the entry that holds the weights
-    in each file that has it; a file without that entry (a ``.safetensors`` file, a folder, a
-    bare state dict) is read as without ``key``, so a training checkpoint compares with its export.
-    A tensor that only one side names, stored once in the other under a name it is tied to there
-    (transformers' ``lm_head.weight``, tied to ``transformer.wte.weight``), is no difference:
-    ``tied`` maps it to that name.
+    ``key`` (dotted for nesting, list indices too: ``"model.state_dict"``, ``"optimizer"``,
+    ``"optimizer_states.0.state"``, ``"hyper_parameters"``) names the entry to compare in each file
+    that has entries; a tree of tensors (an optimizer's state) is compared tensor by tensor, other
+    values (numbers, strings, lists of them) by value. A file that holds bare weights (a
+    ``.safetensors`` file, a folder, a bare state dict) is compared whole, so a training checkpoint
+    compares with its export. A tensor that only one side names, stored once in the other under a
+    name it is tied to there (transformers' ``lm_head.weight``, tied to ``transformer.wte.weight``),
+    is no difference: ``tied`` maps it to that name.
 
-    Returns a dict: ``differ`` (bool), ``missing_in_b``, ``only_in_b``, ``tied``, ``shape_or_dtype_mismatch``,
-    ``changed`` (max |a-b| above ``atol``, or NaN) and ``max_abs_diff`` per common tensor.
+    Returns a dict: ``differ`` (bool), ``missing_in_b``, ``only_in_b``, ``tied``, ``shape_or_dtype_mismatch``
+    (also a tensor on one side and a value on the other), ``changed`` (max |a-b| above ``atol``, or
+    NaN; or a value that differs), ``max_abs_diff`` per common tensor and ``values`` (``[a, b]``, as
+    ``repr``, per common value that is no tensor).
+
+    Raises:
+        KeyMismatchError: a file with entries has none at ``key``; the message names those it has.
 
     Examples:
         >>> import torch, ckptools as ck
@@ -73,8 +125,8 @@ def diff(
         False
     """
     a, b = fspath(a), fspath(b)
-    wa = _weights_at(open_checkpoint(a, trust_code=trust_code), key)
-    wb = _weights_at(open_checkpoint(b, trust_code=trust_code), key)
+    wa = _compared_at(open_checkpoint(a, trust_code=trust_code), key)
+    wb = _compared_at(open_checkpoint(b, trust_code=trust_code), key)
     import torch  # after both opened: a file refused there is refused without it
 
     # Compared without any wrapper's prefix (DDP's "module.", torch.compile's "_orig_mod."). Names
@@ -89,12 +141,18 @@ def diff(
     mismatched: list[dict[str, Any]] = []
     changed: list[str] = []
     max_abs: dict[str, float] = {}
+    values: dict[str, list[str]] = {}
     order = {stored: i for i, stored in enumerate(wa)}
     for name in sorted(common, key=lambda n: order[na[n]]):
         ta, tb = wa[na[name]], wb[nb[name]]
-        if ta.dtype != tb.dtype or _kind(ta) != _kind(tb):
-            mismatched.append({"name": name, "a": [_shape(ta), _kind(ta) or str(ta.dtype)],
-                               "b": [_shape(tb), _kind(tb) or str(tb.dtype)]})  # fmt: skip
+        tensors = isinstance(ta, torch.Tensor), isinstance(tb, torch.Tensor)
+        if tensors == (False, False):  # plain values (hyper-parameters, a step count): by value
+            values[name] = [repr(ta), repr(tb)]
+            if not _same_value(ta, tb):
+                changed.append(name)
+            continue
+        if not all(tensors) or ta.dtype != tb.dtype or _kind(ta) != _kind(tb):
+            mismatched.append({"name": name, "a": _described(ta), "b": _described(tb)})
             continue
         ta, tb = _dense(ta), _dense(tb)  # sparse, quantized, nested: compared by their values
         if ta.shape != tb.shape or ta.dtype != tb.dtype:
@@ -119,19 +177,53 @@ def diff(
     differ = bool(missing or unexpected or mismatched or changed)
     return {"a": a, "b": b, "atol": atol, "differ": differ, "missing_in_b": missing, "only_in_b": unexpected,
             "tied": dict(sorted(tied.items())), "shape_or_dtype_mismatch": mismatched, "changed": changed,
-            "max_abs_diff": max_abs}  # fmt: skip
+            "max_abs_diff": max_abs, "values": dict(sorted(values.items()))}  # fmt: skip
 
 
-def _weights_at(view: CheckpointView, key: str | None) -> Mapping[str, Any]:
+def _compared_at(view: CheckpointView, key: str | None) -> Mapping[str, Any]:
+    """What `diff` compares in ``view``: its weights, or the leaves of the entry at ``key``."""
     if key is None:
         return view.weights()
     try:
-        return view.weights(key)
-    except (KeyMismatchError, CheckpointFormatError) as missing:
-        try:
-            return view.weights()  # this side holds no such entry: its weights as found without key
-        except CheckpointFormatError:
-            raise missing from None
+        node = view.entry(key)
+    except CheckpointLayoutError:
+        return view.weights()  # bare weights: no entries to look in, compared whole (an export)
+    leaves: dict[str, Any] = {}
+    _collect(node, "", leaves)
+    if not leaves and not isinstance(node, (Mapping, list, tuple)):
+        leaves[key] = node
+    return leaves
+
+
+def _collect(node: Any, prefix: str, leaves: dict[str, Any]) -> None:
+    """Every leaf under ``node`` (a tensor, or a value in no container), by dotted name."""
+    if isinstance(node, Mapping):
+        for k, v in node.items():
+            _collect(v, f"{prefix}.{k}" if prefix else str(k), leaves)
+    elif isinstance(node, (list, tuple)):
+        for i, v in enumerate(node):
+            _collect(v, f"{prefix}.{i}" if prefix else str(i), leaves)
+    elif prefix:
+        leaves[prefix] = node
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Whether two plain values are the same (NaN the same as NaN; types that cannot say: their repr)."""
+    if type(a) is not type(b):
+        return False
+    try:
+        return bool(a == b) or repr(a) == repr(b)
+    except Exception:  # noqa: BLE001 - an object whose == raises or returns no bool: compared by what it shows
+        return repr(a) == repr(b)
+
+
+def _described(value: Any) -> list[Any]:
+    """Shape and dtype of a tensor, or the type of a value, for a mismatch line."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return [_shape(value), _kind(value) or str(value.dtype)]
+    return ["value", type(value).__name__]
 
 
 def _kind(tensor: Any) -> str:
@@ -165,10 +257,15 @@ def _tied_names(
 ) -> dict[str, str]:
     """Those of ``only`` (names one side alone has) tied, on that side, to a name both sides
     have: the other side stores the tensor once, under that name. Compared there."""
+    import torch
+
+    only = {name for name in only if isinstance(weights[names[name]], torch.Tensor)}
     if not only:
         return {}
     partner: dict[tuple[Any, ...], str] = {}
     for name in sorted(common):
+        if not isinstance(weights[names[name]], torch.Tensor):
+            continue
         ident = tensor_identity(weights[names[name]])
         if ident is not None:
             partner.setdefault(ident, name)

@@ -17,6 +17,7 @@ from torch.utils.data.distributed import DistributedSampler
 from . import background, log
 from .broadcast import broadcast_tree
 from .codecs.torchzip import is_local_zip
+from .codecs.trees import LIGHTNING_VERSION_KEY
 from .devices import MapLocation, resolve_map_location
 from .dist import all_gather_object, broadcast_object, get_rank, get_world_size
 from .errors import (
@@ -27,12 +28,11 @@ from .errors import (
 )
 from .layouts import detect, read_weights
 from .layouts.placeholders import load_without_code
+from .layouts.torch_file import TORCH_FILE
 from .restoring import restore_all, restore_rng_state
 from .sampler import ResumableDistributedSampler, note_rng_restored
 from .serialization import load_file, verify_torch_file
-from .state_dict import (
-    strip_for_reading,
-)
+from .state_dict import strip_for_reading, strip_prefix
 from .storage import Location, PathLike, fspath, resolve
 
 __all__ = ["load", "load_state_dict"]
@@ -253,7 +253,9 @@ def load_state_dict(
         key: the entry holding the weights, when the usual names do not find it.
         strip: prefix removed from every key that has it; None keeps keys as stored. The
             default ``"module."`` removes every wrapper's prefix: DDP's ``module.``,
-            ``torch.compile``'s ``_orig_mod.``, and both nested (``module._orig_mod.``).
+            ``torch.compile``'s ``_orig_mod.``, and both nested (``module._orig_mod.``); and from a
+            Lightning checkpoint, the LightningModule's attribute every key starts with
+            (``net.`` of ``self.net``), so that the plain network loads them.
         verify: check checksums first: every zip record's CRC-32 of a ``.pt`` file, or the
             per-tensor CRC-32s ``ckpt convert`` stores in a ``.safetensors`` file (files from
             other tools carry none; then only their structure is checked); for a folder, every
@@ -281,4 +283,22 @@ def load_state_dict(
     location = resolve_map_location(map_location)
     weights = dict(read_weights(path, key=key, map_location=location, verify=verify, trust_code=trust_code))
     log.report("loaded weights from", path, started)
-    return dict(strip_for_reading(weights, strip))
+    weights = dict(strip_for_reading(weights, strip))
+    if strip == "module." and key in (None, "state_dict"):
+        attribute = _lightning_attribute(resolve(path), weights)
+        if attribute is not None:
+            weights = dict(strip_prefix(weights, attribute))
+    return weights
+
+
+def _lightning_attribute(source: Location, weights: Mapping[str, Any]) -> str | None:
+    """The LightningModule attribute (``"net."``) every key of a Lightning checkpoint's weights
+    starts with, when there is one: the network a plain script builds has no such prefix."""
+    heads = {name.split(".", 1)[0] for name in weights}
+    if len(heads) != 1 or not all("." in name for name in weights) or detect(source) is not TORCH_FILE:
+        return None
+    if not source.local:
+        return None  # its entries would cost a second download; the keys stay as stored
+    if LIGHTNING_VERSION_KEY not in TORCH_FILE.open(source, trust_code=False).entries:
+        return None
+    return f"{heads.pop()}."

@@ -4,10 +4,12 @@
   (path, bytes, seconds, GB/s; also as ``record.ckpt_path``, ``ckpt_bytes``, ``ckpt_seconds``).
   ckptools adds no handler: nothing is printed unless the application configures logging.
 - Everything that goes wrong without stopping the run is a `CheckpointWarning` through
-  `warnings`, never a log record, so one filter
-  (``warnings.simplefilter("error", ck.CheckpointWarning)``) catches all of them and
-  ``logging.captureWarnings(True)`` routes them to the logs. Hazards that are the same on every
-  rank (a DataLoader without its own seed, ...) are warned about once per process, on rank 0.
+  `warnings` (so one filter, ``warnings.simplefilter("error", ck.CheckpointWarning)`` or pytest's
+  ``-W error::ckptools.CheckpointWarning``, catches all of them, and ``catch_warnings`` records
+  them) and, once, a WARNING record on the ``ckptools`` logger where the application has set up
+  logging (so a job that logs sees it in its logs; without a handler, only the warning is
+  printed). Hazards that are the same on every rank (a DataLoader without its own seed, ...) are
+  warned about once per process, on rank 0.
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ def _rank() -> int:
 
 
 def warn(message: str, *, once: str | None = None, all_ranks: bool = False) -> None:
-    """Issue a `CheckpointWarning` (rank 0 only unless ``all_ranks``; once per ``once`` key)."""
+    """Issue a `CheckpointWarning` and log it (rank 0 only unless ``all_ranks``; once per ``once`` key)."""
     if not all_ranks and _rank() != 0:
         return
     if once is not None:
@@ -54,6 +56,11 @@ def warn(message: str, *, once: str | None = None, all_ranks: bool = False) -> N
     level, frame = 1, sys._getframe()
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         level, frame = level + 1, frame.f_back
+    # The record first: under "-W error" the warning raises, and the log still says what happened.
+    # Only where logging is set up: otherwise logging's last-resort handler would print the message
+    # to stderr a second time, beside the warning itself.
+    if logger.hasHandlers():
+        logger.warning("%s", message, extra={"ckpt_warning": True})
     warnings.warn(message, CheckpointWarning, stacklevel=level)
 
 

@@ -15,7 +15,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from . import log, rng
 from .codecs.pickles import Opaque
-from .codecs.trees import META_KEY, locate_weights
+from .codecs.trees import LIGHTNING_VERSION_KEY, META_KEY, locate_weights
 from .dist import get_rank, get_world_size
 from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError
 from .state_dict import WRAPPER_PREFIXES, add_prefix, strip_prefix, strip_wrappers, tensor_identity, unwrap_model
@@ -131,12 +131,58 @@ def _find_weights(ckpt: Any, *, key: str | None, path: str) -> Mapping[str, Any]
     return locate_weights(ckpt, key=key, path=path, is_leaf=lambda v: isinstance(v, torch.Tensor))[2]
 
 
+# What Lightning's Trainer.save_checkpoint writes (lightning/pytorch/trainer/connectors/checkpoint_connector.py).
+_LIGHTNING_LISTS: tuple[tuple[str, tuple[type, ...], str], ...] = (
+    ("optimizer_states", (torch.optim.Optimizer,), "optimizer"),
+    ("lr_schedulers", (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau), "scheduler"),
+)
+
+
+def _lightning_entries(ckpt: Mapping[str, Any], state: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """For a Lightning checkpoint: the entry of each optimizer and LR scheduler in ``state``.
+
+    Lightning keeps them in lists (``optimizer_states[i]``, ``lr_schedulers[i]``, in the order
+    ``configure_optimizers`` returned them). An optimizer named as the list (``{"optimizer_states":
+    opt}``) takes its only element; otherwise the optimizers of ``state`` the file has no entry for
+    take the list's elements in their order in ``state``, and so do the schedulers.
+    """
+    if LIGHTNING_VERSION_KEY not in ckpt:
+        return {}
+    found: dict[str, Any] = {}
+    for key, types, what in _LIGHTNING_LISTS:
+        stored = ckpt.get(key)
+        if not isinstance(stored, list):
+            continue
+        named = key in state and isinstance(state[key], types)
+        if named:
+            if len(stored) != 1:
+                raise CheckpointFormatError(
+                    f"{path}: {key} holds {len(stored)} {what}s' states; name each {what} in state under a name of "
+                    f"its own, in the order configure_optimizers returned them (they take {key}[0], [1], ...)"
+                )
+            found[key] = stored[0]
+            continue
+        wanted = [name for name, obj in state.items() if isinstance(obj, types) and name not in ckpt]
+        if len(wanted) > len(stored):
+            raise KeyMismatchError(
+                f"{path} is a Lightning checkpoint with {len(stored)} {what} state(s) in {key}, and state names "
+                f"{len(wanted)} {what}s ({', '.join(wanted)}); pass as many as configure_optimizers returned",
+                missing=wanted[len(stored) :],
+            )
+        found.update(zip(wanted, stored))
+    return found
+
+
 def restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool, path: str) -> None:
     models = [name for name, obj in state.items() if isinstance(obj, torch.nn.Module)]
+    lightning = _lightning_entries(ckpt, state, path)
     for name, obj in state.items():
-        if name in ckpt:
+        if name in lightning:
+            entry = lightning[name]
+        elif name in ckpt:
             entry = ckpt[name]
         elif META_KEY not in ckpt and len(models) == 1 and name == models[0]:
+            # (a Lightning checkpoint's "state_dict" is found here, its LightningModule's attribute fitted below)
             # A file written without ckptools: the weights may be bare or nested.
             try:
                 entry = _find_weights(ckpt, key=None, path=path)

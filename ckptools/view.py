@@ -19,10 +19,42 @@ class ViewReader(Protocol):
 
     def weights(self, view: CheckpointView, key: str | None, map_location: Any) -> Mapping[str, Any]: ...
 
-    def verify(self, view: CheckpointView) -> str: ...
+    def entry(self, view: CheckpointView, key: str, map_location: Any) -> Any: ...
+
+    def verify(self, view: CheckpointView) -> Verification: ...
 
 
-__all__ = ["CheckpointView", "TensorInfo"]
+__all__ = ["CheckpointView", "TensorInfo", "Verification"]
+
+
+@dataclass
+class Verification:
+    """What verifying a checkpoint found, when nothing was damaged.
+
+    Attributes:
+        said: what was checked, in words (``"torch zip, every record's CRC-32 matches, 3 tensors loaded"``).
+        not_checksummed: the files whose bytes no stored checksum covers, each with what was
+            checked instead (``{"model.safetensors": "structure checked; no checksums stored"}``).
+            Empty when every byte was held against a checksum.
+
+    Examples:
+        >>> Verification("safetensors, 2 tensors", {"w.safetensors": "no checksums stored"}).line()
+        'safetensors, 2 tensors; data not checksummed: w.safetensors (no checksums stored)'
+    """
+
+    said: str
+    not_checksummed: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def checksummed(self) -> bool:
+        """Whether every byte was held against a stored checksum."""
+        return not self.not_checksummed
+
+    def line(self) -> str:
+        """``said``, and what was not checksummed, in one line: never an OK about unchecked bytes."""
+        if self.checksummed:
+            return self.said
+        return f"{self.said}; data not checksummed: " + ", ".join(f"{n} ({w})" for n, w in self.not_checksummed.items())
 
 
 @dataclass
@@ -94,8 +126,25 @@ class CheckpointView:
             raise TypeError("this CheckpointView was not made by open_checkpoint: it has no layout to read from")
         return self.layout.weights(self, key, map_location)
 
-    def verify(self) -> str:
-        """Read everything and check every checksum stored; return what was checked.
+    def entry(self, key: str, *, map_location: Any = "cpu") -> Any:
+        """The entry at ``key`` (dotted for nesting, list indices too: ``"optimizer_states.0.state"``).
+
+        Raises:
+            KeyMismatchError: no such entry; the message names the keys that exist.
+            CheckpointLayoutError: the layout holds bare weights (safetensors, folders): no entries.
+
+        Examples:
+            >>> import torch, ckptools as ck
+            >>> torch.save({"model": {"w": torch.ones(2)}, "opt": [{"lr": 0.1}]}, "/tmp/entry.pt")
+            >>> ck.open_checkpoint("/tmp/entry.pt").entry("opt.0.lr")
+            0.1
+        """
+        if self.layout is None:
+            raise TypeError("this CheckpointView was not made by open_checkpoint: it has no layout to read from")
+        return self.layout.entry(self, key, map_location)
+
+    def verify(self) -> Verification:
+        """Read everything and check every checksum stored; return what was checked and what no checksum covers.
 
         Raises:
             CheckpointFormatError: the checkpoint is damaged (a checksum fails, a shard is missing

@@ -11,6 +11,7 @@ test_quickstart_e2e.py.
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
 import importlib.util
@@ -111,6 +112,17 @@ def test_the_api_reference_documents_every_public_name():
     assert documented == set(ck.__all__), (set(ck.__all__) - documented, documented - set(ck.__all__))
     for name in ck.__all__:  # and under the module that really defines it
         assert f"::: {getattr(ck, name).__module__}.{name}\n" in text, name
+    # The other public modules, the integrations: every name of their __all__ (read from the source,
+    # so without their frameworks installed too), under the module users import it from.
+    integrations = sorted((ROOT / "ckptools" / "integrations").glob("[a-z]*.py"))
+    assert [p.stem for p in integrations] == ["lightning", "transformers"]
+    for source in integrations:
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        names = next(ast.literal_eval(node.value) for node in tree.body
+                     if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "__all__")  # fmt: skip
+        assert names, source
+        for name in names:
+            assert f"::: ckptools.integrations.{source.stem}.{name}\n" in text, (source.stem, name)
 
 
 def test_the_cli_reference_is_generated_from_the_current_cli(tmp_path):

@@ -241,8 +241,27 @@ def _rename_command(
         verb = "added to" if add else "removed from"
         said = " / ".join(repr(p) for p in prefixes)
         out.print(f"{dst}: prefix {said} {verb} {changed} keys")
+        if not changed and not add:
+            _say_shared_prefix(path, key, trust=False)
 
     _run(body)
+
+
+def _say_shared_prefix(path: str, key: Optional[str], *, trust: bool) -> None:
+    """After a strip that removed nothing: the prefix the keys do share (a LightningModule's
+    ``net.``), and how to remove it."""
+    from ..layouts import open_checkpoint
+
+    names = list(open_checkpoint(path, trust_code=trust).weights(key))
+    heads = {name.split(".", 1)[0] for name in names}
+    if len(heads) == 1 and all("." in name for name in names):
+        head = heads.pop()
+        where = f" --key {key}" if key else ""
+        err.print(
+            f"ckpt: note: no key starts with that prefix; every key starts with {head + '.'!r}: to remove it, "
+            f"ckpt strip-module {path} -o OUT --prefix {head}.{where}",
+            markup=False, highlight=False, soft_wrap=True,
+        )  # fmt: skip
 
 
 @app.command("strip-module")
@@ -372,22 +391,36 @@ def diff(
 @app.command()
 def verify(
     path: Annotated[str, typer.Argument(help="checkpoint file, folder or URL")],
+    strict: Annotated[
+        bool, typer.Option("--strict", help="exit 1 also when some bytes carry no checksum (only structure checked)")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="machine-readable output (damage included)")] = False,
     trust: Annotated[bool, _TRUST] = False,
 ) -> None:
-    """Read everything and check integrity: exit 0 good, 1 damaged, 2 missing/unsafe/bad arguments."""
+    """Read everything and check integrity: exit 0 good, 1 damaged, 2 missing/unsafe/bad arguments.
 
-    def body() -> None:
-        from ..errors import CheckpointFormatError, CheckpointLayoutError
-        from ..inspection import verify as check
+    OK: every byte matched a stored checksum. STRUCTURE OK: nothing damaged was found, but the
+    files named after 'data not checksummed' carry no checksum (safetensors from other tools,
+    DCP, tokenizer files): only their structure was checked; --strict exits 1 for that. A folder
+    is checked whole: every file in it, a ckptools manifest, the HF Trainer's expected files."""
 
-        try:
-            with _progress("verifying", path):
-                what = check(path, trust_code=trust)
-        except CheckpointLayoutError:
-            raise  # a valid file (or a folder) of another kind is never called damaged
-        except CheckpointFormatError as error:
-            raise _Fail(f"DAMAGED: {error}", code=1) from error
-        out.print(f"OK {path}: {what}")
+    def body() -> int:
+        from ..inspection import verify_report
+
+        with _progress("verifying", path):
+            report = verify_report(path, trust_code=trust)
+        status = report["status"]
+        code = 1 if status == "damaged" or (strict and status != "ok") else 0
+        if as_json:
+            out.print_json(json.dumps({**report, "strict": strict, "exit_code": code}))
+            return code
+        if status == "damaged":
+            raise _Fail(f"DAMAGED: {report['line']}", code=1)
+        label = "OK" if status == "ok" else "STRUCTURE OK"
+        if code:
+            raise _Fail(f"NOT CHECKSUMMED (--strict): {path}: {report['line']}", code=1)
+        out.print(f"{label} {path}: {report['line']}", markup=False, highlight=False, soft_wrap=True)
+        return 0
 
     _run(body)
 

@@ -8,11 +8,27 @@ import re
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from ..text import human_size, plural
 
-out = Console()
+
+def _stdout_console() -> Console:
+    """The console for results: at a terminal, its width; in a pipe or a file, no wrapping.
+
+    rich wraps at 80 columns when stdout is no terminal, which cuts a line a script greps
+    ("25 \ntensors loaded"). There, unless ``COLUMNS`` asks for a width, lines and table rows are
+    as long as their text.
+    """
+    console = Console()
+    if console.is_terminal or os.environ.get("COLUMNS", "").isdigit():
+        return console
+    return Console(width=_UNWRAPPED, soft_wrap=True)
+
+
+_UNWRAPPED = 1 << 16  # wider than any line ckpt prints: tables are as wide as their cells, never padded to it
+out = _stdout_console()
 err = Console(stderr=True)
 
 
@@ -90,7 +106,17 @@ def render_diff(result: dict[str, Any], *, verbose: bool = False) -> None:
     if len(tied) > 20:
         out.print(f"and {len(tied) - 20} more tied names")
     for m in result["shape_or_dtype_mismatch"]:
-        out.print(f"[red]mismatch[/] {m['name']}: {m['a']} vs {m['b']}")
+        out.print(f"[red]mismatch[/] {m['name']}: {m['a']} vs {m['b']}", highlight=False)
+    values = result.get("values", {})
+    differing = [name for name in values if name in result["changed"]]
+    for name in differing[:50]:
+        a, b = values[name]
+        out.print(f"[red]changed[/] {escape(name)}: {escape(a)} vs {escape(b)}", highlight=False)
+    if len(differing) > 50:
+        out.print(f"and {len(differing) - 50} more changed values")
+    if values and (verbose or not differing):
+        same = len(values) - len(differing)
+        out.print(f"{plural(same, 'common value')} equal" + ("" if verbose else " (--json shows them)"))
     deltas = result["max_abs_diff"]
     if deltas and (verbose or result["differ"]):
         rows = [[name, f"{delta:.3g}"] for name, delta in deltas.items()]

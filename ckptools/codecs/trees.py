@@ -11,6 +11,8 @@ from .pickles import REBUILD_FUNCTIONS, Call, Global, StorageRef
 
 # The entry ckptools adds to every checkpoint it writes.
 META_KEY = "__ckptools__"
+# The entry that marks a checkpoint Lightning's Trainer wrote.
+LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
 
 
 # Where other tools nest a model's weights, most specific first.
@@ -85,6 +87,58 @@ def tensor_info(node: Call) -> dict[str, Any]:
     return {"shape": [], "dtype": "?", "bytes": 0, "device": "?", "storage": None}
 
 
+def entry_at(tree: Any, key: str, *, path: str = "checkpoint") -> Any:
+    """The node at ``key`` in a checkpoint tree: dotted for nesting, through dicts (an integer part
+    also finds an integer key, as in an optimizer's ``state``) and lists (``optimizer_states.0``).
+
+    Raises:
+        KeyMismatchError: no such node; the message names the keys that exist where the walk stopped.
+
+    Examples:
+        >>> entry_at({"optimizer_states": [{"state": {0: {"step": 3}}}]}, "optimizer_states.0.state.0.step")
+        3
+    """
+    return _walk(tree, key, path)[2]
+
+
+def _walk(tree: Any, key: str, path: str) -> tuple[Any, Any, Any]:
+    """``(parent, name, node)`` at ``key`` (see `entry_at`)."""
+    parent: Any = None
+    name: Any = None
+    node = tree
+    walked: list[str] = []
+    for part in key.split("."):
+        found, name = _child(node, part)
+        if not found:
+            where = f"under {'.'.join(walked)!r}" if walked else "at the top level"
+            raise KeyMismatchError(f"{path} has no entry {key!r}; {where} it has {_children(node)}", missing=[key])
+        parent, node = node, (node[name])
+        walked.append(part)
+    return parent, name, node
+
+
+def _child(node: Any, part: str) -> tuple[bool, Any]:
+    """Whether ``node`` has a child named ``part``, and the key or index that names it."""
+    if isinstance(node, Mapping):
+        if part in node:
+            return True, part
+        if part.lstrip("-").isdigit() and int(part) in node:  # an optimizer's state: {0: {...}, 1: {...}}
+            return True, int(part)
+    elif isinstance(node, (list, tuple)) and part.isdigit() and int(part) < len(node):
+        return True, int(part)
+    return False, None
+
+
+def _children(node: Any) -> str:
+    """The names of ``node``'s children, in words, for an error message."""
+    if isinstance(node, Mapping):
+        names = sorted(map(str, node))
+        return "no entries" if not names else "entries " + ", ".join(names[:30]) + (", ..." if len(names) > 30 else "")
+    if isinstance(node, (list, tuple)):
+        return f"a {type(node).__name__} of {len(node)} (indices 0 to {len(node) - 1})" if node else "an empty list"
+    return f"a {type(node).__name__} value, no entries"
+
+
 def locate_weights(
     tree: Any, *, key: str | None = None, path: str = "checkpoint", is_leaf: Any = None
 ) -> tuple[Any, Any, Mapping[str, Any]]:
@@ -99,8 +153,9 @@ def locate_weights(
         when the tree is itself a bare state dict.
 
     Raises:
-        CheckpointFormatError: nothing found (the message lists the entries and says to pass a key).
-        KeyMismatchError: ``key`` does not exist.
+        CheckpointFormatError: nothing found (the message lists the entries and says to pass a key),
+            or ``key`` names something that is no dict.
+        KeyMismatchError: ``key`` does not exist (`entry_at`).
     """
     leaf = is_leaf or is_tensor
 
@@ -110,17 +165,10 @@ def locate_weights(
     if not isinstance(tree, Mapping):
         raise CheckpointFormatError(f"{path} holds a {type(tree).__name__}, not a dict of weights")
     if key is not None:
-        parent: Any = None
-        node: Any = tree
-        for part in key.split("."):
-            if not isinstance(node, Mapping) or part not in node:
-                raise KeyMismatchError(
-                    f"{path} has no entry {key!r}; top-level entries are {sorted(map(str, tree))}", missing=[key]
-                )
-            parent, node = node, node[part]
+        parent, name, node = _walk(tree, key, path)
         if not isinstance(node, Mapping):
             raise CheckpointFormatError(f"{path}: entry {key!r} is a {type(node).__name__}, not a dict of weights")
-        return parent, key.split(".")[-1], node
+        return parent, name, node
     if weights(tree):
         return None, None, tree
     for candidate in WEIGHT_KEYS:

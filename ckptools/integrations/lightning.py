@@ -29,7 +29,7 @@ from typing import Any
 
 from .. import log
 from ..background import SnapshotBuffers
-from ..errors import CheckpointError
+from ..errors import CheckpointError, UnsafeCheckpointError
 from ..leftovers import abandoned_tmps
 from ..serialization import load_file, verify_torch_file
 from ..shared_write import write_alone
@@ -84,18 +84,27 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         """Read a checkpoint, after checking every CRC-32 (``verify``).
 
         ``weights_only=None`` (Lightning's default) loads as ``torch.load`` does by default
-        (``weights_only=True``): a file that needs arbitrary code raises `UnsafeCheckpointError`
-        naming what it needs; pass ``weights_only=False`` to Lightning for a file you trust.
+        (``weights_only=True``): a file that needs arbitrary code (hyper-parameters holding a
+        ``pathlib.Path`` or an ``argparse.Namespace``) raises `UnsafeCheckpointError` naming what
+        it needs and the fix: ``trainer.fit(model, ckpt_path=..., weights_only=False)`` for a file
+        you trust.
         """
         location = resolve(path)
         if self.verify:
             verify_torch_file(location)
-        loaded = load_file(
-            location,
-            map_location=map_location if map_location is not None else "cpu",
-            weights_only=True if weights_only is None else weights_only,
-            mmap=self.mmap and location.local,
-        )
+        try:
+            loaded = load_file(
+                location,
+                map_location=map_location if map_location is not None else "cpu",
+                weights_only=True if weights_only is None else weights_only,
+                mmap=self.mmap and location.local,
+            )
+        except UnsafeCheckpointError as refusal:  # e.g. save_hyperparameters() of a Path or a Namespace
+            raise UnsafeCheckpointError(
+                f"{refusal}. In Lightning, for a checkpoint you wrote yourself: trainer.fit(model, ckpt_path=..., "
+                "weights_only=False) (validate, test and predict take it too), or fabric.load(path, state, "
+                "weights_only=False)"
+            ) from refusal
         if not isinstance(loaded, dict):
             raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a Lightning checkpoint (a dict)")
         return loaded
@@ -112,7 +121,8 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
             return
         newer = _newest_sibling(location)
         if newer is None or newer == location.path:
-            log.logger.warning("kept %s: it is the newest checkpoint in its folder (nothing newer was saved)", path)
+            log.warn(f"kept {path}: it is the newest checkpoint in its folder (nothing newer was saved)",
+                     all_ranks=True)  # fmt: skip
             return
         location.fs.rm(location.path, recursive=True)
 

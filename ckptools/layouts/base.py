@@ -13,6 +13,8 @@ The order of calls, as DCP's ``StorageReader`` documents its own:
    ``trust_code`` is set.
 3. `Layout.weights` (through `CheckpointView.weights`) reads the model weights, lazily: a
    sharded layout reads one shard at a time, when a tensor is asked for.
+   `Layout.entry` (through `CheckpointView.entry`) reads one entry of a layout that has entries
+   (a torch file: ``optimizer``, ``hyper_parameters``); the others hold bare weights and refuse.
 4. `Layout.verify` (through `CheckpointView.verify`) reads everything and checks every checksum
    the layout stores; it may be called without calling `Layout.weights` first.
 5. `Layout.rename`, only where the layout allows it (the names of a DCP folder live in a pickled
@@ -31,7 +33,7 @@ from ..codecs.trees import META_KEY
 from ..errors import CheckpointLayoutError
 from ..storage import Location
 from ..text import plural
-from ..view import CheckpointView, TensorInfo
+from ..view import CheckpointView, TensorInfo, Verification
 
 # Renames the weights: a state dict in, the renamed state dict out (``ckptools.strip_prefix``).
 Transform = Callable[[Mapping[str, Any]], Mapping[str, Any]]
@@ -61,9 +63,14 @@ class Layout:
         """The model weights of an opened checkpoint (``key``: the entry that holds them)."""
         raise NotImplementedError
 
-    def verify(self, view: CheckpointView) -> str:
-        """Read everything, check every checksum; return what was checked, in words."""
+    def verify(self, view: CheckpointView) -> Verification:
+        """Read everything, check every checksum; return what was checked and what no checksum covers."""
         raise NotImplementedError
+
+    def entry(self, view: CheckpointView, key: str, map_location: Any) -> Any:
+        """The node at ``key`` (dotted; `ckptools.codecs.trees.entry_at`) of a checkpoint that has
+        entries. Layouts of bare weights have none: `CheckpointLayoutError`."""
+        raise CheckpointLayoutError(f"{view.path} is a {self.name} of bare weights: it has no entries to look in")
 
     def read_weights(
         self, location: Location, *, key: str | None, map_location: Any, verify: bool, trust_code: bool = False

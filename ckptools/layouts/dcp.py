@@ -21,7 +21,7 @@ from ..codecs.trees import locate_weights
 from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..storage import Location
 from ..text import plural
-from ..view import CheckpointView, TensorInfo
+from ..view import CheckpointView, TensorInfo, Verification
 from .base import Layout, Transform
 
 
@@ -61,7 +61,7 @@ class DcpFolder(Layout):
             return {k: v.to(map_location) for k, v in found.items()}
         return dict(found)
 
-    def verify(self, view: CheckpointView) -> str:
+    def verify(self, view: CheckpointView) -> Verification:
         opened: _Opened = view.state
         folder, files = opened.folder, opened.files
         missing = [f for f in files if not os.path.exists(os.path.join(folder, f))]
@@ -73,9 +73,9 @@ class DcpFolder(Layout):
                 f"{folder}: stray DCP data files the .metadata does not name: {', '.join(stray[:5])}"
             )
         _dcp_tensors(folder, opened.meta)
-        return (
-            f"DCP folder, {plural(len(files), 'data file')}, {plural(len(view.tensors), 'tensor')} read "
-            "(DCP stores no checksums)"
+        return Verification(
+            f"DCP folder, {plural(len(files), 'data file')}, {plural(len(view.tensors), 'tensor')} read",
+            {name: "every tensor read; DCP stores no checksums" for name in files},
         )
 
     def rename(self, location: Location, dst: str, transform: Transform, *, key: str | None) -> int:

@@ -3,7 +3,8 @@
 The folder holds one model file (``model.safetensors[.index.json]`` or
 ``pytorch_model.bin[.index.json]``), opened by that file's own layout; Accelerate adds
 ``optimizer.bin``, ``scheduler.bin``, ``random_states_*.pkl`` and the like beside it, which are
-listed as extras and, for the torch files among them, checked by `HuggingFaceFolder.verify` too.
+listed as extras. `HuggingFaceFolder.verify` checks every file of the folder
+(`ckptools.layouts.folder_check`), and names those no checksum covers.
 """
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from ..errors import CheckpointLayoutError
-from ..serialization import verify_torch_file
+from ..errors import CheckpointFormatError, CheckpointLayoutError
 from ..storage import Location, resolve
-from ..view import CheckpointView
+from ..view import CheckpointView, Verification
 from .base import Layout, Transform
+from .folder_check import check_folder, is_trainer_folder
 from .safetensors_file import SAFETENSORS_FILE
 from .sharded import SHARDED_INDEX, rename_in_folder
 from .torch_file import TORCH_FILE
@@ -45,7 +46,7 @@ MODEL_FILES = (
 @dataclass
 class _Opened:
     inner: CheckpointView
-    checked: list[str]
+    model_files: set[str]  # relative to the folder: what the inner view checks itself
 
 
 def model_file(folder: str, names: set[str] | list[str]) -> str:
@@ -69,6 +70,11 @@ class HuggingFaceFolder(Layout):
     def open(self, location: Location, *, trust_code: bool) -> CheckpointView:
         folder = location.path.rstrip("/") or "/"
         names = set(os.listdir(folder))
+        if not any(n in names for n in MODEL_FILES) and is_trainer_folder(folder, names):
+            # A Trainer's checkpoint-N/ a kill cut short before its model file: not whole, not of another kind
+            problem = check_folder(folder, verify=False).problem
+            if problem is not None:
+                raise CheckpointFormatError(f"{folder}: {problem}; the folder is not a whole checkpoint")
         model = model_file(folder, names)
         extras = {n: what for n in sorted(names) for pat, what in _ACCELERATE_EXTRAS.items() if fnmatch.fnmatch(n, pat)}
         inner_loc = resolve(os.path.join(folder, model))
@@ -84,25 +90,28 @@ class HuggingFaceFolder(Layout):
         for n in sorted(names):  # Accelerate's further models: model_1.safetensors, pytorch_model_1.bin
             if re.fullmatch(r"(model|pytorch_model)_\d+\.(safetensors|bin)", n):
                 extras[n] = "another model's weights (read it by passing the file)"
-        # Accelerate's optimizer/scheduler/scaler states are torch zips: their CRC-32s are checked too.
-        checked = [os.path.join(folder, n) for n in extras if n.endswith((".bin", ".pt")) and "model" not in n]
+        model_files = {os.path.relpath(f, folder) for f in view.files} | {model}
         return CheckpointView(
             path=folder, format=f"{kind}, {view.format}", tensors=view.tensors, entries=view.entries,
             metadata=view.metadata, files=view.files, extras=extras, skipped=view.skipped, file_bytes=view.file_bytes,
-            layout=self, location=location, trust_code=trust_code, state=_Opened(view, checked),
+            layout=self, location=location, trust_code=trust_code, state=_Opened(view, model_files),
         )  # fmt: skip
 
     def weights(self, view: CheckpointView, key: str | None, map_location: Any) -> Mapping[str, Any]:
         return view.state.inner.weights(key, map_location=map_location)  # type: ignore[no-any-return]
 
-    def verify(self, view: CheckpointView) -> str:
+    def verify(self, view: CheckpointView) -> Verification:
+        """The model file(s) through their own layout, then every other file of the folder, the
+        manifest and the Trainer's expected set (`ckptools.layouts.folder_check`, the judgement
+        ``latest_complete_checkpoint`` makes too)."""
         opened: _Opened = view.state
-        said = opened.inner.verify()
-        if not opened.checked:
-            return said
-        for path in opened.checked:
-            verify_torch_file(path)
-        return f"{said}; {', '.join(os.path.basename(p) for p in opened.checked)}: every record's CRC-32 matches"
+        inner = opened.inner.verify()
+        found = check_folder(view.path, skip=opened.model_files)
+        if found.problem is not None:
+            raise CheckpointFormatError(f"{view.path}: {found.problem}; the folder is not a whole checkpoint")
+        not_checksummed = {n: why for n, why in inner.not_checksummed.items() if n not in found.checksummed}
+        not_checksummed.update(found.not_checksummed)
+        return Verification("; ".join([inner.said, *found.said]), not_checksummed)
 
     def rename(self, location: Location, dst: str, transform: Transform, *, key: str | None) -> int:
         """Each weight file renamed, the index rewritten, the other files copied (`rename_in_folder`)."""

@@ -26,7 +26,7 @@ from ..errors import CheckpointFormatError, CheckpointLayoutError
 from ..state_dict import tensor_identity
 from ..storage import Location, PathLike, open_for_read, resolve
 from ..text import plural
-from ..view import CheckpointView, TensorInfo
+from ..view import CheckpointView, TensorInfo, Verification
 from .base import Layout, Transform
 
 __all__ = ["load_safetensors", "save_safetensors", "tensor_specs"]
@@ -60,13 +60,15 @@ class SafetensorsFile(Layout):
         assert view.location is not None  # every view a layout opens has one
         return _weights(view.location, key, map_location)
 
-    def verify(self, view: CheckpointView) -> str:
+    def verify(self, view: CheckpointView) -> Verification:
         assert view.location is not None
         checked = verify_safetensors(view.location)
         _load(view.location, "cpu")
-        return f"safetensors, {plural(len(view.tensors), 'tensor')}" + (
-            f", {checked} CRC-32s match" if checked else ", structure checked (no checksums stored)"
-        )
+        said = f"safetensors, {plural(len(view.tensors), 'tensor')}"
+        if checked:
+            return Verification(f"{said}, {checked} CRC-32s match")
+        unchecked = {view.location.name: "structure checked; no checksums stored"}
+        return Verification(f"{said}, structure checked", unchecked)
 
     def read_weights(
         self, location: Location, *, key: str | None, map_location: Any, verify: bool, trust_code: bool = False

@@ -19,7 +19,7 @@ from ..codecs.trees import locate_weights
 from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
 from ..storage import Location, atomic_write, open_for_read, resolve
 from ..text import plural
-from ..view import CheckpointView
+from ..view import CheckpointView, Verification
 from .base import Layout, Transform
 from .safetensors_file import SAFETENSORS_FILE
 from .torch_file import TORCH_FILE
@@ -83,20 +83,22 @@ class ShardedIndex(Layout):
         order += [n for n in where if n not in set(order)]
         return _ShardedWeights(where, map_location, list(dict.fromkeys(order)))
 
-    def verify(self, view: CheckpointView) -> str:
+    def verify(self, view: CheckpointView) -> Verification:
         opened: _Opened = view.state
         assert view.location is not None  # every view a layout opens has one
         problems = _index_problems(view.path, opened.weight_map, opened.views, view.location.fs, opened.folder)
         if problems:
             raise CheckpointFormatError(f"{view.path}: " + "; ".join(problems))
-        said = [opened.views[s].verify() for s in opened.shards]
-        checked = sum(1 for s in said if "CRC-32" in s and "no checksums" not in s)
+        found = [opened.views[s].verify() for s in opened.shards]
+        checked = sum(1 for v in found if v.checksummed)
         shards = len(opened.shards)
-        return (
+        said = (
             f"sharded {opened.kind}, {plural(shards, 'shard')}, {plural(len(opened.weight_map), 'tensor')}; "
-            "the index and the shards agree; "
-            + (f"{checked} of {shards} shards carry checksums and match" if checked else "no checksums stored")
+            "the index and the shards agree"
         )
+        if checked:
+            said += f"; {checked} of {shards} shards carry checksums and match"
+        return Verification(said, {name: why for v in found for name, why in v.not_checksummed.items()})
 
     def rename(self, location: Location, dst: str, transform: Transform, *, key: str | None) -> int:
         if key is not None:

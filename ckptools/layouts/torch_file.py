@@ -16,14 +16,14 @@ from typing import Any
 from ..codecs.pickle_writer import dumps
 from ..codecs.pickles import hostile, loads, loads_lenient
 from ..codecs.torchzip import TorchZip, is_local_zip
-from ..codecs.trees import is_tensor, locate_weights, tensor_info
-from ..errors import UnsafeCheckpointError
+from ..codecs.trees import entry_at, is_tensor, locate_weights, tensor_info
+from ..errors import CheckpointLayoutError, KeyMismatchError, UnsafeCheckpointError
 from ..serialization import load_file, save_file, verify_torch_file
 from ..storage import Location, atomic_write, file_size
 from ..text import plural
-from ..view import CheckpointView
+from ..view import CheckpointView, Verification
 from .base import Layout, Transform, walk_tree
-from .placeholders import refuse_whole_object, weights_without_code
+from .placeholders import load_without_code, refuse_whole_object, weights_without_code
 
 
 @dataclass
@@ -72,22 +72,44 @@ class TorchFile(Layout):
         assert view.location is not None  # every view a layout opens has one
         return torch_weights(view.location, key, map_location, view.trust_code)
 
-    def verify(self, view: CheckpointView) -> str:
+    def entry(self, view: CheckpointView, key: str, map_location: Any) -> Any:
+        """The node at ``key``; a file that is itself a bare state dict has no entries but its tensors'
+        names (`CheckpointLayoutError`, as a safetensors file). Refused classes are inert placeholders
+        unless the view trusts the file's code."""
+        import torch
+
+        location = view.location
+        assert location is not None
+        try:
+            tree = load_whole(location, view.trust_code, mmap=False, map_location=map_location)
+        except UnsafeCheckpointError as refusal:
+            tree = load_without_code(location, map_location, refusal)[0]
+        try:
+            return entry_at(tree, key, path=location.url)
+        except KeyMismatchError:
+            if isinstance(tree, Mapping) and tree and all(isinstance(v, torch.Tensor) for v in tree.values()):
+                raise CheckpointLayoutError(f"{location.url} is a bare state dict: it has no entries") from None
+            raise
+
+    def verify(self, view: CheckpointView) -> Verification:
         location, zipped = view.location, view.state.zipped
         assert location is not None
         if zipped:
             verify_torch_file(location)
         if view.skipped:  # the strict load would refuse: read what can be read without code
             n = len(torch_weights(location, None, "cpu", view.trust_code))
-            return (
+            return Verification(
                 f"torch zip, every record's CRC-32 matches, {plural(n, 'weight tensor')} read "
                 f"({plural(len(view.skipped), 'global')} skipped)"
             )
         loaded = load_whole(location, view.trust_code, mmap=zipped and location.local)  # a remote file cannot be mapped
         n = len(walk_tree(loaded, loaded_tensor_info())[0])
         if zipped:
-            return f"torch zip, every record's CRC-32 matches, {plural(n, 'tensor')} loaded"
-        return f"torch legacy format (no checksums), {plural(n, 'tensor')} loaded"
+            return Verification(f"torch zip, every record's CRC-32 matches, {plural(n, 'tensor')} loaded")
+        return Verification(
+            f"torch legacy format, {plural(n, 'tensor')} loaded",
+            {location.name: "loads; the legacy format has no checksums"},
+        )
 
     def read_weights(
         self, location: Location, *, key: str | None, map_location: Any, verify: bool, trust_code: bool = False

@@ -1,0 +1,231 @@
+"""Whether a checkpoint folder is whole: the one judgement `ckpt verify` and the HF Trainer's resume share.
+
+A Hugging Face ``Trainer`` writes ``checkpoint-N/`` file by file, in place; Accelerate's
+``save_state`` and ``save_pretrained`` write their folders likewise. A kill mid-save leaves a
+folder that looks like a checkpoint and is not one. `check_folder` says, for every file it can
+judge, whether it is whole and how it knows:
+
+1. ``ckptools-manifest.json`` (written last, atomically, by
+   ``ckptools.integrations.transformers.CkptoolsCallback``): every file it lists is there with its
+   size and, with ``verify``, its CRC-32. Those bytes are checksummed.
+2. The Trainer's expected set: a folder the Trainer wrote (named ``checkpoint-N``, or holding its
+   ``training_args.bin``, ``optimizer.pt``, ``scheduler.pt`` or ``rng_state*.pth``) is whole only
+   with a ``trainer_state.json`` that reads, which the Trainer writes after everything else.
+3. With ``verify``, every other file by its kind: torch zips by every record's CRC-32 (and the
+   records the pickle names: `ckptools.serialization.verify_torch_file`), safetensors files by
+   their structure and the CRC-32s ckptools stores in them, JSON files by parsing. A file that
+   none of this covers (a pickle, a tokenizer model, a legacy torch file) is named as not
+   checksummed, never passed over in silence.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import IO
+
+from ..codecs.safetensors import verify_safetensors
+from ..errors import CheckpointError
+from ..serialization import verify_torch_file
+from ..storage import TMP_MARKER, atomic_write, crc32_range
+from ..text import plural
+
+__all__ = [
+    "MANIFEST",
+    "FolderCheck",
+    "check_folder",
+    "file_crc32",
+    "folder_files",
+    "is_trainer_folder",
+    "write_manifest",
+]
+
+MANIFEST = "ckptools-manifest.json"
+TRAINER_STATE = "trainer_state.json"
+_TRAINER_FOLDER = re.compile(r"^checkpoint-\d+$")
+_TRAINER_FILES = re.compile(r"^(training_args\.bin|optimizer\.pt|scheduler\.pt|rng_state(_\d+)?\.pth)$")
+_TORCH = (".pt", ".pth", ".bin", ".ckpt")
+_PICKLE = b"\x80"  # the first byte of a pickle stream (protocol 2 and later): a legacy torch file
+
+
+@dataclass
+class FolderCheck:
+    """What `check_folder` found.
+
+    Attributes:
+        problem: why the folder is not whole (a file missing, cut short or damaged), or None.
+        said: what was checked, in words, for a verify line.
+        checksummed: the files whose bytes matched a stored checksum (the manifest's or their own).
+        not_checksummed: the files no checksum covers, each with what was checked instead.
+    """
+
+    problem: str | None = None
+    said: list[str] = field(default_factory=list)
+    checksummed: set[str] = field(default_factory=set)
+    not_checksummed: dict[str, str] = field(default_factory=dict)
+
+
+def folder_files(folder: str) -> list[str]:
+    """Every file below ``folder``, relative to it, sorted; a writer's temporaries left out."""
+    found = []
+    for root, _, names in os.walk(folder):
+        for name in names:
+            if TMP_MARKER not in name:
+                found.append(os.path.relpath(os.path.join(root, name), folder))
+    return sorted(found)
+
+
+def file_crc32(path: str) -> int:
+    """The CRC-32 of a whole local file, as the manifest stores it."""
+    with open(path, "rb") as f:
+        return crc32_range(f, 0, os.path.getsize(path), what=path)
+
+
+def write_manifest(folder: str) -> str:
+    """Write ``folder/ckptools-manifest.json`` (every file's size and CRC-32), atomically, last.
+
+    ``ckptools.integrations.transformers.CkptoolsCallback`` calls it once the Trainer has written
+    ``checkpoint-N/``; any writer of a folder can, once its last file is written.
+
+    Returns:
+        The manifest's path.
+
+    Examples:
+        >>> import os, tempfile
+        >>> folder = tempfile.mkdtemp()
+        >>> _ = open(os.path.join(folder, "trainer_state.json"), "w").write("{}")
+        >>> os.path.basename(write_manifest(folder))
+        'ckptools-manifest.json'
+    """
+    files = {}
+    for name in folder_files(folder):
+        if name != MANIFEST:
+            path = os.path.join(folder, name)
+            files[name] = {"bytes": os.path.getsize(path), "crc32": file_crc32(path)}
+    text = json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True).encode()
+
+    def write(f: IO[bytes]) -> None:
+        f.write(text)
+
+    return atomic_write(os.path.join(folder, MANIFEST), write)
+
+
+def is_trainer_folder(folder: str, names: Collection[str]) -> bool:
+    """Whether ``folder`` was written by the HF Trainer's ``_save_checkpoint`` (by its name or its files)."""
+    if _TRAINER_FOLDER.match(os.path.basename(folder.rstrip("/"))):
+        return True
+    return any(_TRAINER_FILES.match(n) for n in names) or TRAINER_STATE in names
+
+
+def check_folder(folder: str, *, verify: bool = True, skip: Collection[str] = ()) -> FolderCheck:
+    """Judge whether ``folder`` is whole (see the module docstring for how).
+
+    Args:
+        folder: a local folder.
+        verify: read every byte (CRC-32s, structure); without it only the manifest's sizes and the
+            Trainer's expected set are checked, which is what a quick resume decision needs.
+        skip: files (relative names) whose contents the caller checks itself (the model files a
+            layout verifies); the manifest still covers them.
+
+    Returns:
+        A `FolderCheck`; ``problem`` is None when the folder is whole.
+
+    Examples:
+        >>> import json, os, tempfile
+        >>> folder = os.path.join(tempfile.mkdtemp(), "checkpoint-4")
+        >>> os.mkdir(folder)
+        >>> check_folder(folder).problem
+        "no ckptools-manifest.json, and trainer_state.json (the Trainer's last file) is missing"
+    """
+    names = folder_files(folder)
+    found = FolderCheck()
+    if MANIFEST in names:
+        found.problem = _check_manifest(folder, verify, found)
+        if found.problem is not None:
+            return found
+    elif is_trainer_folder(folder, names):
+        found.problem = _check_trainer_state(folder, names)
+        if found.problem is not None:
+            return found
+    if not verify:
+        return found
+    covered = found.checksummed | {MANIFEST}
+    zips: list[str] = []
+    for name in names:
+        if name in covered or name in skip:
+            continue
+        problem = _check_file(folder, name, found, zips)
+        if problem is not None:
+            found.problem = problem if problem.startswith(name) else f"{name}: {problem}"
+            return found
+    if zips:
+        found.said.append(f"{', '.join(zips)}: every record's CRC-32 matches")
+    return found
+
+
+def _check_manifest(folder: str, verify: bool, found: FolderCheck) -> str | None:
+    try:
+        with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
+            files = json.load(f)["files"]
+        entries = {str(name): (int(e["bytes"]), int(e["crc32"])) for name, e in files.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+        return f"its {MANIFEST} is unreadable ({type(err).__name__}: {err})"
+    for relative, (size, crc) in entries.items():
+        path = os.path.join(folder, relative)
+        if not os.path.isfile(path):
+            return f"{relative} is missing (the manifest lists it)"
+        if os.path.getsize(path) != size:
+            return f"{relative} has {os.path.getsize(path)} bytes, the manifest says {size}"
+        if verify and file_crc32(path) != crc:
+            return f"{relative} does not match its CRC-32 in the manifest (damaged)"
+    if verify:
+        found.checksummed.update(entries)
+        found.said.append(f"{MANIFEST}: sizes and CRC-32s of {plural(len(entries), 'file')} match")
+    else:
+        found.said.append(f"{MANIFEST}: sizes of {plural(len(entries), 'file')} match")
+    return None
+
+
+def _check_trainer_state(folder: str, names: Collection[str]) -> str | None:
+    if TRAINER_STATE not in names:
+        return f"no {MANIFEST}, and {TRAINER_STATE} (the Trainer's last file) is missing"
+    try:
+        with open(os.path.join(folder, TRAINER_STATE), encoding="utf-8") as f:
+            json.load(f)
+    except (OSError, ValueError) as err:
+        return f"no {MANIFEST}, and {TRAINER_STATE} (the Trainer's last file) does not read ({err})"
+    return None
+
+
+def _check_file(folder: str, name: str, found: FolderCheck, zips: list[str]) -> str | None:
+    """Check one file by its kind; record how; return why it is damaged, or None."""
+    path = os.path.join(folder, name)
+    try:
+        if name.endswith(_TORCH):
+            with open(path, "rb") as f:
+                legacy = f.read(1) == _PICKLE
+            if legacy:  # torch before 1.6 wrote a bare pickle stream: nothing to check it against
+                found.not_checksummed[name] = "torch's legacy format: no checksums"
+            else:  # a zip, or not a torch file at all (damaged): the check says which
+                verify_torch_file(path)
+                found.checksummed.add(name)
+                zips.append(name)
+        elif name.endswith(".safetensors"):
+            if verify_safetensors(path):
+                found.checksummed.add(name)
+            else:
+                found.not_checksummed[name] = "structure checked; no checksums stored"
+        elif name.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                json.load(f)
+            found.not_checksummed[name] = "reads as JSON"
+        else:
+            found.not_checksummed[name] = "not read"
+    except CheckpointError as err:
+        return str(err).replace(path, name)  # the folder is named once, by the caller
+    except (OSError, ValueError) as err:
+        return f"does not read ({type(err).__name__}: {err})"
+    return None
