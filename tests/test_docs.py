@@ -59,7 +59,7 @@ def test_pages_have_the_snippets_this_test_expects():
 @pytest.mark.parametrize("page", [p for p in PAGES if _python_blocks(p)], ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_python_snippet_runs(tmp_path, page):
     # A page about an optional framework (an `interop` extra) runs where that framework is installed.
-    framework = {"lightning.md": "pytorch_lightning"}.get(page.name)
+    framework = {"lightning.md": "pytorch_lightning", "transformers.md": "transformers"}.get(page.name)
     if framework is not None and importlib.util.find_spec(framework) is None:
         pytest.skip(f"{framework} is not installed (the interop extra)")
     code = "\n".join(_python_blocks(page))

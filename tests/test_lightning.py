@@ -76,6 +76,28 @@ def test_fit_saves_through_the_plugin_and_resumes_from_last_bit_exact(tmp_path, 
         assert a.numpy().tobytes() == b.numpy().tobytes(), name
 
 
+class Shuffled(Tiny):
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        return torch.utils.data.DataLoader(loader.dataset, batch_size=8, shuffle=True)
+
+
+def test_a_single_process_fit_that_shuffles_does_not_resume_exactly_whoever_writes_the_files(tmp_path):
+    """The guide's rule, measured: on one process a shuffling DataLoader draws its order from the
+    global torch RNG, which Lightning does not restore, so the resumed run differs (under DDP the
+    DistributedSampler draws it from (seed, epoch): the DDP kill test shuffles and ends bit-identical)."""
+    pl.seed_everything(3)
+    straight = Shuffled()
+    _trainer(tmp_path / "straight", CkptoolsCheckpointIO(), 4).fit(straight)
+    pl.seed_everything(3)
+    _trainer(tmp_path / "run", CkptoolsCheckpointIO(), 2).fit(Shuffled())
+    pl.seed_everything(3)
+    resumed = Shuffled()
+    _trainer(tmp_path / "run", CkptoolsCheckpointIO(), 4).fit(resumed, ckpt_path="last")
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert any(not torch.equal(a[k], b[k]) for k in a)
+
+
 @pytest.mark.parametrize("plugin", [CkptoolsCheckpointIO, AsyncCkptoolsCheckpointIO])
 def test_fabric_saves_and_loads_through_the_plugin(tmp_path, plugin):
     """Fabric(plugins=[...]): fabric.save and fabric.load go through the plugin."""
@@ -147,6 +169,51 @@ def test_load_checks_crcs_and_refuses_code_unless_trusted(tmp_path):
     assert io.load_checkpoint(tmp_path / "code.ckpt", weights_only=False)["when"] == pathlib_path()
     with pytest.raises(TypeError, match="storage_options"):
         io.save_checkpoint({}, tmp_path / "x.ckpt", storage_options={"a": 1})
+
+
+class WithScheduler(Tiny):
+    """Tiny with AdamW and a StepLR, and hyper-parameters holding a Path and a Namespace (as
+    ``save_hyperparameters()`` of a script's arguments does): what issue 33's user trained."""
+
+    def __init__(self, root=None, args=None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)]
+
+
+@pytest.mark.parametrize("plugin", [CkptoolsCheckpointIO, AsyncCkptoolsCheckpointIO])
+def test_a_fit_with_path_hyper_parameters_resumes_once_told_and_loads_into_plain_code(tmp_path, plugin):
+    import argparse
+    import pathlib
+
+    hparams = {"root": pathlib.Path("/data/runs"), "args": argparse.Namespace(lr=0.01, depth=2)}
+    module = WithScheduler(**hparams)
+    _trainer(tmp_path, plugin(), 2).fit(module)
+    last = tmp_path / "last.ckpt"
+    # resuming refuses the Path and the Namespace by default (as Lightning's own loader does) and says how
+    with pytest.raises(ck.UnsafeCheckpointError, match=r"trainer\.fit\(model, ckpt_path=\.\.\., weights_only=False\)"):
+        _trainer(tmp_path, plugin(), 3).fit(WithScheduler(**hparams), ckpt_path=str(last))
+    resumed = WithScheduler(**hparams)
+    _trainer(tmp_path, plugin(), 3).fit(resumed, ckpt_path=str(last), weights_only=False)
+    assert torch.load(last, weights_only=False)["epoch"] == 2
+    # into plain code: the network, AdamW and StepLR a script without Lightning builds
+    stored = torch.load(last, weights_only=False)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    with pytest.warns(ck.CheckpointWarning, match="pathlib"):
+        net.load_state_dict(ck.load_state_dict(last))  # "net." is the LightningModule's, not the network's
+    optimizer = torch.optim.AdamW(net.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    ck.load(last, {"model": net, "optimizer": optimizer, "scheduler": scheduler})  # (warned once per file, above)
+    assert all(torch.equal(v, stored["state_dict"][f"net.{k}"]) for k, v in net.state_dict().items())
+    saved = stored["optimizer_states"][0]
+    assert optimizer.state_dict()["param_groups"] == saved["param_groups"]
+    for index, state in saved["state"].items():
+        assert all(torch.equal(optimizer.state_dict()["state"][index][k], v) for k, v in state.items())
+    assert scheduler.state_dict() == stored["lr_schedulers"][0]
+    assert scheduler.last_epoch == resumed.lr_schedulers().last_epoch
 
 
 def pathlib_path():
@@ -240,7 +307,9 @@ class Wide(pl.LightningModule):  # 4M parameters: a 48 MB checkpoint with moment
 
     def train_dataloader(self):
         x = torch.randn(64, 8, generator=torch.Generator().manual_seed(1))
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long()), batch_size=8)
+        # shuffled: under DDP Lightning's DistributedSampler draws the order from (seed, epoch), no RNG state
+        data = torch.utils.data.TensorDataset(x, (x.sum(1) > 0).long())
+        return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)
 
     def on_save_checkpoint(self, checkpoint):  # called as the checkpoint is made, before it is written
         if self.global_rank == 0:

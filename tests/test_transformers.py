@@ -15,7 +15,8 @@ import torch
 
 pytest.importorskip("transformers", reason="the interop extra (transformers) is not installed")
 
-from ckptools.integrations.transformers import MANIFEST, latest_complete_checkpoint, write_manifest
+import ckptools as ck  # noqa: E402
+from ckptools.integrations.transformers import MANIFEST, latest_complete_checkpoint, write_manifest  # noqa: E402
 
 _TRAIN = """
 import os, signal, sys, torch
@@ -87,8 +88,12 @@ def test_a_kill_mid_save_is_skipped_and_the_resume_ends_as_the_straight_run(tmp_
 
     # The Trainer's own choice (resume_from_checkpoint=True) is the torn folder; ours is not.
     assert get_last_checkpoint(str(tmp_path / "run")) == str(torn)
-    chosen = latest_complete_checkpoint(str(tmp_path / "run"))
+    with pytest.warns(ck.CheckpointWarning, match="skipped .*checkpoint-4: no ckptools-manifest.json"):
+        chosen = latest_complete_checkpoint(str(tmp_path / "run"))
     assert chosen == str(tmp_path / "run" / "checkpoint-2")
+    # ckpt verify judges the folders as the resume does (issue 33: it said OK of torn ones)
+    assert ck.verify_report(str(torn))["status"] == "damaged"
+    assert ck.verify_report(chosen)["status"] == "ok"  # the manifest holds every file's CRC-32
     resumed = _train(tmp_path, tmp_path / "run", resume=chosen)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     a = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)
@@ -146,6 +151,8 @@ def test_killed_at_random_moments_of_saves_the_newest_whole_checkpoint_is_chosen
         chosen = latest_complete_checkpoint(str(out))
         folders = sorted((int(n.split("-")[1]), str(out / n)) for n in os.listdir(out) if n.startswith("checkpoint-"))
         assert chosen is None or whole(chosen), chosen
+        for _, folder in folders:  # ckpt verify calls damaged exactly the folders that do not load
+            assert (ck.verify_report(folder)["status"] == "damaged") == (not whole(folder)), folder
         newer = [f for step, f in folders if chosen is None or step > int(chosen.rsplit("-", 1)[1])]
         assert not [f for f in newer if whole(f)], (chosen, newer)  # never passed over a whole one
         theirs = get_last_checkpoint(str(out))
@@ -174,8 +181,9 @@ def test_latest_complete_checkpoint_skips_what_is_not_whole(tmp_path, caplog):
     first = folder(10)
     write_manifest(first)
     assert latest_complete_checkpoint(str(tmp_path)) == first
-    folder(20, state=False)  # killed before the trainer state: skipped
-    assert latest_complete_checkpoint(str(tmp_path)) == first and "checkpoint-20" in caplog.text
+    folder(20, state=False)  # killed before the trainer state: skipped, with a CheckpointWarning and a log record
+    with pytest.warns(ck.CheckpointWarning, match="checkpoint-20"):
+        assert latest_complete_checkpoint(str(tmp_path)) == first and "checkpoint-20" in caplog.text
     third = folder(30)  # no manifest (no callback), but whole: taken
     assert latest_complete_checkpoint(str(tmp_path)) == third
     optimizer = tmp_path / "checkpoint-30" / "optimizer.pt"
