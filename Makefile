@@ -73,7 +73,8 @@ dist: $(STAMP)
 
 # interop: install transformers, accelerate and pytorch-lightning (torch held at the pin), write
 # fresh golden files with them into build/golden, and run the interop tests against those,
-# including transformers' from_pretrained on folders ckptools exports. `make golden` then
+# including transformers' from_pretrained on folders ckptools exports, and the Lightning and HF
+# guides' snippets (skipped by make test, which has neither framework). `make golden` then
 # replaces the committed files (tests/interop/golden) with the fresh ones.
 INTEROP_STAMP := $(VENV)/.interop
 $(INTEROP_STAMP): $(STAMP)
@@ -86,7 +87,8 @@ $(INTEROP_STAMP): $(STAMP)
 interop: $(INTEROP_STAMP)
 	$(PY) tests/interop/make_golden.py build/golden --transformers4 build/transformers4
 	CKPTOOLS_GOLDEN=build/golden $(PY) -m pytest -q -p no:cacheprovider -n auto --dist load --maxschedchunk 1 \
-		tests/test_interop.py tests/test_real_files.py tests/test_lightning.py tests/test_transformers.py
+		tests/test_interop.py tests/test_real_files.py tests/test_lightning.py tests/test_transformers.py \
+		tests/test_docs.py::test_every_python_snippet_runs
 
 golden: interop
 	rm -rf tests/interop/golden && cp -r build/golden tests/interop/golden
