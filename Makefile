@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden dist docs
+.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden dist docs lightning-suite
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -84,11 +84,21 @@ $(INTEROP_STAMP): $(STAMP)
 		'huggingface_hub>=0.30,<1.0' 'tokenizers>=0.21,<0.23'
 	touch $(INTEROP_STAMP)
 
-interop: $(INTEROP_STAMP)
+interop: $(INTEROP_STAMP) lightning-suite
 	$(PY) tests/interop/make_golden.py build/golden --transformers4 build/transformers4
 	CKPTOOLS_GOLDEN=build/golden $(PY) -m pytest -q -p no:cacheprovider -n auto --dist load --maxschedchunk 1 \
 		tests/test_interop.py tests/test_real_files.py tests/test_lightning.py tests/test_transformers.py \
 		tests/test_docs.py::test_every_python_snippet_runs
+
+# lightning-suite: Lightning's own checkpointing tests (third_party/lightning_tests, from its 2.6.5 tag) with each
+# ckptools plugin as every strategy's default CheckpointIO; the few that examine TorchCheckpointIO itself are
+# deselected, each with its reason (third_party/lightning_tests/ckptools_default_io.py).
+lightning-suite: $(INTEROP_STAMP)
+	for io in sync async; do \
+		(cd third_party/lightning_tests && CKPTOOLS_LIGHTNING_IO=$$io $(CURDIR)/$(PY) -m pytest -q -n auto \
+			tests_pytorch/checkpointing tests_pytorch/plugins) \
+			|| exit 1; \
+	done
 
 golden: interop
 	rm -rf tests/interop/golden && cp -r build/golden tests/interop/golden

@@ -20,6 +20,7 @@ from typing import IO, Any, Union, cast
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
+from . import in_flight
 from .errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
 
 _CHUNK = 64 << 20
@@ -70,10 +71,15 @@ class Location:
 
 
 def resolve(path: PathLike) -> Location:
-    """Resolve a local path or an fsspec URL into a `Location`, once (a `Location` is returned as is)."""
+    """Resolve a local path or an fsspec URL into a `Location`, once (a `Location` is returned as is).
+
+    A path whose write is in flight in this process (`ckptools.in_flight`) is resolved once that
+    write ended: every operation on it sees the file its caller already saved.
+    """
     if isinstance(path, Location):
         return path
     url = fspath(path)
+    in_flight.wait_for(url)  # a background write of this path in this process ends first
     fs, inner = fsspec.core.url_to_fs(url)
     return Location(url, fs, str(inner))
 

@@ -121,6 +121,72 @@ def test_fabric_saves_and_loads_through_the_plugin(tmp_path, plugin):
     assert "CRC-32" in ck.verify(tmp_path / "f.ckpt")
 
 
+class Wide(Tiny):
+    """16 MB of weights (48 MB of checkpoint with momentum) and one batch per epoch: the next
+    epoch's checkpoint is due while the previous one is still being written."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2))
+        self.big = torch.nn.Parameter(torch.zeros(4_000_000))
+
+    def training_step(self, batch, _):
+        loss = super().training_step(batch, _) + 1e-3 * self.big.square().mean()
+        self.log("train_loss", loss)
+        return loss
+
+    def train_dataloader(self):
+        loader = super().train_dataloader()
+        return torch.utils.data.DataLoader(torch.utils.data.Subset(loader.dataset, range(8)), batch_size=8)
+
+
+@pytest.mark.parametrize("plugin", [CkptoolsCheckpointIO, AsyncCkptoolsCheckpointIO])
+def test_a_fixed_filename_keeps_every_epochs_checkpoint_with_either_plugin(tmp_path, plugin):
+    """Issue 33: ModelCheckpoint names a new file name-vN when name exists; with the async plugin
+    the previous save was still in flight, read as absent, and was overwritten (2 of 4 lost)."""
+    checkpoint = pl.callbacks.ModelCheckpoint(
+        dirpath=str(tmp_path), filename="test", save_top_k=-1, monitor="train_loss"
+    )
+    trainer = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=4, accelerator="cpu", devices=1,
+                         plugins=[plugin()], callbacks=[checkpoint], logger=False, enable_progress_bar=False,
+                         enable_model_summary=False)  # fmt: skip
+    trainer.fit(Wide())
+    files = sorted(n for n in os.listdir(tmp_path) if n.endswith(".ckpt"))
+    assert files == ["test-v1.ckpt", "test-v2.ckpt", "test-v3.ckpt", "test.ckpt"], files
+    epochs = {n: torch.load(tmp_path / n, weights_only=False)["epoch"] for n in files}
+    assert epochs == {"test.ckpt": 0, "test-v1.ckpt": 1, "test-v2.ckpt": 2, "test-v3.ckpt": 3}
+
+
+def test_a_save_after_fit_is_there_for_whatever_reads_it_at_once(tmp_path):
+    """Issue 33: trainer.save_checkpoint after fit returned before the file existed."""
+    trainer = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=1, accelerator="cpu", devices=1,
+                         plugins=[AsyncCkptoolsCheckpointIO()], enable_checkpointing=False, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    model = Wide()
+    trainer.fit(model)
+    path = tmp_path / "after.ckpt"
+    trainer.save_checkpoint(path)
+    assert "after.ckpt" in os.listdir(tmp_path)  # a listing
+    assert torch.equal(torch.load(path, weights_only=False)["state_dict"]["big"], model.big.detach())
+    assert torch.equal(Wide.load_from_checkpoint(path).big, model.big)
+    # during fit a save stays in the background; another instance's load of it waits for it
+    first, second = AsyncCkptoolsCheckpointIO(), AsyncCkptoolsCheckpointIO()
+    first.save_checkpoint({"state_dict": {"w": torch.arange(8_000_000.0)}, "epoch": 7}, tmp_path / "bg.ckpt")
+    assert second.load_checkpoint(tmp_path / "bg.ckpt")["epoch"] == 7
+    assert ck.load(tmp_path / "bg.ckpt")["epoch"] == 7
+    first.teardown()
+    # another Trainer with its own plugin resumes from a file saved the moment before
+    first.save_checkpoint(torch.load(path, weights_only=False), tmp_path / "again.ckpt")
+    resumed = Wide()
+    again = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=2, accelerator="cpu", devices=1,
+                       plugins=[AsyncCkptoolsCheckpointIO()], enable_checkpointing=False, logger=False,
+                       enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    again.fit(resumed, ckpt_path=str(tmp_path / "again.ckpt"))
+    assert resumed.current_epoch == 2
+    first.teardown()
+
+
 def test_async_file_holds_the_state_at_the_call(tmp_path):
     io = AsyncCkptoolsCheckpointIO()
     weights = torch.arange(1_000_000, dtype=torch.float32)

@@ -15,8 +15,8 @@ import torch
 
 pytest.importorskip("transformers", reason="the interop extra (transformers) is not installed")
 
-import ckptools as ck  # noqa: E402
-from ckptools.integrations.transformers import MANIFEST, latest_complete_checkpoint, write_manifest  # noqa: E402
+import ckptools as ck
+from ckptools.integrations.transformers import MANIFEST, latest_complete_checkpoint, write_manifest
 
 _TRAIN = """
 import os, signal, sys, torch

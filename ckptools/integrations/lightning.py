@@ -21,13 +21,14 @@ package (the plugin is registered as a ``CheckpointIO`` of each one installed).
 
 from __future__ import annotations
 
+import functools
 import importlib
 import os
 import threading
 import time
 from typing import Any
 
-from .. import log
+from .. import in_flight, log
 from ..background import SnapshotBuffers
 from ..errors import CheckpointError, UnsafeCheckpointError
 from ..leftovers import abandoned_tmps
@@ -133,7 +134,12 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
     ``save_checkpoint`` copies every tensor of the checkpoint into host buffers kept between
     saves (pinned for CUDA tensors), returns, and a thread writes the file (atomically, as the
     sync plugin). One save is in flight at most: the next call, a load, a removal and Lightning's
-    ``teardown`` first wait for it, and a failed background write is raised there.
+    ``teardown`` first wait for it, and a failed background write is raised there. Whatever else
+    in this process looks at the path through ckptools (another plugin instance, ``ck.load``) or
+    through ``ModelCheckpoint``'s choice of a new name waits for it too, and a
+    ``trainer.save_checkpoint`` outside ``fit`` returns once the file is written (the plugin wraps
+    those two Lightning methods when it is made). Another process sees the file once `wait` (or
+    ``teardown``) returned.
 
     Examples:
         >>> from ckptools.integrations.lightning import AsyncCkptoolsCheckpointIO  # doctest: +SKIP
@@ -145,6 +151,7 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
         self._buffers = SnapshotBuffers()
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
+        _teach_lightning()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Snapshot ``checkpoint`` and write it in the background (see the class)."""
@@ -154,16 +161,25 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
         location = resolve(path)
         snapshot = self._buffers.take(checkpoint)
         log.logger.debug("snapshot of %s taken in %.3f s", path, time.monotonic() - started)
+        write = in_flight.announce(location.url)  # before returning: whoever reads the path next waits
 
         def run() -> None:
+            write.doing()
             try:
                 written = _write(location, snapshot)
+                log.report("saved", location.url, started, written)
             except BaseException as err:  # noqa: BLE001 - raised in the caller's thread by wait()
                 self._error = err
                 log.logger.error("background save of %s failed: %s: %s", path, type(err).__name__, err)
-                return
-            log.report("saved", str(path), started, written)
+            finally:
+                write.done()
 
+        if threading.current_thread() is not threading.main_thread():
+            # Already off the training thread (Lightning's own AsyncCheckpointIO wrapping this one,
+            # whose teardown waits for its executor but not for us): write here, so that it does.
+            run()
+            self.wait()
+            return
         # Not a daemon: a script that ends with a save in flight still gets its file.
         self._thread = threading.Thread(target=run, name="ckptools-lightning-save", daemon=False)
         self._thread.start()
@@ -200,6 +216,62 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
 
 for _base in _BASES[1:]:
     _base.register(CkptoolsCheckpointIO)  # an ABC: isinstance() holds for that Lightning too
+
+
+_TAUGHT = False
+
+
+def _teach_lightning() -> None:
+    """Make two of Lightning's own steps wait for an async save of the path they look at (once).
+
+    ckptools' readers wait for a write in flight by themselves (`ckptools.in_flight`); these two
+    go around every CheckpointIO, so the async plugin wraps them when it is made:
+
+    - ``ModelCheckpoint.file_exists``, with which ``ModelCheckpoint`` picks a new file's name
+      (``name-v1.ckpt`` when ``name.ckpt`` exists), through Lightning's own filesystem. A save of
+      ``name.ckpt`` still in flight would read as absent and the next epoch's file would overwrite
+      it: with ``save_top_k=-1`` and a fixed ``filename``, 2 of 4 checkpoints were lost.
+    - ``Trainer.save_checkpoint`` outside a running ``fit``/``validate``/``test``/``predict``:
+      Lightning's ``teardown`` (which waits) has run already, and the caller reads the file at once
+      (``torch.load``, ``load_from_checkpoint``, a listing): such a save returns once written.
+    """
+    global _TAUGHT
+    if _TAUGHT:
+        return
+    _TAUGHT = True
+    for package in ("pytorch_lightning", "lightning.pytorch"):
+        try:
+            checkpoint_cls = importlib.import_module(f"{package}.callbacks").ModelCheckpoint
+            trainer_cls = importlib.import_module(f"{package}.trainer.trainer").Trainer
+        except ImportError:
+            continue
+        _wrap_file_exists(checkpoint_cls)
+        _wrap_save_checkpoint(trainer_cls)
+
+
+def _wrap_file_exists(cls: Any) -> None:
+    original = cls.file_exists
+
+    @functools.wraps(original)
+    def file_exists(self: Any, filepath: Any, trainer: Any) -> Any:
+        in_flight.wait_for(os.fspath(filepath))
+        return original(self, filepath, trainer)
+
+    cls.file_exists = file_exists
+
+
+def _wrap_save_checkpoint(cls: Any) -> None:
+    original = cls.save_checkpoint
+
+    @functools.wraps(original)
+    def save_checkpoint(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, filepath, *args, **kwargs)
+        status = getattr(getattr(self, "state", None), "status", None)
+        if getattr(status, "value", status) != "running":  # outside a run: nothing else would wait
+            in_flight.wait_for(os.fspath(filepath))
+        return result
+
+    cls.save_checkpoint = save_checkpoint
 
 
 def _no_storage_options(storage_options: Any | None) -> None:
