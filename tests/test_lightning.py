@@ -187,6 +187,44 @@ def test_a_save_after_fit_is_there_for_whatever_reads_it_at_once(tmp_path):
     first.teardown()
 
 
+_DDP_SAVE_AFTER_FIT = """
+import os, sys, torch, pytorch_lightning as pl
+from ckptools.integrations.lightning import AsyncCkptoolsCheckpointIO
+
+class Wide(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.big = torch.nn.Parameter(torch.zeros(8_000_000))  # 32 MB: its write takes a while
+
+    def training_step(self, batch, _):
+        return (self.big[:8] * batch[0]).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.ones(4, 8)), batch_size=2)
+
+trainer = pl.Trainer(default_root_dir=sys.argv[1], max_epochs=1, accelerator="cpu", devices=2, strategy="ddp",
+                     plugins=[AsyncCkptoolsCheckpointIO()], enable_checkpointing=False, logger=False,
+                     enable_progress_bar=False, enable_model_summary=False)
+trainer.fit(Wide())
+path = os.path.join(sys.argv[1], "after.ckpt")
+trainer.save_checkpoint(path)
+print(f"rank {trainer.global_rank} reads", torch.load(path, weights_only=False)["global_step"], flush=True)
+"""
+
+
+@pytest.mark.slow  # a 2-process DDP fit: `make interop` runs it
+def test_a_save_after_a_ddp_fit_is_there_for_every_rank_when_the_call_returns(tmp_path):
+    script = tmp_path / "fit.py"
+    script.write_text(_DDP_SAVE_AFTER_FIT)
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reads = sorted(line for line in proc.stdout.splitlines() if " reads " in line)
+    assert reads == ["rank 0 reads 1", "rank 1 reads 1"]
+
+
 def test_async_file_holds_the_state_at_the_call(tmp_path):
     io = AsyncCkptoolsCheckpointIO()
     weights = torch.arange(1_000_000, dtype=torch.float32)

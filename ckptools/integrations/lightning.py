@@ -233,7 +233,8 @@ def _teach_lightning() -> None:
       it: with ``save_top_k=-1`` and a fixed ``filename``, 2 of 4 checkpoints were lost.
     - ``Trainer.save_checkpoint`` outside a running ``fit``/``validate``/``test``/``predict``:
       Lightning's ``teardown`` (which waits) has run already, and the caller reads the file at once
-      (``torch.load``, ``load_from_checkpoint``, a listing): such a save returns once written.
+      (``torch.load``, ``load_from_checkpoint``, a listing): such a save returns once written, on
+      every rank (they meet at a barrier after rank 0's write).
     """
     global _TAUGHT
     if _TAUGHT:
@@ -268,7 +269,8 @@ def _wrap_save_checkpoint(cls: Any) -> None:
         result = original(self, filepath, *args, **kwargs)
         status = getattr(getattr(self, "state", None), "status", None)
         if getattr(status, "value", status) != "running":  # outside a run: nothing else would wait
-            in_flight.wait_for(os.fspath(filepath))
+            in_flight.wait_for(os.fspath(filepath))  # rank 0's write (the only one)
+            self.strategy.barrier("ckptools: the checkpoint is written")  # every rank, as the call above
         return result
 
     cls.save_checkpoint = save_checkpoint
