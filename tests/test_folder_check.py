@@ -148,3 +148,14 @@ def test_lines_in_a_pipe_are_not_wrapped(tmp_path):
             assert proc.stdout == f"OK {path}: torch zip, every record's CRC-32 matches, 25 tensors loaded\n"
         else:
             assert f"{path}  torch zip" in proc.stdout.splitlines()[0]
+
+
+def test_a_folder_the_trainer_did_not_write_needs_no_trainer_state(tmp_path):
+    """model.safetensors and optimizer.pt in a folder of the user's own naming: whole, not "damaged"
+    for lacking the Trainer's trainer_state.json (only checkpoint-N/ and the Trainer's own files say
+    that the Trainer wrote it)."""
+    folder = _trainer_folder(tmp_path / "my-export", state=False)
+    result = _run("verify", folder)
+    assert result.exit_code == 0 and result.stdout.startswith(f"STRUCTURE OK {folder}: "), result.output
+    torch.save({"lr": 0.1}, tmp_path / "my-export" / "training_args.bin")  # a file only the Trainer writes
+    assert _run("verify", folder).exit_code == 1

@@ -8,9 +8,10 @@ judge, whether it is whole and how it knows:
 1. ``ckptools-manifest.json`` (written last, atomically, by
    ``ckptools.integrations.transformers.CkptoolsCallback``): every file it lists is there with its
    size and, with ``verify``, its CRC-32. Those bytes are checksummed.
-2. The Trainer's expected set: a folder the Trainer wrote (named ``checkpoint-N``, or holding its
-   ``training_args.bin``, ``optimizer.pt``, ``scheduler.pt`` or ``rng_state*.pth``) is whole only
-   with a ``trainer_state.json`` that reads, which the Trainer writes after everything else.
+2. The Trainer's expected set: a folder the Trainer wrote (named ``checkpoint-N`` as the Trainer
+   names them, or holding a file only the Trainer writes: ``training_args.bin``,
+   ``rng_state*.pth``, ``trainer_state.json``) is whole only with a ``trainer_state.json`` that
+   reads, which the Trainer writes after everything else.
 3. With ``verify``, every other file by its kind: torch zips by every record's CRC-32 (and the
    records the pickle names: `ckptools.serialization.verify_torch_file`), safetensors files by
    their structure and the CRC-32s ckptools stores in them, JSON files by parsing. A file that
@@ -46,7 +47,8 @@ __all__ = [
 MANIFEST = "ckptools-manifest.json"
 TRAINER_STATE = "trainer_state.json"
 _TRAINER_FOLDER = re.compile(r"^checkpoint-\d+$")
-_TRAINER_FILES = re.compile(r"^(training_args\.bin|optimizer\.pt|scheduler\.pt|rng_state(_\d+)?\.pth)$")
+# Names only the Trainer writes (optimizer.pt and scheduler.pt are too common to tell anything).
+_TRAINER_FILES = re.compile(r"^(training_args\.bin|rng_state(_\d+)?\.pth)$")
 _TORCH = (".pt", ".pth", ".bin", ".ckpt")
 _PICKLE = b"\x80"  # the first byte of a pickle stream (protocol 2 and later): a legacy torch file
 
