@@ -60,6 +60,26 @@ class Location:
         """The last part of the path (a file's name, a folder's name)."""
         return os.path.basename(self.path.rstrip("/"))
 
+    def child(self, name: str) -> Location:
+        """``name`` inside this folder, on the same filesystem: nothing is parsed or resolved again.
+
+        Examples:
+            >>> resolve("memory://ckpts").child("step-5.pt").url
+            'memory://ckpts/step-5.pt'
+        """
+        return Location(join(self.url, name), self.fs, self.path.rstrip("/") + "/" + name)
+
+    @property
+    def parent(self) -> Location:
+        """The folder this path is in (``"."`` for a bare local name), on the same filesystem.
+
+        Examples:
+            >>> resolve("memory://ckpts/model.safetensors.index.json").parent.path
+            '/ckpts'
+        """
+        url = self.url.rstrip("/")
+        return Location(url.rsplit("/", 1)[0] if "/" in url else ".", self.fs, os.path.dirname(self.path.rstrip("/")))
+
     def __fspath__(self) -> str:
         return self.url
 

@@ -30,7 +30,7 @@ class _Opened:
     weight_map: dict[str, str]
     shards: list[str]
     views: dict[str, CheckpointView]
-    folder: str
+    folder: Location
     kind: str
 
 
@@ -45,11 +45,11 @@ class ShardedIndex(Layout):
         if not location.fs.exists(location.path):
             raise CheckpointNotFoundError(f"{index_path} does not exist")
         weight_map, metadata = read_index(location)
-        folder = index_path.rsplit("/", 1)[0] if "/" in index_path else "."
+        folder = location.parent
         shards = sorted(set(weight_map.values()))
         views: dict[str, CheckpointView] = {}
         for shard in shards:
-            shard_loc = resolve(f"{folder}/{shard}")
+            shard_loc = folder.child(shard)
             if not shard_loc.fs.exists(shard_loc.path):
                 raise CheckpointFormatError(
                     f"{index_path} names shard {shard}, which is missing from {folder} (an incomplete copy or download)"
@@ -65,7 +65,7 @@ class ShardedIndex(Layout):
         sizes = [v.file_bytes or 0 for v in views.values()]
         return CheckpointView(
             path=index_path, format=f"sharded {kind} ({len(shards)} shards)", tensors=tensors, metadata=metadata,
-            files=[index_path, *(f"{folder}/{s}" for s in shards)], file_bytes=sum(sizes), layout=self,
+            files=[index_path, *(folder.child(s).url for s in shards)], file_bytes=sum(sizes), layout=self,
             location=location, trust_code=trust_code, state=_Opened(weight_map, shards, views, folder, kind),
         )  # fmt: skip
 
@@ -86,7 +86,7 @@ class ShardedIndex(Layout):
     def verify(self, view: CheckpointView) -> Verification:
         opened: _Opened = view.state
         assert view.location is not None  # every view a layout opens has one
-        problems = _index_problems(view.path, opened.weight_map, opened.views, view.location.fs, opened.folder)
+        problems = _index_problems(view.path, opened.weight_map, opened.views, opened.folder)
         if problems:
             raise CheckpointFormatError(f"{view.path}: " + "; ".join(problems))
         found = [opened.views[s].verify() for s in opened.shards]
@@ -146,7 +146,7 @@ def _shard_pattern(shards: list[str]) -> str | None:
 
 
 def _index_problems(
-    index_path: str, weight_map: dict[str, str], views: dict[str, CheckpointView], fs: Any, folder: str
+    index_path: str, weight_map: dict[str, str], views: dict[str, CheckpointView], folder: Location
 ) -> list[str]:
     problems = []
     for shard, view in views.items():
@@ -170,7 +170,7 @@ def _index_problems(
             )
     pattern = _shard_pattern(sorted(views))
     if pattern is not None:
-        present = {os.path.basename(p) for p in fs.glob(resolve(f"{folder}/{pattern}").path)}
+        present = {os.path.basename(p) for p in folder.fs.glob(folder.child(pattern).path)}
         stray_files = sorted(present - set(views))
         if stray_files:
             problems.append(f"stray shard files the index does not name: {', '.join(stray_files[:5])}")
