@@ -141,13 +141,10 @@ def test_lines_in_a_pipe_are_not_wrapped(tmp_path):
     path = deep / "step-000100.pt"
     torch.save({f"layer{i}.weight": torch.ones(2) for i in range(25)}, path)
     env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
-    for command in (["verify", str(path)], ["info", str(path)]):
-        proc = subprocess.run([CKPT, *command], capture_output=True, text=True, env=env, timeout=120)
-        assert proc.returncode == 0, proc.stderr
-        if command[0] == "verify":
-            assert proc.stdout == f"OK {path}: torch zip, every record's CRC-32 matches, 25 tensors loaded\n"
-        else:
-            assert f"{path}  torch zip" in proc.stdout.splitlines()[0]
+    # one real process (its stdout a pipe); info prints through the same console
+    proc = subprocess.run([CKPT, "verify", str(path)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == f"OK {path}: torch zip, every record's CRC-32 matches, 25 tensors loaded\n"
 
 
 def test_a_folder_the_trainer_did_not_write_needs_no_trainer_state(tmp_path):
