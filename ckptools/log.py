@@ -8,8 +8,9 @@
   ``-W error::ckptools.CheckpointWarning``, catches all of them, and ``catch_warnings`` records
   them) and, once, a WARNING record on the ``ckptools`` logger where the application has set up
   logging (so a job that logs sees it in its logs; without a handler, only the warning is
-  printed). Hazards that are the same on every rank (a DataLoader without its own seed, ...) are
-  warned about once per process, on rank 0.
+  printed; with ``logging.captureWarnings(True)``, only the ``py.warnings`` record it makes).
+  Hazards that are the same on every rank (a DataLoader without its own seed, ...) are warned
+  about once per process, on rank 0.
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ def warn(message: str, *, once: str | None = None, all_ranks: bool = False) -> N
     while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
         level, frame = level + 1, frame.f_back
     # The record first: under "-W error" the warning raises, and the log still says what happened.
-    # Only where logging is set up: otherwise logging's last-resort handler would print the message
-    # to stderr a second time, beside the warning itself.
-    if logger.hasHandlers():
+    # Only where logging is set up (otherwise logging's last-resort handler would print the message
+    # to stderr a second time, beside the warning itself), and not where logging.captureWarnings
+    # already turns every warning into a record (the "py.warnings" logger's).
+    captured = getattr(warnings.showwarning, "__module__", None) == "logging"
+    if logger.hasHandlers() and not captured:
         logger.warning("%s", message, extra={"ckpt_warning": True})
     warnings.warn(message, CheckpointWarning, stacklevel=level)
 

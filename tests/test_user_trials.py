@@ -231,6 +231,17 @@ def test_a_checkpoint_warning_is_a_warning_and_one_log_record(tmp_path, caplog):
         warnings.simplefilter("error", ck.CheckpointWarning)
         with pytest.raises(ck.CheckpointWarning):
             manager.latest()
+    # logging.captureWarnings(True) makes the record itself: one, on "py.warnings", none of ours beside it
+    caplog.clear()
+    logging.captureWarnings(True)
+    try:
+        with caplog.at_level(logging.WARNING), warnings.catch_warnings():
+            warnings.simplefilter("always")
+            manager.latest()
+    finally:
+        logging.captureWarnings(False)
+    said = [r.name for r in caplog.records if "skipping damaged checkpoint" in r.getMessage()]
+    assert said == ["py.warnings"], said
     # without a logging set-up, nothing is printed twice: the warning alone reaches stderr
     code = "import warnings, ckptools as ck\nfrom ckptools import log\nlog.warn('one message')\n"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
