@@ -297,8 +297,8 @@ def _lightning_attribute(source: Location, weights: Mapping[str, Any]) -> str | 
     heads = {name.split(".", 1)[0] for name in weights}
     if len(heads) != 1 or not all("." in name for name in weights) or detect(source) is not TORCH_FILE:
         return None
-    if not source.local:
-        return None  # its entries would cost a second download; the keys stay as stored
+    if not is_local_zip(source):
+        return None  # its entries would cost a second download or load (Lightning writes zips)
     if LIGHTNING_VERSION_KEY not in TORCH_FILE.open(source, trust_code=False).entries:
         return None
     return f"{heads.pop()}."
