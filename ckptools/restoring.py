@@ -182,8 +182,8 @@ def restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool,
         elif name in ckpt:
             entry = ckpt[name]
         elif META_KEY not in ckpt and len(models) == 1 and name == models[0]:
-            # (a Lightning checkpoint's "state_dict" is found here, its LightningModule's attribute fitted below)
-            # A file written without ckptools: the weights may be bare or nested.
+            # A file written without ckptools: the weights may be bare or nested (a Lightning checkpoint's
+            # "state_dict", whose LightningModule attribute _load_model fits to the model's keys).
             try:
                 entry = _find_weights(ckpt, key=None, path=path)
             except CheckpointFormatError:
