@@ -32,7 +32,7 @@ from .layouts.torch_file import TORCH_FILE
 from .restoring import restore_all, restore_rng_state
 from .sampler import ResumableDistributedSampler, note_rng_restored
 from .serialization import load_file, verify_torch_file
-from .state_dict import strip_for_reading, strip_prefix
+from .state_dict import shared_prefix, strip_for_reading, strip_prefix
 from .storage import Location, PathLike, fspath, resolve
 
 __all__ = ["load", "load_state_dict"]
@@ -294,11 +294,7 @@ def load_state_dict(
 def _lightning_attribute(source: Location, weights: Mapping[str, Any]) -> str | None:
     """The LightningModule attribute (``"net."``) every key of a Lightning checkpoint's weights
     starts with, when there is one: the network a plain script builds has no such prefix."""
-    heads = {name.split(".", 1)[0] for name in weights}
-    if len(heads) != 1 or not all("." in name for name in weights) or detect(source) is not TORCH_FILE:
-        return None
-    if not is_local_zip(source):
-        return None  # its entries would cost a second download or load (Lightning writes zips)
-    if LIGHTNING_VERSION_KEY not in TORCH_FILE.open(source, trust_code=False).entries:
-        return None
-    return f"{heads.pop()}."
+    head = shared_prefix(weights)
+    if head is None or detect(source) is not TORCH_FILE or not is_local_zip(source):
+        return None  # a remote or legacy file's entries would cost a second download or load (Lightning writes zips)
+    return head if LIGHTNING_VERSION_KEY in TORCH_FILE.open(source, trust_code=False).entries else None

@@ -18,7 +18,15 @@ from .codecs.pickles import Opaque
 from .codecs.trees import LIGHTNING_VERSION_KEY, META_KEY, locate_weights
 from .dist import get_rank, get_world_size
 from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError
-from .state_dict import WRAPPER_PREFIXES, add_prefix, strip_prefix, strip_wrappers, tensor_identity, unwrap_model
+from .state_dict import (
+    WRAPPER_PREFIXES,
+    add_prefix,
+    shared_prefix,
+    strip_prefix,
+    strip_wrappers,
+    tensor_identity,
+    unwrap_model,
+)
 
 __all__ = ["restore_all", "restore_rng_state"]
 
@@ -40,9 +48,9 @@ def _prefix_candidates(weights: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     bases = [weights, *(w for p in WRAPPER_PREFIXES for w in renamed(strip_prefix, weights, p))]
     found = [*bases, *renamed(add_prefix, weights, "module.")]
     for base in bases:
-        heads = {key.split(".", 1)[0] for key in base}
-        if len(heads) == 1 and all("." in key for key in base):
-            inner = strip_prefix(base, f"{heads.pop()}.")  # every key has it: no two collide
+        head = shared_prefix(base)
+        if head is not None:
+            inner = strip_prefix(base, head)  # every key has it: no two collide
             found += [inner, *renamed(strip_wrappers, inner)]  # "model._orig_mod.": a compiled inner network
     return found
 

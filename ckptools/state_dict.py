@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 if TYPE_CHECKING:
@@ -145,6 +145,25 @@ def strip_for_reading(state_dict: M, strip: str | None) -> M:
     if not strip:
         return state_dict
     return strip_wrappers(state_dict) if strip == "module." else strip_prefix(state_dict, strip)
+
+
+def shared_prefix(names: Iterable[str]) -> str | None:
+    """The first component every name starts with, with its dot (``"net."``), or None.
+
+    A LightningModule holding ``self.net`` saves ``net.0.weight``, ``net.0.bias``, ...: the plain
+    network's own names are those without it. None when the names start differently, when one
+    has no dot, or when there are none.
+
+    Examples:
+        >>> shared_prefix(["net.0.weight", "net.0.bias"]), shared_prefix(["a.w", "b.w"]), shared_prefix(["net"])
+        ('net.', None, None)
+    """
+    heads = set()
+    for name in names:
+        if "." not in name:
+            return None
+        heads.add(name.split(".", 1)[0])
+    return f"{heads.pop()}." if len(heads) == 1 else None
 
 
 def tensor_identity(tensor: torch.Tensor) -> tuple[Any, ...] | None:

@@ -242,24 +242,23 @@ def _rename_command(
         said = " / ".join(repr(p) for p in prefixes)
         out.print(f"{dst}: prefix {said} {verb} {changed} keys")
         if not changed and not add:
-            _say_shared_prefix(path, key, trust=False)
+            _say_shared_prefix(path, key)
 
     _run(body)
 
 
-def _say_shared_prefix(path: str, key: Optional[str], *, trust: bool) -> None:
+def _say_shared_prefix(path: str, key: Optional[str]) -> None:
     """After a strip that removed nothing: the prefix the keys do share (a LightningModule's
     ``net.``), and how to remove it."""
     from ..layouts import open_checkpoint
+    from ..state_dict import shared_prefix
 
-    names = list(open_checkpoint(path, trust_code=trust).weights(key))
-    heads = {name.split(".", 1)[0] for name in names}
-    if len(heads) == 1 and all("." in name for name in names):
-        head = heads.pop()
+    head = shared_prefix(open_checkpoint(path).weights(key))
+    if head is not None:
         where = f" --key {key}" if key else ""
         err.print(
-            f"ckpt: note: no key starts with that prefix; every key starts with {head + '.'!r}: to remove it, "
-            f"ckpt strip-module {path} -o OUT --prefix {head}.{where}",
+            f"ckpt: note: no key starts with that prefix; every key starts with {head!r}: to remove it, "
+            f"ckpt strip-module {path} -o OUT --prefix {head}{where}",
             markup=False, highlight=False, soft_wrap=True,
         )  # fmt: skip
 
