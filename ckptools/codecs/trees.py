@@ -112,7 +112,7 @@ def _walk(tree: Any, key: str, path: str) -> tuple[Any, Any, Any]:
         if not found:
             where = f"under {'.'.join(walked)!r}" if walked else "at the top level"
             raise KeyMismatchError(f"{path} has no entry {key!r}; {where} it has {_children(node)}", missing=[key])
-        parent, node = node, (node[name])
+        parent, node = node, node[name]
         walked.append(part)
     return parent, name, node
 
