@@ -38,8 +38,8 @@ def _throttle(mib: float) -> None:
     """Cap this process's checkpoint writes at ``mib`` MiB/s (both writers' paths)."""
     if mib <= 0:
         return
-    import ckptools.shared_write as shared_write
     import ckptools.storage as storage
+    import ckptools.write.shares as shared_write
 
     rate = mib * 2**20
     real_write = storage._WriteRecorder.write

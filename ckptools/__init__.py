@@ -31,10 +31,7 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
-    from .background import AsyncSave, release_snapshot_buffers
-    from .converting import convert, convert_to_safetensors, export_huggingface
-    from .devices import resolve_map_location, to_cpu
-    from .dist import (
+    from .collective.group import (
         barrier,
         get_local_rank,
         get_rank,
@@ -42,23 +39,26 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
         init_distributed,
         is_main_process,
     )
+    from .converting import convert, convert_to_safetensors, export_huggingface
+    from .devices import resolve_map_location, to_cpu
     from .inspection import diff, inspect, verify, verify_report
     from .layouts import open_checkpoint
     from .loading import load, load_state_dict
     from .manager import CheckpointManager
-    from .preemption import Preemption
-    from .process import exit_process
     from .rewrite import rename_checkpoint
-    from .sampler import ResumableDistributedSampler
     from .saving import async_save, save, save_weights
-    from .seeded import SeededDataset
     from .state_dict import add_prefix, strip_prefix, unwrap_model
+    from .training.preemption import Preemption
+    from .training.process import exit_process
+    from .training.sampler import ResumableDistributedSampler
+    from .training.seeded import SeededDataset
     from .view import CheckpointView, TensorInfo, Verification
+    from .write.async_save import AsyncSave, release_snapshot_buffers
 
 from ._version import __version__ as __version__
 
 _LAZY = {
-    "AsyncSave": ".background",
+    "AsyncSave": ".write.async_save",
     "CheckpointView": ".view",
     "TensorInfo": ".view",
     "Verification": ".view",
@@ -69,23 +69,23 @@ _LAZY = {
     "verify": ".inspection",
     "verify_report": ".inspection",
     "CheckpointManager": ".manager",
-    "Preemption": ".preemption",
-    "ResumableDistributedSampler": ".sampler",
-    "SeededDataset": ".seeded",
+    "Preemption": ".training.preemption",
+    "ResumableDistributedSampler": ".training.sampler",
+    "SeededDataset": ".training.seeded",
     "add_prefix": ".state_dict",
     "async_save": ".saving",
-    "barrier": ".dist",
+    "barrier": ".collective.group",
     "convert": ".converting",
     "convert_to_safetensors": ".converting",
-    "exit_process": ".process",
-    "get_local_rank": ".dist",
-    "get_rank": ".dist",
-    "get_world_size": ".dist",
-    "init_distributed": ".dist",
-    "is_main_process": ".dist",
+    "exit_process": ".training.process",
+    "get_local_rank": ".collective.group",
+    "get_rank": ".collective.group",
+    "get_world_size": ".collective.group",
+    "init_distributed": ".collective.group",
+    "is_main_process": ".collective.group",
     "load": ".loading",
     "load_state_dict": ".loading",
-    "release_snapshot_buffers": ".background",
+    "release_snapshot_buffers": ".write.async_save",
     "rename_checkpoint": ".rewrite",
     "resolve_map_location": ".devices",
     "save": ".saving",

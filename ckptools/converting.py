@@ -24,7 +24,7 @@ from .errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotF
 from .layouts import detect, read_weights
 from .layouts.safetensors_file import tensor_specs
 from .layouts.torch_file import load_torch
-from .serialization import save_file
+from .layouts.torch_io import save_file
 from .state_dict import strip_for_reading
 from .storage import PathLike, atomic_write, crc32_range, fspath, resolve
 

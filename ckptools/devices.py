@@ -8,7 +8,7 @@ from typing import Any, Union
 
 import torch
 
-from .dist import get_local_rank
+from .collective.group import get_local_rank
 
 __all__ = ["resolve_map_location", "to_cpu"]
 

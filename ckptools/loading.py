@@ -14,12 +14,12 @@ from typing import Any
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from . import background, log
-from .broadcast import broadcast_tree
+from . import log
 from .codecs.torchzip import is_local_zip
 from .codecs.trees import LIGHTNING_VERSION_KEY
+from .collective.group import all_gather_object, broadcast_object, get_rank, get_world_size
+from .collective.tree import broadcast_tree
 from .devices import MapLocation, resolve_map_location
-from .dist import all_gather_object, broadcast_object, get_rank, get_world_size
 from .errors import (
     CheckpointError,
     CheckpointFormatError,
@@ -29,11 +29,12 @@ from .errors import (
 from .layouts import detect, read_weights
 from .layouts.placeholders import load_without_code
 from .layouts.torch_file import TORCH_FILE
+from .layouts.torch_io import load_file, verify_torch_file
 from .restoring import restore_all, restore_rng_state
-from .sampler import ResumableDistributedSampler, note_rng_restored
-from .serialization import load_file, verify_torch_file
 from .state_dict import shared_prefix, strip_for_reading, strip_prefix
 from .storage import Location, PathLike, fspath, resolve
+from .training.sampler import ResumableDistributedSampler, note_rng_restored
+from .write import async_save as background
 
 __all__ = ["load", "load_state_dict"]
 

@@ -41,7 +41,7 @@ def _rank() -> int:
     """This process's global rank; 0 while torch is not even imported (no process group can exist)."""
     if "torch" not in sys.modules:
         return 0
-    from .dist import get_rank  # imports torch: only once the program has
+    from .collective.group import get_rank  # imports torch: only once the program has
 
     return get_rank()
 

@@ -6,14 +6,15 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from . import background, log
-from .dist import broadcast_object, get_rank
+from . import log
+from .collective.group import broadcast_object, get_rank
 from .errors import CheckpointError
+from .layouts.torch_io import verify_torch_file
 from .leftovers import abandoned_tmps
 from .loading import load
 from .saving import async_save_with_hooks, save_with_hooks
-from .serialization import verify_torch_file
 from .storage import PathLike, fspath, join, list_files, remove
+from .write import async_save as background
 
 __all__ = ["CheckpointManager"]
 

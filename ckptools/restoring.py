@@ -16,7 +16,7 @@ from torch.utils.data.distributed import DistributedSampler
 from . import log, rng
 from .codecs.pickles import Opaque
 from .codecs.trees import LIGHTNING_VERSION_KEY, META_KEY, locate_weights
-from .dist import get_rank, get_world_size
+from .collective.group import get_rank, get_world_size
 from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError
 from .state_dict import (
     WRAPPER_PREFIXES,

@@ -12,19 +12,20 @@ from typing import Any
 
 import torch
 
-from . import background, log, rng
+from . import log, rng
 from ._version import __version__
 from .codecs.trees import META_KEY
+from .collective.agree import share_outcome
+from .collective.group import all_gather_object, get_rank, get_world_size
 from .devices import to_cpu
-from .dist import all_gather_object, get_rank, get_world_size
 from .errors import CheckpointError
 from .layouts.safetensors_file import save_safetensors
-from .outcome import share_outcome
-from .serialization import check_loadable, save_file
-from .shared_write import plan_shares, whole_storage, write_alone, write_and_commit, write_share_in_background
-from .sharing import check_writers, choose, compare_replicas, replica_digests, state_entry
+from .layouts.torch_io import check_loadable, save_file
 from .state_dict import strip_wrappers, unwrap_model
 from .storage import Location, PathLike, fspath, resolve
+from .write import async_save as background
+from .write.plan import check_writers, choose, compare_replicas, replica_digests, state_entry
+from .write.shares import plan_shares, whole_storage, write_alone, write_and_commit, write_share_in_background
 
 # Who writes when the caller does not say; see `save`.
 DEFAULT_WRITERS = "auto"
@@ -73,7 +74,7 @@ def save(
     parameters of a ``DistributedDataParallel`` entry and an optimizer's state for them) into
     the same one file, at offsets rank 0 planned; everything else (buffers, scaler, sampler,
     RNG, plain values) comes from rank 0 as always, and the file loads bit-identical to the
-    ``"rank0"`` one (see `ckptools.sharing`). It needs every rank to see the directory: if one
+    ``"rank0"`` one (see `ckptools.write.plan`). It needs every rank to see the directory: if one
     does not, ``"all"`` raises on every rank before writing, while ``"auto"`` (the default)
     lets rank 0 write alone. Object stores, single processes and a ``state`` without a
     ``DistributedDataParallel`` entry (nothing known to be replicated) get rank 0's writer.
@@ -222,7 +223,7 @@ def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any]
 def _write(location: Location, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:
     """Rank 0: housekeeping (unless it ran already), then the atomic write; the bytes written.
 
-    `ckptools.shared_write.write_alone`: a local file through the planned writer (one pwrite
+    `ckptools.write.shares.write_alone`: a local file through the planned writer (one pwrite
     per storage from the tensors' memory, the file ``writers="all"`` writes; see
     docs/guides/writers.md for the figures), anything else through ``torch.save`` (a
     multipart upload on S3)."""

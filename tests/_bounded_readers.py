@@ -44,7 +44,7 @@ def main() -> None:
     from ckptools.codecs.safetensors import read_safetensors_header, rename_safetensors, verify_safetensors
     from ckptools.codecs.torchzip import TorchZip
     from ckptools.layouts.safetensors_file import load_safetensors
-    from ckptools.serialization import verify_torch_file
+    from ckptools.layouts.torch_io import verify_torch_file
     from ckptools.state_dict import strip_prefix
 
     def torch_free_info(path: str) -> None:  # what `ckpt info` and `strip-module` read a .pt zip with

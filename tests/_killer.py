@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 import ckptools as ck
-from ckptools.serialization import verify_torch_file
+from ckptools.layouts.torch_io import verify_torch_file
 from ckptools.storage import TMP_MARKER, get_filesystem, join, list_files
 
 WRITER = os.path.join(os.path.dirname(__file__), "_crash_writer.py")

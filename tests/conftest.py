@@ -60,7 +60,7 @@ def _fresh_warnings_once():
 def _no_async_save_left():
     """An async save a test left in flight is finished (and its buffers freed) before the next test."""
     yield
-    from ckptools import background
+    from ckptools.write import async_save as background
 
     handle = background.pending()
     if handle is not None and not torch.distributed.is_initialized():

@@ -12,9 +12,9 @@ import torch
 from _dist import run_ranks
 
 import ckptools as ck
-from ckptools import background
 from ckptools.saving import async_save_with_hooks as _async_save
 from ckptools.storage import TMP_MARKER
+from ckptools.write import async_save as background
 
 
 def _trained() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

@@ -92,7 +92,7 @@ def test_a_failure_on_rank_0_reaches_every_rank(tmp_path):
 
 
 def test_buckets_split_and_join_storages_exactly():
-    from ckptools.broadcast import _windows
+    from ckptools.collective.tree import _windows
 
     sizes = [5, 0, 17, 3]
     windows = list(_windows(sizes, 8))
@@ -111,7 +111,7 @@ def test_many_tensors_through_small_buckets(tmp_path, bucket):
 
 
 def _small_buckets(rank: int, world: int, root: str, bucket: int) -> None:
-    from ckptools.broadcast import broadcast_tree
+    from ckptools.collective.tree import broadcast_tree
 
     g = torch.Generator().manual_seed(3)
     tree = {"w": torch.randn(33, 5, generator=g), "h": torch.randn(9, generator=g).half(), "b": torch.tensor([True]),

@@ -14,7 +14,7 @@ import torch
 from _killer import kill_loop
 
 import ckptools as ck
-from ckptools.serialization import verify_torch_file
+from ckptools.layouts.torch_io import verify_torch_file
 from ckptools.storage import TMP_MARKER
 
 KILLS = int(os.environ.get("CKPTOOLS_KILLS", "4"))

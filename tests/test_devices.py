@@ -40,7 +40,7 @@ def test_auto_is_this_ranks_gpu(monkeypatch):
 def test_cuda_tagged_file_remaps_to_cpu(cuda_tagged_file):
     # Without remapping, torch refuses: the storages say cuda:1.
     with pytest.raises(ck.CheckpointFormatError, match="map_location='cpu'"):
-        from ckptools.serialization import load_file
+        from ckptools.layouts.torch_io import load_file
 
         load_file(cuda_tagged_file, map_location=None)
     for spec in ("auto", "cpu", {"cuda:1": "cpu"}, lambda storage, loc: storage):

@@ -21,7 +21,7 @@ from _dist import run_ranks
 from _faults import Net, register_flaky
 
 import ckptools as ck
-from ckptools.dist import all_gather_object as _all_gather_object
+from ckptools.collective.group import all_gather_object as _all_gather_object
 from ckptools.storage import list_files
 
 # A dead peer breaks gloo's connection at once; this is the bound the tests hold it to.

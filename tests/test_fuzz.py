@@ -29,7 +29,7 @@ import ckptools as ck
 from ckptools.cli import app
 from ckptools.codecs.safetensors import read_safetensors_header, verify_safetensors
 from ckptools.layouts.safetensors_file import load_safetensors
-from ckptools.serialization import verify_torch_file
+from ckptools.layouts.torch_io import verify_torch_file
 
 EXAMPLES = int(os.environ.get("CKPTOOLS_FUZZ_EXAMPLES", "40"))
 TIME_BOUND_S = 5.0

@@ -15,8 +15,8 @@ from _dist import free_port, run_ranks
 from _torchrun import ok, torchrun, torchrun_signalled
 
 import ckptools as ck
-from ckptools import background
 from ckptools.saving import async_save_with_hooks as _async_save
+from ckptools.write import async_save as background
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -62,7 +62,7 @@ def test_cuda_state_is_snapshotted_into_pinned_memory_as_of_the_call(tmp_path):
 def test_nccl_training_gets_a_gloo_side_group_for_ckptools_exchanges():
     import torch.distributed as dist
 
-    from ckptools import dist as ckdist
+    from ckptools.collective import group as ckdist
 
     dist.init_process_group(
         "nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1, device_id=torch.device("cuda:0")
@@ -121,7 +121,7 @@ def test_load_maps_the_file_and_lands_on_the_gpu(tmp_path):
 
 
 def _broadcast_on_one_gpu(rank: int, world: int) -> bool:
-    from ckptools.broadcast import broadcast_tree
+    from ckptools.collective.tree import broadcast_tree
 
     g = torch.Generator().manual_seed(1)
     base = torch.randn(1000, 37, generator=g)

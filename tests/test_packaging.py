@@ -36,7 +36,8 @@ def test_a_script_beside_the_clone_folder_imports_the_package(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     module, path = proc.stdout.split()
-    assert module == "ckptools.dist" and os.path.samefile(path, os.path.join(ROOT, "ckptools", "__init__.py"))
+    assert module == "ckptools.collective.group"
+    assert os.path.samefile(path, os.path.join(ROOT, "ckptools", "__init__.py"))
 
 
 USER_SCRIPT = """

@@ -57,7 +57,7 @@ def test_a_closed_watchdog_never_reads_a_reused_descriptor(monkeypatch):
     # CI once hung here: a Preemption closed before its watchdog thread reached os.read left that
     # thread reading a descriptor number the next test's subprocess pipe then got, and the thread
     # swallowed the child's output. The watchdog's first read is held back to recreate that.
-    import ckptools.preemption as module
+    import ckptools.training.preemption as module
 
     real_read = os.read
     held = threading.Event()

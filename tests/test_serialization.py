@@ -8,7 +8,7 @@ import torch
 from _corpus import tensor_record_offsets
 
 from ckptools.errors import CheckpointFormatError, UnsafeCheckpointError
-from ckptools.serialization import load_file, save_file, verify_torch_file
+from ckptools.layouts.torch_io import load_file, save_file, verify_torch_file
 
 
 def test_verify_catches_every_flipped_byte_in_tensor_data(tmp_path):

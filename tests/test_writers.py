@@ -50,7 +50,7 @@ def _state(rank: int, seed_steps: int = 2) -> dict:
 
 def _count_writes() -> dict:
     """Wrap ckptools' share writer to count the bytes this rank writes (the real writer runs)."""
-    import ckptools.shared_write as shared_write
+    import ckptools.write.shares as shared_write
 
     counted = {"bytes": []}
     real = shared_write.write_shares
@@ -73,7 +73,7 @@ def _same_files(rank: int, world: int, directory: str) -> dict:
     on_disk = sorted(os.listdir(directory))
     # Async: the file holds the state as of the call, whatever training does before wait().
     handle = ck.async_save(f"{directory}/async.pt", state, writers="all", verify_replicas=True)
-    from ckptools import background
+    from ckptools.write import async_save as background
 
     snapshot = background._BUFFERS.nbytes
     with torch.no_grad():
@@ -216,7 +216,7 @@ def _dies_midway(how: str):
 
 
 def _writer_trouble(rank: int, world: int, directory: str, victim: int, how: str) -> tuple[str, dict]:
-    import ckptools.shared_write as shared_write
+    import ckptools.write.shares as shared_write
 
     state = _state(rank)
     ck.save(f"{directory}/ckpt.pt", state, writers="all")
@@ -292,7 +292,7 @@ def test_unknown_writers_value_is_refused():
 
 
 def _async_trouble(rank: int, world: int, directory: str, victim: int, how: str) -> tuple[str, dict]:
-    import ckptools.shared_write as shared_write
+    import ckptools.write.shares as shared_write
 
     state = _state(rank)
     ck.async_save(f"{directory}/ckpt.pt", state, writers="all").wait()

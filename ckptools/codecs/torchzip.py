@@ -309,7 +309,7 @@ def central_directory(entries: list[tuple[str, int, int, int]], start: int, *, f
 
 class ZipPlan:
     """Where every record of a stored zip goes, decided before any byte is written, so that
-    several writers can fill their records at once (`ckptools.sharing`).
+    several writers can fill their records at once (`ckptools.write.plan`).
 
     ``records`` are ``(name, size)`` in file order; ``data_offsets[i]`` is where record ``i``'s
     data starts, ``header_offsets[i]`` its local header, ``size`` the whole file's length.

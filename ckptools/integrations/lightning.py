@@ -29,12 +29,12 @@ import time
 from typing import Any
 
 from .. import in_flight, log
-from ..background import SnapshotBuffers
 from ..errors import CheckpointError, UnsafeCheckpointError
+from ..layouts.torch_io import load_file, verify_torch_file
 from ..leftovers import abandoned_tmps
-from ..serialization import load_file, verify_torch_file
-from ..shared_write import write_alone
 from ..storage import TMP_MARKER, Location, remove, resolve
+from ..write.async_save import SnapshotBuffers
+from ..write.shares import write_alone
 
 __all__ = ["AsyncCkptoolsCheckpointIO", "CkptoolsCheckpointIO"]
 
@@ -285,7 +285,7 @@ def _no_storage_options(storage_options: Any | None) -> None:
 
 
 def _write(location: Location, checkpoint: Any) -> int:
-    """Rank 0's writer alone, no exchange (`ckptools.shared_write.write_alone`), into a folder
+    """Rank 0's writer alone, no exchange (`ckptools.write.shares.write_alone`), into a folder
     made if missing, after removing what a kill mid-save of this name left there."""
     if location.local:
         folder = os.path.dirname(os.path.abspath(location.path))

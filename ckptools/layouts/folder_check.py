@@ -13,7 +13,7 @@ judge, whether it is whole and how it knows:
    ``rng_state*.pth``, ``trainer_state.json``) is whole only with a ``trainer_state.json`` that
    reads, which the Trainer writes after everything else.
 3. With ``verify``, every other file by its kind: torch zips by every record's CRC-32 (and the
-   records the pickle names: `ckptools.serialization.verify_torch_file`), safetensors files by
+   records the pickle names: `ckptools.layouts.torch_io.verify_torch_file`), safetensors files by
    their structure and the CRC-32s ckptools stores in them, JSON files by parsing. A file that
    none of this covers (a pickle, a tokenizer model, a legacy torch file) is named as not
    checksummed, never passed over in silence.
@@ -30,9 +30,9 @@ from typing import IO
 
 from ..codecs.safetensors import verify_safetensors
 from ..errors import CheckpointError
-from ..serialization import verify_torch_file
 from ..storage import TMP_MARKER, atomic_write, crc32_range
 from ..text import plural
+from .torch_io import verify_torch_file
 
 __all__ = [
     "MANIFEST",

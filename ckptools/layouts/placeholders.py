@@ -18,8 +18,8 @@ from ..codecs.pickles import LenientReader, Opaque, PyUnpickler, canonical, host
 from ..codecs.torchzip import TorchZip, is_local_zip
 from ..codecs.trees import locate_weights
 from ..errors import CheckpointFormatError, UnsafeCheckpointError
-from ..serialization import load_file
 from ..storage import Location
+from .torch_io import load_file
 
 
 def refuse_whole_object(tree: Any, path: str) -> None:

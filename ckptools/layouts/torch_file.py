@@ -18,12 +18,12 @@ from ..codecs.pickles import hostile, loads, loads_lenient
 from ..codecs.torchzip import TorchZip, is_local_zip
 from ..codecs.trees import entry_at, is_tensor, locate_weights, tensor_info
 from ..errors import CheckpointLayoutError, KeyMismatchError, UnsafeCheckpointError
-from ..serialization import load_file, save_file, verify_torch_file
 from ..storage import Location, atomic_write, file_size
 from ..text import plural
 from ..view import CheckpointView, Verification
 from .base import Layout, Transform, walk_tree
 from .placeholders import load_without_code, refuse_whole_object, weights_without_code
+from .torch_io import load_file, save_file, verify_torch_file
 
 
 @dataclass

@@ -23,11 +23,11 @@ from contextlib import contextmanager
 from pathlib import PurePath
 from typing import IO, TYPE_CHECKING, Any
 
-from .codecs.legacy import check_non_zip
-from .codecs.pickles import loads
-from .codecs.sniff import other_kind
-from .codecs.torchzip import ZIP_MAGIC, TorchZip
-from .errors import (
+from ..codecs.legacy import check_non_zip
+from ..codecs.pickles import loads
+from ..codecs.sniff import other_kind
+from ..codecs.torchzip import ZIP_MAGIC, TorchZip
+from ..errors import (
     CheckpointError,
     CheckpointFormatError,
     CheckpointLayoutError,
@@ -35,7 +35,7 @@ from .errors import (
     UnsafeCheckpointError,
     UnsafeStateError,
 )
-from .storage import PathLike, atomic_write, crc32_range, fspath, open_for_read
+from ..storage import PathLike, atomic_write, crc32_range, fspath, open_for_read
 
 if TYPE_CHECKING:
     import torch

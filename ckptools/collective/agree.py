@@ -8,8 +8,8 @@ naming the path and the rank that failed.
 
 from __future__ import annotations
 
-from .dist import broadcast_object
-from .errors import CheckpointError, UnsafeStateError
+from ..errors import CheckpointError, UnsafeStateError
+from .group import broadcast_object
 
 __all__ = ["RankFailure", "outcome_of", "raise_outcome", "share_outcome"]
 

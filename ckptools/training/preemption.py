@@ -14,8 +14,9 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
-from . import background, log
-from .dist import barrier, get_rank, max_over_ranks
+from .. import log
+from ..collective.group import barrier, get_rank, max_over_ranks
+from ..write import async_save as background
 from .process import leave
 
 __all__ = ["Preemption"]

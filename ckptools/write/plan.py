@@ -53,11 +53,11 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from . import log
-from .codecs.torchzip import ZipPlan
-from .dist import get_rank, get_world_size
-from .state_dict import unwrap_model
-from .storage import Location, tmp_name
+from .. import log
+from ..codecs.torchzip import ZipPlan
+from ..collective.group import get_rank, get_world_size
+from ..state_dict import unwrap_model
+from ..storage import Location, tmp_name
 
 __all__ = ["WRITERS", "Plan", "choose", "make_plan"]
 

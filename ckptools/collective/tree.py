@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .dist import broadcast_object, get_rank, peer_error, run_collective
+from .group import broadcast_object, get_rank, peer_error, run_collective
 
 __all__ = ["broadcast_tree"]
 

@@ -8,8 +8,8 @@ import os
 import sys
 from typing import NoReturn
 
-from . import background
-from .dist import barrier
+from ..collective.group import barrier
+from ..write import async_save as background
 
 __all__ = ["exit_process", "leave"]
 

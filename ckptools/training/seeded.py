@@ -11,8 +11,8 @@ from typing import Any, Generic, TypeVar
 
 import torch.utils.data
 
-from . import rng
-from .rng import SampleIndex, item_seeds
+from .. import rng
+from ..rng import SampleIndex, item_seeds
 from .sampler import ResumableDistributedSampler, draw_seeded
 
 __all__ = ["SeededDataset"]

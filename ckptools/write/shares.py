@@ -1,4 +1,4 @@
-"""``writers="all"``, the writing: every rank's part of the collective save `ckptools.sharing` plans.
+"""``writers="all"``, the writing: every rank's part of the collective save `ckptools.write.plan` plans.
 
 `plan_shares` (rank 0 plans, every rank checks it sees the temporary file), then every rank
 `write_shares` its records and `commit_shares` gathers the CRC-32s and has rank 0 commit. The async
@@ -19,15 +19,22 @@ from typing import Any
 
 import torch
 
-from . import log
-from .background import AsyncSave
-from .codecs.torchzip import ZipPlan
-from .dist import all_gather_object, broadcast_object, collective_timeout, default_store, get_rank, get_world_size
-from .errors import CheckpointError
-from .outcome import RankFailure, outcome_of, raise_outcome, share_outcome
-from .serialization import save_file
-from .sharing import PREFIX, TOKEN_BYTES, Plan, Share, describe, host_bytes, make_plan, state_entry
-from .storage import Location, fsync_dir
+from .. import log
+from ..codecs.torchzip import ZipPlan
+from ..collective.agree import RankFailure, outcome_of, raise_outcome, share_outcome
+from ..collective.group import (
+    all_gather_object,
+    broadcast_object,
+    collective_timeout,
+    default_store,
+    get_rank,
+    get_world_size,
+)
+from ..errors import CheckpointError
+from ..layouts.torch_io import save_file
+from ..storage import Location, fsync_dir
+from .async_save import AsyncSave
+from .plan import PREFIX, TOKEN_BYTES, Plan, Share, describe, host_bytes, make_plan, state_entry
 
 __all__ = [
     "commit_shares",
@@ -185,7 +192,7 @@ def write_alone(location: Location, payload: Mapping[str, Any]) -> int:
     A local file goes through the planned writer: the same file ``torch.save`` would write
     (temporary name, fsync, rename, directory fsync), but each storage goes to disk with one
     ``pwrite`` straight from the tensor's memory. Anything else streams through ``torch.save``
-    (`ckptools.serialization.save_file`: a multipart upload on S3).
+    (`ckptools.layouts.torch_io.save_file`: a multipart upload on S3).
     """
     if not location.local:
         return save_file(location, payload)

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 __all__ = ["barrier", "get_local_rank", "get_rank", "get_world_size", "init_distributed", "is_main_process"]
 

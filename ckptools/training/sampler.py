@@ -1,6 +1,6 @@
 """The data side of an exact resume: a DistributedSampler that resumes in the middle of an epoch.
 
-Its indices carry seed and epoch when a `ckptools.seeded.SeededDataset` draws from it.
+Its indices carry seed and epoch when a `ckptools.training.seeded.SeededDataset` draws from it.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ from typing import Any, TypeVar
 import torch.utils.data
 from torch.utils.data.distributed import DistributedSampler
 
-from . import log
-from .rng import SampleIndex
+from .. import log
+from ..rng import SampleIndex
 
 __all__ = ["ResumableDistributedSampler"]
 

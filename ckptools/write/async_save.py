@@ -16,11 +16,11 @@ from typing import Any
 
 import torch
 
-from . import log
-from .devices import keep_view_bits
-from .dist import all_gather_object, broadcast_object, get_rank
-from .errors import CheckpointError
-from .outcome import RankFailure
+from .. import log
+from ..collective.agree import RankFailure
+from ..collective.group import all_gather_object, broadcast_object, get_rank
+from ..devices import keep_view_bits
+from ..errors import CheckpointError
 
 __all__ = ["AsyncSave", "release_snapshot_buffers"]
 

@@ -1,0 +1,1 @@
+"""The write wing: everything that puts a checkpoint's bytes on disk."""
