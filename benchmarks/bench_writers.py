@@ -39,11 +39,11 @@ def _throttle(mib: float) -> None:
     if mib <= 0:
         return
     import ckptools.storage as storage
-    import ckptools.write.shares as shared_write
+    import ckptools.write.zip_writer as zip_writer
 
     rate = mib * 2**20
     real_write = storage._WriteRecorder.write
-    real_pwrite = shared_write.os.pwrite
+    real_pwrite = zip_writer.os.pwrite
 
     def slow_write(self: Any, data: Any) -> int:
         started = time.perf_counter()
@@ -58,9 +58,9 @@ def _throttle(mib: float) -> None:
         return n
 
     storage._WriteRecorder.write = slow_write  # type: ignore[method-assign]
-    shared_write.os = type(sys)("os_throttled")  # the module's own view of os, pwrite slowed
-    shared_write.os.__dict__.update(os.__dict__)
-    shared_write.os.pwrite = slow_pwrite  # type: ignore[attr-defined]
+    zip_writer.os = type(sys)("os_throttled")  # the module's own view of os, pwrite slowed
+    zip_writer.os.__dict__.update(os.__dict__)
+    zip_writer.os.pwrite = slow_pwrite  # type: ignore[attr-defined]
 
 
 def _rank(rank: int, world: int, port: int, args: Any, queue: Any) -> None:

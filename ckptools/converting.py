@@ -1,12 +1,12 @@
 """Conversion: the weights of any layout to safetensors (one file, or a Hugging Face folder of
 shards), or to a torch file.
 
-The safetensors format itself (reader, writer, checks) is `ckptools.codecs.safetensors`.
+What is written for a source is its layout's to say (`ckptools.layouts.plan_safetensors`); the
+safetensors format itself (reader, writer, checks) is `ckptools.codecs.safetensors`.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import pathlib
@@ -15,91 +15,12 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from . import log
-from .codecs.dtypes import ITEMSIZE, STORAGE_TO_SAFETENSORS
-from .codecs.pickles import loads
-from .codecs.safetensors import Spec, write_specs
-from .codecs.torchzip import TorchZip, is_local_zip
-from .codecs.trees import META_KEY, locate_weights, simple_tensor
-from .errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError, UnsafeCheckpointError
-from .layouts import detect, read_weights
-from .layouts.safetensors_file import tensor_specs
-from .layouts.torch_file import load_torch
-from .layouts.torch_io import save_file
+from .errors import CheckpointLayoutError, CheckpointNotFoundError
+from .layouts import SAFETENSORS_FILE, Planned, plan_safetensors, read_weights, writer_for
 from .state_dict import strip_for_reading
-from .storage import PathLike, atomic_write, crc32_range, fspath, resolve
+from .storage import PathLike, atomic_write, fspath, resolve
 
-__all__ = ["TORCH_SUFFIXES", "convert", "convert_to_safetensors", "export_huggingface", "parse_size"]
-
-# What a torch file is called; ``convert`` writes one for these.
-TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-
-
-def _scalars(ckpt: Mapping[str, Any]) -> dict[str, str]:
-    """Top-level plain values (epoch, step, ...) as JSON strings, including ckptools' own metadata."""
-    out: dict[str, str] = {}
-    sources = [ckpt]
-    meta = ckpt.get(META_KEY)
-    if isinstance(meta, Mapping) and isinstance(meta.get("metadata"), Mapping):
-        sources.insert(0, meta["metadata"])
-    for source in sources:
-        for key, value in source.items():
-            if isinstance(key, str) and key != META_KEY and (value is None or type(value) in (int, float, str, bool)):
-                out[key] = json.dumps(value)
-    return out
-
-
-def _zip_specs(archive: TorchZip, weights: Mapping[str, Any]) -> tuple[dict[str, Spec], dict[str, str]] | None:
-    """Specs that copy each tensor's bytes straight out of its zip record, or None if one can't be.
-
-    Of tied names the first in ``weights``' order is kept (see `tensor_specs`).
-
-    Works for dense, contiguous tensors of a dtype safetensors knows (what state dicts hold);
-    anything else (views with gaps, quantized, sparse) makes the caller go through torch.
-    """
-    if archive.byteorder != b"little":
-        return None  # saved on a big-endian machine: torch swaps the bytes on load
-    records = {name[len("data/") :]: record for name, record in archive.records.items() if name.startswith("data/")}
-    specs: dict[str, Spec] = {}
-    aliases: dict[str, str] = {}
-    seen: dict[tuple[Any, ...], str] = {}
-    for name in weights:
-        simple = simple_tensor(weights[name])
-        if simple is None:
-            return None
-        storage, offset, shape, stride = simple
-        dtype = STORAGE_TO_SAFETENSORS.get(storage.storage_type.name)
-        if dtype is None or storage.key not in records:
-            return None
-        itemsize = ITEMSIZE[dtype]
-        numel = 1
-        for d in shape:
-            numel *= d
-        expected, step = [], 1
-        for d in reversed(shape):
-            expected.append(step)
-            step *= d
-        if numel > 1 and [s for s, d in zip(stride, shape) if d != 1] != [
-            e for e, d in zip(expected[::-1], shape) if d != 1
-        ]:
-            return None  # not contiguous
-        start, size = records[storage.key]
-        begin, nbytes = start + offset * itemsize, numel * itemsize
-        if nbytes and offset * itemsize + nbytes > size:  # a zero-size view may point anywhere
-            raise CheckpointFormatError(
-                f"{archive.path}: tensor {name!r} reaches past its storage record (corrupt file)"
-            )
-        identity = (storage.key, offset, tuple(shape), tuple(stride))
-        if numel and identity in seen:
-            aliases[name] = seen[identity]
-            continue
-        seen[identity] = name
-
-        def write(f: IO[bytes], begin: int = begin, nbytes: int = nbytes, name: str = name) -> int:
-            with open(archive.path, "rb") as src:
-                return crc32_range(src, begin, nbytes, what=f"{archive.path}: tensor {name!r}", out=f)
-
-        specs[name] = Spec(dtype, list(shape), nbytes, write)
-    return specs, aliases
+__all__ = ["convert", "convert_to_safetensors", "export_huggingface", "parse_size"]
 
 
 def writes_folder(dst: str, max_shard_size: int | str | None = None) -> bool:
@@ -165,47 +86,14 @@ def convert_to_safetensors(
         export_huggingface(src, dst, key=key, strip=strip, max_shard_size=max_shard_size or "5GB", metadata=metadata,
                            trust_code=trust_code)  # fmt: skip
         return dst
-    specs, aliases, meta = _plan(src, key, strip, trust_code)
-    return write_specs(dst, specs, aliases, {**meta, **dict(metadata or {})})
+    return _plan(src, key, strip, trust_code).write(dst, metadata=metadata)
 
 
-def _plan(
-    src: str, key: str | None, strip: str | None, trust_code: bool
-) -> tuple[dict[str, Spec], dict[str, str], dict[str, str]]:
-    """What to write for ``src``'s weights: specs, aliases (the first of tied names in the
-    checkpoint's own order is kept, as transformers expects), metadata."""
-    location = resolve(src)
-    torch_file = detect(location).training_state and not trust_code
-    if torch_file and is_local_zip(location):
-        # Fast path: tensors are copied straight out of their zip records, torch is not needed.
-        archive = TorchZip(location.path)
-        try:
-            tree = loads(archive.read_pickle(), src, archive)
-        except UnsafeCheckpointError:
-            tree = None  # other entries need refused classes: the lenient path below
-        if tree is not None:
-            _, _, parsed = locate_weights(tree, key=key, path=src)
-            weights = strip_for_reading(parsed, strip)
-            planned = _zip_specs(archive, weights)
-            if planned is not None:
-                meta = {"format": "pt", **(_scalars(tree) if isinstance(tree, Mapping) else {})}
-                return planned[0], planned[1], meta
-    meta = {"format": "pt"}
-    tree = None
-    if torch_file:
-        with contextlib.suppress(UnsafeCheckpointError):  # then read_weights reads the weights without code
-            tree = load_torch(location)  # read once: the weights and the scalar entries (epoch, step)
-    if tree is not None:
-        import torch  # loaded by now (a file refused above is refused without it)
-
-        weights = locate_weights(tree, key=key, path=src, is_leaf=lambda v: isinstance(v, torch.Tensor))[2]
-        if isinstance(tree, Mapping):
-            meta.update(_scalars(tree))
-    else:
-        weights = read_weights(location, key=key, map_location="cpu", trust_code=trust_code)
-    weights = dict(strip_for_reading(dict(weights), strip))
-    specs, aliases = tensor_specs(weights)
-    return specs, aliases, meta
+def _plan(src: str, key: str | None, strip: str | None, trust_code: bool) -> Planned:
+    """What to write for ``src``'s weights, ``strip`` removed from their names."""
+    return plan_safetensors(
+        src, key=key, transform=lambda weights: strip_for_reading(weights, strip), trust_code=trust_code
+    )
 
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20,
@@ -303,12 +191,12 @@ def export_huggingface(
         beside = _source_folder(src)
         extras = [] if beside is None else _config_files(beside, out, force=True)
         extras = [f for f in extras if force or not os.path.exists(os.path.join(out, os.path.basename(f)))]
-    specs, aliases, meta = _plan(src, key, strip, trust_code)
-    meta = {**meta, **dict(metadata or {}), "format": "pt"}  # transformers refuses files without format=pt
+    planned = _plan(src, key, strip, trust_code)
+    meta = {**dict(metadata or {}), "format": "pt"}  # transformers refuses files without format=pt
     shards: list[list[str]] = [[]]
     filled = 0
-    for name in specs:  # the checkpoint's own order, as save_pretrained fills shards
-        nbytes = specs[name].nbytes
+    for name in planned.specs:  # the checkpoint's own order, as save_pretrained fills shards
+        nbytes = planned.nbytes(name)
         if shards[-1] and filled + nbytes > limit:
             shards.append([])
             filled = 0
@@ -322,12 +210,10 @@ def export_huggingface(
         names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map: dict[str, str] = {}
     for file, members in zip(names, shards):
-        kept = set(members)
-        shard_aliases = {a: t for a, t in aliases.items() if t in kept}
-        written.append(write_specs(os.path.join(out, file), {n: specs[n] for n in members}, shard_aliases, meta))
+        written.append(planned.write(os.path.join(out, file), members, meta))
         weight_map.update(dict.fromkeys(members, file))
     if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(s.nbytes for s in specs.values())}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(map(planned.nbytes, planned.specs))}, "weight_map": weight_map}
         payload = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
         written.append(atomic_write(os.path.join(out, "model.safetensors.index.json"), lambda f: f.write(payload)))
     for stale in old:  # replaced: leave no shard the new index does not name
@@ -431,11 +317,12 @@ def convert(
                                   force=force, config=config, trust_code=trust_code)  # fmt: skip
     if config is not None:
         raise CheckpointLayoutError("--config is for a folder output (OUT_DIR/): a single file holds no config")
-    if dst.endswith(".safetensors"):
+    writer = writer_for(dst)
+    if writer is SAFETENSORS_FILE:
         return [convert_to_safetensors(src, dst, key=key, strip=strip, trust_code=trust_code)]
-    if dst.endswith(TORCH_SUFFIXES):
+    if writer is not None:
         weights = read_weights(src, key=key, map_location="cpu", trust_code=trust_code)
-        save_file(dst, dict(strip_for_reading(dict(weights), strip)))
+        writer.write_weights(resolve(dst), dict(strip_for_reading(dict(weights), strip)), {})
         return [dst]
     raise CheckpointLayoutError(
         f"cannot convert {src} to {dst}: name a .safetensors or .pt file, or a folder ending in /"

@@ -15,26 +15,21 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from . import log
-from .codecs.torchzip import is_local_zip
-from .codecs.trees import LIGHTNING_VERSION_KEY
-from .collective.group import all_gather_object, broadcast_object, get_rank, get_world_size
+from .collective.agree import Agreement
+from .collective.group import get_world_size
 from .collective.tree import broadcast_tree
 from .devices import MapLocation, resolve_map_location
 from .errors import (
-    CheckpointError,
     CheckpointFormatError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
-from .layouts import detect, read_weights
-from .layouts.placeholders import load_without_code
-from .layouts.torch_file import TORCH_FILE
-from .layouts.torch_io import load_file, verify_torch_file
+from .layouts import is_lightning_checkpoint, read_checkpoint, read_weights
 from .restoring import restore_all, restore_rng_state
 from .state_dict import shared_prefix, strip_for_reading, strip_prefix
 from .storage import Location, PathLike, fspath, resolve
 from .training.sampler import ResumableDistributedSampler, note_rng_restored
-from .write import async_save as background
+from .write import finish_pending
 
 __all__ = ["load", "load_state_dict"]
 
@@ -47,23 +42,6 @@ _TRAINING_TYPES: tuple[type, ...] = (
     torch.amp.GradScaler,
     DistributedSampler,
 )
-
-
-def _all_ok(error: BaseException | None, what: str, *, missing_hint: str | None = None) -> None:
-    """Raise on every rank if any rank failed (a collective; no-op without a process group).
-
-    ``missing_hint`` is added to a `CheckpointNotFoundError` of a rank that could not
-    find a file rank 0 read (a node-local disk).
-    """
-    messages = all_gather_object(None if error is None else f"{type(error).__name__}: {error}")
-    if isinstance(error, CheckpointNotFoundError) and missing_hint and messages[0] is None:
-        raise CheckpointNotFoundError(f"{error}, but rank 0 read it: {missing_hint}") from error
-    if error is not None:
-        raise error
-    failed = [(rank, msg) for rank, msg in enumerate(messages) if msg is not None]
-    if failed:
-        rank, msg = failed[0]
-        raise CheckpointError(f"{what} failed on rank {rank}: {msg}")
 
 
 def load(
@@ -134,20 +112,20 @@ def load(
         >>> ck.load("/tmp/load.pt", {"model": model})["step"]
         10
     """
-    background.finish_pending()  # the file may be the one still being written
+    finish_pending()  # the file may be the one still being written
     started = time.monotonic()
     path = fspath(path)
-    source = resolve(path)
+    location = resolve(path)
     state = state or {}
     weights_only = weights_only and not trust_code
     error: BaseException | None = None
     ckpt: dict[str, Any] = {}
     try:
-        location = resolve_map_location(map_location)
+        target = resolve_map_location(map_location)
         if broadcast and get_world_size() > 1:
-            loaded: Any = _read_on_rank0(source, location, weights_only=weights_only, verify=verify, state=state)
+            loaded: Any = _read_on_rank0(location, target, weights_only=weights_only, verify=verify, state=state)
         else:
-            loaded = _read(source, location, weights_only=weights_only, verify=verify, state=state)
+            loaded = _read(location, target, weights_only=weights_only, verify=verify, state=state)
         if isinstance(loaded, torch.nn.Module):  # a trusted torch.save(model): its weights, as a checkpoint holds them
             loaded = dict(loaded.state_dict())
         if not isinstance(loaded, dict):
@@ -165,66 +143,51 @@ def load(
                     note_rng_restored(obj)  # lets it notice the stream moving before the first batch
     except Exception as err:  # noqa: BLE001 - shared with every rank, then re-raised
         error = err
-    hint = None if broadcast else "pass broadcast=True to ck.load / manager.restore to send it from rank 0"
-    _all_ok(error, f"loading checkpoint {path}", missing_hint=hint)
-    log.report("loaded", path, started)
+
+    def amend(err: BaseException, outcomes: list[Any]) -> BaseException | None:
+        # A file rank 0 read and this rank cannot find: a node-local disk.
+        if isinstance(err, CheckpointNotFoundError) and not broadcast and outcomes[0] is None:
+            hint = "pass broadcast=True to ck.load / manager.restore to send it from rank 0"
+            return CheckpointNotFoundError(f"{err}, but rank 0 read it: {hint}")
+        return None
+
+    Agreement(f"loading checkpoint {path}", own="as_is").on_every_rank(error, amend=amend)
+    log.report("loaded", location, started)
     return ckpt
 
 
-def _read(location: Location, map_location: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]) -> Any:
-    """What this rank reads from ``location`` for `load`."""
-    if not detect(location).training_state:
-        # Bare weights (a model entry finds them): a .safetensors file, a Hugging Face or
-        # Accelerate folder, a sharded index, a DCP folder. No code can run from these.
-        return dict(read_weights(location, key=None, map_location=map_location, verify=verify))
-    if verify:
-        verify_torch_file(location)
-    zipped = is_local_zip(location)
+def _read(location: Location, target: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]) -> Any:
+    """What this rank reads from ``location`` for `load` (`ckptools.layouts.read_checkpoint`)."""
     try:
-        if zipped:
-            # Memory-mapped: tensors are read from the page cache when restore_all copies them
-            # into the model and optimizer, so resuming needs no second copy of the checkpoint in
-            # anonymous memory. The mapping is private (copy-on-write): writing to a returned
-            # tensor never touches the file, and replacing or deleting the file later is safe.
-            try:
-                return load_file(location, map_location=map_location, weights_only=weights_only, mmap=True)
-            except CheckpointFormatError:
-                pass  # a filesystem that cannot map files (some FUSE mounts): read it as usual
-        return load_file(location, map_location=map_location, weights_only=weights_only)
-    except UnsafeCheckpointError as err:
-        if not weights_only:
-            raise
-        if not state:  # ck.load(path) alone asks for the whole checkpoint: placeholders would surprise
-            raise UnsafeCheckpointError(
-                f"{err}. To read it without running anything, name what to restore: ck.load(path, "
-                "{'model': model}) restores it and gives the other entries as inert placeholders; "
-                "ck.load_state_dict(path) gives the weights"
-            ) from None
         # Entries torch's safe loader refuses (a Lightning checkpoint's pathlib.Path or OmegaConf
-        # hyper-parameters) come back as inert placeholders, with a warning; what ``state`` names
-        # is restored, and refused below only if it needs one of them.
-        return load_without_code(location, map_location, err, mmap=zipped)[0]
+        # hyper-parameters) come back as inert placeholders when ``state`` names what to restore;
+        # what it names is restored, and refused by restore_all only if it needs one of them.
+        return read_checkpoint(
+            location, map_location=target, trust_code=not weights_only, verify=verify, placeholders=bool(state)
+        )
+    except UnsafeCheckpointError as err:
+        if not weights_only or state:
+            raise
+        # ck.load(path) alone asks for the whole checkpoint: placeholders would surprise.
+        raise UnsafeCheckpointError(
+            f"{err}. To read it without running anything, name what to restore: ck.load(path, "
+            "{'model': model}) restores it and gives the other entries as inert placeholders; "
+            "ck.load_state_dict(path) gives the weights"
+        ) from None
 
 
 def _read_on_rank0(
-    source: Location, location: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]
+    location: Location, target: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]
 ) -> Any:
-    """Collective: rank 0 reads ``source``, every rank gets what it read (tensors on ``location``)."""
-    path = source.url
-    tree, error = None, None
-    if get_rank() == 0:
-        try:
-            tree = _read(source, location, weights_only=weights_only, verify=verify, state=state)
-        except Exception as err:  # noqa: BLE001 - told to every rank before the transfer starts
-            error = err
-    failed = broadcast_object(None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    if failed is not None:
-        raise CheckpointError(f"loading checkpoint {path} failed on rank 0: {failed}")
+    """Collective: rank 0 reads ``location``, every rank gets what it read (tensors on ``target``,
+    the resolved map_location)."""
+    # Told to every rank before the transfer starts.
+    tree = Agreement(f"loading checkpoint {location.url}", own="as_is").on_rank0(
+        lambda: _read(location, target, weights_only=weights_only, verify=verify, state=state)
+    )
     nccl = torch.distributed.get_backend() == "nccl"
     comm = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    device = location if isinstance(location, torch.device) else torch.device("cpu")
+    device = target if isinstance(target, torch.device) else torch.device("cpu")
     return broadcast_tree(tree, device=device, comm_device=comm)
 
 
@@ -280,22 +243,20 @@ def load_state_dict(
         ['w']
     """
     started = time.monotonic()
-    path = fspath(path)
-    location = resolve_map_location(map_location)
-    weights = dict(read_weights(path, key=key, map_location=location, verify=verify, trust_code=trust_code))
-    log.report("loaded weights from", path, started)
+    location = resolve(path)
+    target = resolve_map_location(map_location)
+    weights = dict(read_weights(location, key=key, map_location=target, verify=verify, trust_code=trust_code))
+    log.report("loaded weights from", location, started)
     weights = dict(strip_for_reading(weights, strip))
     if strip == "module." and key in (None, "state_dict"):
-        attribute = _lightning_attribute(resolve(path), weights)
+        attribute = _lightning_attribute(location, weights)
         if attribute is not None:
             weights = dict(strip_prefix(weights, attribute))
     return weights
 
 
-def _lightning_attribute(source: Location, weights: Mapping[str, Any]) -> str | None:
+def _lightning_attribute(location: Location, weights: Mapping[str, Any]) -> str | None:
     """The LightningModule attribute (``"net."``) every key of a Lightning checkpoint's weights
     starts with, when there is one: the network a plain script builds has no such prefix."""
     head = shared_prefix(weights)
-    if head is None or detect(source) is not TORCH_FILE or not is_local_zip(source):
-        return None  # a remote or legacy file's entries would cost a second download or load (Lightning writes zips)
-    return head if LIGHTNING_VERSION_KEY in TORCH_FILE.open(source, trust_code=False).entries else None
+    return head if head is not None and is_lightning_checkpoint(location) else None

@@ -23,7 +23,7 @@ import time
 import warnings
 
 from .errors import CheckpointWarning
-from .storage import file_size
+from .storage import PathLike, file_size
 from .text import human_size
 
 logger = logging.getLogger("ckptools")
@@ -67,10 +67,11 @@ def warn(message: str, *, once: str | None = None, all_ranks: bool = False) -> N
     warnings.warn(message, CheckpointWarning, stacklevel=level)
 
 
-def report(verb: str, path: str, started: float, nbytes: int | None = None) -> None:
+def report(verb: str, path: PathLike, started: float, nbytes: int | None = None) -> None:
     """Log ``verb path (size in s, GB/s)`` at INFO on rank 0; ``started`` is a ``time.monotonic()``.
 
-    The size is looked up only when the record will be emitted (``nbytes`` None: from the file).
+    The size is looked up only when the record will be emitted (``nbytes`` None: from the file,
+    through ``path``'s filesystem when it is a resolved `Location`).
     """
     if _rank() != 0 or not logger.isEnabledFor(logging.INFO):
         return
@@ -81,6 +82,7 @@ def report(verb: str, path: str, started: float, nbytes: int | None = None) -> N
         except OSError:
             nbytes = 0
     rate = f", {nbytes / seconds / 1e9:.3g} GB/s" if seconds > 0 else ""
+    path = os.fspath(path)
     logger.info(
         "%s %s (%s in %.2f s%s)",
         verb,

@@ -7,14 +7,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import log
-from .collective.group import broadcast_object, get_rank
+from .collective.agree import Agreement
+from .collective.group import get_rank
 from .errors import CheckpointError
-from .layouts.torch_io import verify_torch_file
+from .layouts import TORCH_FILE
 from .leftovers import abandoned_tmps
 from .loading import load
 from .saving import async_save_with_hooks, save_with_hooks
-from .storage import PathLike, fspath, join, list_files, remove
-from .write import async_save as background
+from .storage import PathLike, fspath, join, list_files, remove, resolve
+from .write import AsyncSave, finish_pending, pending, release_snapshot_buffers
 
 __all__ = ["CheckpointManager"]
 
@@ -146,12 +147,12 @@ class CheckpointManager:
             >>> manager.wait()  # doctest: +SKIP
             'runs/x/ckpt-0000000300.pt'
         """
-        return background.finish_pending()
+        return finish_pending()
 
     @property
-    def pending(self) -> background.AsyncSave | None:
+    def pending(self) -> AsyncSave | None:
         """The async save in flight (its ``done()`` is a local poll), or None."""
-        return background.pending()
+        return pending()
 
     def close(self) -> None:
         """Finish the async save in flight (collective) and free the snapshot buffers it held.
@@ -160,7 +161,7 @@ class CheckpointManager:
             >>> manager.close()  # doctest: +SKIP
         """
         self.wait()
-        background.release_snapshot_buffers()
+        release_snapshot_buffers()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -211,12 +212,12 @@ class CheckpointManager:
             >>> ck.CheckpointManager("/tmp/empty-run").latest() is None  # doctest: +SKIP
             True
         """
-        handle = background.pending()
+        handle = pending()
         if handle is not None:
-            background.join_writer(handle)  # local: this rank's write (and pruning) in flight ends first
+            handle.join_writer()  # local: this rank's write (and pruning) in flight ends first
         for _, path in reversed(self.checkpoints()):
             try:
-                verify_torch_file(path)
+                TORCH_FILE.check(resolve(path))
             except CheckpointError as err:
                 log.warn(f"skipping damaged checkpoint: {err}", all_ranks=True)
                 continue
@@ -245,18 +246,8 @@ class CheckpointManager:
             >>> ckpt = manager.restore({"model": model, "optimizer": opt})  # doctest: +SKIP
             >>> step = 0 if ckpt is None else ckpt["step"]  # doctest: +SKIP
         """
-        background.finish_pending()
-        choice: tuple[str | None, str | None] = (None, None)
-        failure: Exception | None = None
-        if get_rank() == 0:
-            try:
-                choice = (self.latest(), None)
-            except Exception as err:  # noqa: BLE001 - shared with every rank below
-                failure = err
-                choice = (None, f"{type(err).__name__}: {err}")
-        path, message = broadcast_object(choice)
-        if message is not None:
-            raise CheckpointError(f"choosing a checkpoint in {self.directory} failed on rank 0: {message}") from failure
+        finish_pending()
+        path = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(self.latest, send=True)
         if path is None:
             if get_rank() == 0:
                 log.logger.info("no checkpoint in %s: starting fresh", self.directory)

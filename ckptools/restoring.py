@@ -14,10 +14,9 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from . import log, rng
-from .codecs.pickles import Opaque
-from .codecs.trees import LIGHTNING_VERSION_KEY, META_KEY, locate_weights
 from .collective.group import get_rank, get_world_size
 from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError
+from .layouts import LIGHTNING_VERSION_KEY, META_KEY, loaded_weights, placeholder_name
 from .state_dict import (
     WRAPPER_PREFIXES,
     add_prefix,
@@ -135,8 +134,8 @@ def _restore(obj: Any, entry: Any, *, strict: bool, path: str, name: str) -> Non
 
 
 def _find_weights(ckpt: Any, *, key: str | None, path: str) -> Mapping[str, Any]:
-    """The model weights inside a loaded checkpoint (see `ckptools.codecs.trees.locate_weights`)."""
-    return locate_weights(ckpt, key=key, path=path, is_leaf=lambda v: isinstance(v, torch.Tensor))[2]
+    """The model weights inside a loaded checkpoint (see `ckptools.layouts.loaded_weights`)."""
+    return loaded_weights(ckpt, key, path)
 
 
 # What Lightning's Trainer.save_checkpoint writes (lightning/pytorch/trainer/connectors/checkpoint_connector.py).
@@ -230,8 +229,9 @@ def _placeholder_in(entry: Any) -> str | None:
     stack = [entry]
     while stack:
         node = stack.pop()
-        if isinstance(node, Opaque):
-            return node.name
+        name = placeholder_name(node)
+        if name is not None:
+            return name
         if isinstance(node, Mapping):
             stack.extend(node.keys())
             stack.extend(node.values())

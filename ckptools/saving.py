@@ -13,26 +13,35 @@ from typing import Any
 import torch
 
 from . import log, rng
-from ._version import __version__
-from .codecs.trees import META_KEY
-from .collective.agree import share_outcome
-from .collective.group import all_gather_object, get_rank, get_world_size
+from .collective import agree
+from .collective.group import all_gather_object, get_rank
 from .devices import to_cpu
 from .errors import CheckpointError
-from .layouts.safetensors_file import save_safetensors
-from .layouts.torch_io import check_loadable, save_file
+from .layouts import TORCH_FILE, writer_for
 from .state_dict import strip_wrappers, unwrap_model
 from .storage import Location, PathLike, fspath, resolve
-from .write import async_save as background
-from .write.plan import check_writers, choose, compare_replicas, replica_digests, state_entry
-from .write.shares import plan_shares, whole_storage, write_alone, write_and_commit, write_share_in_background
+from .write import (
+    AsyncSave,
+    build_payload,
+    check_writers,
+    checked_args,
+    choose,
+    compare_replicas,
+    finish_pending,
+    plan_shares,
+    replica_digests,
+    set_pending,
+    take_snapshot,
+    whole_storage,
+    write_alone,
+    write_and_commit,
+    write_share_in_background,
+)
 
 # Who writes when the caller does not say; see `save`.
 DEFAULT_WRITERS = "auto"
 
 __all__ = ["async_save", "save", "save_weights"]
-
-FORMAT_VERSION = 1
 
 
 def save(
@@ -139,20 +148,17 @@ def save_weights(path: PathLike, model: Any, *, metadata: Mapping[str, str] | No
     """
     if not isinstance(model, (torch.nn.Module, Mapping)):  # on every rank, before any collective
         raise TypeError(f"save_weights needs a module or a state dict, not {type(model).__name__}")
-    background.finish_pending()
+    finish_pending()
     path = fspath(path)
-    error: BaseException | None = None
-    if get_rank() == 0:
-        try:
-            weights = unwrap_model(model).state_dict() if isinstance(model, torch.nn.Module) else model
-            tensors = to_cpu({k: v.detach() for k, v in strip_wrappers(dict(weights)).items()})
-            if path.endswith(".safetensors"):
-                save_safetensors(path, tensors, metadata={"format": "pt", **dict(metadata or {})})
-            else:
-                save_file(path, tensors)
-        except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
-            error = err
-    share_outcome(error, path)
+
+    def write() -> None:
+        weights = unwrap_model(model).state_dict() if isinstance(model, torch.nn.Module) else model
+        tensors = to_cpu({k: v.detach() for k, v in strip_wrappers(dict(weights)).items()})
+        # A .safetensors file, or else a torch file (whatever the name: torch.save takes any).
+        writer = writer_for(path) or TORCH_FILE
+        writer.write_weights(resolve(path), tensors, {"format": "pt", **dict(metadata or {})})
+
+    agree.saving(path).on_rank0(write)
     return path
 
 
@@ -172,7 +178,7 @@ def save_with_hooks(
     if planned is None:
         written = _on_rank0(start, state, lambda payload: _write(start.location, payload, before_write, start.written))
     else:
-        written = write_and_commit(start.path, *planned)
+        written = write_and_commit(start.location, *planned)
     log.report("saved", start.path, start.started, written)
     return start.path
 
@@ -187,7 +193,7 @@ class _Start:
 
     def payload(self, state: Mapping[str, Any]) -> Callable[[], dict[str, Any]]:
         """Rank 0's way to build the checked payload of ``state`` (when it is needed)."""
-        return lambda: _payload(state, self.user_meta, self.rng_states)
+        return lambda: build_payload(state, self.user_meta, self.rng_states)
 
 
 def _shares(
@@ -209,9 +215,9 @@ def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any]
     """The collective part every save opens with: finish a save in flight, check the
     arguments, gather every rank's RNG (before rank 0 does anything that could draw from it)
     and, with ``verify``, every rank's CRC-32s of the replicated tensors (the same exchange)."""
-    background.finish_pending()
+    finish_pending()
     started = time.monotonic()
-    path, user_meta = _checked_args(path, state, metadata)
+    path, user_meta = checked_args(path, state, metadata)
     gathered = all_gather_object((rng.get_rng_state(), replica_digests(state) if verify else None))
     if verify:  # every rank has every rank's digests: the same verdict everywhere, no exchange
         failure = compare_replicas([digests for _, digests in gathered])
@@ -223,7 +229,7 @@ def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any]
 def _write(location: Location, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:
     """Rank 0: housekeeping (unless it ran already), then the atomic write; the bytes written.
 
-    `ckptools.write.shares.write_alone`: a local file through the planned writer (one pwrite
+    `ckptools.write.zip_writer.write_alone`: a local file through the planned writer (one pwrite
     per storage from the tensors' memory, the file ``writers="all"`` writes; see
     docs/guides/writers.md for the figures), anything else through ``torch.save`` (a
     multipart upload on S3)."""
@@ -235,15 +241,7 @@ def _write(location: Location, payload: Any, before_write: Callable[[], None] | 
 def _on_rank0(start: _Start, state: Mapping[str, Any], then: Callable[[dict[str, Any]], Any]) -> Any:
     """Rank 0 builds the checked payload and passes it to ``then``; its result (None off rank
     0). An error on rank 0 is raised on every rank."""
-    error: BaseException | None = None
-    result: Any = None
-    if get_rank() == 0:
-        try:
-            result = then(_payload(state, start.user_meta, start.rng_states))
-        except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
-            error = err
-    share_outcome(error, start.path)
-    return result
+    return agree.saving(start.path).on_rank0(lambda: then(build_payload(state, start.user_meta, start.rng_states)))
 
 
 def async_save(
@@ -253,7 +251,7 @@ def async_save(
     metadata: Mapping[str, Any] | None = None,
     writers: str = DEFAULT_WRITERS,
     verify_replicas: bool = False,
-) -> background.AsyncSave:
+) -> AsyncSave:
     """Save like `save`, but return once the state is copied; the writers write in the background.
 
     Collective: every rank calls it. It returns as soon as global rank 0 has copied ``state``
@@ -317,61 +315,23 @@ def async_save_with_hooks(
     after_write: Callable[[], None] | None = None,
     writers: str = DEFAULT_WRITERS,
     verify_replicas: bool = False,
-) -> background.AsyncSave:
+) -> AsyncSave:
     """`async_save`; ``before_write``/``after_write`` run on rank 0 around the write (file I/O),
     in its writer thread (``before_write`` on the main thread with ``writers="all"``)."""
     check_writers(writers)
     start = _begin(path, state, metadata, verify_replicas)
     planned = _shares(start, state, before_write, writers, on_cpu=True)
-    handle = background.AsyncSave(start.path, start.started)
+    handle = AsyncSave(start.path, start.started, shared=planned is not None)
     if planned is None:
-        snapshot = _on_rank0(start, state, background.take_snapshot)
+        snapshot = _on_rank0(start, state, take_snapshot)
         if get_rank() == 0:
             ran = start.written
-            background.start_writing(handle, lambda: _write(start.location, snapshot, before_write, ran), after_write)
+            handle.start(lambda: _write(start.location, snapshot, before_write, ran), after_write)
     else:
         plan, storages = planned
         # This rank's share only, into the reused host buffers: 1/N of the state per rank.
-        copies = background.take_snapshot([whole_storage(storage) for storage in storages])
+        copies = take_snapshot([whole_storage(storage) for storage in storages])
         pairs = [(share, copy.untyped_storage()) for share, copy in zip(plan.mine(), copies)]
-        handle.shared = handle.reported = True  # rank 0 reports nothing (it collects)
-        if get_rank() != 0:
-            handle.reported = False
-        background.start_writing(
-            handle, lambda: write_share_in_background(start.path, plan, pairs, handle), after_write
-        )
-    background.set_pending(handle)
+        handle.start(lambda: write_share_in_background(start.location, plan, pairs, handle), after_write)
+    set_pending(handle)
     return handle
-
-
-def _checked_args(
-    path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any] | None
-) -> tuple[str, dict[str, Any]]:
-    path = fspath(path)
-    if not isinstance(state, Mapping):
-        raise TypeError(f"state must be a mapping of names to objects, got {type(state).__name__}")
-    if META_KEY in state:
-        raise TypeError(f"{META_KEY!r} is reserved for ckptools' own metadata; rename that entry of state")
-    bad = [k for k in state if not isinstance(k, str)]
-    if bad:
-        raise TypeError(f"state keys must be strings, got {bad!r}")
-    return path, dict(metadata or {})
-
-
-def _payload(state: Mapping[str, Any], user_meta: dict[str, Any], rng_states: list[Any]) -> dict[str, Any]:
-    """Rank 0: what goes into the file, every value checked to load back with weights_only."""
-    payload = {}
-    for name, obj in state.items():
-        payload[name] = entry = state_entry(obj)
-        check_loadable(entry, f"state[{name!r}]" + (".state_dict()" if entry is not obj else ""))
-    check_loadable(user_meta, "metadata")
-    payload[META_KEY] = {
-        "format_version": FORMAT_VERSION,
-        "ckptools_version": __version__,
-        "torch_version": str(torch.__version__),  # TorchVersion itself is refused by weights_only
-        "world_size": get_world_size(),
-        "created_unix": time.time(),
-        "rng": rng_states,
-        "metadata": user_meta,
-    }
-    return payload

@@ -200,11 +200,7 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any], *, streamabl
     if not is_local(fs):
         _remote_write(fs, fpath, write, streamable=streamable)
         return path
-    directory, name = os.path.split(os.path.abspath(fpath))
-    if not os.path.isdir(directory):
-        if os.path.exists(directory):
-            raise NotADirectoryError(f"cannot write {path}: {directory} is not a directory")
-        os.makedirs(directory, exist_ok=True)
+    directory, name = local_target(fpath)
     tmp = os.path.join(directory, tmp_name(name))
     try:
         with open(tmp, "wb") as f:
@@ -219,14 +215,40 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any], *, streamabl
                 raise
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(directory, name))
     except BaseException:
         # BaseException too: a KeyboardInterrupt mid-write must not leave a temp file behind.
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    fsync_dir(directory)
+    publish(tmp, directory, name)
     return path
+
+
+def local_target(path: str) -> tuple[str, str]:
+    """The directory a local write of ``path`` goes to (created if missing) and the file's name.
+
+    Raises:
+        NotADirectoryError: a file stands where the directory should be.
+    """
+    directory, name = os.path.split(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        if os.path.exists(directory):
+            raise NotADirectoryError(f"cannot write {path}: {directory} is not a directory")
+        os.makedirs(directory, exist_ok=True)
+    return directory, name
+
+
+def publish(tmp: str, directory: str, name: str) -> None:
+    """The commit of every local write: rename the complete, fsynced temporary file ``tmp`` over
+    ``directory/name`` (atomic), then fsync the directory so that the rename survives a crash.
+    The temporary file is removed if the rename fails."""
+    try:
+        os.replace(tmp, os.path.join(directory, name))
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
 
 
 class _WriteRecorder:

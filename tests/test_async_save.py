@@ -208,15 +208,15 @@ def test_manager_blocking_false_prunes_only_after_the_commit(tmp_path):
     manager = ck.CheckpointManager(tmp_path, keep_last=1)
     manager.save({"w": torch.ones(2)}, 1)
     gate = threading.Event()
-    from ckptools import saving as checkpoint
+    from ckptools.write import zip_writer
 
-    real = checkpoint.save_file
+    real = zip_writer.write_shares
 
-    def slow(path, obj):  # the write of step 2 waits until the test has looked
+    def slow(plan, chunks):  # the write of step 2 waits until the test has looked
         gate.wait()
-        return real(path, obj)
+        return real(plan, chunks)
 
-    checkpoint.save_file = slow
+    zip_writer.write_shares = slow
     try:
         assert manager.save({"w": torch.zeros(2)}, 2, blocking=False).endswith("ckpt-0000000002.pt")
         assert manager.pending is not None and not manager.pending.done()
@@ -226,5 +226,5 @@ def test_manager_blocking_false_prunes_only_after_the_commit(tmp_path):
         assert [s for s, _ in manager.checkpoints()] == [2]  # pruned after the commit
         assert manager.wait().endswith("ckpt-0000000002.pt") and manager.pending is None
     finally:
-        checkpoint.save_file = real
+        zip_writer.write_shares = real
         gate.set()

@@ -145,7 +145,7 @@ def test_every_operation_agrees_with_torch_and_safetensors(tmp_path_factory, sta
     # and back from safetensors to a torch file
     again = tmp / "a.pt"
     torch_file = ck.load_state_dict(dst, strip=None)
-    ck.serialization.save_file(again, torch_file)
+    ck.layouts.torch_io.save_file(again, torch_file)
     final = torch.load(again, weights_only=True)
     assert set(final) == set(theirs) and all(_same(final[k], theirs[k]) for k in theirs)
 
@@ -344,7 +344,7 @@ def test_a_generated_safetensors_file_reads_as_the_official_library_reads_it(tmp
         return
     assert _cli("info", src, "--json").exit_code == 0
     assert set(theirs) <= set(ours) and all(_same(ours[k], theirs[k]) for k in theirs)  # aliases only add names
-    ck.serialization.save_file(tmp / "a.pt", ours)
+    ck.layouts.torch_io.save_file(tmp / "a.pt", ours)
     back = torch.load(tmp / "a.pt", weights_only=True)
     assert all(_same(back[k], theirs[k]) for k in theirs)
     for transform in (ck.strip_prefix, ck.add_prefix):

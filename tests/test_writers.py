@@ -50,16 +50,16 @@ def _state(rank: int, seed_steps: int = 2) -> dict:
 
 def _count_writes() -> dict:
     """Wrap ckptools' share writer to count the bytes this rank writes (the real writer runs)."""
-    import ckptools.write.shares as shared_write
+    import ckptools.write.zip_writer as zip_writer
 
     counted = {"bytes": []}
-    real = shared_write.write_shares
+    real = zip_writer.write_shares
 
     def counting(plan, chunks):
         counted["bytes"].append(sum(share.nbytes for share, _ in chunks))
         return real(plan, chunks)
 
-    shared_write.write_shares = counting
+    zip_writer.write_shares = counting
     return counted
 
 
@@ -216,7 +216,7 @@ def _dies_midway(how: str):
 
 
 def _writer_trouble(rank: int, world: int, directory: str, victim: int, how: str) -> tuple[str, dict]:
-    import ckptools.write.shares as shared_write
+    import ckptools.write.zip_writer as zip_writer
 
     state = _state(rank)
     ck.save(f"{directory}/ckpt.pt", state, writers="all")
@@ -224,15 +224,15 @@ def _writer_trouble(rank: int, world: int, directory: str, victim: int, how: str
     with torch.no_grad():
         for p in state["model"].parameters():
             p.add_(1.0)
-    real = shared_write.write_shares
+    real = zip_writer.write_shares
     if rank == victim:
-        shared_write.write_shares = _dies_midway(how)
+        zip_writer.write_shares = _dies_midway(how)
     try:
         ck.save(f"{directory}/ckpt.pt", state, writers="all")
     except ck.CheckpointError as err:
         return str(err), saved
     finally:
-        shared_write.write_shares = real
+        zip_writer.write_shares = real
     return "saved", saved
 
 
@@ -292,14 +292,14 @@ def test_unknown_writers_value_is_refused():
 
 
 def _async_trouble(rank: int, world: int, directory: str, victim: int, how: str) -> tuple[str, dict]:
-    import ckptools.write.shares as shared_write
+    import ckptools.write.zip_writer as zip_writer
 
     state = _state(rank)
     ck.async_save(f"{directory}/ckpt.pt", state, writers="all").wait()
     saved = {k: v.clone() for k, v in ck.unwrap_model(state["model"]).state_dict().items()}
-    real = shared_write.write_shares
+    real = zip_writer.write_shares
     if rank == victim:
-        shared_write.write_shares = _dies_midway(how)  # runs in the writer thread
+        zip_writer.write_shares = _dies_midway(how)  # runs in the writer thread
     handle = ck.async_save(f"{directory}/ckpt.pt", state, writers="all")
     with torch.no_grad():
         for p in state["model"].parameters():
@@ -309,7 +309,7 @@ def _async_trouble(rank: int, world: int, directory: str, victim: int, how: str)
     except ck.CheckpointError as err:
         return str(err), saved
     finally:
-        shared_write.write_shares = real
+        zip_writer.write_shares = real
     return "saved", saved
 
 

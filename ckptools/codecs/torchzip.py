@@ -370,7 +370,7 @@ def is_local_zip(path: PathLike) -> bool:
     Raises the clear not-found and is-a-directory errors of `ckptools.storage.open_for_read`.
     """
     location = resolve(path)
-    if location.name.endswith(".safetensors") or not location.local:
+    if not location.local:
         return False
     source, _ = open_for_read(location)
     with open(source, "rb") as f:

@@ -1,58 +1,145 @@
-"""How a save's failure on one rank becomes the same error on every rank.
+"""The one way a failure on one rank becomes the same error on every rank.
 
-Rank 0 turns what went wrong (its own exception, or another rank's report as a `RankFailure`)
-into an *outcome*, a small picklable value that one broadcast carries to every rank; each rank
-then raises from it: the state refusal itself (`UnsafeStateError`) or a `CheckpointError`
-naming the path and the rank that failed.
+Every collective operation of ckptools (a save, a load, the manager's choice of a checkpoint, an
+async save's ``wait``) ends the same way: whatever went wrong on some rank is raised on *every*
+rank at once, naming the operation and the rank, instead of one rank raising while the others
+wait in the next collective until the timeout. `Agreement` is that ending, in the shape of DCP's
+``_DistWrapper``: run a step on rank 0 (`Agreement.on_rank0`) or look at every rank's error
+(`Agreement.on_every_rank`), and raise the same error everywhere.
+
+An *outcome* is the small picklable value one collective carries: ``(refused, text)`` where
+``text`` starts with ``rank N:`` and ``refused`` says the state itself was refused (an
+`UnsafeStateError`, raised as that class on every rank: it names what to fix, not a failure).
 """
 
 from __future__ import annotations
 
-from ..errors import CheckpointError, UnsafeStateError
-from .group import broadcast_object
+from collections.abc import Callable
+from typing import Literal, TypeVar
 
-__all__ = ["RankFailure", "outcome_of", "raise_outcome", "share_outcome"]
+from ..errors import CheckpointError, UnsafeStateError
+from .group import all_gather_object, broadcast_object, get_rank
+
+__all__ = ["Agreement", "Outcome", "RankFailure", "outcome_of", "saving"]
+
+T = TypeVar("T")
+Outcome = tuple[bool, str]
 
 
 class RankFailure(Exception):
-    """A failure on some rank, as rank 0 learnt it (its text starts with ``rank N:``).
+    """A failure on some rank, as another rank learnt it (its text starts with ``rank N:``).
 
     Examples:
         >>> outcome_of(RankFailure("rank 1: OSError: disk full"))
-        (False, 'on rank 1: OSError: disk full')
+        (False, 'rank 1: OSError: disk full')
     """
 
 
-def outcome_of(error: BaseException | None) -> tuple[bool, str] | None:
-    """What every rank needs to raise ``error`` too: whether it is a refusal of the state, and its text."""
+def outcome_of(error: BaseException | None, rank: int = 0) -> Outcome | None:
+    """What every rank needs to raise ``error`` (raised on ``rank``) too; None for no error."""
     if error is None:
         return None
     if isinstance(error, UnsafeStateError):
         return (True, str(error))
     if isinstance(error, RankFailure):
-        return (False, f"on {error}")
-    return (False, f"on rank 0: {type(error).__name__}: {error}")
+        return (False, str(error))
+    return (False, f"rank {rank}: {type(error).__name__}: {error}")
 
 
-def raise_outcome(outcome: tuple[bool, str] | None, error: BaseException | None, path: str) -> None:
-    """Raise the shared outcome (rank 0 chains its own ``error``)."""
-    if outcome is None:
-        return
-    unsafe, message = outcome
-    if unsafe:  # the same refusal on every rank: rank 0's own error, the others its text
-        if error is not None:
-            raise error
-        raise UnsafeStateError(message)
-    text = f"saving checkpoint {path} failed {message}; earlier checkpoints are untouched"
-    if error is not None and not isinstance(error, RankFailure):
-        raise CheckpointError(text) from error
-    raise CheckpointError(text)
+class Agreement:
+    """How one collective operation fails: the same error on every rank.
 
+    Args:
+        what: the operation, as the message starts (``"saving checkpoint /ckpt/step_10.pt"``).
+        tail: what the message ends with (``"; earlier checkpoints are untouched"``).
+        own: how the rank where it happened raises: ``"chain"`` a `CheckpointError` with the
+            message every other rank raises, from the original (saves: one message everywhere);
+            ``"as_is"`` the original exception itself (loads: a `CheckpointNotFoundError` stays one).
 
-def share_outcome(error: BaseException | None, path: str) -> None:
-    """Raise rank 0's ``error`` on every rank (collective; nothing when it is None).
-
-    A failure on rank 0 surfaces everywhere at once instead of leaving the other ranks in a
-    barrier until the collective timeout.
+    Examples:
+        >>> Agreement("saving checkpoint /tmp/a.pt").on_rank0(lambda: 42)  # no process group: rank 0
+        42
+        >>> Agreement("loading checkpoint /tmp/a.pt").message((False, "rank 1: OSError: gone"))
+        'loading checkpoint /tmp/a.pt failed on rank 1: OSError: gone'
     """
-    raise_outcome(broadcast_object(outcome_of(error)), error, path)
+
+    def __init__(self, what: str, *, tail: str = "", own: Literal["chain", "as_is"] = "chain") -> None:
+        self.what, self.tail, self.own = what, tail, own
+
+    def message(self, outcome: Outcome) -> str:
+        """The text every rank raises for ``outcome``."""
+        refused, text = outcome
+        return text if refused else f"{self.what} failed on {text}{self.tail}"
+
+    def raise_outcome(self, outcome: Outcome | None, error: BaseException | None = None) -> None:
+        """Raise ``outcome`` (nothing when None); ``error`` is this rank's own, if it had one."""
+        if outcome is None:
+            return
+        refused, _ = outcome
+        if error is not None and (refused or self.own == "as_is") and not isinstance(error, RankFailure):
+            raise error
+        if refused:
+            raise UnsafeStateError(self.message(outcome))
+        if error is not None and not isinstance(error, RankFailure):
+            raise CheckpointError(self.message(outcome)) from error
+        raise CheckpointError(self.message(outcome))
+
+    def broadcast(self, error: BaseException | None) -> Outcome | None:
+        """Collective: rank 0's ``error`` (the other ranks pass None) as an outcome on every rank."""
+        return broadcast_object(outcome_of(error) if get_rank() == 0 else None)  # type: ignore[no-any-return]
+
+    def share(self, error: BaseException | None) -> None:
+        """Collective: raise rank 0's ``error`` on every rank (nothing when it is None)."""
+        self.raise_outcome(self.broadcast(error), error)
+
+    def on_rank0(self, step: Callable[[], T], *, send: bool = False) -> T | None:
+        """Collective: run ``step`` on rank 0; an error there is raised on every rank.
+
+        Returns ``step``'s result on rank 0 (the same object) and, with ``send``, a copy of it on
+        every other rank (in the same broadcast as the outcome); None there otherwise.
+        """
+        result: T | None = None
+        error: BaseException | None = None
+        if get_rank() == 0:
+            try:
+                result = step()
+            except Exception as err:  # noqa: BLE001 - raised on every rank below
+                error = err
+        if send:
+            outcome, result = broadcast_object((outcome_of(error), result))
+        else:
+            outcome = self.broadcast(error)
+        self.raise_outcome(outcome, error)
+        return result
+
+    def on_every_rank(
+        self,
+        error: BaseException | None,
+        *,
+        amend: Callable[[BaseException, list[Outcome | None]], BaseException | None] | None = None,
+    ) -> None:
+        """Collective: every rank's ``error`` gathered; the first failing rank's raised on every rank.
+
+        A rank that failed itself raises as ``own`` says; ``amend(error, outcomes)`` may replace
+        its own error once every rank's outcome is known (a file rank 0 read but this rank cannot).
+        """
+        outcomes = all_gather_object(outcome_of(error, get_rank()))
+        if error is not None and amend is not None:
+            replacement = amend(error, outcomes)
+            if replacement is not None:
+                raise replacement from error
+        if error is not None:
+            self.raise_outcome(outcomes[get_rank()], error)
+        failed = [outcome for outcome in outcomes if outcome is not None]
+        if failed:
+            self.raise_outcome(failed[0])
+
+
+def saving(path: str, *, how: str = "") -> Agreement:
+    """How every save fails: the same `CheckpointError` on every rank, naming the path and the rank.
+
+    Examples:
+        >>> saving("/tmp/a.pt").message((False, "rank 1: OSError: disk full"))
+        'saving checkpoint /tmp/a.pt failed on rank 1: OSError: disk full; earlier checkpoints are untouched'
+    """
+    return Agreement(f"saving checkpoint {path}{how}", tail="; earlier checkpoints are untouched")

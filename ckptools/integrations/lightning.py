@@ -30,11 +30,10 @@ from typing import Any
 
 from .. import in_flight, log
 from ..errors import CheckpointError, UnsafeCheckpointError
-from ..layouts.torch_io import load_file, verify_torch_file
+from ..layouts import TORCH_FILE
 from ..leftovers import abandoned_tmps
 from ..storage import TMP_MARKER, Location, remove, resolve
-from ..write.async_save import SnapshotBuffers
-from ..write.shares import write_alone
+from ..write import BackgroundWriter, SnapshotBuffers, write_file
 
 __all__ = ["AsyncCkptoolsCheckpointIO", "CkptoolsCheckpointIO"]
 
@@ -90,15 +89,13 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         it needs and the fix: ``trainer.fit(model, ckpt_path=..., weights_only=False)`` for a file
         you trust.
         """
-        location = resolve(path)
-        if self.verify:
-            verify_torch_file(location)
         try:
-            loaded = load_file(
-                location,
+            loaded = TORCH_FILE.read_tree(
+                resolve(path),
                 map_location=map_location if map_location is not None else "cpu",
-                weights_only=True if weights_only is None else weights_only,
-                mmap=self.mmap and location.local,
+                trust_code=weights_only is False,
+                verify=self.verify,
+                mmap=self.mmap,
             )
         except UnsafeCheckpointError as refusal:  # e.g. save_hyperparameters() of a Path or a Namespace
             raise UnsafeCheckpointError(
@@ -149,8 +146,7 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
     def __init__(self, *, verify: bool = True, mmap: bool = True) -> None:
         super().__init__(verify=verify, mmap=mmap)
         self._buffers = SnapshotBuffers()
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._writer = BackgroundWriter("ckptools-lightning-save")
         _teach_lightning()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -161,35 +157,20 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
         location = resolve(path)
         snapshot = self._buffers.take(checkpoint)
         log.logger.debug("snapshot of %s taken in %.3f s", path, time.monotonic() - started)
-        write = in_flight.announce(location.url)  # before returning: whoever reads the path next waits
-
-        def run() -> None:
-            write.doing()
-            try:
-                written = _write(location, snapshot)
-                log.report("saved", location.url, started, written)
-            except BaseException as err:  # noqa: BLE001 - raised in the caller's thread by wait()
-                self._error = err
-                log.logger.error("background save of %s failed: %s: %s", path, type(err).__name__, err)
-            finally:
-                write.done()
-
-        if threading.current_thread() is not threading.main_thread():
-            # Already off the training thread (Lightning's own AsyncCheckpointIO wrapping this one,
-            # whose teardown waits for its executor but not for us): write here, so that it does.
-            run()
+        # Already off the training thread (Lightning's own AsyncCheckpointIO wrapping this one, whose
+        # teardown waits for its executor but not for us): write here, so that it does.
+        inline = threading.current_thread() is not threading.main_thread()
+        # Announced before returning: whoever reads the path next in this process waits for it.
+        self._writer.start(
+            location.url, lambda: _write(location, snapshot), started=started, announce=True, inline=inline
+        )
+        if inline:
             self.wait()
-            return
-        # Not a daemon: a script that ends with a save in flight still gets its file.
-        self._thread = threading.Thread(target=run, name="ckptools-lightning-save", daemon=False)
-        self._thread.start()
 
     def wait(self) -> None:
         """Block until the save in flight (if any) is on disk; raise its failure (once)."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        error, self._error = self._error, None
+        self._writer.join()
+        error = self._writer.take_error()
         if error is not None:
             raise CheckpointError(f"a background checkpoint save failed: {type(error).__name__}: {error}") from error
 
@@ -285,14 +266,14 @@ def _no_storage_options(storage_options: Any | None) -> None:
 
 
 def _write(location: Location, checkpoint: Any) -> int:
-    """Rank 0's writer alone, no exchange (`ckptools.write.shares.write_alone`), into a folder
+    """Rank 0's writer alone, no exchange (`ckptools.write.write_file`), into a folder
     made if missing, after removing what a kill mid-save of this name left there."""
     if location.local:
         folder = os.path.dirname(os.path.abspath(location.path))
         location.fs.makedirs(folder, exist_ok=True)
         for leftover in abandoned_tmps(folder, f".{os.path.basename(location.path)}{TMP_MARKER}"):
             remove(leftover)
-    return write_alone(location, checkpoint)
+    return write_file(location, checkpoint)
 
 
 def _newest_sibling(location: Location) -> str | None:

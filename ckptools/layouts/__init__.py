@@ -25,16 +25,40 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+# What a checkpoint holds, named for the operations (which import no codec): ckptools' own
+# metadata entry, Lightning's version entry.
+from ..codecs.trees import LIGHTNING_VERSION_KEY, META_KEY
 from ..storage import Location, PathLike, resolve
 from ..view import CheckpointView, TensorInfo
-from .base import Layout
+from .base import Layout, Transform
 from .dcp import DCP_FOLDER
+from .export import Planned, safetensors_plan
 from .hf_folder import HUGGING_FACE_FOLDER
+from .named import writer_for
+from .placeholders import placeholder_name
 from .safetensors_file import SAFETENSORS_FILE
-from .sharded import SHARDED_INDEX
-from .torch_file import TORCH_FILE
+from .sharded import weights_layout
+from .torch_file import TORCH_FILE, loaded_weights
 
-__all__ = ["CheckpointView", "Layout", "TensorInfo", "detect", "open_checkpoint", "read_weights"]
+__all__ = [
+    "LIGHTNING_VERSION_KEY",
+    "META_KEY",
+    "SAFETENSORS_FILE",
+    "TORCH_FILE",
+    "CheckpointView",
+    "Layout",
+    "Planned",
+    "TensorInfo",
+    "detect",
+    "is_lightning_checkpoint",
+    "placeholder_name",
+    "loaded_weights",
+    "open_checkpoint",
+    "plan_safetensors",
+    "read_checkpoint",
+    "read_weights",
+    "writer_for",
+]
 
 
 def detect(location: Location) -> Layout:
@@ -53,11 +77,7 @@ def detect(location: Location) -> Layout:
         return DCP_FOLDER if os.path.exists(os.path.join(location.path, ".metadata")) else HUGGING_FACE_FOLDER
     if (name == ".metadata" and location.local) or name.endswith(".distcp"):
         return DCP_FOLDER
-    if name.endswith(".json"):
-        return SHARDED_INDEX
-    if name.endswith(".safetensors"):
-        return SAFETENSORS_FILE
-    return TORCH_FILE
+    return weights_layout(name)
 
 
 def open_checkpoint(path: PathLike, *, trust_code: bool = False) -> CheckpointView:
@@ -100,3 +120,31 @@ def read_weights(
     return detect(location).read_weights(
         location, key=key, map_location=map_location, verify=verify, trust_code=trust_code
     )
+
+
+def plan_safetensors(path: PathLike, *, key: str | None, transform: Transform, trust_code: bool) -> Planned:
+    """The weights of any layout at ``path``, renamed by ``transform``, as safetensors to write
+    (`ckptools.layouts.export.safetensors_plan`: a local torch zip's tensors are copied straight
+    out of their records)."""
+    location = resolve(path)
+    return safetensors_plan(location, detect(location), key=key, transform=transform, trust_code=trust_code)
+
+
+def read_checkpoint(
+    location: Location, *, map_location: Any, trust_code: bool, verify: bool, placeholders: bool
+) -> Any:
+    """What `ckptools.load` restores from: a torch file's whole tree (`TorchFile.read_tree`, with
+    ``placeholders`` for entries its safe loader refuses), or the bare weights of any other
+    layout (a ``.safetensors`` file, a Hugging Face or Accelerate folder, a sharded index, a DCP
+    folder: no code can run from these), which a model entry finds."""
+    layout = detect(location)
+    if layout is not TORCH_FILE:
+        return dict(layout.read_weights(location, key=None, map_location=map_location, verify=verify))
+    return TORCH_FILE.read_tree(
+        location, map_location=map_location, trust_code=trust_code, verify=verify, placeholders=placeholders
+    )
+
+
+def is_lightning_checkpoint(location: Location) -> bool:
+    """Whether ``location`` is a local Lightning checkpoint (see `TorchFile.is_lightning`)."""
+    return detect(location) is TORCH_FILE and TORCH_FILE.is_lightning(location)

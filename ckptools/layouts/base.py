@@ -85,6 +85,11 @@ class Layout:
         """Write the checkpoint to ``dst`` with its weights renamed; return how many names changed."""
         raise CheckpointLayoutError(f"{location.url} is a {self.name}, whose weights ckptools cannot rename")
 
+    def write_weights(self, location: Location, tensors: Mapping[str, Any], metadata: Mapping[str, str]) -> None:
+        """Write bare weights (CPU tensors) as a file of this layout, atomically (see
+        `ckptools.layouts.named.writer_for`); ``metadata`` goes where the layout keeps strings."""
+        raise CheckpointLayoutError(f"ckptools writes no {self.name} of bare weights")
+
 
 def walk_tree(
     tree: Any, describe: Callable[[Any], dict[str, Any] | None]

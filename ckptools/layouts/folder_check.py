@@ -32,6 +32,9 @@ from ..codecs.safetensors import verify_safetensors
 from ..errors import CheckpointError
 from ..storage import TMP_MARKER, atomic_write, crc32_range
 from ..text import plural
+from .named import writer_for
+from .safetensors_file import SAFETENSORS_FILE
+from .torch_file import TORCH_FILE
 from .torch_io import verify_torch_file
 
 __all__ = [
@@ -49,7 +52,6 @@ TRAINER_STATE = "trainer_state.json"
 _TRAINER_FOLDER = re.compile(r"^checkpoint-\d+$")
 # Names only the Trainer writes (optimizer.pt and scheduler.pt are too common to tell anything).
 _TRAINER_FILES = re.compile(r"^(training_args\.bin|rng_state(_\d+)?\.pth)$")
-_TORCH = (".pt", ".pth", ".bin", ".ckpt")
 _PICKLE = b"\x80"  # the first byte of a pickle stream (protocol 2 and later): a legacy torch file
 
 
@@ -206,7 +208,8 @@ def _check_file(folder: str, name: str, found: FolderCheck, zips: list[str]) -> 
     """Check one file by its kind; record how; return why it is damaged, or None."""
     path = os.path.join(folder, name)
     try:
-        if name.endswith(_TORCH):
+        writer = writer_for(name)  # the layout a weights file of this name is
+        if writer is TORCH_FILE:
             with open(path, "rb") as f:
                 legacy = f.read(1) == _PICKLE
             if legacy:  # torch before 1.6 wrote a bare pickle stream: nothing to check it against
@@ -215,7 +218,7 @@ def _check_file(folder: str, name: str, found: FolderCheck, zips: list[str]) -> 
                 verify_torch_file(path)
                 found.checksummed.add(name)
                 zips.append(name)
-        elif name.endswith(".safetensors"):
+        elif writer is SAFETENSORS_FILE:
             if verify_safetensors(path):
                 found.checksummed.add(name)
             else:

@@ -21,9 +21,7 @@ from ..storage import Location, resolve
 from ..view import CheckpointView, Verification
 from .base import Layout, Transform
 from .folder_check import check_folder, is_trainer_folder
-from .safetensors_file import SAFETENSORS_FILE
-from .sharded import SHARDED_INDEX, rename_in_folder
-from .torch_file import TORCH_FILE
+from .sharded import rename_in_folder, weights_layout
 
 # What Accelerator.save_state writes beside the model (accelerate/utils/constants.py).
 _ACCELERATE_EXTRAS = {
@@ -78,12 +76,7 @@ class HuggingFaceFolder(Layout):
         model = model_file(folder, names)
         extras = {n: what for n in sorted(names) for pat, what in _ACCELERATE_EXTRAS.items() if fnmatch.fnmatch(n, pat)}
         inner_loc = resolve(os.path.join(folder, model))
-        if model.endswith(".json"):
-            view = SHARDED_INDEX.open(inner_loc, trust_code=trust_code)
-        elif model.endswith(".safetensors"):
-            view = SAFETENSORS_FILE.open(inner_loc, trust_code=trust_code)
-        else:
-            view = TORCH_FILE.open(inner_loc, trust_code=trust_code)
+        view = weights_layout(model).open(inner_loc, trust_code=trust_code)
         kind = "Accelerate save_state folder" if extras else "Hugging Face folder"
         for other in (n for n in MODEL_FILES if n in names and n != model):  # say which one was read
             extras[other] = f"also a model file; {model} was read"

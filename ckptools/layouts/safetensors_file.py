@@ -37,12 +37,12 @@ class SafetensorsFile(Layout):
 
     name = "safetensors file"
 
-    def open(self, location: Location, *, trust_code: bool = False, file: str | None = None) -> CheckpointView:
+    def open(self, location: Location, *, trust_code: bool = False) -> CheckpointView:
         path = location.url
         header, metadata, _, size = read_safetensors_header(location)
         tensors = [
             TensorInfo(name=n, dtype=TORCH_NAMES[e["dtype"]], shape=e["shape"],
-                       bytes=e["data_offsets"][1] - e["data_offsets"][0], file=file)
+                       bytes=e["data_offsets"][1] - e["data_offsets"][0])
             for n, e in sorted(header.items())
         ]  # fmt: skip
         aliases = name_map(path, metadata, ALIAS_KEY)  # validated: ckptools' own metadata is untrusted input too
@@ -50,7 +50,7 @@ class SafetensorsFile(Layout):
         for alias, target in sorted(aliases.items()):
             if target in by_name and alias not in by_name:  # stored once, listed under both names
                 t = by_name[target]
-                tensors.append(TensorInfo(alias, t.dtype, t.shape, t.bytes, shared=True, file=file))
+                tensors.append(TensorInfo(alias, t.dtype, t.shape, t.bytes, shared=True))
         return CheckpointView(
             path=path, format="safetensors", tensors=tensors, metadata=dict(metadata), files=[path], file_bytes=size,
             layout=self, location=location, trust_code=trust_code,
@@ -76,6 +76,10 @@ class SafetensorsFile(Layout):
         if verify:
             verify_safetensors(location)
         return _weights(location, key, map_location)
+
+    def write_weights(self, location: Location, tensors: Mapping[str, Any], metadata: Mapping[str, str]) -> None:
+        """A safetensors file; tied tensors stored once (see `save_safetensors`)."""
+        save_safetensors(location, tensors, metadata=metadata)
 
     def rename(self, location: Location, dst: str, transform: Transform, *, key: str | None) -> int:
         """Only the header is rewritten; the tensor bytes are copied."""

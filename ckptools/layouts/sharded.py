@@ -21,8 +21,8 @@ from ..storage import Location, atomic_write, open_for_read, resolve
 from ..text import plural
 from ..view import CheckpointView, Verification
 from .base import Layout, Transform
+from .named import file_layout
 from .safetensors_file import SAFETENSORS_FILE
-from .torch_file import TORCH_FILE
 
 
 @dataclass
@@ -54,14 +54,11 @@ class ShardedIndex(Layout):
                 raise CheckpointFormatError(
                     f"{index_path} names shard {shard}, which is missing from {folder} (an incomplete copy or download)"
                 )
-            if shard.endswith(".safetensors"):
-                views[shard] = SAFETENSORS_FILE.open(shard_loc, file=shard)
-            else:
-                views[shard] = TORCH_FILE.open(shard_loc, trust_code=trust_code)
-                for t in views[shard].tensors:
-                    t.file = shard
+            views[shard] = file_layout(shard).open(shard_loc, trust_code=trust_code)
+            for t in views[shard].tensors:
+                t.file = shard
         tensors = [t for shard in shards for t in views[shard].tensors]
-        kind = "safetensors" if all(s.endswith(".safetensors") for s in shards) else "torch"
+        kind = "safetensors" if all(file_layout(s) is SAFETENSORS_FILE for s in shards) else "torch"
         sizes = [v.file_bytes or 0 for v in views.values()]
         return CheckpointView(
             path=index_path, format=f"sharded {kind} ({len(shards)} shards)", tensors=tensors, metadata=metadata,
@@ -108,6 +105,12 @@ class ShardedIndex(Layout):
         return rename_in_folder(os.path.dirname(location.path) or ".", os.path.basename(location.path), dst, transform)
 
 
+def weights_layout(name: str) -> Layout:
+    """The layout of a file a folder names as its weights, by its name: an index (``.json``), a
+    ``.safetensors`` file or a torch file (`ckptools.layouts.named.file_layout`)."""
+    return SHARDED_INDEX if name.endswith(".json") else file_layout(name)
+
+
 SHARDED_INDEX = ShardedIndex()
 
 
@@ -152,7 +155,7 @@ def _index_problems(
     for shard, view in views.items():
         # Every name a torch shard holds is an entry (tied ones share a storage); in a safetensors
         # shard a "shared" name is only an alias in ckptools' metadata, which no index lists.
-        metadata_only = shard.endswith(".safetensors")
+        metadata_only = view.layout is SAFETENSORS_FILE
         held = {t.name for t in view.tensors if not (metadata_only and t.shared)}
         listed = {n for n, s in weight_map.items() if s == shard}
         if listed - held:
@@ -216,14 +219,13 @@ def rename_in_folder(folder: str, model: str, dst: str, transform: Transform) ->
     os.makedirs(dst, exist_ok=True)
     same = os.path.realpath(dst) == os.path.realpath(folder)
     changed = 0
-    if model.endswith(".json"):
+    if weights_layout(model) is SHARDED_INDEX:
         index_path = os.path.join(folder, model)
         weight_map, metadata = read_index(resolve(index_path))
         shards = sorted(set(weight_map.values()))
         for shard in shards:
-            layout = SAFETENSORS_FILE if shard.endswith(".safetensors") else TORCH_FILE
             shard_loc = resolve(os.path.join(folder, shard))
-            changed += layout.rename(shard_loc, os.path.join(dst, shard), transform, key=None)
+            changed += file_layout(shard).rename(shard_loc, os.path.join(dst, shard), transform, key=None)
         renamed = transform({name: name for name in weight_map})
         if len(renamed) != len(weight_map):
             raise CheckpointLayoutError(
@@ -233,14 +235,15 @@ def rename_in_folder(folder: str, model: str, dst: str, transform: Transform) ->
         payload = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
         weight_files = {model, *shards}
     else:
-        layout = SAFETENSORS_FILE if model.endswith(".safetensors") else TORCH_FILE
-        changed += layout.rename(resolve(os.path.join(folder, model)), os.path.join(dst, model), transform, key=None)
+        changed += file_layout(model).rename(
+            resolve(os.path.join(folder, model)), os.path.join(dst, model), transform, key=None
+        )
         weight_files = {model}
     if not same:
         for name in names:
             source = os.path.join(folder, name)
             if name not in weight_files and os.path.isfile(source):
                 shutil.copy2(source, os.path.join(dst, name))
-    if model.endswith(".json"):
+    if weights_layout(model) is SHARDED_INDEX:
         atomic_write(os.path.join(dst, model), lambda f: f.write(payload))
     return changed

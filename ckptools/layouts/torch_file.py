@@ -16,8 +16,8 @@ from typing import Any
 from ..codecs.pickle_writer import dumps
 from ..codecs.pickles import hostile, loads, loads_lenient
 from ..codecs.torchzip import TorchZip, is_local_zip
-from ..codecs.trees import entry_at, is_tensor, locate_weights, tensor_info
-from ..errors import CheckpointLayoutError, KeyMismatchError, UnsafeCheckpointError
+from ..codecs.trees import LIGHTNING_VERSION_KEY, entry_at, is_tensor, locate_weights, tensor_info
+from ..errors import CheckpointFormatError, CheckpointLayoutError, KeyMismatchError, UnsafeCheckpointError
 from ..storage import Location, atomic_write, file_size
 from ..text import plural
 from ..view import CheckpointView, Verification
@@ -119,6 +119,56 @@ class TorchFile(Layout):
             verify_torch_file(location)
         return torch_weights(location, key, map_location, trust_code)
 
+    def read_tree(
+        self,
+        location: Location,
+        *,
+        map_location: Any,
+        trust_code: bool = False,
+        verify: bool = False,
+        placeholders: bool = False,
+        mmap: bool = True,
+    ) -> Any:
+        """The whole file as torch loads it: what `ckptools.load` restores from.
+
+        ``verify`` checks every record's CRC-32 first. A local zip is memory-mapped (``mmap``):
+        tensors are read from the page cache when they are copied into the model and optimizer,
+        so resuming needs no second copy of the checkpoint in anonymous memory; the mapping is
+        private (copy-on-write): writing to a returned tensor never touches the file, and
+        replacing or deleting the file later is safe. With ``placeholders`` entries torch's safe
+        loader refuses (a Lightning checkpoint's ``pathlib.Path`` hyper-parameters) come back as
+        inert placeholders, with a warning; otherwise they raise `UnsafeCheckpointError`.
+        """
+        if verify:
+            verify_torch_file(location)
+        zipped = is_local_zip(location)
+        try:
+            if zipped and mmap:
+                try:
+                    return load_file(location, map_location=map_location, weights_only=not trust_code, mmap=True)
+                except CheckpointFormatError:
+                    pass  # a filesystem that cannot map files (some FUSE mounts): read it as usual
+            return load_file(location, map_location=map_location, weights_only=not trust_code)
+        except UnsafeCheckpointError as refusal:
+            if trust_code or not placeholders:
+                raise
+            return load_without_code(location, map_location, refusal, mmap=zipped and mmap)[0]
+
+    def check(self, location: Location) -> None:
+        """Check every record's CRC-32 (`CheckpointFormatError` if one differs; a legacy file has none)."""
+        verify_torch_file(location)
+
+    def is_lightning(self, location: Location) -> bool:
+        """Whether a local zip is a Lightning checkpoint (its top level holds Lightning's version);
+        False for remote and legacy files, whose entries would cost a download or a load."""
+        if not is_local_zip(location):
+            return False
+        return LIGHTNING_VERSION_KEY in self.open(location, trust_code=False).entries
+
+    def write_weights(self, location: Location, tensors: Mapping[str, Any], metadata: Mapping[str, str]) -> None:
+        """``torch.save`` of the bare weights, atomically (``metadata`` has nowhere to go)."""
+        save_file(location, dict(tensors))
+
     def rename(self, location: Location, dst: str, transform: Transform, *, key: str | None) -> int:
         """A local zip: only ``data.pkl`` is rewritten and every tensor record copied byte for byte;
         entries that need classes torch's safe loader refuses are kept as they were, never loaded
@@ -205,6 +255,13 @@ def torch_weights(location: Location, key: str | None, map_location: Any, trust_
             # The weights never need the other entries' classes: read them without running code.
             return weights_without_code(location, key, map_location, refusal)
     return dict(locate_weights(tree, key=key, path=location.url, is_leaf=lambda v: isinstance(v, torch.Tensor))[2])
+
+
+def loaded_weights(tree: Any, key: str | None, path: str) -> Mapping[str, Any]:
+    """The model weights inside a tree torch loaded (see `ckptools.codecs.trees.locate_weights`)."""
+    import torch
+
+    return locate_weights(tree, key=key, path=path, is_leaf=lambda v: isinstance(v, torch.Tensor))[2]
 
 
 def loaded_tensor_info(devices: Mapping[int, str] | None = None) -> Callable[[Any], dict[str, Any] | None]:

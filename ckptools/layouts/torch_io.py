@@ -1,4 +1,4 @@
-"""Reading and writing torch checkpoint files, safe by default.
+"""The torch adapter: the one place a torch checkpoint file becomes objects, and objects one.
 
 ``torch.load`` runs with ``weights_only=True`` unless the caller opts out, and torch's assorted
 errors (RuntimeError from miniz, UnpicklingError, EOFError, ...) are turned into
@@ -7,20 +7,13 @@ errors (RuntimeError from miniz, UnpicklingError, EOFError, ...) are turned into
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import dataclasses
-import datetime
-import enum
-import io
 import pickle
 import re
 import struct
 import zlib
-from collections import OrderedDict
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import PurePath
 from typing import IO, TYPE_CHECKING, Any
 
 from ..codecs.legacy import check_non_zip
@@ -33,14 +26,13 @@ from ..errors import (
     CheckpointLayoutError,
     MissingClassError,
     UnsafeCheckpointError,
-    UnsafeStateError,
 )
 from ..storage import PathLike, atomic_write, crc32_range, fspath, open_for_read
 
 if TYPE_CHECKING:
-    import torch
+    pass
 
-_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
 
 def save_file(path: PathLike, obj: Any) -> int:
@@ -63,7 +55,7 @@ def save_file(path: PathLike, obj: Any) -> int:
 
 
 def _unsafe_error(path: str, err: BaseException) -> UnsafeCheckpointError:
-    names = sorted(set(_GLOBAL_RE.findall(str(err))))
+    names = sorted(set(GLOBAL_RE.findall(str(err))))
     what = ", ".join(names) if names else "a Python object outside torch's allowlist"
     return UnsafeCheckpointError(
         f"{path} needs {what} to load, which could run arbitrary code, so it was refused and nothing "
@@ -123,19 +115,19 @@ def load_file(
     except pickle.UnpicklingError as err:
         if weights_only and "GLOBAL" in str(err):
             raise _unsafe_error(path, err) from err
-        raise CheckpointFormatError(f"{path} is corrupt or not a torch checkpoint ({_first_line(err)})") from err
+        raise CheckpointFormatError(f"{path} is corrupt or not a torch checkpoint ({first_line(err)})") from err
     except CheckpointError:
         raise
     except (ModuleNotFoundError, AttributeError) as err:
         missing = _missing_class(err)
         if weights_only or missing is None:
             raise CheckpointFormatError(
-                f"{path} is truncated, corrupt or not a torch checkpoint ({_first_line(err)}); "
+                f"{path} is truncated, corrupt or not a torch checkpoint ({first_line(err)}); "
                 "re-save it or pick another file"
             ) from err
         # An intact file whose pickled class lives in a module this environment lacks: not damage.
         raise MissingClassError(
-            f"{path} names {missing}, which cannot be imported here ({_first_line(err)}); the file is intact: "
+            f"{path} names {missing}, which cannot be imported here ({first_line(err)}); the file is intact: "
             "install the module that defines it, or read the weights without trusting the file (drop "
             "--trust-code / trust_code=True), which stands inert placeholders in for such classes"
         ) from err
@@ -150,7 +142,7 @@ def load_file(
                 f"{path} holds CUDA tensors but CUDA is not available here; load it with map_location='cpu'"
             ) from err
         empty = isinstance(err, EOFError)
-        reason = "it is empty or truncated" if empty else _first_line(err)
+        reason = "it is empty or truncated" if empty else first_line(err)
         raise CheckpointFormatError(
             f"{path} is truncated, corrupt or not a torch checkpoint ({reason}); re-save it or pick another file"
         ) from err
@@ -171,7 +163,7 @@ def _opened(source: Any, local: bool) -> Iterator[IO[bytes]]:
             handle.seek(0)
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     # torch's messages run on for paragraphs; the first sentence says what happened.
     return f"{type(err).__name__}: {text[0].split('. ')[0][:200]}" if text else type(err).__name__
@@ -215,163 +207,4 @@ def _scan_zip(path: str, handle: IO[bytes], *, crc: bool) -> None:
     except (OSError, EOFError, ValueError, zlib.error, NotImplementedError, struct.error) as err:
         if isinstance(err, CheckpointError):
             raise
-        raise CheckpointFormatError(f"{path} is damaged ({_first_line(err)}); pick an earlier checkpoint") from err
-
-
-# --- what save() may store -------------------------------------------------------------------------
-# A checkpoint that torch.load(weights_only=True) refuses cannot resume the run: save() checks
-# what it is about to write, so the run finds out at its first save instead of at its restart.
-_PLAIN = frozenset({str, int, float, bool, type(None)})
-_CONTAINERS = frozenset({dict, OrderedDict, list, tuple})
-
-
-def check_loadable(obj: Any, where: str) -> None:
-    """Raise `UnsafeStateError` if ``torch.load(weights_only=True)`` would refuse ``obj``.
-
-    The values of a training state (tensors, numbers, strings, and dicts/lists/tuples of them)
-    are recognised in one walk. Anything else is pickled the way ``torch.save`` pickles it
-    (storages by reference, so no tensor data is copied) and unpickled by torch's own
-    weights-only unpickler: exactly what a later load accepts, including types the program
-    allowlisted with ``torch.serialization.add_safe_globals``.
-
-    Args:
-        obj: the value about to be saved.
-        where: how the user names it, for the message (``"state['args']"``).
-
-    Raises:
-        UnsafeStateError: naming the offending value, its type and the fix.
-
-    Examples:
-        >>> import argparse
-        >>> check_loadable({"lr": 0.1, "args": argparse.Namespace(lr=0.1)}, "state")  # doctest: +ELLIPSIS
-        Traceback (most recent call last):
-        ...
-        ckptools.errors.UnsafeStateError: cannot save state['args'] (type argparse.Namespace): ...
-    """
-    for suspect, name in _suspects(obj, where):
-        reason = _refusal(suspect)
-        if reason is not None:
-            culprit, name, reason = _narrow(suspect, name, reason)
-            raise UnsafeStateError(_unsafe_state_message(culprit, name, reason))
-
-
-def _suspects(obj: Any, where: str) -> Iterator[tuple[Any, str]]:
-    """The values under ``obj`` that are not plainly loadable, with their names (iterative walk)."""
-    import torch
-
-    stack = [(obj, where)]
-    seen: set[int] = set()
-    while stack:
-        value, name = stack.pop()
-        kind = type(value)
-        if kind in _PLAIN or (kind is torch.Tensor and _plain_tensor(value)):
-            continue
-        if kind not in _CONTAINERS:
-            yield value, name
-            continue
-        if id(value) in seen:  # shared or cyclic containers are walked once
-            continue
-        seen.add(id(value))
-        if kind in (list, tuple):
-            stack.extend((item, f"{name}[{i}]") for i, item in reversed(list(enumerate(value))))
-            continue
-        for key, item in reversed(list(value.items())):
-            if type(key) not in (str, int):
-                yield key, f"{name} (the key {key!r})"
-            stack.append((item, f"{name}[{key!r}]"))
-        if kind is OrderedDict and vars(value):  # a state dict's `_metadata` travels as its __dict__
-            stack.append((vars(value), f"{name}.__dict__"))
-
-
-def _plain_tensor(t: torch.Tensor) -> bool:
-    import torch
-
-    # Dense tensors without Python attributes rebuild through functions torch always allows;
-    # anything fancier (sparse, quantized, attributes) is left to the real unpickler.
-    return t.layout == torch.strided and not t.is_quantized and not t.__dict__
-
-
-def _refusal(obj: Any) -> str | None:
-    """Why torch.load(weights_only=True) would refuse what torch.save writes for ``obj``; None if it would not."""
-    import torch
-    from torch import _weights_only_unpickler
-
-    storages: list[Any] = []
-
-    class _Pickler(pickle.Pickler):
-        # As torch.save: storages go by reference (their bytes are written as records of their own).
-        def persistent_id(self, value: Any) -> Any:
-            if isinstance(value, torch.storage.TypedStorage) or torch.is_storage(value):
-                storages.append(value)
-                return ("storage", len(storages) - 1)
-            return None
-
-    buffer = io.BytesIO()
-    try:
-        _Pickler(buffer, protocol=2).dump(obj)  # torch.save's default protocol
-    except Exception as err:  # noqa: BLE001 - anything pickle raises means torch.save would fail too
-        return f"it cannot be pickled: {_first_line(err)}"
-    buffer.seek(0)
-    unpickler = _weights_only_unpickler.Unpickler(buffer, encoding="utf-8")
-    unpickler.persistent_load = lambda pid: storages[pid[1]]  # type: ignore[method-assign]
-    try:
-        unpickler.load()  # type: ignore[no-untyped-call]
-    except Exception as err:  # noqa: BLE001 - the refusal itself is the answer
-        found = _GLOBAL_RE.findall(str(err))
-        return f"it needs the global {found[0]}" if found else _first_line(err)
-    return None
-
-
-def _narrow(obj: Any, name: str, reason: str) -> tuple[Any, str, str]:
-    """Descend from a refused container to the innermost refused value inside it."""
-    while True:
-        if isinstance(obj, Mapping):
-            children: list[tuple[Any, str]] = [(v, f"{name}[{k!r}]") for k, v in obj.items()]
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            children = [(v, f"{name}[{i}]") for i, v in enumerate(obj)]
-        else:
-            return obj, name, reason
-        for child, child_name in children:
-            child_reason = _refusal(child)
-            if child_reason is not None:
-                obj, name, reason = child, child_name, child_reason
-                break
-        else:
-            return obj, name, reason  # the container type itself is what is refused
-
-
-def _unsafe_state_message(value: Any, where: str, reason: str) -> str:
-    kind = type(value)
-    qualname = f"{kind.__module__}.{kind.__qualname__}"
-    keys = re.findall(r"\['([A-Za-z_]\w*)'\]", where)
-    var = keys[-1] if keys else "value"
-    plain = "plain values (str, int, float, bool, None, tensors, and lists, tuples or dicts of them)"
-    if isinstance(value, argparse.Namespace):
-        fix = f"store vars({var}) instead (a dict of its values)"
-    elif isinstance(value, PurePath):
-        fix = f"store str({var}) instead"
-    elif kind.__module__ == "numpy" and getattr(value, "ndim", None) == 0:
-        fix = f"store {var}.item() instead (a Python number)"
-    elif kind.__module__ == "numpy" and hasattr(value, "ndim"):
-        fix = f"store torch.from_numpy({var}) instead"
-    elif dataclasses.is_dataclass(value):
-        fix = f"store dataclasses.asdict({var}) instead"
-    elif isinstance(value, enum.Enum):
-        fix = f"store {var}.value instead"
-    elif isinstance(value, (datetime.date, datetime.time)):
-        fix = f"store {var}.isoformat() instead"
-    elif kind.__module__.startswith("omegaconf"):
-        fix = f"store OmegaConf.to_container({var}, resolve=True) instead"
-    elif isinstance(value, Mapping):
-        fix = f"store dict({var}) instead"
-    elif reason.startswith("it cannot be pickled"):
-        fix = f"store {plain} instead"
-    else:
-        fix = (
-            f"store {plain} instead; or, if every program that loads this file may trust {qualname}, call "
-            f"torch.serialization.add_safe_globals([{kind.__qualname__}]) in the saving and in the loading program"
-        )
-    return (
-        f"cannot save {where} (type {qualname}): torch.load(weights_only=True) refuses it ({reason}), so this "
-        f"checkpoint could not be loaded to resume the run. Nothing was written; {fix}"
-    )
+        raise CheckpointFormatError(f"{path} is damaged ({first_line(err)}); pick an earlier checkpoint") from err

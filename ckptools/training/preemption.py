@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 from .. import log
 from ..collective.group import barrier, get_rank, max_over_ranks
-from ..write import async_save as background
+from ..write import finish_pending
 from .process import leave
 
 __all__ = ["Preemption"]
@@ -332,7 +332,7 @@ class Preemption:
         Examples:
             >>> preemption.exit()  # doctest: +SKIP
         """
-        background.finish_pending()
+        finish_pending()
         barrier()
         status = self.exit_code if code is None else code
         since = "" if self.received_at is None else f", {time.monotonic() - self.received_at:.2f} s after the signal"

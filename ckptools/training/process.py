@@ -9,7 +9,7 @@ import sys
 from typing import NoReturn
 
 from ..collective.group import barrier
-from ..write import async_save as background
+from ..write import finish_pending
 
 __all__ = ["exit_process", "leave"]
 
@@ -35,7 +35,7 @@ def exit_process(code: int = 0, *, collective: bool = True) -> NoReturn:
         ...     ck.exit_process(0)
     """
     if collective:
-        background.finish_pending()
+        finish_pending()
         barrier()
     leave(code)
 

@@ -1,5 +1,6 @@
-"""What asynchronous saves need: a snapshot into reusable host buffers, a writer thread, and
-the one slot for the save in flight.
+"""The async save's state in one place: its handle (`AsyncSave`: the writer thread, whether
+every rank wrote a share, the outcome ``wait()`` shares), the one slot for the save in flight,
+and the process's snapshot buffers.
 
 The division of labour is fixed: the main thread takes the snapshot and runs every collective
 (in the same order on every rank); the writer thread, on global rank 0 only, does file I/O and
@@ -8,130 +9,26 @@ nothing else. See `ckptools.async_save`.
 
 from __future__ import annotations
 
-import copy
 import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 from .. import log
-from ..collective.agree import RankFailure
-from ..collective.group import all_gather_object, broadcast_object, get_rank
-from ..devices import keep_view_bits
-from ..errors import CheckpointError
+from ..collective import agree
+from ..collective.group import all_gather_object, get_rank
+from .snapshot import SnapshotBuffers
+from .writer_thread import BackgroundWriter
 
-__all__ = ["AsyncSave", "release_snapshot_buffers"]
-
-
-class SnapshotBuffers:
-    """Host buffers, one per distinct storage of the last snapshot, reused while sizes match.
-
-    A snapshot copies whole storages, not tensors, so tensors that share memory (tied weights,
-    views) still share it in the snapshot and the file is laid out exactly as ``torch.save``
-    would lay out the live state. CUDA storages land in pinned memory: the copies are issued
-    non-blocking, back to back, and one synchronize per device waits for all of them.
-
-    `ckptools.async_save` uses one set for the whole process (`release_snapshot_buffers` frees
-    it); a writer of its own (the Lightning plugin) holds another, so that a snapshot still being
-    written is never overwritten by the other's next save.
-    """
-
-    def __init__(self) -> None:
-        self._storages: list[torch.UntypedStorage] = []
-        self._pinned: list[bool] = []  # kept here: UntypedStorage.is_pinned() warns on some versions
-        self.nbytes = 0
-
-    def release(self) -> None:
-        self._storages = []
-        self._pinned = []
-        self.nbytes = 0
-
-    def take(self, payload: Any) -> Any:
-        """A copy of ``payload`` whose tensors live in this object's buffers (or are clones)."""
-        tensors: dict[int, torch.Tensor] = {}
-        _collect(payload, tensors)
-        copies: dict[tuple[str, int, int], torch.UntypedStorage] = {}
-        memo: dict[int, Any] = {}
-        used = 0
-        devices: set[torch.device] = set()
-        for tensor in tensors.values():
-            if not _plain(tensor):
-                # Sparse, quantized, nested, meta, subclasses: deepcopy clones them, and a clone
-                # is not touched by training either; only the buffer reuse is lost.
-                continue
-            storage = tensor.untyped_storage()
-            key = (str(storage.device), storage.data_ptr(), storage.nbytes())
-            if key not in copies:
-                copies[key] = self._copy(storage, used)
-                used += 1
-                if storage.device.type == "cuda":
-                    devices.add(storage.device)
-            view = torch.empty(0, dtype=tensor.dtype).set_(
-                copies[key], tensor.storage_offset(), tensor.size(), tensor.stride()
-            )
-            keep_view_bits(tensor, view)
-            if tensor.requires_grad:
-                view.requires_grad_(True)
-            if isinstance(tensor, torch.nn.Parameter):
-                view = torch.nn.Parameter(view, requires_grad=tensor.requires_grad)
-            memo[id(tensor)] = view
-        for device in devices:
-            # One wait for every copy issued on that device's current stream.
-            torch.cuda.current_stream(device).synchronize()
-        del self._storages[used:]
-        del self._pinned[used:]
-        self.nbytes = sum(s.nbytes() for s in self._storages)
-        # deepcopy rebuilds every container as it was (OrderedDict with its _metadata, tuples,
-        # namedtuples, ...) and takes the tensors copied above from the memo.
-        return copy.deepcopy(payload, memo)
-
-    def _copy(self, storage: torch.UntypedStorage, index: int) -> torch.UntypedStorage:
-        nbytes = storage.nbytes()
-        cuda = storage.device.type == "cuda"
-        if index < len(self._storages):
-            buffer = self._storages[index]
-            if buffer.nbytes() != nbytes or self._pinned[index] != cuda:
-                buffer = self._storages[index] = _allocate(nbytes, pinned=cuda)
-                self._pinned[index] = cuda
-        else:
-            buffer = _allocate(nbytes, pinned=cuda)
-            self._storages.append(buffer)
-            self._pinned.append(cuda)
-        source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-        target = torch.empty(0, dtype=torch.uint8).set_(buffer)
-        target.copy_(source, non_blocking=cuda)
-        return buffer
-
-
-def _allocate(nbytes: int, *, pinned: bool) -> torch.UntypedStorage:
-    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
-
-
-def _plain(tensor: torch.Tensor) -> bool:
-    return (
-        type(tensor) in (torch.Tensor, torch.nn.Parameter)
-        and tensor.layout == torch.strided
-        and not tensor.is_quantized
-        and not tensor.is_nested
-        and tensor.device.type in ("cpu", "cuda")
-    )
-
-
-def _collect(node: Any, found: dict[int, torch.Tensor]) -> None:
-    if isinstance(node, torch.Tensor):
-        found.setdefault(id(node), node)
-    elif isinstance(node, dict):
-        for value in node.values():
-            _collect(value, found)
-    elif isinstance(node, (list, tuple, set, frozenset)):
-        for value in node:
-            _collect(value, found)
-
+__all__ = ["AsyncSave", "finish_pending", "pending", "release_snapshot_buffers", "set_pending", "take_snapshot"]
 
 # One snapshot's worth of host memory, held between saves so the next one only copies.
 _BUFFERS = SnapshotBuffers()
+
+
+def take_snapshot(payload: Any) -> Any:
+    """A copy of ``payload`` whose tensors live in the process's reused snapshot buffers."""
+    return _BUFFERS.take(payload)
 
 
 def release_snapshot_buffers() -> int:
@@ -157,57 +54,45 @@ def release_snapshot_buffers() -> int:
 class AsyncSave:
     """The handle of one `ckptools.async_save`: ``wait()`` (collective), ``done()`` (local).
 
+    Every rank holds one; a rank that writes (global rank 0; every rank with ``writers="all"``,
+    ``shared``) runs its write in a `BackgroundWriter` (`start`).
+
     Attributes:
         path: where the checkpoint will be.
         snapshot_seconds: how long the call held the caller (checks, snapshot, collectives).
     """
 
-    def __init__(self, path: str, started: float) -> None:
+    def __init__(self, path: str, started: float, *, shared: bool = False) -> None:
         self.path = path
         self.snapshot_seconds = time.monotonic() - started
         self._started = started
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
-        self._outcome: str | None = None  # rank 0's failure text, shared by wait()
+        self._writer = BackgroundWriter(
+            "ckptools-async-save", raised_at=" (raised on every rank at the next checkpoint call)"
+        )
+        self._agreement = agree.saving(path, how=" in the background")
+        self._outcome: agree.Outcome | None = None  # rank 0's failure, shared by wait()
         self._finished = False
-        # writers="all": every rank writes a share and reports it to rank 0's writer (`reported`);
-        # `abandoned` is set when wait() gave up on the save (a peer died or never reported), so
-        # rank 0's writer stops waiting for the other ranks' shares and removes its temporary file.
-        self.shared = False
-        self.reported = False
+        # writers="all": every rank writes a share and reports it to rank 0's writer (`reported`:
+        # rank 0 reports nothing, it collects); `abandoned` is set when wait() gave up on the save
+        # (a peer died or never reported), so rank 0's writer stops waiting for the other ranks'
+        # shares and removes its temporary file.
+        self.shared = shared
+        self.reported = shared and get_rank() == 0
         self.abandoned = threading.Event()
 
     def __repr__(self) -> str:
         state = "finished" if self._finished else ("writing" if not self.done() else "written, not waited for")
         return f"AsyncSave({self.path!r}, {state})"
 
-    def _start_thread(self, write: Callable[[], int | None], after: Callable[[], None] | None) -> None:
-        """Run ``write`` (then ``after``) in a writer thread. ``write`` returns the bytes of the
-        file it committed, or None on a rank whose share rank 0 commits (``writers="all"``)."""
+    def start(self, write: Callable[[], int | None], after: Callable[[], None] | None = None) -> None:
+        """Run ``write`` (then ``after``, housekeeping after the commit: the manager's pruning) in
+        this rank's writer thread. ``write`` returns the bytes of the file it committed, or None on
+        a rank whose share rank 0 commits (``writers="all"``)."""
+        self._writer.start(self.path, write, after=after, started=self._started)
 
-        def run() -> None:
-            try:
-                written = write()
-            except Exception as err:  # noqa: BLE001 - kept for wait(), which raises it on every rank
-                self._error = err
-                # Said now as well, in case the process ends before anything waits for it.
-                log.logger.error(
-                    "background save of %s failed: %s: %s (raised on every rank at the next checkpoint call)",
-                    self.path,
-                    type(err).__name__,
-                    err,
-                )
-                return
-            if written is None:
-                return  # another rank's share: rank 0 commits the file and reports it
-            log.report("saved", self.path, self._started, written)
-            if after is not None:
-                after()  # housekeeping that must come after the commit (the manager's pruning)
-
-        # Not a daemon: a script that returns with a save in flight still gets its file, as the
-        # interpreter joins non-daemon threads before it exits.
-        self._thread = threading.Thread(target=run, name="ckptools-async-save", daemon=False)
-        self._thread.start()
+    def mark_reported(self) -> None:
+        """This rank's writer told rank 0 its share is on disk (or what failed)."""
+        self.reported = True
 
     def _meet(self) -> None:
         """``writers="all"``: before rank 0 joins its writer, which waits for every other rank's
@@ -215,7 +100,7 @@ class AsyncSave:
         are in the store); a dead rank breaks this exchange (raised, and rank 0's writer told to
         give up) instead of leaving rank 0 joined to a writer that waits for it."""
         if get_rank() != 0:
-            self._join_thread()
+            self.join_writer()
         unreported = all_gather_object(not self.reported)
         if any(unreported):
             self.abandoned.set()  # that rank's report will never come: rank 0's writer stops now
@@ -228,12 +113,11 @@ class AsyncSave:
         on every other rank always True. Never decide whether
         to call `wait` (a collective) from ``done()``: ranks would disagree and hang.
         """
-        return self._thread is None or not self._thread.is_alive()
+        return self._writer.done()
 
-    def _join_thread(self) -> None:
+    def join_writer(self) -> None:
         """Local: block until this rank's background write (if any) ended."""
-        if self._thread is not None:
-            self._thread.join()
+        self._writer.join()
 
     def wait(self) -> str:
         """Wait for the write to be complete on disk; collective: every rank calls it.
@@ -256,21 +140,18 @@ class AsyncSave:
             try:
                 if self.shared:
                     self._meet()
-                self._join_thread()
-                failure = None if self._error is None else _failure_text(self._error)
-                self._outcome = broadcast_object(failure if get_rank() == 0 else None)
+                self.join_writer()
+                self._outcome = self._agreement.broadcast(self._writer.error)
                 self._finished = True
             finally:
                 if not self._finished:
                     self.abandoned.set()
-                    self._join_thread()  # rank 0's writer gives up at once and removes its file
+                    self.join_writer()  # rank 0's writer gives up at once and removes its file
                 # Even when the exchange itself broke (a peer died): the group is gone then, and
                 # every later call must not try to finish this save again.
                 if _PENDING is self:
                     _PENDING = None
-        if self._outcome is not None:
-            text = f"saving checkpoint {self.path} in the background failed on {self._outcome}"
-            raise CheckpointError(f"{text}; earlier checkpoints are untouched") from self._error
+        self._agreement.raise_outcome(self._outcome, self._writer.error)
         return self.path
 
 
@@ -306,25 +187,3 @@ def finish_pending() -> str | None:
     if time.monotonic() - waited > 1.0:
         log.logger.debug("waited %.1f s for the background save of %s", time.monotonic() - waited, path)
     return path
-
-
-def take_snapshot(payload: Any) -> Any:
-    """A copy of ``payload`` whose tensors live in the reused snapshot buffers (or are clones)."""
-    return _BUFFERS.take(payload)
-
-
-def start_writing(handle: AsyncSave, write: Callable[[], int | None], after: Callable[[], None] | None = None) -> None:
-    """Run ``write`` (then ``after``, housekeeping after the commit) in ``handle``'s writer thread."""
-    handle._start_thread(write, after)
-
-
-def _failure_text(error: BaseException) -> str:
-    """``rank N: what failed``, for the message every rank raises."""
-    if isinstance(error, RankFailure):  # another rank's, reported to rank 0's writer
-        return str(error)
-    return f"rank 0: {type(error).__name__}: {error}"
-
-
-def join_writer(handle: AsyncSave) -> None:
-    """Local: block until this rank's background write of ``handle`` (if any) ended."""
-    handle._join_thread()

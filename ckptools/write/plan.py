@@ -40,8 +40,6 @@ them, commits or discards, and ``wait()`` shares the outcome as with one writer.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import pickle
 import secrets
 import sys
@@ -57,7 +55,8 @@ from .. import log
 from ..codecs.torchzip import ZipPlan
 from ..collective.group import get_rank, get_world_size
 from ..state_dict import unwrap_model
-from ..storage import Location, tmp_name
+from ..storage import Location
+from .payload import state_entry
 
 __all__ = ["WRITERS", "Plan", "choose", "make_plan"]
 
@@ -109,13 +108,15 @@ class Share:
 
 @dataclass
 class Plan:
-    """What every rank needs to write its part (broadcast by rank 0)."""
+    """What every rank needs to write its part (broadcast by rank 0). ``tmp`` and ``token`` are
+    the temporary file's, once the zip writer created it (`ckptools.write.zip_writer.create_tmp`)."""
 
     tmp: str
     token: bytes
     records: list[tuple[str, int]]
     shares: list[Share]
     force_zip64: bool = False
+    size: int = 0  # of the whole file
     # Rank 0 only, never sent: the pickle, the other small records and the storages by key.
     small: dict[int, bytes] = field(default_factory=dict, repr=False)
     storages: dict[str, torch.UntypedStorage] = field(default_factory=dict, repr=False)
@@ -131,20 +132,6 @@ class Plan:
 def describe(where: tuple[Any, ...]) -> str:
     """``state['model']['fc.weight']`` for a share's ``where``."""
     return "state" + "".join(f"[{k!r}]" for k in where)
-
-
-def state_entry(obj: Any) -> Any:
-    """What a state entry becomes on disk (`ckptools.save`'s rules)."""
-    from torch.utils.data.distributed import DistributedSampler
-
-    if isinstance(obj, torch.nn.Module):
-        # Unwrapped, so the file never carries "module." / "_orig_mod." whatever the wrapping.
-        return unwrap_model(obj).state_dict()
-    if isinstance(obj, DistributedSampler) and not hasattr(obj, "state_dict"):
-        return {"epoch": int(obj.epoch), "seed": int(obj.seed)}
-    if callable(getattr(obj, "state_dict", None)):
-        return obj.state_dict()
-    return obj
 
 
 # --- rank 0: the plan -----------------------------------------------------------------------------
@@ -294,8 +281,7 @@ def make_plan(
     alone: bool = False,
 ) -> Plan:
     """Rank 0: pickle ``payload``, assign every storage to a writer (all to rank 0 when
-    ``alone``), lay out the file and create its temporary file (full size, token at its start)
-    next to ``location``."""
+    ``alone``) and lay out the file (no file is touched: `ckptools.write.zip_writer.create_tmp` makes it)."""
     data_pkl, storages = pickle_payload(payload, on_cpu=on_cpu)
     where = {} if alone else replicated(state, payload)
     world = 1 if alone else get_world_size()
@@ -332,19 +318,4 @@ def make_plan(
     ]
     content = {i: b for i, b in enumerate(small.values())}
     content.update({len(records) - len(tail) + i: b for i, b in enumerate(tail.values())})
-    directory, name = os.path.split(os.path.abspath(location.path))
-    if not os.path.isdir(directory):
-        if os.path.exists(directory):
-            raise NotADirectoryError(f"cannot write {location}: {directory} is not a directory")
-        os.makedirs(directory, exist_ok=True)
-    tmp = os.path.join(directory, tmp_name(name))
-    token = secrets.token_bytes(TOKEN_BYTES)
-    try:
-        with open(tmp, "wb") as f:
-            f.write(token)
-            f.truncate(zplan.size)  # the full size now: a file size limit or a quota says so at once
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
-        raise
-    return Plan(tmp, token, records, shares, small=content, storages=storages)
+    return Plan("", b"", records, shares, small=content, storages=storages, size=zplan.size)

@@ -8,42 +8,33 @@ group's store (`report_share`, `collect_shares`) since a background thread never
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import threading
 import time
-import zlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
 
 from .. import log
-from ..codecs.torchzip import ZipPlan
-from ..collective.agree import RankFailure, outcome_of, raise_outcome, share_outcome
+from ..collective import agree
+from ..collective.agree import RankFailure
 from ..collective.group import (
     all_gather_object,
-    broadcast_object,
     collective_timeout,
     default_store,
     get_rank,
     get_world_size,
 )
 from ..errors import CheckpointError
-from ..layouts.torch_io import save_file
-from ..storage import Location, fsync_dir
+from ..storage import Location
+from . import zip_writer
 from .async_save import AsyncSave
-from .plan import PREFIX, TOKEN_BYTES, Plan, Share, describe, host_bytes, make_plan, state_entry
+from .payload import state_entry
+from .plan import TOKEN_BYTES, Plan, Share, describe, make_plan
 
-__all__ = [
-    "commit_shares",
-    "plan_shares",
-    "write_alone",
-    "write_and_commit",
-    "write_share_in_background",
-    "write_shares",
-]
+__all__ = ["commit_shares", "plan_shares", "write_and_commit", "write_share_in_background"]
 
 
 # --- every rank: see, locate, write ----------------------------------------------------------------
@@ -96,120 +87,7 @@ def locate(plan: Plan, state: Mapping[str, Any], shares: list[Share]) -> list[to
     return found
 
 
-def write_shares(plan: Plan, chunks: list[tuple[Share, torch.UntypedStorage]]) -> dict[str, int]:
-    """Write each share's bytes at its offset in the temporary file, fsync; CRC-32 by key.
-
-    ``chunks`` pairs each share with its storage (or a snapshot of it). Every byte is written
-    first; then a helper thread waits in ``fsync`` for the disk while this thread computes the
-    CRC-32s from the same memory (nothing changes it meanwhile: the caller's save holds it, or
-    it is the save's own snapshot). The checksums (~4 GiB/s here, a quarter second per GiB) so
-    hide behind the disk's flush instead of adding to it: 1 GiB as 128 tensors, 9 rounds in
-    rotating order with 10 s of rest before each run, median 2.36 s against 2.68 s with each
-    CRC-32 computed before its write and 2.85 s for ``cp`` + ``sync`` of the file
-    (benchmarks/bench_save.py measures the same). A helper computing them *beside the writes*
-    was slower (it takes the CPU that copying into the page cache needs), and asking the kernel
-    to start writeback piece by piece (``sync_file_range``) three times slower on this disk.
-    """
-    crcs: dict[str, int] = {}
-    views: list[tuple[Share, memoryview]] = []
-    fd = os.open(plan.tmp, os.O_WRONLY)
-    try:
-        for share, storage in chunks:
-            data = host_bytes(storage)
-            if storage.device.type != "cpu":
-                # A host copy made for this write (a GPU tensor): checksummed now and let go,
-                # so that host memory holds one storage at a time, not the whole share.
-                crcs[share.key] = zlib.crc32(data)
-            else:
-                views.append((share, data))
-            _pwrite_all(fd, data, share.offset)
-        failed: list[BaseException] = []
-
-        def flush() -> None:
-            try:
-                os.fsync(fd)
-            except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
-                failed.append(err)
-
-        # File I/O only, never a collective: the thread blocks in fsync with the GIL released. A
-        # plain thread, not an executor: an async save still writing when the script ends runs
-        # during interpreter shutdown, where executors refuse new work ("cannot schedule new
-        # futures after interpreter shutdown"; test_a_script_that_ends_with_a_save_in_flight_...).
-        flusher = threading.Thread(target=flush, name="ckptools-fsync", daemon=True)
-        flusher.start()
-        try:
-            crcs.update((share.key, zlib.crc32(data)) for share, data in views)
-        finally:
-            flusher.join()
-        if failed:
-            raise failed[0]
-    finally:
-        os.close(fd)
-    return crcs
-
-
-def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    # One pwrite moves at most ~2 GiB on Linux; the rest goes in further calls.
-    data = data.cast("B")
-    done = 0
-    while done < len(data):
-        done += os.pwrite(fd, data[done : done + (1 << 30)], offset + done)
-
-
 # --- rank 0: the commit ----------------------------------------------------------------------------
-
-
-def commit(plan: Plan, path: str, crcs: dict[str, int]) -> int:
-    """Rank 0: headers, small records and central directory, fsync, rename, fsync the directory.
-
-    Returns the file's size.
-    """
-    zplan = ZipPlan(plan.records, force_zip64=plan.force_zip64)
-    by_key = {f"{PREFIX}data/{k}": c for k, c in crcs.items()}
-    all_crcs = []
-    fd = os.open(plan.tmp, os.O_WRONLY)
-    try:
-        for index, (name, _) in enumerate(plan.records):
-            data = plan.small.get(index)
-            crc = zlib.crc32(data) if data is not None else by_key[name]
-            all_crcs.append(crc)
-            _pwrite_all(fd, memoryview(zplan.header(index, crc)), zplan.header_offsets[index])
-            if data is not None:
-                _pwrite_all(fd, memoryview(data), zplan.data_offsets[index])
-        _pwrite_all(fd, memoryview(zplan.directory(all_crcs)), zplan.directory_offset)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    directory, name = os.path.split(os.path.abspath(path))
-    os.replace(plan.tmp, os.path.join(directory, name))
-    fsync_dir(directory)
-    return zplan.size
-
-
-def write_alone(location: Location, payload: Mapping[str, Any]) -> int:
-    """Rank 0 writes all of ``payload``, no exchange, atomically; returns the size.
-
-    A local file goes through the planned writer: the same file ``torch.save`` would write
-    (temporary name, fsync, rename, directory fsync), but each storage goes to disk with one
-    ``pwrite`` straight from the tensor's memory. Anything else streams through ``torch.save``
-    (`ckptools.layouts.torch_io.save_file`: a multipart upload on S3).
-    """
-    if not location.local:
-        return save_file(location, payload)
-    plan = make_plan(location, payload, payload, alone=True)
-    try:
-        crcs = write_shares(plan, [(share, plan.storages[share.key]) for share in plan.shares])
-        return commit(plan, location.path, crcs)
-    except BaseException:
-        discard(plan)
-        raise
-
-
-def discard(plan: Plan | None) -> None:
-    """Rank 0: remove the temporary file of a save that failed."""
-    if plan is not None:
-        with contextlib.suppress(OSError):
-            os.unlink(plan.tmp)
 
 
 # --- async: each rank's share reported to rank 0's writer thread, through the group's store ---------
@@ -284,19 +162,16 @@ def plan_shares(
     then). Raises on every rank otherwise.
     """
     path = str(location)
-    plan: Plan | None = None
-    error: BaseException | None = None
-    if get_rank() == 0:
-        try:
-            payload = build_payload()
-            if before_write is not None:
-                before_write()
-            plan = make_plan(location, state, payload, on_cpu=on_cpu)
-        except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
-            error = err
-    outcome, sent = broadcast_object((outcome_of(error), plan))
-    raise_outcome(outcome, error, path)
-    plan = plan if plan is not None else adopt(sent, location)
+
+    def planned() -> Plan:
+        payload = build_payload()
+        if before_write is not None:
+            before_write()
+        return zip_writer.create_tmp(location, make_plan(location, state, payload, on_cpu=on_cpu))
+
+    sent = agree.saving(path).on_rank0(planned, send=True)
+    assert sent is not None  # on_rank0 raised otherwise
+    plan = sent if get_rank() == 0 else adopt(sent, location)
     try:
         seen, storages, problem = sees(plan), locate(plan, state, plan.mine()), None
     except CheckpointError as err:
@@ -312,7 +187,7 @@ def plan_shares(
             "they do not share it) or writers='rank0'"
         )
     if (failure is not None or blind) and get_rank() == 0:
-        discard(plan)
+        zip_writer.discard(plan)
     if failure is not None:
         raise CheckpointError(f"saving checkpoint {path} failed: {failure}; earlier checkpoints are untouched")
     if blind:
@@ -331,22 +206,22 @@ def _gathered(plan: Plan | None, reply: Any) -> list[Any]:
         return all_gather_object(reply)
     except BaseException:
         if get_rank() == 0:
-            discard(plan)
+            zip_writer.discard(plan)
         raise
 
 
-def write_and_commit(path: str, plan: Plan, storages: list[Any]) -> int | None:
+def write_and_commit(location: Location, plan: Plan, storages: list[Any]) -> int | None:
     """The sync save: this rank writes its share, then `commit_shares` (collective). Rank 0's file size."""
     error: BaseException | None = None
     crcs: dict[str, int] = {}
     try:
-        crcs = write_shares(plan, list(zip(plan.mine(), storages)))
+        crcs = zip_writer.write_shares(plan, list(zip(plan.mine(), storages)))
     except Exception as err:  # noqa: BLE001 - gathered by commit_shares and raised on every rank
         error = err
-    return commit_shares(path, plan, error, crcs)
+    return commit_shares(location, plan, error, crcs)
 
 
-def commit_shares(path: str, plan: Plan, error: BaseException | None, crcs: dict[str, int]) -> int | None:
+def commit_shares(location: Location, plan: Plan, error: BaseException | None, crcs: dict[str, int]) -> int | None:
     """Every rank's write done (or failed): gather the CRC-32s, rank 0 commits or discards,
     the outcome is raised on every rank (collective). Rank 0's file size."""
     replies = _gathered(plan, (None if error is None else f"{type(error).__name__}: {error}", crcs))
@@ -356,18 +231,18 @@ def commit_shares(path: str, plan: Plan, error: BaseException | None, crcs: dict
         text = first_error(replies, lambda reply: reply[0])
         if text is not None:
             failure = RankFailure(text)
-            discard(plan)
+            zip_writer.discard(plan)
         else:
             try:
-                written = commit(plan, path, {k: v for reply in replies for k, v in reply[1].items()})
+                written = zip_writer.commit(plan, location, {k: v for reply in replies for k, v in reply[1].items()})
             except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
-                discard(plan)
+                zip_writer.discard(plan)
                 failure = err
-    share_outcome(failure, path)
+    agree.saving(location.url).share(failure)
     return written
 
 
-def write_share_in_background(path: str, plan: Plan, pairs: list[Any], handle: AsyncSave) -> int | None:
+def write_share_in_background(location: Location, plan: Plan, pairs: list[Any], handle: AsyncSave) -> int | None:
     """A writer thread, ``writers="all"``: write this rank's share; every rank but 0 reports it
     through the store, rank 0 collects the reports and commits the file (or removes it).
 
@@ -376,12 +251,12 @@ def write_share_in_background(path: str, plan: Plan, pairs: list[Any], handle: A
     error: BaseException | None = None
     crcs: dict[str, int] = {}
     try:
-        crcs = write_shares(plan, pairs)
+        crcs = zip_writer.write_shares(plan, pairs)
     except Exception as err:  # noqa: BLE001 - reported below, raised on every rank by wait()
         error = err
     if get_rank() != 0:
         report_share(plan, error, crcs)
-        handle.reported = True
+        handle.mark_reported()
         if error is not None:
             raise error
         return None
@@ -392,12 +267,7 @@ def write_share_in_background(path: str, plan: Plan, pairs: list[Any], handle: A
         failure = first_error(replies, lambda reply: reply[0])
         if failure is not None:
             raise RankFailure(failure)
-        return commit(plan, path, {k: v for reply in replies for k, v in reply[1].items()})
+        return zip_writer.commit(plan, location, {k: v for reply in replies for k, v in reply[1].items()})
     except BaseException:
-        discard(plan)
+        zip_writer.discard(plan)
         raise
-
-
-def whole_storage(storage: Any) -> torch.Tensor:
-    """A uint8 tensor over all of ``storage`` (so a snapshot copies the whole storage)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

@@ -1,0 +1,243 @@
+"""What a save puts into the file: each entry's state (`state_entry`), ckptools' own metadata,
+and the check that all of it loads back with ``torch.load(weights_only=True)``.
+
+The payload rule of every save (``writers="rank0"``, ``"all"``, async or not) lives here and
+only here; the writers below take the payload as given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import enum
+import io
+import pickle
+import re
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+from pathlib import PurePath
+from typing import Any
+
+import torch
+
+from .._version import __version__
+from ..collective.group import get_world_size
+from ..errors import UnsafeStateError
+from ..layouts import META_KEY
+from ..layouts.torch_io import GLOBAL_RE, first_line
+from ..state_dict import unwrap_model
+from ..storage import PathLike, fspath
+
+__all__ = ["FORMAT_VERSION", "build_payload", "check_loadable", "checked_args", "state_entry"]
+
+FORMAT_VERSION = 1
+
+
+def checked_args(
+    path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any] | None
+) -> tuple[str, dict[str, Any]]:
+    """``path`` as a string and a copy of ``metadata``, once ``state`` is a mapping of string
+    names without ckptools' own entry (`TypeError` otherwise, on every rank, before any collective)."""
+    path = fspath(path)
+    if not isinstance(state, Mapping):
+        raise TypeError(f"state must be a mapping of names to objects, got {type(state).__name__}")
+    if META_KEY in state:
+        raise TypeError(f"{META_KEY!r} is reserved for ckptools' own metadata; rename that entry of state")
+    bad = [k for k in state if not isinstance(k, str)]
+    if bad:
+        raise TypeError(f"state keys must be strings, got {bad!r}")
+    return path, dict(metadata or {})
+
+
+def build_payload(state: Mapping[str, Any], user_meta: dict[str, Any], rng_states: list[Any]) -> dict[str, Any]:
+    """Rank 0: what goes into the file, every value checked to load back with weights_only."""
+    payload = {}
+    for name, obj in state.items():
+        payload[name] = entry = state_entry(obj)
+        check_loadable(entry, f"state[{name!r}]" + (".state_dict()" if entry is not obj else ""))
+    check_loadable(user_meta, "metadata")
+    payload[META_KEY] = {
+        "format_version": FORMAT_VERSION,
+        "ckptools_version": __version__,
+        "torch_version": str(torch.__version__),  # TorchVersion itself is refused by weights_only
+        "world_size": get_world_size(),
+        "created_unix": time.time(),
+        "rng": rng_states,
+        "metadata": user_meta,
+    }
+    return payload
+
+
+def state_entry(obj: Any) -> Any:
+    """What a state entry becomes on disk (`ckptools.save`'s rules)."""
+    from torch.utils.data.distributed import DistributedSampler
+
+    if isinstance(obj, torch.nn.Module):
+        # Unwrapped, so the file never carries "module." / "_orig_mod." whatever the wrapping.
+        return unwrap_model(obj).state_dict()
+    if isinstance(obj, DistributedSampler) and not hasattr(obj, "state_dict"):
+        return {"epoch": int(obj.epoch), "seed": int(obj.seed)}
+    if callable(getattr(obj, "state_dict", None)):
+        return obj.state_dict()
+    return obj
+
+
+# --- what save() may store -------------------------------------------------------------------------
+# A checkpoint that torch.load(weights_only=True) refuses cannot resume the run: save() checks
+# what it is about to write, so the run finds out at its first save instead of at its restart.
+_PLAIN = frozenset({str, int, float, bool, type(None)})
+_CONTAINERS = frozenset({dict, OrderedDict, list, tuple})
+
+
+def check_loadable(obj: Any, where: str) -> None:
+    """Raise `UnsafeStateError` if ``torch.load(weights_only=True)`` would refuse ``obj``.
+
+    The values of a training state (tensors, numbers, strings, and dicts/lists/tuples of them)
+    are recognised in one walk. Anything else is pickled the way ``torch.save`` pickles it
+    (storages by reference, so no tensor data is copied) and unpickled by torch's own
+    weights-only unpickler: exactly what a later load accepts, including types the program
+    allowlisted with ``torch.serialization.add_safe_globals``.
+
+    Args:
+        obj: the value about to be saved.
+        where: how the user names it, for the message (``"state['args']"``).
+
+    Raises:
+        UnsafeStateError: naming the offending value, its type and the fix.
+
+    Examples:
+        >>> import argparse
+        >>> check_loadable({"lr": 0.1, "args": argparse.Namespace(lr=0.1)}, "state")  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ckptools.errors.UnsafeStateError: cannot save state['args'] (type argparse.Namespace): ...
+    """
+    for suspect, name in _suspects(obj, where):
+        reason = _refusal(suspect)
+        if reason is not None:
+            culprit, name, reason = _narrow(suspect, name, reason)
+            raise UnsafeStateError(_unsafe_state_message(culprit, name, reason))
+
+
+def _suspects(obj: Any, where: str) -> Iterator[tuple[Any, str]]:
+    """The values under ``obj`` that are not plainly loadable, with their names (iterative walk)."""
+    import torch
+
+    stack = [(obj, where)]
+    seen: set[int] = set()
+    while stack:
+        value, name = stack.pop()
+        kind = type(value)
+        if kind in _PLAIN or (kind is torch.Tensor and _plain_tensor(value)):
+            continue
+        if kind not in _CONTAINERS:
+            yield value, name
+            continue
+        if id(value) in seen:  # shared or cyclic containers are walked once
+            continue
+        seen.add(id(value))
+        if kind in (list, tuple):
+            stack.extend((item, f"{name}[{i}]") for i, item in reversed(list(enumerate(value))))
+            continue
+        for key, item in reversed(list(value.items())):
+            if type(key) not in (str, int):
+                yield key, f"{name} (the key {key!r})"
+            stack.append((item, f"{name}[{key!r}]"))
+        if kind is OrderedDict and vars(value):  # a state dict's `_metadata` travels as its __dict__
+            stack.append((vars(value), f"{name}.__dict__"))
+
+
+def _plain_tensor(t: torch.Tensor) -> bool:
+    import torch
+
+    # Dense tensors without Python attributes rebuild through functions torch always allows;
+    # anything fancier (sparse, quantized, attributes) is left to the real unpickler.
+    return t.layout == torch.strided and not t.is_quantized and not t.__dict__
+
+
+def _refusal(obj: Any) -> str | None:
+    """Why torch.load(weights_only=True) would refuse what torch.save writes for ``obj``; None if it would not."""
+    import torch
+    from torch import _weights_only_unpickler
+
+    storages: list[Any] = []
+
+    class _Pickler(pickle.Pickler):
+        # As torch.save: storages go by reference (their bytes are written as records of their own).
+        def persistent_id(self, value: Any) -> Any:
+            if isinstance(value, torch.storage.TypedStorage) or torch.is_storage(value):
+                storages.append(value)
+                return ("storage", len(storages) - 1)
+            return None
+
+    buffer = io.BytesIO()
+    try:
+        _Pickler(buffer, protocol=2).dump(obj)  # torch.save's default protocol
+    except Exception as err:  # noqa: BLE001 - anything pickle raises means torch.save would fail too
+        return f"it cannot be pickled: {first_line(err)}"
+    buffer.seek(0)
+    unpickler = _weights_only_unpickler.Unpickler(buffer, encoding="utf-8")
+    unpickler.persistent_load = lambda pid: storages[pid[1]]  # type: ignore[method-assign]
+    try:
+        unpickler.load()  # type: ignore[no-untyped-call]
+    except Exception as err:  # noqa: BLE001 - the refusal itself is the answer
+        found = GLOBAL_RE.findall(str(err))
+        return f"it needs the global {found[0]}" if found else first_line(err)
+    return None
+
+
+def _narrow(obj: Any, name: str, reason: str) -> tuple[Any, str, str]:
+    """Descend from a refused container to the innermost refused value inside it."""
+    while True:
+        if isinstance(obj, Mapping):
+            children: list[tuple[Any, str]] = [(v, f"{name}[{k!r}]") for k, v in obj.items()]
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            children = [(v, f"{name}[{i}]") for i, v in enumerate(obj)]
+        else:
+            return obj, name, reason
+        for child, child_name in children:
+            child_reason = _refusal(child)
+            if child_reason is not None:
+                obj, name, reason = child, child_name, child_reason
+                break
+        else:
+            return obj, name, reason  # the container type itself is what is refused
+
+
+def _unsafe_state_message(value: Any, where: str, reason: str) -> str:
+    kind = type(value)
+    qualname = f"{kind.__module__}.{kind.__qualname__}"
+    keys = re.findall(r"\['([A-Za-z_]\w*)'\]", where)
+    var = keys[-1] if keys else "value"
+    plain = "plain values (str, int, float, bool, None, tensors, and lists, tuples or dicts of them)"
+    if isinstance(value, argparse.Namespace):
+        fix = f"store vars({var}) instead (a dict of its values)"
+    elif isinstance(value, PurePath):
+        fix = f"store str({var}) instead"
+    elif kind.__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        fix = f"store {var}.item() instead (a Python number)"
+    elif kind.__module__ == "numpy" and hasattr(value, "ndim"):
+        fix = f"store torch.from_numpy({var}) instead"
+    elif dataclasses.is_dataclass(value):
+        fix = f"store dataclasses.asdict({var}) instead"
+    elif isinstance(value, enum.Enum):
+        fix = f"store {var}.value instead"
+    elif isinstance(value, (datetime.date, datetime.time)):
+        fix = f"store {var}.isoformat() instead"
+    elif kind.__module__.startswith("omegaconf"):
+        fix = f"store OmegaConf.to_container({var}, resolve=True) instead"
+    elif isinstance(value, Mapping):
+        fix = f"store dict({var}) instead"
+    elif reason.startswith("it cannot be pickled"):
+        fix = f"store {plain} instead"
+    else:
+        fix = (
+            f"store {plain} instead; or, if every program that loads this file may trust {qualname}, call "
+            f"torch.serialization.add_safe_globals([{kind.__qualname__}]) in the saving and in the loading program"
+        )
+    return (
+        f"cannot save {where} (type {qualname}): torch.load(weights_only=True) refuses it ({reason}), so this "
+        f"checkpoint could not be loaded to resume the run. Nothing was written; {fix}"
+    )

@@ -1,0 +1,126 @@
+"""Snapshots: a copy of a state in host buffers that training never touches, reused between saves.
+
+What an async save copies at the call (`ckptools.async_save`, the Lightning plugin's
+`AsyncCkptoolsCheckpointIO`); the copy is then written from a background thread.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from ..devices import keep_view_bits
+
+__all__ = ["SnapshotBuffers", "whole_storage"]
+
+
+class SnapshotBuffers:
+    """Host buffers, one per distinct storage of the last snapshot, reused while sizes match.
+
+    A snapshot copies whole storages, not tensors, so tensors that share memory (tied weights,
+    views) still share it in the snapshot and the file is laid out exactly as ``torch.save``
+    would lay out the live state. CUDA storages land in pinned memory: the copies are issued
+    non-blocking, back to back, and one synchronize per device waits for all of them.
+
+    `ckptools.async_save` uses one set for the whole process (`release_snapshot_buffers` frees
+    it); a writer of its own (the Lightning plugin) holds another, so that a snapshot still being
+    written is never overwritten by the other's next save.
+    """
+
+    def __init__(self) -> None:
+        self._storages: list[torch.UntypedStorage] = []
+        self._pinned: list[bool] = []  # kept here: UntypedStorage.is_pinned() warns on some versions
+        self.nbytes = 0
+
+    def release(self) -> None:
+        self._storages = []
+        self._pinned = []
+        self.nbytes = 0
+
+    def take(self, payload: Any) -> Any:
+        """A copy of ``payload`` whose tensors live in this object's buffers (or are clones)."""
+        tensors: dict[int, torch.Tensor] = {}
+        _collect(payload, tensors)
+        copies: dict[tuple[str, int, int], torch.UntypedStorage] = {}
+        memo: dict[int, Any] = {}
+        used = 0
+        devices: set[torch.device] = set()
+        for tensor in tensors.values():
+            if not _plain(tensor):
+                # Sparse, quantized, nested, meta, subclasses: deepcopy clones them, and a clone
+                # is not touched by training either; only the buffer reuse is lost.
+                continue
+            storage = tensor.untyped_storage()
+            key = (str(storage.device), storage.data_ptr(), storage.nbytes())
+            if key not in copies:
+                copies[key] = self._copy(storage, used)
+                used += 1
+                if storage.device.type == "cuda":
+                    devices.add(storage.device)
+            view = torch.empty(0, dtype=tensor.dtype).set_(
+                copies[key], tensor.storage_offset(), tensor.size(), tensor.stride()
+            )
+            keep_view_bits(tensor, view)
+            if tensor.requires_grad:
+                view.requires_grad_(True)
+            if isinstance(tensor, torch.nn.Parameter):
+                view = torch.nn.Parameter(view, requires_grad=tensor.requires_grad)
+            memo[id(tensor)] = view
+        for device in devices:
+            # One wait for every copy issued on that device's current stream.
+            torch.cuda.current_stream(device).synchronize()
+        del self._storages[used:]
+        del self._pinned[used:]
+        self.nbytes = sum(s.nbytes() for s in self._storages)
+        # deepcopy rebuilds every container as it was (OrderedDict with its _metadata, tuples,
+        # namedtuples, ...) and takes the tensors copied above from the memo.
+        return copy.deepcopy(payload, memo)
+
+    def _copy(self, storage: torch.UntypedStorage, index: int) -> torch.UntypedStorage:
+        nbytes = storage.nbytes()
+        cuda = storage.device.type == "cuda"
+        if index < len(self._storages):
+            buffer = self._storages[index]
+            if buffer.nbytes() != nbytes or self._pinned[index] != cuda:
+                buffer = self._storages[index] = _allocate(nbytes, pinned=cuda)
+                self._pinned[index] = cuda
+        else:
+            buffer = _allocate(nbytes, pinned=cuda)
+            self._storages.append(buffer)
+            self._pinned.append(cuda)
+        source = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+        target = torch.empty(0, dtype=torch.uint8).set_(buffer)
+        target.copy_(source, non_blocking=cuda)
+        return buffer
+
+
+def _allocate(nbytes: int, *, pinned: bool) -> torch.UntypedStorage:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned).untyped_storage()
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    return (
+        type(tensor) in (torch.Tensor, torch.nn.Parameter)
+        and tensor.layout == torch.strided
+        and not tensor.is_quantized
+        and not tensor.is_nested
+        and tensor.device.type in ("cpu", "cuda")
+    )
+
+
+def _collect(node: Any, found: dict[int, torch.Tensor]) -> None:
+    if isinstance(node, torch.Tensor):
+        found.setdefault(id(node), node)
+    elif isinstance(node, dict):
+        for value in node.values():
+            _collect(value, found)
+    elif isinstance(node, (list, tuple, set, frozenset)):
+        for value in node:
+            _collect(value, found)
+
+
+def whole_storage(storage: Any) -> torch.Tensor:
+    """A uint8 tensor over all of ``storage`` (so a snapshot copies the whole storage)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

@@ -1,0 +1,101 @@
+"""One background write at a time: a thread that does file I/O (never a collective) and keeps
+its error for the caller's thread.
+
+`ckptools.write.async_save.AsyncSave` runs each async save's write in one; the Lightning plugin
+(`AsyncCkptoolsCheckpointIO`) keeps one for its own saves. What the thread does on success and
+on failure (the "saved" record, the error logged the moment it happens, housekeeping after the
+commit) is the same for both.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+from .. import in_flight, log
+
+__all__ = ["BackgroundWriter"]
+
+
+class BackgroundWriter:
+    """Runs a write in a background thread and keeps what it raised.
+
+    Args:
+        name: the thread's name.
+        raised_at: where the caller will see a failure, said in the log line written when it happens.
+
+    Examples:
+        >>> writer = BackgroundWriter("doc-writer")
+        >>> writer.start("/tmp/nothing.pt", lambda: None)
+        >>> writer.join(); writer.error is None
+        True
+    """
+
+    def __init__(self, name: str, *, raised_at: str = "") -> None:
+        self.name, self.raised_at = name, raised_at
+        self.error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(
+        self,
+        path: str,
+        write: Callable[[], int | None],
+        *,
+        after: Callable[[], None] | None = None,
+        started: float | None = None,
+        announce: bool = False,
+        inline: bool = False,
+    ) -> None:
+        """Run ``write`` (then ``after``, housekeeping that must follow the commit) in a new thread.
+
+        ``write`` returns the bytes of the file it committed, or None where another writer
+        commits it (a rank's share with ``writers="all"``: nothing is logged as saved). With
+        ``announce``, whoever resolves ``path`` in this process meanwhile waits for the write
+        (`ckptools.in_flight`); with ``inline`` the write runs here, in the caller's thread.
+        """
+        started = time.monotonic() if started is None else started
+        announced = in_flight.announce(path) if announce else None
+
+        def run() -> None:
+            if announced is not None:
+                announced.doing()
+            try:
+                written = write()
+            except BaseException as err:  # noqa: BLE001 - kept for the caller's thread, which raises it
+                self.error = err
+                # Said now as well, in case the process ends before anything looks at it.
+                log.logger.error(
+                    "background save of %s failed: %s: %s%s", path, type(err).__name__, err, self.raised_at
+                )
+                return
+            finally:
+                if announced is not None:
+                    announced.done()
+            if written is None:
+                return
+            log.report("saved", path, started, written)
+            if after is not None:
+                after()
+
+        if inline:
+            run()
+            return
+        # Not a daemon: a script that returns with a save in flight still gets its file, as the
+        # interpreter joins non-daemon threads before it exits.
+        self._thread = threading.Thread(target=run, name=self.name, daemon=False)
+        self._thread.start()
+
+    def done(self) -> bool:
+        """Whether no write is running (local, never blocks)."""
+        return self._thread is None or not self._thread.is_alive()
+
+    def join(self) -> None:
+        """Block until the write in flight (if any) ended."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def take_error(self) -> BaseException | None:
+        """The error of the last write (once: it is cleared)."""
+        error, self.error = self.error, None
+        return error

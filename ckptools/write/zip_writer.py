@@ -1,0 +1,157 @@
+"""The zip writer: a torch zip written at planned offsets, by rank 0 alone or by every rank.
+
+`create_tmp` makes the temporary file at its full size (a token at its start, for the other
+ranks to check they see it); `write_shares` puts storages' bytes at their offsets with one
+``pwrite`` each and fsyncs; `commit` writes the headers, small records and central directory and
+publishes the file (`ckptools.storage.publish`). `write_alone` is all of it on one rank: the
+file ``torch.save`` would write, each storage written straight from the tensor's memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import threading
+import zlib
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..codecs.torchzip import ZipPlan
+from ..layouts.torch_io import save_file
+from ..storage import Location, local_target, publish, tmp_name
+from .plan import PREFIX, TOKEN_BYTES, Plan, Share, host_bytes, make_plan
+
+__all__ = ["commit", "create_tmp", "discard", "write_alone", "write_shares"]
+
+
+def create_tmp(location: Location, plan: Plan) -> Plan:
+    """Rank 0: ``plan``'s temporary file beside ``location``, at the file's full size (a file size
+    limit or a quota says so at once), a random token at its start; ``plan`` with both set."""
+    directory, name = local_target(location.path)
+    tmp = os.path.join(directory, tmp_name(name))
+    token = secrets.token_bytes(TOKEN_BYTES)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(token)
+            f.truncate(plan.size)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    plan.tmp, plan.token = tmp, token
+    return plan
+
+
+def write_shares(plan: Plan, chunks: list[tuple[Share, torch.UntypedStorage]]) -> dict[str, int]:
+    """Write each share's bytes at its offset in the temporary file, fsync; CRC-32 by key.
+
+    ``chunks`` pairs each share with its storage (or a snapshot of it). Every byte is written
+    first; then a helper thread waits in ``fsync`` for the disk while this thread computes the
+    CRC-32s from the same memory (nothing changes it meanwhile: the caller's save holds it, or
+    it is the save's own snapshot). The checksums (~4 GiB/s here, a quarter second per GiB) so
+    hide behind the disk's flush instead of adding to it: 1 GiB as 128 tensors, 9 rounds in
+    rotating order with 10 s of rest before each run, median 2.36 s against 2.68 s with each
+    CRC-32 computed before its write and 2.85 s for ``cp`` + ``sync`` of the file
+    (benchmarks/bench_save.py measures the same). A helper computing them *beside the writes*
+    was slower (it takes the CPU that copying into the page cache needs), and asking the kernel
+    to start writeback piece by piece (``sync_file_range``) three times slower on this disk.
+    """
+    crcs: dict[str, int] = {}
+    views: list[tuple[Share, memoryview]] = []
+    fd = os.open(plan.tmp, os.O_WRONLY)
+    try:
+        for share, storage in chunks:
+            data = host_bytes(storage)
+            if storage.device.type != "cpu":
+                # A host copy made for this write (a GPU tensor): checksummed now and let go,
+                # so that host memory holds one storage at a time, not the whole share.
+                crcs[share.key] = zlib.crc32(data)
+            else:
+                views.append((share, data))
+            _pwrite_all(fd, data, share.offset)
+        failed: list[BaseException] = []
+
+        def flush() -> None:
+            try:
+                os.fsync(fd)
+            except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
+                failed.append(err)
+
+        # File I/O only, never a collective: the thread blocks in fsync with the GIL released. A
+        # plain thread, not an executor: an async save still writing when the script ends runs
+        # during interpreter shutdown, where executors refuse new work ("cannot schedule new
+        # futures after interpreter shutdown"; test_a_script_that_ends_with_a_save_in_flight_...).
+        flusher = threading.Thread(target=flush, name="ckptools-fsync", daemon=True)
+        flusher.start()
+        try:
+            crcs.update((share.key, zlib.crc32(data)) for share, data in views)
+        finally:
+            flusher.join()
+        if failed:
+            raise failed[0]
+    finally:
+        os.close(fd)
+    return crcs
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    # One pwrite moves at most ~2 GiB on Linux; the rest goes in further calls.
+    data = data.cast("B")
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done : done + (1 << 30)], offset + done)
+
+
+def commit(plan: Plan, location: Location, crcs: dict[str, int]) -> int:
+    """Rank 0: headers, small records and central directory, fsync, rename, fsync the directory.
+
+    Returns the file's size.
+    """
+    zplan = ZipPlan(plan.records, force_zip64=plan.force_zip64)
+    by_key = {f"{PREFIX}data/{k}": c for k, c in crcs.items()}
+    all_crcs = []
+    fd = os.open(plan.tmp, os.O_WRONLY)
+    try:
+        for index, (name, _) in enumerate(plan.records):
+            data = plan.small.get(index)
+            crc = zlib.crc32(data) if data is not None else by_key[name]
+            all_crcs.append(crc)
+            _pwrite_all(fd, memoryview(zplan.header(index, crc)), zplan.header_offsets[index])
+            if data is not None:
+                _pwrite_all(fd, memoryview(data), zplan.data_offsets[index])
+        _pwrite_all(fd, memoryview(zplan.directory(all_crcs)), zplan.directory_offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    # The temporary file already sits in the target directory: nothing is resolved again.
+    publish(plan.tmp, os.path.dirname(plan.tmp), location.name)
+    return zplan.size
+
+
+def write_alone(location: Location, payload: Mapping[str, Any]) -> int:
+    """Rank 0 writes all of ``payload``, no exchange, atomically; returns the size.
+
+    A local file goes through the planned writer: the same file ``torch.save`` would write
+    (temporary name, fsync, rename, directory fsync), but each storage goes to disk with one
+    ``pwrite`` straight from the tensor's memory. Anything else streams through ``torch.save``
+    (`ckptools.layouts.torch_io.save_file`: a multipart upload on S3).
+    """
+    if not location.local:
+        return save_file(location, payload)
+    plan = create_tmp(location, make_plan(location, payload, payload, alone=True))
+    try:
+        crcs = write_shares(plan, [(share, plan.storages[share.key]) for share in plan.shares])
+        return commit(plan, location, crcs)
+    except BaseException:
+        discard(plan)
+        raise
+
+
+def discard(plan: Plan | None) -> None:
+    """Rank 0: remove the temporary file of a save that failed."""
+    if plan is not None:
+        with contextlib.suppress(OSError):
+            os.unlink(plan.tmp)
