@@ -146,6 +146,37 @@ def test_the_package_imports_point_one_way():
     assert cli_users == ["ckptools.__main__"], cli_users
 
 
+# The wings of docs/development.md's package map, and who may import what across them.
+OPERATIONS = ("ckptools.saving", "ckptools.loading", "ckptools.manager", "ckptools.converting",
+              "ckptools.inspection", "ckptools.rewrite", "ckptools.restoring", "ckptools.cli",
+              "ckptools.training", "ckptools.integrations", "ckptools.__init__")  # fmt: skip
+TORCH_ADAPTER = "ckptools.layouts.torch_io"
+
+
+def _crossings(graph: dict, sources: tuple[str, ...], targets: tuple[str, ...]) -> list[str]:
+    def within(module: str, prefixes: tuple[str, ...]) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in prefixes)
+
+    return sorted(f"{m} -> {t}" for m, found in graph.items() if within(m, sources) or (m == "ckptools" and
+                  "ckptools.__init__" in sources) for t, _ in found if within(t, targets))  # fmt: skip
+
+
+def test_the_wings_keep_their_import_rules():
+    """The rules docs/development.md states: the operations reach bytes only through a layout or
+    the write wing (never a codec or the torch adapter); the integrations use the write wing's
+    public face, never its modules; layouts import no collective code and nothing of the write
+    wing; the collective wing imports no layout, operation or writer."""
+    graph = _imports()
+    assert _crossings(graph, OPERATIONS, ("ckptools.codecs", TORCH_ADAPTER)) == []
+    integration_imports = _crossings(graph, ("ckptools.integrations",), ("ckptools.write",))
+    assert [c for c in integration_imports if not c.endswith(" -> ckptools.write")] == [], integration_imports
+    assert _crossings(graph, ("ckptools.layouts",), ("ckptools.collective", "ckptools.write")) == []
+    assert _crossings(graph, ("ckptools.codecs",), ("ckptools.layouts", "ckptools.collective", "ckptools.write")) == []
+    below = ("ckptools.layouts", "ckptools.write", "ckptools.training", "ckptools.saving", "ckptools.loading")
+    assert _crossings(graph, ("ckptools.collective",), below) == []
+    assert _crossings(graph, ("ckptools.write",), OPERATIONS) == []
+
+
 def test_reading_a_file_and_every_codec_need_no_torch(tmp_path):
     """The byte formats, the layouts and the commands that only read a file import no torch (over a
     second); a file refused as damaged is refused without it too."""
@@ -176,3 +207,19 @@ def test_the_wheel_lists_every_subpackage():
     listed = set(tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     on_disk = {".".join(init.parent.relative_to(root).parts) for init in (root / "ckptools").rglob("__init__.py")}
     assert listed == on_disk, (sorted(on_disk - listed), sorted(listed - on_disk))
+
+
+def test_the_package_map_names_every_module():
+    """docs/development.md's package map stays true: every module and subpackage is named in it,
+    and every name in it is one."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(ROOT)
+    text = (root / "docs" / "development.md").read_text(encoding="utf-8")
+    block = text.split("## The package map", 1)[1].split("```", 2)[1]
+    named = set(re.findall(r"\b([a-z_]+\.py)\b", block)) | set(re.findall(r"\b([a-z_]+)/", block))
+    modules = {p.name for p in (root / "ckptools").rglob("*.py") if p.name not in ("__init__.py", "__main__.py")}
+    packages = {p.name for p in (root / "ckptools").iterdir() if (p / "__init__.py").exists()}
+    assert modules | packages <= named | {"py.typed"}, sorted((modules | packages) - named)
+    assert named - {"__init__.py"} <= modules | packages, sorted(named - modules - packages - {"__init__.py"})
