@@ -70,6 +70,18 @@ class Location:
         return Location(join(self.url, name), self.fs, self.path.rstrip("/") + "/" + name)
 
     @property
+    def absolute(self) -> Location:
+        """The same local place named by its absolute path (what messages about a folder's files
+        name); a remote location as it is.
+
+        Examples:
+            >>> import os
+            >>> resolve("ckpts").absolute.url == os.path.abspath("ckpts")
+            True
+        """
+        return Location(self.path, self.fs, self.path) if self.local else self
+
+    @property
     def parent(self) -> Location:
         """The folder this path is in (``"."`` for a bare local name), on the same filesystem.
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import CheckpointFormatError, CheckpointLayoutError
-from ..storage import Location, resolve
+from ..storage import Location
 from ..view import CheckpointView, Verification
 from .base import Layout, Transform
 from .folder_check import check_folder, is_trainer_folder
@@ -75,7 +75,7 @@ class HuggingFaceFolder(Layout):
                 raise CheckpointFormatError(f"{folder}: {problem}; the folder is not a whole checkpoint")
         model = model_file(folder, names)
         extras = {n: what for n in sorted(names) for pat, what in _ACCELERATE_EXTRAS.items() if fnmatch.fnmatch(n, pat)}
-        inner_loc = resolve(os.path.join(folder, model))
+        inner_loc = location.absolute.child(model)
         view = weights_layout(model).open(inner_loc, trust_code=trust_code)
         kind = "Accelerate save_state folder" if extras else "Hugging Face folder"
         for other in (n for n in MODEL_FILES if n in names and n != model):  # say which one was read
@@ -113,7 +113,7 @@ class HuggingFaceFolder(Layout):
             raise CheckpointLayoutError(
                 f"{location.url} is a folder of bare weights: it has no entries, so key= does not apply"
             )
-        return rename_in_folder(folder, model_file(folder, os.listdir(folder)), dst, transform)
+        return rename_in_folder(location.absolute, model_file(folder, os.listdir(folder)), dst, transform)
 
 
 HUGGING_FACE_FOLDER = HuggingFaceFolder()

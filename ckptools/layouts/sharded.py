@@ -17,7 +17,7 @@ from typing import Any
 
 from ..codecs.trees import locate_weights
 from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
-from ..storage import Location, atomic_write, open_for_read, resolve
+from ..storage import Location, atomic_write, open_for_read
 from ..text import plural
 from ..view import CheckpointView, Verification
 from .base import Layout, Transform
@@ -102,7 +102,7 @@ class ShardedIndex(Layout):
             raise CheckpointLayoutError(
                 f"{location.url} is a folder of bare weights: it has no entries, so key= does not apply"
             )
-        return rename_in_folder(os.path.dirname(location.path) or ".", os.path.basename(location.path), dst, transform)
+        return rename_in_folder(location.absolute.parent, location.name, dst, transform)
 
 
 def weights_layout(name: str) -> Layout:
@@ -207,7 +207,7 @@ class _ShardedWeights(Mapping[str, Any]):
         return len(self._where)
 
 
-def rename_in_folder(folder: str, model: str, dst: str, transform: Transform) -> int:
+def rename_in_folder(place: Location, model: str, dst: str, transform: Transform) -> int:
     """Rename the weights of the model file ``model`` (a weights file or an index) of ``folder`` into
     the folder ``dst``; return how many names changed.
 
@@ -215,17 +215,17 @@ def rename_in_folder(folder: str, model: str, dst: str, transform: Transform) ->
     an interrupted run leaves the old index naming the old shards), and, when ``dst`` is another
     folder, every other file (``config.json``, tokenizer, optimizer state) copied.
     """
+    folder = place.path.rstrip("/") or "/"
     names = sorted(os.listdir(folder))
     os.makedirs(dst, exist_ok=True)
     same = os.path.realpath(dst) == os.path.realpath(folder)
     changed = 0
     if weights_layout(model) is SHARDED_INDEX:
-        index_path = os.path.join(folder, model)
-        weight_map, metadata = read_index(resolve(index_path))
+        index_path = place.child(model).url
+        weight_map, metadata = read_index(place.child(model))
         shards = sorted(set(weight_map.values()))
         for shard in shards:
-            shard_loc = resolve(os.path.join(folder, shard))
-            changed += file_layout(shard).rename(shard_loc, os.path.join(dst, shard), transform, key=None)
+            changed += file_layout(shard).rename(place.child(shard), os.path.join(dst, shard), transform, key=None)
         renamed = transform({name: name for name in weight_map})
         if len(renamed) != len(weight_map):
             raise CheckpointLayoutError(
@@ -235,9 +235,7 @@ def rename_in_folder(folder: str, model: str, dst: str, transform: Transform) ->
         payload = (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
         weight_files = {model, *shards}
     else:
-        changed += file_layout(model).rename(
-            resolve(os.path.join(folder, model)), os.path.join(dst, model), transform, key=None
-        )
+        changed += file_layout(model).rename(place.child(model), os.path.join(dst, model), transform, key=None)
         weight_files = {model}
     if not same:
         for name in names:

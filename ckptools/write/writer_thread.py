@@ -94,6 +94,9 @@ class BackgroundWriter:
         """Block until the write in flight (if any) ended."""
         if self._thread is not None:
             self._thread.join()
+            # Let go of the finished thread: an owner pickled afterwards (``torch.save(trainer)``
+            # with the Lightning plugin in it) must not carry a thread's lock.
+            self._thread = None
 
     def take_error(self) -> BaseException | None:
         """The error of the last write (once: it is cleared)."""
