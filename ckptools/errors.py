@@ -89,6 +89,12 @@ class NotChecksummedError(CheckpointError, ValueError):
     """
 
 
+class NodeMemoryError(CheckpointError):
+    """`CheckpointManager.snapshot` cannot keep its snapshots in the node-memory folder: too
+    little free space for two slots (the message names the sizes and the fixes: a larger
+    ``/dev/shm``, a memory-backed Kubernetes ``emptyDir``, another ``snapshot_dir``)."""
+
+
 class UnsafeStateError(UnsafeCheckpointError, TypeError):
     """``save`` refused a value that ``torch.load(weights_only=True)`` would refuse to load.
 

@@ -2,20 +2,30 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import log
 from .collective.agree import Agreement
-from .collective.group import get_rank
+from .collective.group import all_gather_object, get_rank
 from .errors import CheckpointError
 from .layouts import TORCH_FILE
 from .leftovers import abandoned_tmps
 from .loading import load
 from .saving import async_save_with_hooks, save_with_hooks
 from .storage import PathLike, fspath, join, list_files, remove, resolve
-from .write import AsyncSave, finish_pending, pending, release_snapshot_buffers
+from .write import (
+    AsyncSave,
+    check_space,
+    default_folder,
+    finish_pending,
+    payload_bytes,
+    pending,
+    register,
+    release_snapshot_buffers,
+)
 
 __all__ = ["CheckpointManager"]
 
@@ -36,13 +46,18 @@ class CheckpointManager:
       `ckptools.leftovers.is_abandoned_tmp`).
     - ``latest()`` (local) returns the newest checkpoint whose every zip record passes its
       CRC-32 check, skipping damaged or truncated ones with a warning.
-    - ``restore(state)`` (collective) loads the checkpoint rank 0's ``latest()`` chose on every
-      rank, or returns None on a fresh start.
+    - ``snapshot(state, step)`` (collective) copies the state into this node's memory
+      (``snapshot_dir``): it survives kill -9 of the whole job (docs/guides/snapshots.md).
+    - ``restore(state)`` (collective) loads on every rank the newest good checkpoint rank 0
+      finds, durable or snapshot, or returns None on a fresh start.
 
     Args:
         directory: a local path or an fsspec URL (``s3://bucket/run``, ``memory://run``).
         keep_last: how many checkpoints to keep (>= 1), or None to keep all.
         prefix: file name prefix (letters, digits, ``_`` and ``-``).
+        snapshot_dir: the node-memory folder for `snapshot`; by default ``/dev/shm/ckptools-<key>``
+            (``$CKPTOOLS_NODE_MEMORY`` instead of ``/dev/shm`` when set), ``<key>`` derived from
+            ``directory`` and ``prefix`` so that a relaunch finds it.
 
     Examples:
         >>> import torch, ckptools as ck
@@ -54,7 +69,14 @@ class CheckpointManager:
         '/tmp/run/ckpt-0000000100.pt'
     """
 
-    def __init__(self, directory: PathLike, *, keep_last: int | None = 3, prefix: str = "ckpt") -> None:
+    def __init__(
+        self,
+        directory: PathLike,
+        *,
+        keep_last: int | None = 3,
+        prefix: str = "ckpt",
+        snapshot_dir: PathLike | None = None,
+    ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
             raise ValueError(f"keep_last must be an integer >= 1 (or None to keep all), got {keep_last!r}")
         if not re.fullmatch(r"[A-Za-z0-9_-]+", prefix):
@@ -63,6 +85,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.prefix = prefix
         self._pattern = re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
+        self.snapshot_dir = fspath(snapshot_dir) if snapshot_dir is not None else default_folder(self.directory, prefix)
+        self._memory: CheckpointManager | None = None
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r}, keep_last={self.keep_last!r}, prefix={self.prefix!r})"
@@ -201,6 +225,76 @@ class CheckpointManager:
         for path in doomed:
             self._remove_quietly(path)
 
+    def snapshot(self, state: Mapping[str, Any], step: int, **save_kwargs: Any) -> str:
+        """Copy ``state`` into this node's memory as the snapshot of ``step`` (collective, like `save`).
+
+        The snapshot is the checkpoint `save` would write, in the node-memory folder
+        (``snapshot_dir``; see `ckptools.write.node_memory`): it survives kill -9 of every process
+        of the job, and `restore` resumes from it when it is newer than every durable checkpoint,
+        bit-identical as from a file. The call returns once the copy is whole; with DDP on one
+        node every local rank copies its share (``writers="auto"``, as `save`). Two slots: the
+        newest snapshot stays whole until the new one is committed, then it is removed. The
+        folder's free space is checked for both slots before anything is written.
+
+        Args:
+            state: as for `save`, the same on every rank.
+            step: the training step.
+            **save_kwargs: passed to `ckptools.save` (``metadata=...``, ``writers=...``).
+
+        Returns:
+            The snapshot's path.
+
+        Raises:
+            NodeMemoryError: the folder cannot hold two snapshots of ``state`` (on every rank,
+                naming the sizes and the fixes); nothing was written.
+            CheckpointError: the copy failed (on every rank); the previous snapshot is whole.
+
+        Examples:
+            >>> manager.snapshot({"model": model, "optimizer": opt}, step=301)  # doctest: +SKIP
+        """
+        memory = self._memory_manager()
+        path = memory.path_for(step)
+        metadata = {**dict(save_kwargs.pop("metadata", None) or {}), "step": step}
+
+        def make_room() -> None:  # rank 0, once save's checks passed, before the copy
+            os.makedirs(memory.directory, exist_ok=True)
+            register(memory.directory)
+            kept = memory.checkpoints()[-1:]  # the newest stays whole until the new one is committed
+            for _, old in memory.checkpoints()[:-1]:
+                memory._remove_quietly(old)
+            memory._remove_leftovers()
+            check_space(memory.directory, payload_bytes(state), sum(os.path.getsize(p) for _, p in kept))
+
+        save_with_hooks(path, state, metadata=metadata, before_write=make_room, **save_kwargs)
+        if get_rank() == 0:
+            memory._housekeeping(lambda: memory._prune(step), "prune")
+        return path
+
+    def snapshots(self) -> list[tuple[int, str]]:
+        """``(step, path)`` of this node's snapshots, oldest first (unverified; local)."""
+        if not os.path.isdir(self.snapshot_dir):
+            return []
+        return self._memory_manager().checkpoints()
+
+    def _memory_manager(self) -> CheckpointManager:
+        if self._memory is None:
+            self._memory = CheckpointManager(self.snapshot_dir, keep_last=1, prefix=self.prefix)
+        return self._memory
+
+    def _step_of(self, path: str) -> int:
+        match = self._pattern.fullmatch(os.path.basename(path))
+        assert match is not None  # every path a manager lists matches its pattern
+        return int(match.group(1))
+
+    def _choose(self) -> tuple[str, bool] | None:
+        """Rank 0: the newest good checkpoint, durable or this node's snapshot (a tie: the
+        snapshot, which reads from memory), and whether it is a snapshot; None for none."""
+        durable = self.latest()
+        snapshot = self._memory_manager().latest() if os.path.isdir(self.snapshot_dir) else None
+        if snapshot is not None and (durable is None or self._step_of(snapshot) >= self._step_of(durable)):
+            return snapshot, True
+        return None if durable is None else (durable, False)
+
     def latest(self) -> str | None:
         """Path of the newest complete checkpoint that passes its integrity check, or None.
 
@@ -230,6 +324,9 @@ class CheckpointManager:
         Collective: rank 0 picks the checkpoint (so all ranks agree even if a save is racing
         the listing) and broadcasts its path; every rank then loads it with `ckptools.load`,
         restoring its own RNG states too (restoring is resuming; ``restore_rng=False`` opts out).
+        The newest of the durable checkpoints and this node's `snapshot` wins (a tie: the
+        snapshot, read from memory); ranks that cannot see rank 0's snapshot receive it from
+        rank 0 over the process group.
 
         Args:
             state: objects to restore in place, as for `ckptools.load`.
@@ -247,10 +344,19 @@ class CheckpointManager:
             >>> step = 0 if ckpt is None else ckpt["step"]  # doctest: +SKIP
         """
         finish_pending()
-        path = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(self.latest, send=True)
-        if path is None:
+        choice = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(self._choose, send=True)
+        if choice is None:
             if get_rank() == 0:
                 log.logger.info("no checkpoint in %s: starting fresh", self.directory)
             return None
+        path, from_memory = choice
         # Restoring is resuming: the RNG comes back whatever the state holds (see ck.load).
-        return load(path, state, **{"restore_rng": True, **load_kwargs})
+        load_kwargs = {"restore_rng": True, **load_kwargs}
+        if from_memory:
+            register(self.snapshot_dir)
+            # Ranks on another node have another memory: they receive rank 0's snapshot.
+            if not all(all_gather_object(os.path.exists(path))):
+                load_kwargs["broadcast"] = True
+            if get_rank() == 0:
+                log.logger.info("restoring from the snapshot in node memory: %s", path)
+        return load(path, state, **load_kwargs)

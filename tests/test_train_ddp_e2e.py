@@ -310,3 +310,27 @@ def test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact(tmp_path, ref
     again = ok(torchrun(tmp_path, "--log-every", "1", *extra, "--save-every-steps", "1000", *model))
     assert f"resumed from step {step} " in again, again[-3000:]  # 0 steps lost
     assert_bit_identical(reference(model=model), tmp_path)
+
+
+@pytest.mark.slow
+def test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind(tmp_path, reference):
+    """kill -9 of torchrun, both ranks and their DataLoader workers at once, right after step 23 is
+    logged; the durable checkpoint is at step 16 (the epoch end), the loop snapshots every step into
+    node memory. The same command relaunched resumes at step 22 or 23 from memory (the kill may land
+    before or after step 23's snapshot, never inside a torn one), ends bit-identical to the
+    uninterrupted run, and leaves no node memory behind."""
+    args = ["--num-workers", "2", "--save-every-steps", "1000", "--snapshot-every", "1", "--log-every", "1",
+            "--step-seconds", "0.05"]  # fmt: skip
+    launch = ["--standalone", "--nproc-per-node=2", "--max-restarts=0", SCRIPT, "--ckpt-dir", str(tmp_path), *args]
+    first, _ = torchrun_signalled(launch, cwd=ROOT, when="step 23 loss", send=_signal(job_processes, signal.SIGKILL))
+    assert first.returncode != 0 and "step 23 loss" in first.stdout, first.stdout[-3000:]
+    assert "done after" not in first.stdout
+    memory = ck.CheckpointManager(tmp_path).snapshot_dir
+    assert os.path.isdir(memory), "the snapshots outlive every process of the job"
+    last = max(int(n) for n in re.findall(r"step (\d+) loss", first.stdout))  # the last step the job logged
+    out = ok(torchrun(tmp_path, *args))
+    resumed = int(re.search(r"resumed from step (\d+) ", out).group(1))
+    assert resumed in (last - 1, last), (last, out[-3000:])  # the durable checkpoint is step 16
+    assert "restoring from the snapshot in node memory" in out
+    assert_bit_identical(reference(), tmp_path)
+    assert not os.path.exists(memory), "a job that ends normally releases its node memory"

@@ -7,23 +7,26 @@ wait in the next collective until the timeout. `Agreement` is that ending, in th
 ``_DistWrapper``: run a step on rank 0 (`Agreement.on_rank0`) or look at every rank's error
 (`Agreement.on_every_rank`), and raise the same error everywhere.
 
-An *outcome* is the small picklable value one collective carries: ``(refused, text)`` where
-``text`` starts with ``rank N:`` and ``refused`` says the state itself was refused (an
-`UnsafeStateError`, raised as that class on every rank: it names what to fix, not a failure).
+An *outcome* is the small picklable value one collective carries: ``(kept, text)`` where
+``text`` starts with ``rank N:`` and ``kept`` names the class of an error that is raised as
+itself on every rank because it names what to fix rather than a failure (`UnsafeStateError`:
+the state was refused; `NodeMemoryError`: the node-memory folder is too small), else None.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, TypeVar
+from typing import Literal, Optional, TypeVar
 
-from ..errors import CheckpointError, UnsafeStateError
+from ..errors import CheckpointError, NodeMemoryError, UnsafeStateError
 from .group import all_gather_object, broadcast_object, get_rank
 
 __all__ = ["Agreement", "Outcome", "RankFailure", "outcome_of", "saving"]
 
 T = TypeVar("T")
-Outcome = tuple[bool, str]
+Outcome = tuple[Optional[str], str]
+# Errors every rank raises as themselves, with the text of the rank where they happened.
+_KEPT: dict[str, type[CheckpointError]] = {cls.__name__: cls for cls in (UnsafeStateError, NodeMemoryError)}
 
 
 class RankFailure(Exception):
@@ -31,7 +34,7 @@ class RankFailure(Exception):
 
     Examples:
         >>> outcome_of(RankFailure("rank 1: OSError: disk full"))
-        (False, 'rank 1: OSError: disk full')
+        (None, 'rank 1: OSError: disk full')
     """
 
 
@@ -39,11 +42,12 @@ def outcome_of(error: BaseException | None, rank: int = 0) -> Outcome | None:
     """What every rank needs to raise ``error`` (raised on ``rank``) too; None for no error."""
     if error is None:
         return None
-    if isinstance(error, UnsafeStateError):
-        return (True, str(error))
+    kept = type(error).__name__
+    if _KEPT.get(kept) is type(error):
+        return (kept, str(error))
     if isinstance(error, RankFailure):
-        return (False, str(error))
-    return (False, f"rank {rank}: {type(error).__name__}: {error}")
+        return (None, str(error))
+    return (None, f"rank {rank}: {type(error).__name__}: {error}")
 
 
 class Agreement:
@@ -59,7 +63,7 @@ class Agreement:
     Examples:
         >>> Agreement("saving checkpoint /tmp/a.pt").on_rank0(lambda: 42)  # no process group: rank 0
         42
-        >>> Agreement("loading checkpoint /tmp/a.pt").message((False, "rank 1: OSError: gone"))
+        >>> Agreement("loading checkpoint /tmp/a.pt").message((None, "rank 1: OSError: gone"))
         'loading checkpoint /tmp/a.pt failed on rank 1: OSError: gone'
     """
 
@@ -68,18 +72,18 @@ class Agreement:
 
     def message(self, outcome: Outcome) -> str:
         """The text every rank raises for ``outcome``."""
-        refused, text = outcome
-        return text if refused else f"{self.what} failed on {text}{self.tail}"
+        kept, text = outcome
+        return text if kept else f"{self.what} failed on {text}{self.tail}"
 
     def raise_outcome(self, outcome: Outcome | None, error: BaseException | None = None) -> None:
         """Raise ``outcome`` (nothing when None); ``error`` is this rank's own, if it had one."""
         if outcome is None:
             return
-        refused, _ = outcome
-        if error is not None and (refused or self.own == "as_is") and not isinstance(error, RankFailure):
+        kept, _ = outcome
+        if error is not None and (kept or self.own == "as_is") and not isinstance(error, RankFailure):
             raise error
-        if refused:
-            raise UnsafeStateError(self.message(outcome))
+        if kept:
+            raise _KEPT[kept](self.message(outcome))
         if error is not None and not isinstance(error, RankFailure):
             raise CheckpointError(self.message(outcome)) from error
         raise CheckpointError(self.message(outcome))
@@ -139,7 +143,7 @@ def saving(path: str, *, how: str = "") -> Agreement:
     """How every save fails: the same `CheckpointError` on every rank, naming the path and the rank.
 
     Examples:
-        >>> saving("/tmp/a.pt").message((False, "rank 1: OSError: disk full"))
+        >>> saving("/tmp/a.pt").message((None, "rank 1: OSError: disk full"))
         'saving checkpoint /tmp/a.pt failed on rank 1: OSError: disk full; earlier checkpoints are untouched'
     """
     return Agreement(f"saving checkpoint {path}{how}", tail="; earlier checkpoints are untouched")

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 from .. import log
 from ..collective.group import barrier, get_rank, max_over_ranks
-from ..write import finish_pending
+from ..write import finish_pending, release
 from .process import leave
 
 __all__ = ["Preemption"]
@@ -334,6 +334,7 @@ class Preemption:
         """
         finish_pending()
         barrier()
+        release()  # its state is in the folder now: the node-memory snapshots go
         status = self.exit_code if code is None else code
         since = "" if self.received_at is None else f", {time.monotonic() - self.received_at:.2f} s after the signal"
         if get_rank() == 0:

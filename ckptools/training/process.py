@@ -9,7 +9,7 @@ import sys
 from typing import NoReturn
 
 from ..collective.group import barrier
-from ..write import finish_pending
+from ..write import finish_pending, release
 
 __all__ = ["exit_process", "leave"]
 
@@ -27,7 +27,9 @@ def exit_process(code: int = 0, *, collective: bool = True) -> NoReturn:
 
     ``collective=False`` is for error paths, where the other ranks may never arrive: no barrier
     and no waiting for a background save (an interrupted write leaves the previous checkpoint
-    intact); only the flush and the exit.
+    intact); only the flush and the exit. The node-memory snapshots of `CheckpointManager.snapshot`
+    are removed after the barrier of a collective exit only: a job that failed keeps them for its
+    relaunch.
 
     Examples:
         >>> import ckptools as ck
@@ -37,6 +39,7 @@ def exit_process(code: int = 0, *, collective: bool = True) -> NoReturn:
     if collective:
         finish_pending()
         barrier()
+        release()  # the job ended normally: its node-memory snapshots go (a crash keeps them)
     leave(code)
 
 

@@ -14,6 +14,8 @@ shares.py            the collective steps of ``writers="all"`` (plan, check, wri
 snapshot.py          `SnapshotBuffers`: a copy of the state in reused host buffers
 writer_thread.py     `BackgroundWriter`: one write in a background thread, its error kept
 async_save.py        the async save's state in one place: `AsyncSave`, the save in flight
+node_memory.py       where `CheckpointManager.snapshot` keeps snapshots: the node-memory folder,
+                     its space check for two slots, its release at the job's normal end
 ===================  ==========================================================================
 
 The operations (`ckptools.save`, `ckptools.async_save`, `CheckpointManager`) and a writer of
@@ -29,7 +31,8 @@ from typing import Any
 
 from ..storage import Location, PathLike, resolve
 from .async_save import AsyncSave, finish_pending, pending, release_snapshot_buffers, set_pending, take_snapshot
-from .payload import build_payload, checked_args
+from .node_memory import check_space, default_folder, register, release
+from .payload import build_payload, checked_args, payload_bytes
 from .plan import check_writers, choose, compare_replicas, replica_digests
 from .shares import plan_shares, write_and_commit, write_share_in_background
 from .snapshot import SnapshotBuffers, whole_storage
@@ -41,13 +44,18 @@ __all__ = [
     "BackgroundWriter",
     "SnapshotBuffers",
     "build_payload",
+    "check_space",
     "check_writers",
     "checked_args",
     "choose",
     "compare_replicas",
+    "default_folder",
     "finish_pending",
+    "payload_bytes",
     "pending",
     "plan_shares",
+    "register",
+    "release",
     "release_snapshot_buffers",
     "replica_digests",
     "set_pending",

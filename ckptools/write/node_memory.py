@@ -1,0 +1,92 @@
+"""Node memory: where `CheckpointManager.snapshot` keeps the newest state, outside every process.
+
+A snapshot is an ordinary ckptools checkpoint file (the planned writer's torch zip, CRC-32s in
+every record, committed by an atomic rename) in a folder on a memory-backed filesystem of this
+node: ``/dev/shm`` by default. Files there outlive every process of the job (kill -9 of
+torchrun, of every rank and of their DataLoader workers), so a relaunch on the same node finds
+the newest snapshot and resumes from it; they do not outlive the node (a reboot, a replaced node).
+
+Two slots: before a snapshot is written, every snapshot but the newest is removed, and the new
+one is written beside it under a temporary name; only its rename makes it count. A kill in the
+middle of a copy leaves the newest snapshot whole, so the memory held is at most two snapshots
+(one between snapshots). Before a write the folder's free space is checked for both slots: too
+little is a `NodeMemoryError` naming the sizes and the fixes, never a crash later.
+
+The folder: ``snapshot_dir=`` of the manager, else ``$CKPTOOLS_NODE_MEMORY/ckptools-<key>``, else
+``/dev/shm/ckptools-<key>`` (the system's temporary folder where there is no ``/dev/shm``);
+``<key>`` is derived from the manager's directory and prefix, so a relaunch of the same job
+finds it and another job's snapshots never mix with it. A job that ends normally
+(`ckptools.exit_process`, `Preemption.exit`) removes its folders (`release`); a job that died
+leaves them for its relaunch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import shutil
+import tempfile
+
+from ..collective.group import get_local_rank
+from ..errors import NodeMemoryError
+from ..text import human_size
+
+__all__ = ["ENV", "check_space", "default_folder", "register", "release"]
+
+ENV = "CKPTOOLS_NODE_MEMORY"
+
+# Folders this process wrote snapshots into; removed when the job ends normally.
+_REGISTERED: set[str] = set()
+
+
+def default_folder(directory: str, prefix: str) -> str:
+    """The node-memory folder of a manager of ``directory`` with ``prefix`` on this node.
+
+    Examples:
+        >>> os.path.basename(default_folder("/runs/a", "ckpt")) == os.path.basename(default_folder("/runs/a", "ckpt"))
+        True
+        >>> default_folder("/runs/a", "ckpt") != default_folder("/runs/b", "ckpt")
+        True
+    """
+    where = directory if "://" in directory else os.path.abspath(directory)
+    key = hashlib.sha1(f"{where}\0{prefix}".encode()).hexdigest()[:16]
+    base = os.environ.get(ENV) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    return os.path.join(base, f"ckptools-{key}")
+
+
+def check_space(folder: str, needed: int, held: int) -> None:
+    """Raise `NodeMemoryError` unless ``folder`` can hold two snapshots of ``needed`` bytes,
+    counting the ``held`` bytes of snapshots already there (they are replaced, not added to)."""
+    free = shutil.disk_usage(folder).free
+    if free + held >= 2 * needed:
+        return
+    raise NodeMemoryError(
+        f"the node-memory folder {folder} has {human_size(free)} free (and {human_size(held)} of snapshots), but "
+        f"two snapshot slots of this state need {human_size(2 * needed)}: give the node more shared memory "
+        "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory and a sizeLimit), or point "
+        f"CheckpointManager(snapshot_dir=...) or ${ENV} at a larger memory-backed folder"
+    )
+
+
+def register(folder: str) -> None:
+    """Remember ``folder`` for `release` at the job's normal end."""
+    _REGISTERED.add(folder)
+
+
+def release() -> list[str]:
+    """Remove the node-memory folders this process wrote snapshots into; the folders removed.
+
+    Called by `ckptools.exit_process` and `Preemption.exit` on one rank per node, after every
+    rank's last checkpoint call: a job that ended normally leaves no memory behind.
+    """
+    removed: list[str] = []
+    if get_local_rank() != 0:  # the node's ranks share the folder: one of them removes it
+        _REGISTERED.clear()
+        return removed
+    for folder in sorted(_REGISTERED):
+        with contextlib.suppress(FileNotFoundError):
+            shutil.rmtree(folder)
+            removed.append(folder)
+    _REGISTERED.clear()
+    return removed

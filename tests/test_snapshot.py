@@ -1,0 +1,169 @@
+"""CheckpointManager.snapshot: the newest state in node memory (issue 35's first part).
+
+The kill -9 of a whole torchrun job is in test_train_ddp_e2e.py (slow: `make interop` runs it).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import ckptools as ck
+from ckptools.write import zip_writer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _state(value: float) -> dict:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    with torch.no_grad():
+        model.weight.fill_(value)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(1, 64)).sum().backward()
+    opt.step()  # momentum buffers: optimizer state to restore too
+    return {"model": model, "optimizer": opt}
+
+
+def _manager(tmp_path, **kwargs) -> ck.CheckpointManager:
+    memory = tmp_path / "node-memory"  # tmp_path stands in for /dev/shm: any folder works
+    return ck.CheckpointManager(tmp_path / "run", snapshot_dir=memory, **kwargs)
+
+
+def test_restore_takes_the_newest_of_node_memory_and_disk_bit_exact(tmp_path):
+    manager = _manager(tmp_path)
+    manager.save({**_state(1.0), "step": 10}, 10)
+    for step in (11, 12, 13):
+        state = _state(float(step))
+        manager.snapshot({**state, "step": step}, step)
+    assert [s for s, _ in manager.snapshots()] == [13]  # one snapshot between snapshots
+    assert os.listdir(manager.snapshot_dir) == ["ckpt-0000000013.pt"]
+    expected = {k: v.clone() for k, v in state["model"].state_dict().items()}
+    momentum = [s["momentum_buffer"].clone() for s in state["optimizer"].state_dict()["state"].values()]
+    target = _state(0.0)
+    restored = manager.restore(target)
+    assert restored["step"] == 13
+    for key, value in target["model"].state_dict().items():
+        assert value.numpy().tobytes() == expected[key].numpy().tobytes(), key
+    got = [s["momentum_buffer"] for s in target["optimizer"].state_dict()["state"].values()]
+    assert all(a.numpy().tobytes() == b.numpy().tobytes() for a, b in zip(got, momentum))
+    # A snapshot is the checkpoint save writes: torch's safe loader reads it.
+    assert torch.load(manager.snapshots()[-1][1], weights_only=True)["step"] == 13
+    manager.save({**_state(14.0), "step": 14}, 14)  # a newer durable checkpoint wins
+    assert manager.restore(_state(0.0))["step"] == 14
+
+
+def test_a_snapshot_that_fails_midway_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    manager = _manager(tmp_path)
+    kept = _state(5.0)
+    manager.snapshot({**kept, "step": 5}, 5)
+    real = zip_writer.write_shares
+
+    def dies(plan, chunks):  # a kill during the copy, as far as the folder can tell
+        real(plan, chunks[: len(chunks) // 2])
+        raise OSError("killed mid-copy")
+
+    monkeypatch.setattr(zip_writer, "write_shares", dies)
+    with pytest.raises(ck.CheckpointError, match="killed mid-copy"):
+        manager.snapshot({**_state(6.0), "step": 6}, 6)
+    monkeypatch.undo()
+    assert os.listdir(manager.snapshot_dir) == ["ckpt-0000000005.pt"]  # no torn file, no temporary
+    target = _state(0.0)
+    assert manager.restore(target)["step"] == 5
+    assert torch.equal(target["model"].weight, kept["model"].weight)
+
+
+def test_too_small_a_memory_folder_is_a_clear_error_before_anything_is_written(tmp_path):
+    folder = tmp_path / "small-shm"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a 1 MiB tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        manager = ck.CheckpointManager(tmp_path / "run", snapshot_dir=folder / "snaps")
+        big = {"w": torch.zeros(300_000)}  # 1.2 MB: two slots need 2.3 MiB, the folder holds 1 MiB
+        with pytest.raises(ck.NodeMemoryError) as raised:
+            manager.snapshot(big, 1)
+        text = str(raised.value)
+        assert "free" in text and "two snapshot slots of this state need 2.3 MiB" in text, text
+        assert "--shm-size" in text and "emptyDir" in text and "snapshot_dir" in text, text
+        assert os.listdir(folder / "snaps") == []  # nothing written
+        manager.snapshot({"w": torch.zeros(1000)}, 2)  # a state that fits: fine
+        assert [s for s, _ in manager.snapshots()] == [2]
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+SCRIPT = """
+import os, sys, torch, ckptools as ck
+manager = ck.CheckpointManager(sys.argv[1], snapshot_dir=sys.argv[2])
+manager.snapshot({"w": torch.ones(4)}, 7)
+if sys.argv[3] == "crash":
+    os._exit(1)  # a crash: no cleanup at all
+ck.exit_process(0)
+"""
+
+
+@pytest.mark.parametrize("how", ["normal", "crash"])
+def test_a_normal_end_releases_node_memory_and_a_crash_keeps_it(tmp_path, how):
+    memory = tmp_path / "node-memory"
+    script = tmp_path / "job.py"
+    script.write_text(textwrap.dedent(SCRIPT))
+    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), str(memory), how],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    assert proc.returncode == (0 if how == "normal" else 1), proc.stderr
+    if how == "normal":
+        assert not memory.exists()
+    else:
+        assert os.listdir(memory) == ["ckpt-0000000007.pt"]
+        restored = ck.CheckpointManager(tmp_path / "run", snapshot_dir=memory).restore({})
+        assert restored["__ckptools__"]["metadata"]["step"] == 7 and restored["w"].tolist() == [1.0] * 4
+
+
+def test_the_default_folder_is_in_node_memory_and_per_run(tmp_path, monkeypatch):
+    monkeypatch.delenv("CKPTOOLS_NODE_MEMORY", raising=False)
+    a, b = ck.CheckpointManager(tmp_path / "a"), ck.CheckpointManager(tmp_path / "b")
+    assert a.snapshot_dir != b.snapshot_dir
+    assert a.snapshot_dir == ck.CheckpointManager(str(tmp_path / "a")).snapshot_dir  # a relaunch finds it
+    if os.path.isdir("/dev/shm"):
+        assert a.snapshot_dir.startswith("/dev/shm/ckptools-")
+    monkeypatch.setenv("CKPTOOLS_NODE_MEMORY", str(tmp_path / "elsewhere"))
+    assert ck.CheckpointManager(tmp_path / "a").snapshot_dir.startswith(str(tmp_path / "elsewhere"))
+
+
+def _two_nodes(rank: int, world: int, directory: str) -> tuple:
+    """Two simulated nodes (one rank each), each with a node-memory folder of its own."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    memory = os.path.join(directory, f"node{rank}-memory")
+    manager = ck.CheckpointManager(os.path.join(directory, "run"), snapshot_dir=memory)
+    torch.manual_seed(1)
+    model = DistributedDataParallel(torch.nn.Linear(16, 16))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 16)).sum().backward()
+    opt.step()
+    manager.snapshot({"model": model, "optimizer": opt, "step": 3}, 3)
+    saved = model.module.weight.detach().clone()
+    torch.manual_seed(2)
+    fresh = DistributedDataParallel(torch.nn.Linear(16, 16))
+    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
+    restored = manager.restore({"model": fresh, "optimizer": fresh_opt})
+    return (
+        restored["step"],
+        torch.equal(fresh.module.weight, saved),
+        sorted(os.listdir(memory)) if os.path.isdir(memory) else [],
+    )
+
+
+def test_a_node_without_the_snapshot_receives_it_from_rank_0(tmp_path):
+    """Today's multi-node form: the ranks do not share a folder, so rank 0 writes the snapshot
+    alone (writers="auto"); the other node restores the same step, sent over the process group."""
+    results = run_ranks(_two_nodes, 2, str(tmp_path))
+    assert results[0] == (3, True, ["ckpt-0000000003.pt"])
+    assert results[1] == (3, True, [])
