@@ -89,7 +89,8 @@ interop: $(INTEROP_STAMP) lightning-suite
 	CKPTOOLS_GOLDEN=build/golden $(PY) -m pytest -q -p no:cacheprovider -n auto --dist load --maxschedchunk 1 \
 		tests/test_interop.py tests/test_real_files.py tests/test_lightning.py tests/test_transformers.py \
 		tests/test_docs.py::test_every_python_snippet_runs \
-		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind
+		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind \
+		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_not_relaunched_leaves_the_newest_step_in_the_folder
 
 # lightning-suite: Lightning's own checkpointing tests (third_party/lightning_tests, from its 2.6.5 tag) with each
 # ckptools plugin as every strategy's default CheckpointIO; the few that examine TorchCheckpointIO itself are

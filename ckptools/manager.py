@@ -25,6 +25,8 @@ from .write import (
     pending,
     register,
     release_snapshot_buffers,
+    start_keeper,
+    watch,
 )
 
 __all__ = ["CheckpointManager"]
@@ -259,6 +261,8 @@ class CheckpointManager:
         def make_room() -> None:  # rank 0, once save's checks passed, before the copy
             os.makedirs(memory.directory, exist_ok=True)
             register(memory.directory)
+            watch(memory.directory)
+            start_keeper(memory.directory, self.directory, self.prefix, self.keep_last)
             kept = memory.checkpoints()[-1:]  # the newest stays whole until the new one is committed
             for _, old in memory.checkpoints()[:-1]:
                 memory._remove_quietly(old)
@@ -290,7 +294,10 @@ class CheckpointManager:
         """Rank 0: the newest good checkpoint, durable or this node's snapshot (a tie: the
         snapshot, which reads from memory), and whether it is a snapshot; None for none."""
         durable = self.latest()
-        snapshot = self._memory_manager().latest() if os.path.isdir(self.snapshot_dir) else None
+        snapshot = None
+        if os.path.isdir(self.snapshot_dir):
+            watch(self.snapshot_dir)  # first: the keeper of a job that died must not release it now
+            snapshot = self._memory_manager().latest()
         if snapshot is not None and (durable is None or self._step_of(snapshot) >= self._step_of(durable)):
             return snapshot, True
         return None if durable is None else (durable, False)

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -31,6 +32,11 @@ def _state(value: float) -> dict:
     return {"model": model, "optimizer": opt}
 
 
+def _files(folder) -> list[str]:
+    """The snapshots and temporaries in a node-memory folder (not the keeper's .pids and .keeper)."""
+    return sorted(n for n in os.listdir(folder) if not n.startswith("."))
+
+
 def _manager(tmp_path, **kwargs) -> ck.CheckpointManager:
     memory = tmp_path / "node-memory"  # tmp_path stands in for /dev/shm: any folder works
     return ck.CheckpointManager(tmp_path / "run", snapshot_dir=memory, **kwargs)
@@ -43,7 +49,7 @@ def test_restore_takes_the_newest_of_node_memory_and_disk_bit_exact(tmp_path):
         state = _state(float(step))
         manager.snapshot({**state, "step": step}, step)
     assert [s for s, _ in manager.snapshots()] == [13]  # one snapshot between snapshots
-    assert os.listdir(manager.snapshot_dir) == ["ckpt-0000000013.pt"]
+    assert _files(manager.snapshot_dir) == ["ckpt-0000000013.pt"]
     expected = {k: v.clone() for k, v in state["model"].state_dict().items()}
     momentum = [s["momentum_buffer"].clone() for s in state["optimizer"].state_dict()["state"].values()]
     target = _state(0.0)
@@ -73,7 +79,7 @@ def test_a_snapshot_that_fails_midway_leaves_the_previous_one_whole(tmp_path, mo
     with pytest.raises(ck.CheckpointError, match="killed mid-copy"):
         manager.snapshot({**_state(6.0), "step": 6}, 6)
     monkeypatch.undo()
-    assert os.listdir(manager.snapshot_dir) == ["ckpt-0000000005.pt"]  # no torn file, no temporary
+    assert _files(manager.snapshot_dir) == ["ckpt-0000000005.pt"]  # no torn file, no temporary
     target = _state(0.0)
     assert manager.restore(target)["step"] == 5
     assert torch.equal(target["model"].weight, kept["model"].weight)
@@ -93,7 +99,7 @@ def test_too_small_a_memory_folder_is_a_clear_error_before_anything_is_written(t
         text = str(raised.value)
         assert "free" in text and "two snapshot slots of this state need 2.3 MiB" in text, text
         assert "--shm-size" in text and "emptyDir" in text and "snapshot_dir" in text, text
-        assert os.listdir(folder / "snaps") == []  # nothing written
+        assert _files(folder / "snaps") == []  # nothing written
         manager.snapshot({"w": torch.zeros(1000)}, 2)  # a state that fits: fine
         assert [s for s, _ in manager.snapshots()] == [2]
     finally:
@@ -102,7 +108,8 @@ def test_too_small_a_memory_folder_is_a_clear_error_before_anything_is_written(t
 
 SCRIPT = """
 import os, sys, torch, ckptools as ck
-manager = ck.CheckpointManager(sys.argv[1], snapshot_dir=sys.argv[2])
+manager = ck.CheckpointManager(sys.argv[1], snapshot_dir=sys.argv[2], keep_last=2)
+manager.save({"w": torch.zeros(4)}, 5)
 manager.snapshot({"w": torch.ones(4)}, 7)
 if sys.argv[3] == "crash":
     os._exit(1)  # a crash: no cleanup at all
@@ -110,20 +117,36 @@ ck.exit_process(0)
 """
 
 
+def _keepers(folder) -> list[str]:
+    out = subprocess.run(["pgrep", "-f", f"ckptools.keeper {folder}"], capture_output=True, text=True).stdout
+    return out.split()
+
+
 @pytest.mark.parametrize("how", ["normal", "crash"])
-def test_a_normal_end_releases_node_memory_and_a_crash_keeps_it(tmp_path, how):
-    memory = tmp_path / "node-memory"
+def test_a_normal_end_releases_node_memory_and_a_crash_is_persisted_by_the_keeper(tmp_path, how):
+    """A normal end removes the node memory; a crash keeps it for a relaunch, and when none comes
+    within the keeper's grace, the keeper copies the snapshot into the run folder as the ordinary
+    checkpoint of its step, releases the memory and exits: no process of ours remains."""
+    memory, run = tmp_path / "node-memory", tmp_path / "run"
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    proc = subprocess.run([sys.executable, str(script), str(tmp_path / "run"), str(memory), how],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT)  # fmt: skip
+    env = dict(os.environ, CKPTOOLS_KEEPER_GRACE="1")
+    proc = subprocess.run([sys.executable, str(script), str(run), str(memory), how],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)  # fmt: skip
     assert proc.returncode == (0 if how == "normal" else 1), proc.stderr
+    if how == "crash":
+        assert "ckpt-0000000007.pt" in os.listdir(memory)  # kept: a relaunch would resume from it
+    deadline = time.monotonic() + 30
+    while (memory.exists() or _keepers(memory)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not memory.exists() and _keepers(memory) == []
     if how == "normal":
-        assert not memory.exists()
-    else:
-        assert os.listdir(memory) == ["ckpt-0000000007.pt"]
-        restored = ck.CheckpointManager(tmp_path / "run", snapshot_dir=memory).restore({})
-        assert restored["__ckptools__"]["metadata"]["step"] == 7 and restored["w"].tolist() == [1.0] * 4
+        assert sorted(os.listdir(run)) == ["ckpt-0000000005.pt"]  # the job's own end: nothing to persist
+        return
+    assert sorted(os.listdir(run)) == ["ckpt-0000000005.pt", "ckpt-0000000007.pt"]
+    persisted = torch.load(run / "ckpt-0000000007.pt", weights_only=True)
+    assert persisted["w"].tolist() == [1.0] * 4 and persisted["__ckptools__"]["metadata"]["step"] == 7
+    assert ck.CheckpointManager(run).restore({})["__ckptools__"]["metadata"]["step"] == 7
 
 
 def test_the_default_folder_is_in_node_memory_and_per_run(tmp_path, monkeypatch):
@@ -157,7 +180,7 @@ def _two_nodes(rank: int, world: int, directory: str) -> tuple:
     return (
         restored["step"],
         torch.equal(fresh.module.weight, saved),
-        sorted(os.listdir(memory)) if os.path.isdir(memory) else [],
+        _files(memory) if os.path.isdir(memory) else [],
     )
 
 
@@ -167,3 +190,10 @@ def test_a_node_without_the_snapshot_receives_it_from_rank_0(tmp_path):
     results = run_ranks(_two_nodes, 2, str(tmp_path))
     assert results[0] == (3, True, ["ckpt-0000000003.pt"])
     assert results[1] == (3, True, [])
+
+
+def test_the_keeper_imports_no_torch():
+    """It lives beside every job that snapshots: a few MB, not torch's hundreds."""
+    code = "import sys, ckptools.keeper; print('torch' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip() == "False", proc.stdout + proc.stderr

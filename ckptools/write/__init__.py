@@ -31,7 +31,7 @@ from typing import Any
 
 from ..storage import Location, PathLike, resolve
 from .async_save import AsyncSave, finish_pending, pending, release_snapshot_buffers, set_pending, take_snapshot
-from .node_memory import check_space, default_folder, register, release
+from .node_memory import check_space, default_folder, register, release, start_keeper, watch
 from .payload import build_payload, checked_args, payload_bytes
 from .plan import check_writers, choose, compare_replicas, replica_digests
 from .shares import plan_shares, write_and_commit, write_share_in_background
@@ -59,7 +59,9 @@ __all__ = [
     "release_snapshot_buffers",
     "replica_digests",
     "set_pending",
+    "start_keeper",
     "take_snapshot",
+    "watch",
     "whole_storage",
     "write_alone",
     "write_and_commit",

@@ -12,12 +12,16 @@ middle of a copy leaves the newest snapshot whole, so the memory held is at most
 (one between snapshots). Before a write the folder's free space is checked for both slots: too
 little is a `NodeMemoryError` naming the sizes and the fixes, never a crash later.
 
+A keeper process (`ckptools.keeper`, started with the first snapshot, outside the job's process
+tree) persists the newest snapshot into the manager's folder when the job dies and is not
+relaunched within its grace time, then releases the memory.
+
 The folder: ``snapshot_dir=`` of the manager, else ``$CKPTOOLS_NODE_MEMORY/ckptools-<key>``, else
 ``/dev/shm/ckptools-<key>`` (the system's temporary folder where there is no ``/dev/shm``);
 ``<key>`` is derived from the manager's directory and prefix, so a relaunch of the same job
 finds it and another job's snapshots never mix with it. A job that ends normally
 (`ckptools.exit_process`, `Preemption.exit`) removes its folders (`release`); a job that died
-leaves them for its relaunch.
+leaves them for its relaunch, and its keeper.
 """
 
 from __future__ import annotations
@@ -26,18 +30,25 @@ import contextlib
 import hashlib
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 
 from ..collective.group import get_local_rank
 from ..errors import NodeMemoryError
+from ..keeper import PIDS
 from ..text import human_size
 
-__all__ = ["ENV", "check_space", "default_folder", "register", "release"]
+__all__ = ["ENV", "check_space", "default_folder", "register", "release", "start_keeper", "watch"]
 
 ENV = "CKPTOOLS_NODE_MEMORY"
+# Seconds the keeper waits, once every process of the job is gone, for a relaunch (default 10).
+GRACE_ENV = "CKPTOOLS_KEEPER_GRACE"
 
 # Folders this process wrote snapshots into; removed when the job ends normally.
 _REGISTERED: set[str] = set()
+# Folders this process started a keeper for.
+_KEEPERS: set[str] = set()
 
 
 def default_folder(directory: str, prefix: str) -> str:
@@ -67,6 +78,39 @@ def check_space(folder: str, needed: int, held: int) -> None:
         "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory and a sizeLimit), or point "
         f"CheckpointManager(snapshot_dir=...) or ${ENV} at a larger memory-backed folder"
     )
+
+
+def watch(folder: str) -> None:
+    """Register this process (and its torchrun agent) as the job the keeper of ``folder`` watches."""
+    pids = os.path.join(folder, PIDS)
+    os.makedirs(pids, exist_ok=True)
+    watched = [os.getpid()]
+    if "TORCHELASTIC_RUN_ID" in os.environ:  # the agent outlives a failed attempt and restarts it
+        watched.append(os.getppid())
+    for pid in watched:
+        with open(os.path.join(pids, str(pid)), "w"):
+            pass
+
+
+def start_keeper(folder: str, directory: str, prefix: str, keep_last: int | None) -> None:
+    """Start the keeper of ``folder`` (`ckptools.keeper`) once per process, outside the job.
+
+    A double fork in a session of its own: the keeper is no descendant of torchrun or of a rank,
+    so a kill -9 of the job's process group, or of every process under torchrun, leaves it; it
+    exits by itself once the folder is released or persisted.
+    """
+    if folder in _KEEPERS:
+        return
+    grace = os.environ.get(GRACE_ENV, "10")
+    cmd = [sys.executable, "-m", "ckptools.keeper", folder, directory, "--prefix", prefix, "--grace", grace]
+    if keep_last is not None:
+        cmd += ["--keep-last", str(keep_last)]
+    detach = (
+        "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True, close_fds=True, "
+        "stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)"
+    )
+    subprocess.run([sys.executable, "-c", detach, *cmd], check=True, timeout=60)
+    _KEEPERS.add(folder)
 
 
 def register(folder: str) -> None:

@@ -1,0 +1,139 @@
+"""The keeper: persists a dead job's newest node-memory snapshot, then releases the memory.
+
+`CheckpointManager.snapshot` starts one keeper per node-memory folder, the first time it writes
+there: a small process of its own (no torch, no process group), started outside the job's
+process tree and session, so that a kill -9 of torchrun, of every rank and of their workers
+does not reach it. It watches the processes the job registered in the folder (``.pids/``: the
+rank that writes the snapshots, and its torchrun agent when there is one). While any of them
+lives (or a relaunch registers new ones), it does nothing. Once all are gone for ``--grace``
+seconds (a torchrun restart re-registers well within it), it:
+
+1. takes the newest snapshot whose every record's CRC-32 matches;
+2. copies it into the manager's folder under the name `save` would have given it (atomically:
+   a temporary name and a rename, or one multipart upload on S3), when it is newer than every
+   checkpoint there; then prunes to ``keep_last`` as the manager would;
+3. removes the node-memory folder and exits. No process of ckptools remains.
+
+A job that ends normally removes the folder itself (`ckptools.exit_process`): the keeper sees it
+gone and exits at once. Run by hand: ``python -m ckptools.keeper FOLDER DIRECTORY --prefix ckpt``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import sys
+import time
+from typing import IO
+
+from .errors import CheckpointError
+from .layouts.torch_io import verify_torch_file
+from .storage import atomic_write, join, list_files, remove
+
+__all__ = ["PIDS", "alive", "main", "persist"]
+
+PIDS = ".pids"  # one empty file per watched process, named by its pid
+LOCK = ".keeper"  # the keeper's own pid: one keeper per folder
+
+
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][:1] != "Z"
+    except OSError:
+        return True  # no /proc: os.kill said it exists
+
+
+def _watched(folder: str) -> list[int]:
+    try:
+        return [int(name) for name in os.listdir(os.path.join(folder, PIDS)) if name.isdigit()]
+    except FileNotFoundError:
+        return []
+
+
+def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> str | None:
+    """Copy the newest whole snapshot of ``folder`` into ``directory`` when it is newer than every
+    checkpoint there, then prune to ``keep_last``; the path written, or None."""
+    pattern = re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
+    snapshots = sorted((int(m.group(1)), n) for n in os.listdir(folder) if (m := pattern.fullmatch(n)))
+    durable = sorted((int(m.group(1)), n) for n in list_files(directory) if (m := pattern.fullmatch(n)))
+    newest = durable[-1][0] if durable else -1
+    for step, name in reversed(snapshots):
+        if step <= newest:
+            return None
+        source = os.path.join(folder, name)
+        try:
+            verify_torch_file(source)
+        except CheckpointError as err:
+            print(f"ckptools keeper: skipping damaged snapshot {source}: {err}", file=sys.stderr, flush=True)
+            continue
+        target = join(directory, name)
+
+        def copy(out: IO[bytes], source: str = source) -> None:
+            with open(source, "rb") as f:
+                shutil.copyfileobj(f, out, 16 << 20)
+
+        atomic_write(target, copy, streamable=True)
+        if keep_last is not None:
+            kept = sorted([*durable, (step, name)])
+            for _, old in kept[:-keep_last]:
+                remove(join(directory, old))
+        return target
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Watch, persist at the breakpoint, release; see the module docstring."""
+    p = argparse.ArgumentParser(prog="python -m ckptools.keeper", description=__doc__.splitlines()[0])
+    p.add_argument("folder", help="the node-memory folder")
+    p.add_argument("directory", help="the manager's folder (path or URL)")
+    p.add_argument("--prefix", default="ckpt")
+    p.add_argument("--keep-last", type=int, default=None)
+    p.add_argument("--grace", type=float, default=10.0, help="seconds every watched process must stay gone")
+    p.add_argument("--poll", type=float, default=0.2)
+    args = p.parse_args(argv)
+    lock = os.path.join(args.folder, LOCK)
+    try:
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        with open(lock) as f:
+            other = f.read().strip()
+        if other.isdigit() and alive(int(other)) and int(other) != os.getpid():
+            return 0  # this folder has its keeper
+        with open(lock, "w") as f:
+            f.write(str(os.getpid()))
+    except FileNotFoundError:
+        return 0  # released before the keeper started
+    else:
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+    gone_since: float | None = None
+    while os.path.isdir(args.folder):
+        if any(alive(pid) for pid in _watched(args.folder)):
+            gone_since = None
+        elif gone_since is None:
+            gone_since = time.monotonic()
+        elif time.monotonic() - gone_since >= args.grace:
+            # A relaunch that registered meanwhile keeps the folder (the copy below is harmless).
+            try:
+                written = persist(args.folder, args.directory, args.prefix, args.keep_last)
+                if written is not None:
+                    print(f"ckptools keeper: the job is gone; persisted {written}", file=sys.stderr, flush=True)
+            finally:
+                shutil.rmtree(args.folder, ignore_errors=True)
+            return 0
+        time.sleep(args.poll)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
