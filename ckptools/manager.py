@@ -227,7 +227,7 @@ class CheckpointManager:
         for path in doomed:
             self._remove_quietly(path)
 
-    def snapshot(self, state: Mapping[str, Any], step: int, **save_kwargs: Any) -> str:
+    def snapshot(self, state: Mapping[str, Any], step: int, *, blocking: bool = True, **save_kwargs: Any) -> str:
         """Copy ``state`` into this node's memory as the snapshot of ``step`` (collective, like `save`).
 
         The snapshot is the checkpoint `save` would write, in the node-memory folder
@@ -238,9 +238,16 @@ class CheckpointManager:
         newest snapshot stays whole until the new one is committed, then it is removed. The
         folder's free space is checked for both slots before anything is written.
 
+        With ``blocking=False`` the call returns once the state is copied into host buffers (the
+        stall of `ckptools.async_save`, near a plain memory copy) and the file is written into node
+        memory in the background; until that write ends, a kill leaves the previous snapshot, so
+        with a snapshot every step at most two steps are lost instead of one. Like every async save
+        it is finished by the next checkpoint call.
+
         Args:
             state: as for `save`, the same on every rank.
             step: the training step.
+            blocking: False to write the snapshot in the background.
             **save_kwargs: passed to `ckptools.save` (``metadata=...``, ``writers=...``).
 
         Returns:
@@ -269,9 +276,16 @@ class CheckpointManager:
             memory._remove_leftovers()
             check_space(memory.directory, payload_bytes(state), sum(os.path.getsize(p) for _, p in kept))
 
+        def prune() -> None:
+            memory._housekeeping(lambda: memory._prune(step), "prune")
+
+        if not blocking:
+            async_save_with_hooks(path, state, metadata=metadata, before_write=make_room, after_write=prune,
+                                  **save_kwargs)  # fmt: skip
+            return path
         save_with_hooks(path, state, metadata=metadata, before_write=make_room, **save_kwargs)
         if get_rank() == 0:
-            memory._housekeeping(lambda: memory._prune(step), "prune")
+            prune()
         return path
 
     def snapshots(self) -> list[tuple[int, str]]:

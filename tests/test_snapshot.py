@@ -65,6 +65,20 @@ def test_restore_takes_the_newest_of_node_memory_and_disk_bit_exact(tmp_path):
     assert manager.restore(_state(0.0))["step"] == 14
 
 
+def test_a_snapshot_written_in_the_background_holds_the_state_as_of_the_call(tmp_path):
+    manager = _manager(tmp_path)
+    state = _state(3.0)
+    expected = state["model"].weight.detach().clone()
+    manager.snapshot({**state, "step": 3}, 3, blocking=False)
+    with torch.no_grad():
+        state["model"].weight.add_(1.0)  # at once: the snapshot keeps the weights as of the call
+    assert manager.wait().endswith("ckpt-0000000003.pt")
+    target = _state(0.0)
+    assert manager.restore(target)["step"] == 3 and torch.equal(target["model"].weight, expected)
+    assert _files(manager.snapshot_dir) == ["ckpt-0000000003.pt"]
+    manager.close()
+
+
 def test_a_snapshot_that_fails_midway_leaves_the_previous_one_whole(tmp_path, monkeypatch):
     manager = _manager(tmp_path)
     kept = _state(5.0)
