@@ -203,3 +203,33 @@ def test_writer_killed_mid_upload_leaves_previous_intact(s3_env):
     assert audit.problems == [] and audit.corrupt == 0 and audit.lost == 0
     assert audit.kills_mid_save >= 1
     assert all(name.startswith("ckpt-") for name in _objects("killed"))
+
+
+KEEPER_JOB = """
+import os, sys, torch, ckptools as ck
+manager = ck.CheckpointManager(sys.argv[1], snapshot_dir=sys.argv[2], keep_last=2)
+manager.save({"w": torch.zeros(4)}, 5)
+manager.snapshot({"w": torch.ones(4)}, 7)
+os._exit(1)  # killed: no cleanup
+"""
+
+
+def test_a_dead_jobs_snapshot_is_persisted_to_s3_by_the_keeper(s3_env, tmp_path):
+    """The run folder is on S3, the snapshot in node memory: the keeper uploads it (one multipart
+    upload that appears whole) as the checkpoint of its step, then releases the memory."""
+    import time
+
+    run, memory = f"s3://{BUCKET}/keeper-run", tmp_path / "node-memory"
+    script = tmp_path / "job.py"
+    script.write_text(KEEPER_JOB)
+    env = dict(os.environ, CKPTOOLS_KEEPER_GRACE="1")
+    proc = subprocess.run([sys.executable, str(script), run, str(memory)], capture_output=True, text=True,
+                          timeout=120, env=env)  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    deadline = time.monotonic() + 30
+    while memory.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not memory.exists()
+    assert _objects("keeper-run") == ["ckpt-0000000005.pt", "ckpt-0000000007.pt"]
+    restored = ck.CheckpointManager(run).restore({})
+    assert restored["__ckptools__"]["metadata"]["step"] == 7 and restored["w"].tolist() == [1.0] * 4
