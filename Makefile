@@ -37,8 +37,10 @@ e2e-loop: $(STAMP)
 # prints the kill count and the corrupt/lost counts, which must be 0.
 stress: $(STAMP)
 	CKPTOOLS_KILLS=$${KILLS:-100} CKPTOOLS_S3_KILLS=$${S3_KILLS:-10} CKPTOOLS_FLIPS=$${FLIPS:-2000} \
+	CKPTOOLS_SNAPSHOT_KILLS=$${SNAPSHOT_KILLS:-50} \
 		$(PY) -m pytest -q -s -p no:cacheprovider --timeout=7200 tests/test_crash.py tests/test_bitrot.py \
-		tests/test_s3.py::test_writer_killed_mid_upload_leaves_previous_intact
+		tests/test_s3.py::test_writer_killed_mid_upload_leaves_previous_intact \
+		tests/test_train_ddp_e2e.py::test_kill_9_at_random_moments_never_tears_a_snapshot_and_every_relaunch_is_bit_exact
 
 # fuzz: EXAMPLES (default 3000) mutated files per fuzz test, and generated state dicts per
 # differential test against torch and safetensors, instead of the default run's 40.

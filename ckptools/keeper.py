@@ -12,7 +12,9 @@ seconds (a torchrun restart re-registers well within it), it:
 2. copies it into the manager's folder under the name `save` would have given it (atomically:
    a temporary name and a rename, or one multipart upload on S3), when it is newer than every
    checkpoint there; then prunes to ``keep_last`` as the manager would;
-3. removes the node-memory folder and exits. No process of ckptools remains.
+3. removes the node-memory folder (unless a relaunch registered meanwhile) and exits. No process
+   of ckptools remains. If the copy fails (the store unreachable), the snapshot stays in node
+   memory for a relaunch, and the keeper says so and exits.
 
 A job that ends normally removes the folder itself (`ckptools.exit_process`): the keeper sees it
 gone and exits at once. Run by hand: ``python -m ckptools.keeper FOLDER DIRECTORY --prefix ckpt``.
@@ -123,12 +125,15 @@ def main(argv: list[str] | None = None) -> int:
         elif gone_since is None:
             gone_since = time.monotonic()
         elif time.monotonic() - gone_since >= args.grace:
-            # A relaunch that registered meanwhile keeps the folder (the copy below is harmless).
             try:
                 written = persist(args.folder, args.directory, args.prefix, args.keep_last)
-                if written is not None:
-                    print(f"ckptools keeper: the job is gone; persisted {written}", file=sys.stderr, flush=True)
-            finally:
+            except Exception as err:  # noqa: BLE001 - said, and the snapshot kept: it is the newest state
+                print(f"ckptools keeper: could not persist {args.folder} into {args.directory}: {err}; the "
+                      "snapshot stays in node memory for a relaunch", file=sys.stderr, flush=True)  # fmt: skip
+                return 1
+            if written is not None:
+                print(f"ckptools keeper: the job is gone; persisted {written}", file=sys.stderr, flush=True)
+            if not any(alive(pid) for pid in _watched(args.folder)):  # no relaunch registered meanwhile
                 shutil.rmtree(args.folder, ignore_errors=True)
             return 0
         time.sleep(args.poll)

@@ -265,16 +265,20 @@ class CheckpointManager:
         path = memory.path_for(step)
         metadata = {**dict(save_kwargs.pop("metadata", None) or {}), "step": step}
 
+        # Sized here, on the main thread: with blocking=False make_room runs in the writer thread,
+        # while training changes the state.
+        needed = payload_bytes(state) if get_rank() == 0 else 0
+
         def make_room() -> None:  # rank 0, once save's checks passed, before the copy
             os.makedirs(memory.directory, exist_ok=True)
             register(memory.directory)
-            watch(memory.directory)
-            start_keeper(memory.directory, self.directory, self.prefix, self.keep_last)
-            kept = memory.checkpoints()[-1:]  # the newest stays whole until the new one is committed
-            for _, old in memory.checkpoints()[:-1]:
+            snapshots = memory.checkpoints()
+            for _, old in snapshots[:-1]:  # the newest stays whole until the new one is committed
                 memory._remove_quietly(old)
             memory._remove_leftovers()
-            check_space(memory.directory, payload_bytes(state), sum(os.path.getsize(p) for _, p in kept))
+            check_space(memory.directory, needed, sum(os.path.getsize(p) for _, p in snapshots[-1:]))
+            watch(memory.directory)
+            start_keeper(memory.directory, self.directory, self.prefix, self.keep_last)
 
         def prune() -> None:
             memory._housekeeping(lambda: memory._prune(step), "prune")
