@@ -211,3 +211,30 @@ def test_the_keeper_imports_no_torch():
     code = "import sys, ckptools.keeper; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
+
+
+def test_ckpt_info_of_a_run_folder_lists_its_checkpoints_and_this_nodes_snapshots(tmp_path, monkeypatch):
+    import json
+
+    from typer.testing import CliRunner
+
+    from ckptools.cli import app
+
+    monkeypatch.setenv("CKPTOOLS_NODE_MEMORY", str(tmp_path / "shm"))
+    run = tmp_path / "run"
+    manager = ck.CheckpointManager(run)
+    manager.save({"w": torch.ones(4)}, 10)
+    manager.snapshot({"w": torch.ones(4)}, 11)
+    shown = CliRunner().invoke(app, ["info", str(run)])
+    assert shown.exit_code == 0, shown.output
+    assert "ckpt-0000000010.pt" in shown.output and "ckpt-0000000011.pt" in shown.output
+    text = " ".join(shown.output.split())  # the terminal's width may fold the line
+    assert "the snapshot of step 11 is newer than every checkpoint: a restore resumes from it" in text
+    report = json.loads(CliRunner().invoke(app, ["info", str(run), "--json"]).output)
+    (entry,) = report["runs"]
+    assert [c["step"] for c in entry["checkpoints"]] == [10] and [s["step"] for s in entry["snapshots"]] == [11]
+    assert entry["snapshot_dir"] == manager.snapshot_dir
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("no checkpoint here")
+    refused = CliRunner().invoke(app, ["info", str(tmp_path / "other")])
+    assert refused.exit_code == 2 and "not a checkpoint layout" in refused.output

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Optional
 import typer
 from typer.core import TyperGroup
 
-from .render import err, out, render_diff, render_info
+from .render import err, out, render_diff, render_info, render_run
 
 # click's exception classes: from click itself, or from the copy newer typer versions carry.
 _click_errors = sys.modules[typer.BadParameter.__module__]
@@ -160,12 +160,27 @@ def info(
     as_json: Annotated[bool, typer.Option("--json", help="machine-readable output")] = False,
     trust: Annotated[bool, _TRUST] = False,
 ) -> None:
-    """Show format, entries, tensors (name, shape, dtype, bytes, saved device), totals and metadata."""
+    """Show format, entries, tensors (name, shape, dtype, bytes, saved device), totals and metadata.
+
+    A CheckpointManager's folder: its checkpoints and this node's snapshots in memory."""
 
     def body() -> None:
+        from ..errors import CheckpointLayoutError
         from ..inspection import inspect
 
-        report = inspect(path, trust_code=trust)
+        try:
+            report = inspect(path, trust_code=trust)
+        except CheckpointLayoutError:
+            from ..manager import run_report
+
+            run = run_report(path)  # a folder of numbered checkpoints: the run, not one file
+            if run is None:
+                raise
+            if as_json:
+                out.print_json(json.dumps(run))
+            else:
+                render_run(run)
+            return
         if as_json:
             out.print_json(json.dumps(report, default=repr))
             return

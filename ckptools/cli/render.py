@@ -127,3 +127,22 @@ def render_diff(result: dict[str, Any], *, verbose: bool = False) -> None:
         said = "equal bit for bit" if largest == 0 else f"within atol={result['atol']:g} (largest |a-b| {largest:.3g})"
         out.print(f"{plural(len(deltas), 'common tensor')} {said} (--verbose lists them)")
     out.print("[red]checkpoints differ[/]" if result["differ"] else "[green]checkpoints match[/]")
+
+
+def render_run(run: dict[str, Any]) -> None:
+    """A CheckpointManager's folder: each prefix's checkpoints, and this node's snapshots."""
+    out.print(f"[bold]{escape(run['path'])}[/]  a CheckpointManager's folder")
+    for entry in run["runs"]:
+        steps = entry["checkpoints"]
+        rows = [[os.path.basename(c["path"]), str(c["step"]), human_size(c["bytes"])] for c in steps]
+        out.print(names_table(["checkpoint", "step", "size"], rows, title=f"{plural(len(steps), 'checkpoint')}"))
+        snaps = entry["snapshots"]
+        where = escape(entry["snapshot_dir"])
+        if not snaps:
+            out.print(f"no snapshot in this node's memory ({where})")
+            continue
+        rows = [[os.path.basename(s["path"]), str(s["step"]), human_size(s["bytes"])] for s in snaps]
+        out.print(names_table(["snapshot", "step", "size"], rows, title=f"in this node's memory ({where})"))
+        newest = max(s["step"] for s in snaps)
+        if not steps or newest > max(c["step"] for c in steps):
+            out.print(f"the snapshot of step {newest} is newer than every checkpoint: a restore resumes from it")
