@@ -55,9 +55,9 @@ def default_folder(directory: str, prefix: str) -> str:
     """The node-memory folder of a manager of ``directory`` with ``prefix`` on this node.
 
     Examples:
-        >>> os.path.basename(default_folder("/runs/a", "ckpt")) == os.path.basename(default_folder("/runs/a", "ckpt"))
+        >>> os.path.basename(default_folder("/runs/a", "ckpt")).startswith("ckptools-")
         True
-        >>> default_folder("/runs/a", "ckpt") != default_folder("/runs/b", "ckpt")
+        >>> default_folder("/runs/a", "ckpt") != default_folder("/runs/b", "ckpt")  # one folder per run
         True
     """
     where = directory if "://" in directory else os.path.abspath(directory)
