@@ -214,6 +214,7 @@ os._exit(1)  # killed: no cleanup
 """
 
 
+@pytest.mark.slow  # make interop: make test stays within its 5 minutes
 def test_a_dead_jobs_snapshot_is_persisted_to_s3_by_the_keeper(s3_env, tmp_path):
     """The run folder is on S3, the snapshot in node memory: the keeper uploads it (one multipart
     upload that appears whole) as the checkpoint of its step, then releases the memory."""

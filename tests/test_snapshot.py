@@ -136,27 +136,32 @@ def _keepers(folder) -> list[str]:
     return out.split()
 
 
-@pytest.mark.parametrize("how", ["normal", "crash"])
-def test_a_normal_end_releases_node_memory_and_a_crash_is_persisted_by_the_keeper(tmp_path, how):
+def test_a_normal_end_releases_node_memory_and_a_crash_is_persisted_by_the_keeper(tmp_path):
     """A normal end removes the node memory; a crash keeps it for a relaunch, and when none comes
     within the keeper's grace, the keeper copies the snapshot into the run folder as the ordinary
-    checkpoint of its step, releases the memory and exits: no process of ours remains."""
-    memory, run = tmp_path / "node-memory", tmp_path / "run"
+    checkpoint of its step, releases the memory and exits: no process of ours remains. (Both jobs
+    run at once.)"""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))
     env = dict(os.environ, CKPTOOLS_KEEPER_GRACE="1")
-    proc = subprocess.run([sys.executable, str(script), str(run), str(memory), how],
-                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)  # fmt: skip
-    assert proc.returncode == (0 if how == "normal" else 1), proc.stderr
-    if how == "crash":
-        assert "ckpt-0000000007.pt" in os.listdir(memory)  # kept: a relaunch would resume from it
+    jobs = {}
+    for how in ("normal", "crash"):
+        memory, run = tmp_path / how / "node-memory", tmp_path / how / "run"
+        proc = subprocess.Popen([sys.executable, str(script), str(run), str(memory), how], cwd=ROOT, env=env,
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        jobs[how] = (proc, memory, run)
+    for how, (proc, _memory, _run) in jobs.items():
+        out, _ = proc.communicate(timeout=120)
+        assert proc.returncode == (0 if how == "normal" else 1), out
+    assert "ckpt-0000000007.pt" in os.listdir(jobs["crash"][1])  # kept: a relaunch would resume from it
     deadline = time.monotonic() + 30
-    while (memory.exists() or _keepers(memory)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not memory.exists() and _keepers(memory) == []
-    if how == "normal":
-        assert sorted(os.listdir(run)) == ["ckpt-0000000005.pt"]  # the job's own end: nothing to persist
-        return
+    for how, (_, memory, _run) in jobs.items():
+        while (memory.exists() or _keepers(memory)) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not memory.exists() and _keepers(memory) == [], how
+    _, _, run = jobs["normal"]
+    assert sorted(os.listdir(run)) == ["ckpt-0000000005.pt"]  # the job's own end: nothing to persist
+    _, _, run = jobs["crash"]
     assert sorted(os.listdir(run)) == ["ckpt-0000000005.pt", "ckpt-0000000007.pt"]
     persisted = torch.load(run / "ckpt-0000000007.pt", weights_only=True)
     assert persisted["w"].tolist() == [1.0] * 4 and persisted["__ckptools__"]["metadata"]["step"] == 7
@@ -198,6 +203,7 @@ def _two_nodes(rank: int, world: int, directory: str) -> tuple:
     )
 
 
+@pytest.mark.slow  # make interop (two spawned ranks): make test stays within its 5 minutes
 def test_a_node_without_the_snapshot_receives_it_from_rank_0(tmp_path):
     """Today's multi-node form: the ranks do not share a folder, so rank 0 writes the snapshot
     alone (writers="auto"); the other node restores the same step, sent over the process group."""
