@@ -147,7 +147,7 @@ class CheckpointManager:
         # the space this save needs). Rank 0 removes them once the state passed save's checks,
         # right before it writes; an error there must not escape, or the other ranks would wait
         # in save() for a rank that left.
-        def cleanup() -> None:
+        def cleanup(_payload: Mapping[str, Any]) -> None:
             self._housekeeping(self._remove_leftovers, "clean up")
 
         def prune() -> None:
@@ -265,18 +265,14 @@ class CheckpointManager:
         path = memory.path_for(step)
         metadata = {**dict(save_kwargs.pop("metadata", None) or {}), "step": step}
 
-        # Sized here, on the main thread: with blocking=False make_room runs in the writer thread,
-        # while training changes the state.
-        needed = payload_bytes(state) if get_rank() == 0 else 0
-
-        def make_room() -> None:  # rank 0, once save's checks passed, before the copy
+        def make_room(payload: Mapping[str, Any]) -> None:  # rank 0, once save's checks passed, before the copy
             os.makedirs(memory.directory, exist_ok=True)
             register(memory.directory)
             snapshots = memory.checkpoints()
             for _, old in snapshots[:-1]:  # the newest stays whole until the new one is committed
                 memory._remove_quietly(old)
             memory._remove_leftovers()
-            check_space(memory.directory, needed, sum(os.path.getsize(p) for _, p in snapshots[-1:]))
+            check_space(memory.directory, payload_bytes(payload), sum(os.path.getsize(p) for _, p in snapshots[-1:]))
             watch(memory.directory)
             start_keeper(memory.directory, self.directory, self.prefix, self.keep_last)
 

@@ -32,10 +32,10 @@ from typing import Any
 from ..storage import Location, PathLike, resolve
 from .async_save import AsyncSave, finish_pending, pending, release_snapshot_buffers, set_pending, take_snapshot
 from .node_memory import check_space, default_folder, register, release, start_keeper, watch
-from .payload import build_payload, checked_args, payload_bytes
+from .payload import build_payload, checked_args
 from .plan import check_writers, choose, compare_replicas, replica_digests
 from .shares import plan_shares, write_and_commit, write_share_in_background
-from .snapshot import SnapshotBuffers, whole_storage
+from .snapshot import SnapshotBuffers, payload_bytes, whole_storage
 from .writer_thread import BackgroundWriter
 from .zip_writer import write_alone
 

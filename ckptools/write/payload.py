@@ -30,7 +30,7 @@ from ..layouts.torch_io import GLOBAL_RE, first_line
 from ..state_dict import unwrap_model
 from ..storage import PathLike, fspath
 
-__all__ = ["FORMAT_VERSION", "build_payload", "check_loadable", "checked_args", "payload_bytes", "state_entry"]
+__all__ = ["FORMAT_VERSION", "build_payload", "check_loadable", "checked_args", "state_entry"]
 
 FORMAT_VERSION = 1
 
@@ -68,24 +68,6 @@ def build_payload(state: Mapping[str, Any], user_meta: dict[str, Any], rng_state
         "metadata": user_meta,
     }
     return payload
-
-
-def payload_bytes(state: Mapping[str, Any]) -> int:
-    """The bytes of the distinct tensor storages ``state``'s entries hold: about the size of the
-    file a save of it writes (what a snapshot's space check counts)."""
-    seen: dict[tuple[str, int], int] = {}
-    stack = [state_entry(obj) for obj in state.values()]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, torch.Tensor):
-            if node.layout == torch.strided and not node.is_nested:
-                storage = node.untyped_storage()
-                seen[(str(storage.device), storage.data_ptr())] = storage.nbytes()
-        elif isinstance(node, Mapping):
-            stack.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            stack.extend(node)
-    return sum(seen.values())
 
 
 def state_entry(obj: Any) -> Any:

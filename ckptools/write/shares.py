@@ -149,7 +149,7 @@ def plan_shares(
     location: Location,
     state: Mapping[str, Any],
     build_payload: Callable[[], dict[str, Any]],
-    before_write: Callable[[], None] | None,
+    before_write: Callable[[Mapping[str, Any]], None] | None,
     writers: str,
     *,
     on_cpu: bool = False,
@@ -166,7 +166,7 @@ def plan_shares(
     def planned() -> Plan:
         payload = build_payload()
         if before_write is not None:
-            before_write()
+            before_write(payload)
         return zip_writer.create_tmp(location, make_plan(location, state, payload, on_cpu=on_cpu))
 
     sent = agree.saving(path).on_rank0(planned, send=True)
