@@ -32,27 +32,30 @@ from typing import IO
 
 from .errors import CheckpointError
 from .layouts.torch_io import verify_torch_file
+from .leftovers import pid_alive
 from .storage import atomic_write, join, list_files, remove
 
-__all__ = ["PIDS", "alive", "main", "persist"]
+__all__ = ["PIDS", "alive", "checkpoint_names", "main", "persist"]
 
 PIDS = ".pids"  # one empty file per watched process, named by its pid
 LOCK = ".keeper"  # the keeper's own pid: one keeper per folder
 
 
 def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists and is not a zombie."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    """Whether process ``pid`` exists (`ckptools.leftovers.pid_alive`) and is not a zombie."""
+    if not pid_alive(pid):
         return False
-    except PermissionError:
-        return True
     try:
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split(") ", 1)[1][:1] != "Z"
     except OSError:
         return True  # no /proc: os.kill said it exists
+
+
+def checkpoint_names(prefix: str) -> re.Pattern[str]:
+    """The file names `CheckpointManager` gives its checkpoints and snapshots (``ckpt-0000000300.pt``),
+    the step in group 1: the one pattern the manager and the keeper both list by."""
+    return re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
 
 
 def _watched(folder: str) -> list[int]:
@@ -65,7 +68,7 @@ def _watched(folder: str) -> list[int]:
 def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> str | None:
     """Copy the newest whole snapshot of ``folder`` into ``directory`` when it is newer than every
     checkpoint there, then prune to ``keep_last``; the path written, or None."""
-    pattern = re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
+    pattern = checkpoint_names(prefix)
     snapshots = sorted((int(m.group(1)), n) for n in os.listdir(folder) if (m := pattern.fullmatch(n)))
     durable = sorted((int(m.group(1)), n) for n in list_files(directory) if (m := pattern.fullmatch(n)))
     newest = durable[-1][0] if durable else -1

@@ -25,7 +25,8 @@ def _tmp_owner(name: str) -> tuple[str, int] | None:
     return parts[0], int(parts[1])
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether a process ``pid`` exists on this host (perhaps under another user)."""
     try:
         os.kill(pid, 0)
     except PermissionError:
@@ -45,7 +46,7 @@ def is_abandoned_tmp(path: PathLike) -> bool:
     """
     path = fspath(path)
     owner = _tmp_owner(path.rsplit("/", 1)[-1])
-    if owner is not None and owner[0] == host() and not _pid_alive(owner[1]):
+    if owner is not None and owner[0] == host() and not pid_alive(owner[1]):
         return True
     fs, fpath = get_filesystem(path)
     try:

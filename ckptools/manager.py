@@ -11,6 +11,7 @@ from . import log
 from .collective.agree import Agreement
 from .collective.group import all_gather_object, get_rank
 from .errors import CheckpointError
+from .keeper import checkpoint_names
 from .layouts import TORCH_FILE
 from .leftovers import abandoned_tmps
 from .loading import load
@@ -86,7 +87,7 @@ class CheckpointManager:
         self.directory = fspath(directory)
         self.keep_last = keep_last
         self.prefix = prefix
-        self._pattern = re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
+        self._pattern = checkpoint_names(prefix)
         self.snapshot_dir = fspath(snapshot_dir) if snapshot_dir is not None else default_folder(self.directory, prefix)
         self._memory: CheckpointManager | None = None
 
@@ -307,13 +308,16 @@ class CheckpointManager:
     def _choose(self) -> tuple[str, bool] | None:
         """Rank 0: the newest good checkpoint, durable or this node's snapshot (a tie: the
         snapshot, which reads from memory), and whether it is a snapshot; None for none."""
-        durable = self.latest()
         snapshot = None
         if os.path.isdir(self.snapshot_dir):
             watch(self.snapshot_dir)  # first: the keeper of a job that died must not release it now
             snapshot = self._memory_manager().latest()
+        listed = self.checkpoints()
+        if snapshot is not None and (not listed or self._step_of(snapshot) >= listed[-1][0]):
+            return snapshot, True  # no durable file is newer: none is read to verify it
+        durable = self.latest()
         if snapshot is not None and (durable is None or self._step_of(snapshot) >= self._step_of(durable)):
-            return snapshot, True
+            return snapshot, True  # the newer durable files were damaged
         return None if durable is None else (durable, False)
 
     def latest(self) -> str | None:
