@@ -1,13 +1,20 @@
 """How long `CheckpointManager.snapshot` stalls the loop, against the copy floor and a sync save.
 
-Usage: python benchmarks/bench_snapshot.py [--gib 1] [--repeat 5] [--dir DIR]
-One process. Per round, interleaved: the floor (copying the same tensors into host buffers
-allocated and faulted in once), a snapshot into node memory (/dev/shm), and a sync `manager.save`
-to --dir (disk); then restores: from the snapshot, from the disk file (page cache dropped where
-possible is not attempted: a warm read, the best case for disk), and the floor of a restore
-(copying the tensors back from buffers). Prints medians and the ratios the goals are stated in:
-snapshot stall / floor (goal <= 1.1 on CPU), for ``blocking=True`` (the file whole in node memory on
-return) and ``blocking=False`` (the state copied into host buffers on return, written behind).
+Usage: python benchmarks/bench_snapshot.py [--gib 1] [--repeat 5] [--dir DIR] [--ranks 2] [--loop]
+
+One process, per round, interleaved: the floor (copying the same tensors into host buffers
+allocated and faulted in once), a snapshot into node memory (/dev/shm): its stall (the call's
+return, the copy) and, apart, the commit that follows in the background (CRC-32s, headers,
+rename); a ``blocking=True`` snapshot (returns once committed); a sync `manager.save` to --dir
+(disk); then restores: from the snapshot, from the disk file (warm page cache, the best case for
+disk), against the floor of a restore (the same copy, reversed). Prints medians and the ratio the
+goal is stated in: snapshot stall / floor (goal <= 1.1 on CPU).
+
+``--ranks 2``: the same state as a DDP model on 2 local ranks (gloo): each rank's stall, which the
+split should make about half of one rank's (and its own floor, half the state).
+
+``--loop``: a training loop (a CPU MLP whose step takes >= 100x a snapshot's stall) run with no
+snapshot, a snapshot every 10 steps and every step, interleaved: steps/s against none (goal >= 0.99).
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import socket
 import statistics
 import tempfile
 import time
@@ -37,30 +45,35 @@ def _module(state: dict[str, torch.Tensor]) -> torch.nn.Module:
     return module
 
 
+def _memory_folder() -> str:
+    return tempfile.mkdtemp(prefix="ckptools-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+
+
 def bench(gib: float, repeat: int, workdir: str) -> dict[str, float]:
     state = _state(gib)
-    memory = tempfile.mkdtemp(prefix="ckptools-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    memory = _memory_folder()
     manager = ck.CheckpointManager(os.path.join(workdir, "run"), keep_last=1, snapshot_dir=memory)
     buffers = {k: torch.empty_like(v) for k, v in state.items()}
     for b in buffers.values():
         b.fill_(0)
-    keys = ("floor", "snapshot", "snapshot_async", "save", "restore_mem", "restore_disk")
+    keys = ("floor", "snapshot", "commit", "blocking", "save", "restore_mem", "restore_disk")
     times: dict[str, list[float]] = {k: [] for k in keys}
-    for i in range(repeat + 1):  # round 0 warms up (allocations, page cache)
-        keep = i > 0
+    for i in range(repeat + 2):  # rounds 0 and 1 warm up (the two slots' pages, the page cache)
+        keep = i > 1
         started = time.perf_counter()
         for k, v in state.items():
             buffers[k].copy_(v)
         floor = time.perf_counter() - started  # also the floor of a restore: the same copy, reversed
         started = time.perf_counter()
-        manager.snapshot({"model": state}, 2 * i + 1)
+        manager.snapshot({"model": state}, 3 * i + 1)
         snap = time.perf_counter() - started
+        manager.wait()  # the commit in the background: CRC-32s, headers, rename
+        commit = time.perf_counter() - started - snap
         started = time.perf_counter()
-        manager.snapshot({"model": state}, 2 * i + 1, blocking=False)  # the same step: replaced in place
-        snap_async = time.perf_counter() - started
-        manager.wait()
+        manager.snapshot({"model": state}, 3 * i + 2, blocking=True)
+        blocking = time.perf_counter() - started
         started = time.perf_counter()
-        manager.save({"model": state}, 2 * i)
+        manager.save({"model": state}, 3 * i)
         save = time.perf_counter() - started
         target = {"model": _module(state)}  # restored in place: every tensor is copied into it
         started = time.perf_counter()
@@ -70,11 +83,110 @@ def bench(gib: float, repeat: int, workdir: str) -> dict[str, float]:
         ck.load(manager.checkpoints()[-1][1], target)
         disk = time.perf_counter() - started
         if keep:
-            for key, value in (("floor", floor), ("snapshot", snap), ("snapshot_async", snap_async), ("save", save),
-                               ("restore_mem", mem), ("restore_disk", disk)):  # fmt: skip
+            for key, value in zip(keys, (floor, snap, commit, blocking, save, mem, disk)):
                 times[key].append(value)
+    manager.close()
     shutil.rmtree(memory, ignore_errors=True)
     return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _rank(rank: int, world: int, port: int, gib: float, repeat: int, queue: object) -> None:
+    """One of --ranks local ranks: a DDP model of the state, its snapshot stall and its floor."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)  # the node's cores shared among its ranks, as torchrun would
+    state = _state(gib)
+    model = _module(state)
+    model.load_state_dict(state)
+    ddp = DistributedDataParallel(model)
+    memory = os.environ["BENCH_SNAPSHOT_DIR"]
+    manager = ck.CheckpointManager(os.environ["BENCH_RUN_DIR"], snapshot_dir=memory)
+    params = [p for p in model.parameters()]
+    mine = params[rank::world]  # about this rank's share: its floor
+    buffers = [torch.empty_like(p).fill_(0) for p in mine]
+    stalls, floors = [], []
+    for i in range(repeat + 2):
+        torch.distributed.barrier()
+        started = time.perf_counter()
+        with torch.no_grad():
+            for b, p in zip(buffers, mine):
+                b.copy_(p)
+        floor = time.perf_counter() - started
+        torch.distributed.barrier()
+        started = time.perf_counter()
+        manager.snapshot({"model": ddp}, i + 1)
+        stall = time.perf_counter() - started
+        manager.wait()
+        if i > 1:
+            stalls.append(stall)
+            floors.append(floor)
+    manager.close()
+    queue.put((rank, statistics.median(stalls), statistics.median(floors)))  # type: ignore[attr-defined]
+    torch.distributed.barrier()
+    ck.exit_process(0)
+
+
+def bench_ranks(gib: float, repeat: int, world: int, workdir: str) -> list[tuple[int, float, float]]:
+    import multiprocessing
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    memory = _memory_folder()
+    os.environ.update(BENCH_SNAPSHOT_DIR=memory, BENCH_RUN_DIR=os.path.join(workdir, "ranks"))
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    procs = [context.Process(target=_rank, args=(r, world, port, gib, repeat, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    results = sorted(queue.get(timeout=900) for _ in procs)
+    for p in procs:
+        p.join(timeout=120)
+    shutil.rmtree(memory, ignore_errors=True)
+    return results
+
+
+def bench_loop(steps: int, rounds: int, workdir: str) -> dict[str, float]:
+    """Steps/s of a CPU training loop with no snapshot, one every 10 steps and one every step."""
+    torch.manual_seed(0)
+    width = 2048
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)])  # 64 MiB of weights
+    opt = torch.optim.SGD(model.parameters(), lr=1e-4, momentum=0.9)  # and 64 MiB of momentum
+    data = torch.randn(4096, width)
+    memory = _memory_folder()
+    manager = ck.CheckpointManager(os.path.join(workdir, "loop"), snapshot_dir=memory)
+    rates: dict[str, list[float]] = {"none": [], "every 10": [], "every step": []}
+    stalls: list[float] = []
+    every = {"none": 0, "every 10": 10, "every step": 1}
+    step = 0
+    for _ in range(rounds):
+        for mode, k in every.items():
+            manager.wait()
+            started = time.perf_counter()
+            for _ in range(steps):
+                step += 1
+                opt.zero_grad()
+                model(data).square().mean().backward()
+                opt.step()
+                if k and step % k == 0:
+                    t = time.perf_counter()
+                    manager.snapshot({"model": model, "optimizer": opt, "step": step}, step)
+                    stalls.append(time.perf_counter() - t)
+            rates[mode].append(steps / (time.perf_counter() - started))
+    manager.close()
+    shutil.rmtree(memory, ignore_errors=True)
+    # One step's time, alone: what the stall is compared with.
+    started = time.perf_counter()
+    for _ in range(3):
+        opt.zero_grad()
+        model(data).square().mean().backward()
+        opt.step()
+    step_time = (time.perf_counter() - started) / 3
+    result = {mode: statistics.median(r) for mode, r in rates.items()}
+    result.update(stall=statistics.median(stalls), step=step_time)
+    return result
 
 
 def main() -> None:
@@ -82,6 +194,8 @@ def main() -> None:
     p.add_argument("--gib", type=float, nargs="+", default=[1.0])
     p.add_argument("--repeat", type=int, default=5)
     p.add_argument("--dir", default=None, help="a folder on the disk the durable saves go to")
+    p.add_argument("--ranks", type=int, default=0, help="also measure the per-rank stall with this many local ranks")
+    p.add_argument("--loop", action="store_true", help="also measure a training loop's steps/s")
     args = p.parse_args()
     workdir = tempfile.mkdtemp(prefix="ckptools-bench-snapshot-", dir=args.dir)
     os.environ.setdefault("CKPTOOLS_KEEPER_GRACE", "1")
@@ -89,12 +203,29 @@ def main() -> None:
         for gib in args.gib:
             m = bench(gib, args.repeat, workdir)
             print(
-                f"{gib:g} GiB, median of {args.repeat}: floor {m['floor']:.3f} s, snapshot {m['snapshot']:.3f} s "
-                f"({m['snapshot'] / m['floor']:.2f}x the floor; goal <= 1.1), snapshot(blocking=False) stall "
-                f"{m['snapshot_async']:.3f} s ({m['snapshot_async'] / m['floor']:.2f}x), "
-                f"sync save to disk {m['save']:.3f} s "
-                f"({m['save'] / m['snapshot']:.1f}x the snapshot); restore from memory {m['restore_mem']:.3f} s, "
-                f"from disk (warm) {m['restore_disk']:.3f} s",
+                f"{gib:g} GiB, median of {args.repeat}: floor {m['floor']:.3f} s; snapshot stall {m['snapshot']:.3f} s "
+                f"({m['snapshot'] / m['floor']:.2f}x the floor; goal <= 1.1), then its commit in the background "
+                f"{m['commit']:.3f} s; snapshot(blocking=True) {m['blocking']:.3f} s "
+                f"({m['blocking'] / m['floor']:.2f}x); sync save to disk {m['save']:.3f} s "
+                f"({m['save'] / m['snapshot']:.1f}x the stall); restore from memory {m['restore_mem']:.3f} s, "
+                f"from disk (warm) {m['restore_disk']:.3f} s (the restore's floor: {m['floor']:.3f} s)",
+                flush=True,
+            )
+            if args.ranks > 1:
+                for rank, stall, floor in bench_ranks(gib, args.repeat, args.ranks, workdir):
+                    print(
+                        f"  {args.ranks} local ranks, rank {rank}: stall {stall:.3f} s "
+                        f"({stall / m['snapshot']:.2f}x one rank's), its share's floor {floor:.3f} s "
+                        f"({stall / floor:.2f}x)",
+                        flush=True,
+                    )
+        if args.loop:
+            r = bench_loop(10, max(3, args.repeat), workdir)
+            print(
+                f"training loop (128 MiB of state, a step {r['step']:.3f} s = {r['step'] / r['stall']:.0f}x the "
+                f"stall of {r['stall'] * 1000:.1f} ms): {r['none']:.2f} steps/s without snapshots, "
+                f"{r['every 10']:.2f} with one every 10 steps ({r['every 10'] / r['none']:.3f}x), "
+                f"{r['every step']:.2f} with one every step ({r['every step'] / r['none']:.3f}x); goal >= 0.99x",
                 flush=True,
             )
     finally:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,15 +20,20 @@ from .saving import async_save_with_hooks, save_with_hooks
 from .storage import PathLike, file_size, fspath, join, list_files, remove, resolve
 from .write import (
     AsyncSave,
-    check_space,
+    close_slots,
     default_folder,
     finish_pending,
-    payload_bytes,
+    finish_snapshot,
+    group_nodes,
+    node_token,
     pending,
     register,
     release_snapshot_buffers,
+    send_file,
+    settle,
     start_keeper,
     watch,
+    write_snapshot,
 )
 
 __all__ = ["CheckpointManager", "run_report"]
@@ -165,16 +171,19 @@ class CheckpointManager:
         return path
 
     def wait(self) -> str | None:
-        """Finish the async save in flight, if any (collective); its path, or None if none was.
+        """Finish the async save in flight and the snapshot being committed, if any (collective);
+        the async save's path, or None if none was.
 
         Raises:
-            CheckpointError: its background write failed (on every rank).
+            CheckpointError: its background write, or the snapshot's commit, failed (on every rank).
 
         Examples:
             >>> manager.wait()  # doctest: +SKIP
             'runs/x/ckpt-0000000300.pt'
         """
-        return finish_pending()
+        path = finish_pending()
+        finish_snapshot(self.snapshot_dir)
+        return path
 
     @property
     def pending(self) -> AsyncSave | None:
@@ -182,13 +191,16 @@ class CheckpointManager:
         return pending()
 
     def close(self) -> None:
-        """Finish the async save in flight (collective) and free the snapshot buffers it held.
+        """Finish the async save in flight and the snapshot being committed (collective), free the
+        host buffers the async save held, and unmap this node's snapshot slots (the newest
+        snapshot stays in node memory; the spare slot goes).
 
         Examples:
             >>> manager.close()  # doctest: +SKIP
         """
         self.wait()
         release_snapshot_buffers()
+        close_slots(self.snapshot_dir)
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -228,69 +240,69 @@ class CheckpointManager:
         for path in doomed:
             self._remove_quietly(path)
 
-    def snapshot(self, state: Mapping[str, Any], step: int, *, blocking: bool = True, **save_kwargs: Any) -> str:
-        """Copy ``state`` into this node's memory as the snapshot of ``step`` (collective, like `save`).
+    def snapshot(
+        self,
+        state: Mapping[str, Any],
+        step: int,
+        *,
+        blocking: bool = False,
+        metadata: Mapping[str, Any] | None = None,
+        writers: str = "auto",
+    ) -> str:
+        """Copy ``state`` into node memory as the snapshot of ``step`` (collective, like `save`).
 
-        The snapshot is the checkpoint `save` would write, in the node-memory folder
-        (``snapshot_dir``; see `ckptools.write.node_memory`): it survives kill -9 of every process
-        of the job, and `restore` resumes from it when it is newer than every durable checkpoint,
-        bit-identical as from a file. The call returns once the copy is whole; with DDP on one
-        node every local rank copies its share (``writers="auto"``, as `save`). Two slots: the
-        newest snapshot stays whole until the new one is committed, then it is removed. The
-        folder's free space is checked for both slots before anything is written.
-
-        With ``blocking=False`` the call returns once the state is copied into host buffers (the
-        stall of `ckptools.async_save`, near a plain memory copy) and the file is written into node
-        memory in the background; until that write ends, a kill leaves the previous snapshot, so
-        with a snapshot every step at most two steps are lost instead of one. Like every async save
-        it is finished by the next checkpoint call.
+        Every node keeps its own snapshot, the checkpoint `save` would write, in its node-memory
+        folder (``snapshot_dir``; see `ckptools.write.node_snapshot`): it survives kill -9 of every
+        process of the job, and `restore` resumes from it when it is newer than every durable
+        checkpoint, bit-identical as from a file. The ranks of a node split the copy (what DDP
+        keeps equal on every rank, over the node's ranks: about 1/LOCAL_WORLD_SIZE each), and the
+        call returns once this rank's copy is whole: the stall is one memory copy (on CUDA a
+        device-to-host copy into pinned memory). The CRC-32s and the commit follow in a background
+        thread, a fraction of the copy's time later; the snapshot counts from its commit, and
+        until then a kill leaves the previous one whole (two slots). The next snapshot, `wait`,
+        `close` and `restore` wait for that commit and raise its failure on every rank. An async
+        `save` still being written is left to write: a snapshot does not wait for it. The node's
+        free memory is checked for both slots, and the slot allocated, before anything is copied.
 
         Args:
             state: as for `save`, the same on every rank.
             step: the training step.
-            blocking: False to write the snapshot in the background.
-            **save_kwargs: passed to `ckptools.save` (``metadata=...``, ``writers=...``).
+            blocking: True to return only once the snapshot is committed on every node.
+            metadata: as for `save`.
+            writers: ``"auto"`` (or ``"all"``): a node's ranks split the copy; ``"rank0"``: each
+                node's lowest rank copies everything.
 
         Returns:
-            The snapshot's path.
+            The snapshot's path (on this node).
 
         Raises:
-            NodeMemoryError: the folder cannot hold two snapshots of ``state`` (on every rank,
-                naming the sizes and the fixes); nothing was written.
-            CheckpointError: the copy failed (on every rank); the previous snapshot is whole.
+            NodeMemoryError: a node's folder cannot hold two snapshots of ``state`` (on every
+                rank, naming the sizes and the fixes); nothing was copied.
+            CheckpointError: the previous snapshot's commit failed, or this one's failed with
+                ``blocking`` (on every rank); the snapshot before it is whole.
 
         Examples:
             >>> manager.snapshot({"model": model, "optimizer": opt}, step=301)  # doctest: +SKIP
         """
         memory = self._memory_manager()
-        path = memory.path_for(step)
-        metadata = {**dict(save_kwargs.pop("metadata", None) or {}), "step": step}
+        name = os.path.basename(memory.path_for(step))
+        metadata = {**dict(metadata or {}), "step": step}
 
-        def make_room(payload: Mapping[str, Any]) -> None:  # rank 0, once save's checks passed, before the copy
-            os.makedirs(memory.directory, exist_ok=True)
+        def prepare() -> None:  # every node's lowest rank, before its copy
             register(memory.directory)
-            snapshots = memory.checkpoints()
-            for _, old in snapshots[:-1]:  # the newest stays whole until the new one is committed
-                memory._remove_quietly(old)
             memory._remove_leftovers()
-            check_space(memory.directory, payload_bytes(payload), sum(os.path.getsize(p) for _, p in snapshots[-1:]))
             watch(memory.directory)
             start_keeper(memory.directory, self.directory, self.prefix, self.keep_last)
 
-        def prune() -> None:
-            memory._housekeeping(lambda: memory._prune(step), "prune")
-
-        if not blocking:
-            async_save_with_hooks(path, state, metadata=metadata, before_write=make_room, after_write=prune,
-                                  **save_kwargs)  # fmt: skip
-            return path
-        save_with_hooks(path, state, metadata=metadata, before_write=make_room, **save_kwargs)
-        if get_rank() == 0:
-            prune()
-        return path
+        return write_snapshot(
+            memory.directory, self.prefix, name, state, metadata=metadata, writers=writers, blocking=blocking,
+            prepare=prepare,
+        )  # fmt: skip
 
     def snapshots(self) -> list[tuple[int, str]]:
-        """``(step, path)`` of this node's snapshots, oldest first (unverified; local)."""
+        """``(step, path)`` of this node's snapshots, oldest first (unverified; local: once this
+        rank's part of a snapshot being committed is done)."""
+        settle(self.snapshot_dir)
         if not os.path.isdir(self.snapshot_dir):
             return []
         return self._memory_manager().checkpoints()
@@ -305,20 +317,18 @@ class CheckpointManager:
         assert match is not None  # every path a manager lists matches its pattern
         return int(match.group(1))
 
-    def _choose(self) -> tuple[str, bool] | None:
-        """Rank 0: the newest good checkpoint, durable or this node's snapshot (a tie: the
-        snapshot, which reads from memory), and whether it is a snapshot; None for none."""
-        snapshot = None
-        if os.path.isdir(self.snapshot_dir):
-            watch(self.snapshot_dir)  # first: the keeper of a job that died must not release it now
-            snapshot = self._memory_manager().latest()
+    def _choose(self, newest: list[int | None]) -> tuple[int, bool] | None:
+        """Rank 0: the step of the newest good checkpoint, durable or a node's snapshot (a tie:
+        the snapshot, which reads from memory), and whether it is a snapshot; None for none.
+        ``newest``: each node's newest whole snapshot (None for none)."""
+        snapshot = max((step for step in newest if step is not None), default=None)
         listed = self.checkpoints()
-        if snapshot is not None and (not listed or self._step_of(snapshot) >= listed[-1][0]):
+        if snapshot is not None and (not listed or snapshot >= listed[-1][0]):
             return snapshot, True  # no durable file is newer: none is read to verify it
         durable = self.latest()
-        if snapshot is not None and (durable is None or self._step_of(snapshot) >= self._step_of(durable)):
+        if snapshot is not None and (durable is None or snapshot >= self._step_of(durable)):
             return snapshot, True  # the newer durable files were damaged
-        return None if durable is None else (durable, False)
+        return None if durable is None else (self._step_of(durable), False)
 
     def latest(self) -> str | None:
         """Path of the newest complete checkpoint that passes its integrity check, or None.
@@ -369,21 +379,47 @@ class CheckpointManager:
             >>> step = 0 if ckpt is None else ckpt["step"]  # doctest: +SKIP
         """
         finish_pending()
-        choice = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(self._choose, send=True)
+        finish_snapshot(self.snapshot_dir)
+        rank = get_rank()
+        # Whether this node had a folder before anything here made one: asked of every rank
+        # before any rank makes it (for the node token), or a rank could see its peer's.
+        existed = all_gather_object(os.path.isdir(self.snapshot_dir))
+        if existed[rank]:
+            watch(self.snapshot_dir)  # first: the keeper of a job that died must not release it now
+        nodes = group_nodes(all_gather_object(node_token(self.snapshot_dir)))
+        leaders = [ranks[0] for ranks in nodes]
+        memory = self._memory_manager()
+        found = memory.latest() if rank in leaders else None
+        steps = all_gather_object(None if found is None else self._step_of(found))
+        newest = [steps[leader] for leader in leaders]
+        choice = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(
+            lambda: self._choose(newest), send=True
+        )
+        node = next(ranks for ranks in nodes if rank in ranks)
+        made_here = not any(existed[r] for r in node)
+        if (choice is None or not choice[1]) and made_here and rank == node[0]:
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)  # made for the node token only: nothing is kept
         if choice is None:
-            if get_rank() == 0:
+            if rank == 0:
                 log.logger.info("no checkpoint in %s: starting fresh", self.directory)
             return None
-        path, from_memory = choice
+        step, from_memory = choice
         # Restoring is resuming: the RNG comes back whatever the state holds (see ck.load).
         load_kwargs = {"restore_rng": True, **load_kwargs}
-        if from_memory:
-            register(self.snapshot_dir)
-            # Ranks on another node have another memory: they receive rank 0's snapshot.
-            if not all(all_gather_object(os.path.exists(path))):
-                load_kwargs["broadcast"] = True
-            if get_rank() == 0:
-                log.logger.info("restoring from the snapshot in node memory: %s", path)
+        if not from_memory:
+            return load(self.path_for(step), state, **load_kwargs)
+        path = memory.path_for(step)
+        register(self.snapshot_dir)
+        lacking = [leader for leader, have in zip(leaders, newest) if have != step]
+        if lacking:
+            # A node without it (replaced, or killed mid-copy) gets it from a node that has it,
+            # into its own memory; then every rank reads its own node's copy.
+            source = next(leader for leader, have in zip(leaders, newest) if have == step)
+            if rank == 0:
+                log.logger.info("sending the snapshot of step %d from rank %d to rank %s", step, source, lacking)
+            send_file(path, source, rank in lacking)
+        if rank == 0:
+            log.logger.info("restoring from the snapshot in node memory: %s", path)
         return load(path, state, **load_kwargs)
 
 

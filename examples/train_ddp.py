@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> NoReturn:
                 last_saved = step
             elif args.snapshot_every and step % args.snapshot_every == 0:
                 # Into node memory: survives kill -9 of the whole job; restore() takes it when newest.
-                manager.snapshot({**state, "step": step}, step, blocking=not args.async_save)
+                manager.snapshot({**state, "step": step}, step)  # returns once the copy is whole
             # A step boundary: every rank asks together whether any rank was signalled.
             if preemption is not None and preemption.should_stop():
                 name = signal.Signals(preemption.stop_signal).name

@@ -209,7 +209,7 @@ KEEPER_JOB = """
 import os, sys, torch, ckptools as ck
 manager = ck.CheckpointManager(sys.argv[1], snapshot_dir=sys.argv[2], keep_last=2)
 manager.save({"w": torch.zeros(4)}, 5)
-manager.snapshot({"w": torch.ones(4)}, 7)
+manager.snapshot({"w": torch.ones(4)}, 7, blocking=True)  # committed before the crash
 os._exit(1)  # killed: no cleanup
 """
 

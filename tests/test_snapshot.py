@@ -16,7 +16,7 @@ import torch
 from _dist import run_ranks
 
 import ckptools as ck
-from ckptools.write import zip_writer
+from ckptools.write import node_snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -35,6 +35,15 @@ def _state(value: float) -> dict:
 def _files(folder) -> list[str]:
     """The snapshots and temporaries in a node-memory folder (not the keeper's .pids and .keeper)."""
     return sorted(n for n in os.listdir(folder) if not n.startswith("."))
+
+
+def _slot_files(folder) -> list[str]:
+    """Every snapshot and slot file (committed or spare) in a node-memory folder."""
+    return [os.path.join(folder, n) for n in os.listdir(folder) if n.endswith(".pt") or "snapshot-slot" in n]
+
+
+def _inode(path) -> int:
+    return os.stat(path).st_ino
 
 
 def _manager(tmp_path, **kwargs) -> ck.CheckpointManager:
@@ -65,14 +74,19 @@ def test_restore_takes_the_newest_of_node_memory_and_disk_bit_exact(tmp_path):
     assert manager.restore(_state(0.0))["step"] == 14
 
 
-def test_a_snapshot_written_in_the_background_holds_the_state_as_of_the_call(tmp_path):
+def test_a_snapshot_holds_the_state_as_of_the_call_and_reuses_its_two_slots(tmp_path):
     manager = _manager(tmp_path)
     state = _state(3.0)
     expected = state["model"].weight.detach().clone()
-    manager.snapshot({**state, "step": 3}, 3, blocking=False)
+    manager.snapshot({**state, "step": 1}, 1)
+    manager.snapshot({**state, "step": 2}, 2)
+    slots = {_inode(p) for p in _slot_files(manager.snapshot_dir)}
+    assert len(slots) == 2  # the newest and the spare
+    assert manager.snapshot({**state, "step": 3}, 3).endswith("ckpt-0000000003.pt")
     with torch.no_grad():
         state["model"].weight.add_(1.0)  # at once: the snapshot keeps the weights as of the call
-    assert manager.wait().endswith("ckpt-0000000003.pt")
+    manager.wait()  # the commit (CRC-32s, rename) ran in the background
+    assert {_inode(p) for p in _slot_files(manager.snapshot_dir)} == slots  # no new memory: the slots are reused
     target = _state(0.0)
     assert manager.restore(target)["step"] == 3 and torch.equal(target["model"].weight, expected)
     assert _files(manager.snapshot_dir) == ["ckpt-0000000003.pt"]
@@ -82,21 +96,26 @@ def test_a_snapshot_written_in_the_background_holds_the_state_as_of_the_call(tmp
 def test_a_snapshot_that_fails_midway_leaves_the_previous_one_whole(tmp_path, monkeypatch):
     manager = _manager(tmp_path)
     kept = _state(5.0)
-    manager.snapshot({**kept, "step": 5}, 5)
-    real = zip_writer.write_shares
+    manager.snapshot({**kept, "step": 5}, 5, blocking=True)
+    real = node_snapshot._copy
 
-    def dies(plan, chunks):  # a kill during the copy, as far as the folder can tell
-        real(plan, chunks[: len(chunks) // 2])
+    def dies(mapped, shares, sources):  # a kill during the copy, as far as the folder can tell
+        real(mapped, shares[: len(shares) // 2], sources[: len(sources) // 2])
         raise OSError("killed mid-copy")
 
-    monkeypatch.setattr(zip_writer, "write_shares", dies)
-    with pytest.raises(ck.CheckpointError, match="killed mid-copy"):
-        manager.snapshot({**_state(6.0), "step": 6}, 6)
+    monkeypatch.setattr(node_snapshot, "_copy", dies)
+    manager.snapshot({**_state(6.0), "step": 6}, 6)  # returns: its commit fails in the background
     monkeypatch.undo()
-    assert _files(manager.snapshot_dir) == ["ckpt-0000000005.pt"]  # no torn file, no temporary
+    assert _files(manager.snapshot_dir) == ["ckpt-0000000005.pt"]  # no torn file
+    with pytest.raises(ck.CheckpointError, match="not committed.*killed mid-copy"):
+        manager.snapshot({**_state(7.0), "step": 7}, 7)  # the next call says so, on every rank
     target = _state(0.0)
     assert manager.restore(target)["step"] == 5
     assert torch.equal(target["model"].weight, kept["model"].weight)
+    with pytest.raises(ck.CheckpointError, match="killed mid-copy"):  # blocking: at once
+        monkeypatch.setattr(node_snapshot, "_copy", dies)
+        manager.snapshot({**_state(8.0), "step": 8}, 8, blocking=True)
+    assert _files(manager.snapshot_dir) == ["ckpt-0000000005.pt"]
 
 
 def test_too_small_a_memory_folder_is_a_clear_error_before_anything_is_written(tmp_path):
@@ -116,6 +135,7 @@ def test_too_small_a_memory_folder_is_a_clear_error_before_anything_is_written(t
         assert _files(folder / "snaps") == []  # nothing written
         manager.snapshot({"w": torch.zeros(1000)}, 2)  # a state that fits: fine
         assert [s for s, _ in manager.snapshots()] == [2]
+        manager.close()  # unmaps the slots: the folder can be unmounted
     finally:
         subprocess.run(["umount", str(folder)], check=True)
 
@@ -124,7 +144,7 @@ SCRIPT = """
 import os, sys, torch, ckptools as ck
 manager = ck.CheckpointManager(sys.argv[1], snapshot_dir=sys.argv[2], keep_last=2)
 manager.save({"w": torch.zeros(4)}, 5)
-manager.snapshot({"w": torch.ones(4)}, 7)
+manager.snapshot({"w": torch.ones(4)}, 7, blocking=True)  # committed before the crash
 if sys.argv[3] == "crash":
     os._exit(1)  # a crash: no cleanup at all
 ck.exit_process(0)
@@ -180,36 +200,64 @@ def test_the_default_folder_is_in_node_memory_and_per_run(tmp_path, monkeypatch)
 
 
 def _two_nodes(rank: int, world: int, directory: str) -> tuple:
-    """Two simulated nodes (one rank each), each with a node-memory folder of its own."""
+    """Two simulated nodes, each with a node-memory folder of its own: ranks 0 and 2 on node A,
+    rank 1 alone on node B (so node B's leader receives what only rank 0 holds)."""
+    import filecmp
+    import shutil
+
     from torch.nn.parallel import DistributedDataParallel
 
-    memory = os.path.join(directory, f"node{rank}-memory")
+    from ckptools.collective.group import barrier
+
+    node = "A" if rank in (0, 2) else "B"
+    memory = os.path.join(directory, f"node{node}-memory")
     manager = ck.CheckpointManager(os.path.join(directory, "run"), snapshot_dir=memory)
-    torch.manual_seed(1)
-    model = DistributedDataParallel(torch.nn.Linear(16, 16))
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    model(torch.ones(2, 16)).sum().backward()
-    opt.step()
-    manager.snapshot({"model": model, "optimizer": opt, "step": 3}, 3)
-    saved = model.module.weight.detach().clone()
-    torch.manual_seed(2)
-    fresh = DistributedDataParallel(torch.nn.Linear(16, 16))
-    fresh_opt = torch.optim.SGD(fresh.parameters(), lr=0.1, momentum=0.9)
-    restored = manager.restore({"model": fresh, "optimizer": fresh_opt})
-    return (
-        restored["step"],
-        torch.equal(fresh.module.weight, saved),
-        _files(memory) if os.path.isdir(memory) else [],
+
+    def make(seed: int) -> tuple:
+        torch.manual_seed(seed)
+        net = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16))
+        model = DistributedDataParallel(net)
+        return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    model, opt = make(1)
+    for _ in range(2):
+        model(torch.randn(4, 16) + rank).sum().backward()  # BatchNorm's statistics differ per rank
+        opt.step()
+    manager.snapshot({"model": model, "optimizer": opt, "step": 2}, 2)
+    for _ in range(2):
+        model(torch.randn(4, 16) + rank).sum().backward()
+        opt.step()
+    manager.snapshot({"model": model, "optimizer": opt, "step": 3}, 3, blocking=True)
+    saved = {k: v.clone() for k, v in model.module.state_dict().items()}  # rank 0's buffers are what counts
+    saved_buffers = [None]
+    torch.distributed.broadcast_object_list(saved_buffers if rank else [saved], src=0)
+    expected = saved if rank == 0 else {**saved, **{k: v for k, v in saved_buffers[0].items() if "running" in k}}
+    barrier()
+    identical = filecmp.cmp(
+        os.path.join(directory, "nodeA-memory", "ckpt-0000000003.pt"),
+        os.path.join(directory, "nodeB-memory", "ckpt-0000000003.pt"),
+        shallow=False,
     )
+    manager.close()
+    barrier()
+    if rank == 0:
+        shutil.rmtree(os.path.join(directory, "nodeA-memory"))  # node A was replaced: its memory is gone
+    barrier()
+    fresh, fresh_opt = make(2)
+    restored = manager.restore({"model": fresh, "optimizer": fresh_opt})
+    same = all(torch.equal(v, expected[k]) for k, v in fresh.module.state_dict().items())
+    return restored["step"], same, identical, _files(memory)
 
 
-@pytest.mark.slow  # make interop (two spawned ranks): make test stays within its 5 minutes
-def test_a_node_without_the_snapshot_receives_it_from_rank_0(tmp_path):
-    """Today's multi-node form: the ranks do not share a folder, so rank 0 writes the snapshot
-    alone (writers="auto"); the other node restores the same step, sent over the process group."""
-    results = run_ranks(_two_nodes, 2, str(tmp_path))
-    assert results[0] == (3, True, ["ckpt-0000000003.pt"])
-    assert results[1] == (3, True, [])
+@pytest.mark.slow  # make interop (three spawned ranks): make test stays within its 5 minutes
+def test_every_node_keeps_a_snapshot_and_a_replaced_node_gets_it_back(tmp_path):
+    """Every node writes one whole snapshot (byte-identical on both, rank 0's buffers on both);
+    when rank 0's node lost its memory, the relaunch sends it the snapshot from the other node,
+    and every rank restores the same step, bit-exact."""
+    results = run_ranks(_two_nodes, 3, str(tmp_path))
+    for rank, (step, same, identical, files) in enumerate(results):
+        assert step == 3 and same and identical, (rank, results)
+        assert files == ["ckpt-0000000003.pt"], (rank, files)  # node A has it back in its memory
 
 
 def test_the_keeper_imports_no_torch():

@@ -292,6 +292,18 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     return obj if mine else pickle.loads(data.numpy().tobytes())
 
 
+def broadcast_bytes(data: torch.Tensor, src: int) -> None:
+    """Broadcast the CPU uint8 tensor ``data`` from rank ``src`` into every rank's ``data`` (in
+    place; the same size everywhere) on the CPU-side group (see ``_object_group``): what is
+    sent is bytes in host memory, never a training tensor."""
+    if not _dist_ready() or get_world_size() == 1:
+        return
+    try:
+        run_collective(torch.distributed.broadcast, data, src=src, group=_object_group())
+    except RuntimeError as err:
+        raise peer_error(err) from err
+
+
 def all_gather_object(obj: Any) -> list[Any]:
     """Return every rank's ``obj``, indexed by rank (``[obj]`` without a process group).
 

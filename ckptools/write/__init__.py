@@ -16,6 +16,9 @@ writer_thread.py     `BackgroundWriter`: one write in a background thread, its e
 async_save.py        the async save's state in one place: `AsyncSave`, the save in flight
 node_memory.py       where `CheckpointManager.snapshot` keeps snapshots: the node-memory folder,
                      its space check for two slots, its release at the job's normal end
+node_snapshot.py     the snapshot's writer: one whole copy per node, split over the node's ranks,
+                     into reused mapped slots (the stall is the copy), committed in the background;
+                     a node's snapshot sent to a node that lacks it
 ===================  ==========================================================================
 
 The operations (`ckptools.save`, `ckptools.async_save`, `CheckpointManager`) and a writer of
@@ -31,7 +34,17 @@ from typing import Any
 
 from ..storage import Location, PathLike, resolve
 from .async_save import AsyncSave, finish_pending, pending, release_snapshot_buffers, set_pending, take_snapshot
-from .node_memory import check_space, default_folder, register, release, start_keeper, watch
+from .node_memory import check_space, default_folder, register, start_keeper, watch
+from .node_snapshot import (
+    close_slots,
+    finish_snapshot,
+    group_nodes,
+    node_token,
+    release,
+    send_file,
+    settle,
+    write_snapshot,
+)
 from .payload import build_payload, checked_args
 from .plan import check_writers, choose, compare_replicas, replica_digests
 from .shares import plan_shares, write_and_commit, write_share_in_background
@@ -46,19 +59,25 @@ __all__ = [
     "build_payload",
     "check_space",
     "check_writers",
+    "close_slots",
     "checked_args",
     "choose",
     "compare_replicas",
     "default_folder",
     "finish_pending",
+    "finish_snapshot",
+    "group_nodes",
     "payload_bytes",
     "pending",
+    "node_token",
     "plan_shares",
     "register",
     "release",
     "release_snapshot_buffers",
     "replica_digests",
+    "send_file",
     "set_pending",
+    "settle",
     "start_keeper",
     "take_snapshot",
     "watch",
@@ -67,6 +86,7 @@ __all__ = [
     "write_and_commit",
     "write_file",
     "write_share_in_background",
+    "write_snapshot",
 ]
 
 

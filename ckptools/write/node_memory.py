@@ -45,6 +45,12 @@ ENV = "CKPTOOLS_NODE_MEMORY"
 # Seconds the keeper waits, once every process of the job is gone, for a relaunch (default 10).
 GRACE_ENV = "CKPTOOLS_KEEPER_GRACE"
 
+# What to do when the node memory is too small (every NodeMemoryError ends with it).
+FIXES = (
+    "give the node more shared memory (docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory "
+    f"and a sizeLimit), or point CheckpointManager(snapshot_dir=...) or ${ENV} at a larger memory-backed folder"
+)
+
 # Folders this process wrote snapshots into; removed when the job ends normally.
 _REGISTERED: set[str] = set()
 # Folders this process started a keeper for.
@@ -74,9 +80,7 @@ def check_space(folder: str, needed: int, held: int) -> None:
         return
     raise NodeMemoryError(
         f"the node-memory folder {folder} has {human_size(free)} free (and {human_size(held)} of snapshots), but "
-        f"two snapshot slots of this state need {human_size(2 * needed)}: give the node more shared memory "
-        "(docker run --shm-size=..., a Kubernetes emptyDir with medium: Memory and a sizeLimit), or point "
-        f"CheckpointManager(snapshot_dir=...) or ${ENV} at a larger memory-backed folder"
+        f"two snapshot slots of this state need {human_size(2 * needed)}: {FIXES}"
     )
 
 

@@ -279,26 +279,19 @@ def make_plan(
     *,
     on_cpu: bool = False,
     alone: bool = False,
+    nodes: list[list[int]] | None = None,
 ) -> Plan:
     """Rank 0: pickle ``payload``, assign every storage to a writer (all to rank 0 when
-    ``alone``) and lay out the file (no file is touched: `ckptools.write.zip_writer.create_tmp` makes it)."""
+    ``alone``) and lay out the file (no file is touched: `ckptools.write.zip_writer.create_tmp` makes it).
+
+    With ``nodes`` (each node's ranks, lowest first; a node snapshot) every node writes a whole
+    copy of the file: each storage gets one share per node, the replicated ones spread over that
+    node's ranks, the others on its lowest rank (which, on a node without rank 0, receives them
+    from rank 0: their ``where`` is None, like rank 0's own)."""
     data_pkl, storages = pickle_payload(payload, on_cpu=on_cpu)
     where = {} if alone else replicated(state, payload)
-    world = 1 if alone else get_world_size()
-    load = [0] * world
-    writer: dict[str, int] = {}
-    spread = []
-    for key, storage in storages.items():
-        if storage.device.type not in ("cpu", "cuda") or storage._cdata not in where:
-            writer[key] = 0
-            load[0] += storage.nbytes()
-        else:
-            spread.append(key)
-    # Largest first onto the least loaded rank (ties: the lowest rank): within one storage of even.
-    for key in sorted(spread, key=lambda k: (-storages[k].nbytes(), int(k))):
-        rank = min(range(world), key=lambda r: (load[r], r))
-        writer[key] = rank
-        load[rank] += storages[key].nbytes()
+    if nodes is None:
+        nodes = [[0]] if alone else [list(range(get_world_size()))]
     serial = str(secrets.randbits(128)).zfill(40)[:40]
     small = {
         "data.pkl": data_pkl,
@@ -312,10 +305,43 @@ def make_plan(
     records += [(PREFIX + n, len(b)) for n, b in tail.items()]
     zplan = ZipPlan(records)
     first = len(small)
-    shares = [
-        Share(k, s.nbytes(), zplan.data_offsets[first + i], writer[k], where.get(s._cdata) if writer[k] else None)
-        for i, (k, s) in enumerate(storages.items())
-    ]
+    offsets = {k: zplan.data_offsets[first + i] for i, k in enumerate(storages)}
+    shares = []
+    for ranks in nodes:
+        writer = _spread(storages, where, ranks)
+        for key, storage in storages.items():
+            # Rank 0 writes from its payload; another node's leader what only rank 0 holds, received.
+            located = writer[key] != 0 and key not in writer.alone
+            shares.append(
+                Share(key, storage.nbytes(), offsets[key], writer[key], where.get(storage._cdata) if located else None)
+            )
     content = {i: b for i, b in enumerate(small.values())}
     content.update({len(records) - len(tail) + i: b for i, b in enumerate(tail.values())})
     return Plan("", b"", records, shares, small=content, storages=storages, size=zplan.size)
+
+
+class _Writers(dict):  # type: ignore[type-arg]
+    """Storage key to writing rank; ``alone``: the keys only the node's lowest rank can write."""
+
+    alone: set[str]
+
+
+def _spread(storages: Mapping[str, torch.UntypedStorage], where: Mapping[int, Any], ranks: list[int]) -> _Writers:
+    """Who of ``ranks`` writes each storage: largest first onto the least loaded rank (ties: the
+    lowest), within one storage of even; what is not replicated on the lowest rank."""
+    load = dict.fromkeys(ranks, 0)
+    writer = _Writers()
+    writer.alone = set()
+    spread = []
+    for key, storage in storages.items():
+        if storage.device.type not in ("cpu", "cuda") or storage._cdata not in where:
+            writer[key] = ranks[0]
+            writer.alone.add(key)
+            load[ranks[0]] += storage.nbytes()
+        else:
+            spread.append(key)
+    for key in sorted(spread, key=lambda k: (-storages[k].nbytes(), int(k))):
+        rank = min(ranks, key=lambda r: (load[r], r))
+        writer[key] = rank
+        load[rank] += storages[key].nbytes()
+    return writer

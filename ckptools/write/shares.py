@@ -103,14 +103,17 @@ def report_share(plan: Plan, error: BaseException | None, crcs: dict[str, int]) 
     default_store().set(_share_key(plan, get_rank()), pickle.dumps((text, crcs)))
 
 
-def collect_shares(plan: Plan, abandoned: threading.Event) -> list[tuple[str | None, dict[str, int]]]:
-    """Rank 0's writer thread: every other rank's report, by rank (file I/O's pace: polled).
+def collect_shares(
+    plan: Plan, abandoned: threading.Event, ranks: list[int] | None = None
+) -> list[tuple[str | None, dict[str, int]]]:
+    """Rank 0's writer thread: every other rank's report (or those of ``ranks``), by rank (file
+    I/O's pace: polled).
 
     Gives up (raising `CheckpointError`) when ``abandoned`` is set, i.e. the main thread found a
     peer dead, or after the process group's timeout.
     """
     store = default_store()
-    keys = [_share_key(plan, rank) for rank in range(1, get_world_size())]
+    keys = [_share_key(plan, rank) for rank in (range(1, get_world_size()) if ranks is None else ranks)]
     started = time.monotonic()
     deadline = started + collective_timeout().total_seconds()
     pause = 0.001
