@@ -137,6 +137,9 @@ def describe(where: tuple[Any, ...]) -> str:
 # --- rank 0: the plan -----------------------------------------------------------------------------
 
 
+_PLAIN = frozenset((int, float, str, bool, type(None), tuple, list, dict, bytes, torch.dtype, torch.device, torch.Size))
+
+
 def pickle_payload(payload: Any, *, on_cpu: bool = False) -> tuple[bytes, dict[str, torch.UntypedStorage]]:
     """``data.pkl`` as ``torch.save`` writes it, and its storages by record key, in order.
 
@@ -173,7 +176,8 @@ def pickle_payload(payload: Any, *, on_cpu: bool = False) -> tuple[bytes, dict[s
 
     class _Pickler(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
-            return persistent_id(obj)
+            # Called for every object pickled: the plain ones (most of them) leave at once.
+            return None if type(obj) in _PLAIN else persistent_id(obj)
 
     import io
 
