@@ -126,7 +126,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_writers.py --gib 1 --ranks 1 2 4 --repeat 2 --throttle-mib 200
 	$(PY) benchmarks/bench_resume.py --gib 1 4
 	$(PY) benchmarks/bench_seeded.py
-	$(PY) benchmarks/bench_snapshot.py --gib 1 --repeat 7
+	$(PY) benchmarks/bench_snapshot.py --gib 1 --repeat 7 --ranks 2 --loop
 
 demo: $(STAMP)
 	$(PY) examples/demo.py --workdir runs/demo

@@ -211,7 +211,12 @@ def _prepare_slot(folder: str, prefix: str, size: int) -> str:
     spare = _SPARES.pop(folder, None)
     if spare is not None and not os.path.isfile(spare):
         spare = None
-    node_memory.check_space(folder, size, _allocated(newest) + _allocated(spare))
+    try:
+        node_memory.check_space(folder, size, _allocated(newest) + _allocated(spare))
+    except BaseException:
+        if spare is not None:
+            _SPARES[folder] = spare  # still this node's spare: a later, smaller state reuses it
+        raise
     path = spare or os.path.join(folder, tmp_name(f"{prefix}-{SLOT}"))
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
     try:
