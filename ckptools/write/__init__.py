@@ -34,7 +34,7 @@ from typing import Any
 
 from ..storage import Location, PathLike, resolve
 from .async_save import AsyncSave, finish_pending, pending, release_snapshot_buffers, set_pending, take_snapshot
-from .node_memory import check_space, default_folder, register, start_keeper, watch
+from .node_memory import default_folder, register, start_keeper, watch
 from .node_snapshot import (
     close_slots,
     finish_snapshot,
@@ -48,7 +48,7 @@ from .node_snapshot import (
 from .payload import build_payload, checked_args
 from .plan import check_writers, choose, compare_replicas, replica_digests
 from .shares import plan_shares, write_and_commit, write_share_in_background
-from .snapshot import SnapshotBuffers, payload_bytes, whole_storage
+from .snapshot import SnapshotBuffers, whole_storage
 from .writer_thread import BackgroundWriter
 from .zip_writer import write_alone
 
@@ -57,7 +57,6 @@ __all__ = [
     "BackgroundWriter",
     "SnapshotBuffers",
     "build_payload",
-    "check_space",
     "check_writers",
     "close_slots",
     "checked_args",
@@ -67,7 +66,6 @@ __all__ = [
     "finish_pending",
     "finish_snapshot",
     "group_nodes",
-    "payload_bytes",
     "pending",
     "node_token",
     "plan_shares",

@@ -13,7 +13,7 @@ import torch
 
 from ..devices import keep_view_bits
 
-__all__ = ["SnapshotBuffers", "payload_bytes", "whole_storage"]
+__all__ = ["SnapshotBuffers", "whole_storage"]
 
 
 class SnapshotBuffers:
@@ -119,19 +119,6 @@ def _collect(node: Any, found: dict[int, torch.Tensor]) -> None:
     elif isinstance(node, (list, tuple, set, frozenset)):
         for value in node:
             _collect(value, found)
-
-
-def payload_bytes(payload: Any) -> int:
-    """The bytes of the distinct storages ``payload``'s tensors use: what a snapshot of it copies,
-    about the size of the file a save of it writes (what a node-memory space check counts)."""
-    tensors: dict[int, torch.Tensor] = {}
-    _collect(payload, tensors)
-    storages = {}
-    for tensor in tensors.values():
-        if tensor.layout == torch.strided and not tensor.is_nested:
-            storage = tensor.untyped_storage()
-            storages[(str(storage.device), storage.data_ptr())] = storage.nbytes()
-    return sum(storages.values())
 
 
 def whole_storage(storage: Any) -> torch.Tensor:
