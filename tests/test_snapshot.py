@@ -292,3 +292,32 @@ def test_ckpt_info_of_a_run_folder_lists_its_checkpoints_and_this_nodes_snapshot
     (tmp_path / "other" / "notes.txt").write_text("no checkpoint here")
     refused = CliRunner().invoke(app, ["info", str(tmp_path / "other")])
     assert refused.exit_code == 2 and "not a checkpoint layout" in refused.output
+
+
+def test_a_snapshot_does_not_wait_for_an_async_save_in_flight(tmp_path, monkeypatch):
+    """The durable async save is still writing (held here until released): the snapshot is taken
+    and committed beside it; then both files are whole, and restore takes the newer snapshot."""
+    import threading
+
+    from ckptools import saving
+
+    release = threading.Event()
+    real = saving.write_alone
+
+    def held(location, payload):
+        assert release.wait(60), "the durable write was never released"
+        return real(location, payload)
+
+    monkeypatch.setattr(saving, "write_alone", held)
+    manager = _manager(tmp_path)
+    manager.save({**_state(1.0), "step": 10}, 10, blocking=False)
+    assert not manager.pending.done()
+    manager.snapshot({**_state(11.0), "step": 11}, 11, blocking=True)  # would hang if it waited for the save
+    assert not manager.pending.done() and [s for s, _ in manager.snapshots()] == [11]
+    release.set()
+    manager.wait()
+    assert [s for s, _ in manager.checkpoints()] == [10]
+    target = _state(0.0)
+    assert manager.restore(target)["step"] == 11
+    assert torch.equal(target["model"].weight, _state(11.0)["model"].weight)
+    manager.close()
