@@ -154,7 +154,7 @@ class CheckpointManager:
         # the space this save needs). Rank 0 removes them once the state passed save's checks,
         # right before it writes; an error there must not escape, or the other ranks would wait
         # in save() for a rank that left.
-        def cleanup(_payload: Mapping[str, Any]) -> None:
+        def cleanup() -> None:
             self._housekeeping(self._remove_leftovers, "clean up")
 
         def prune() -> None:

@@ -167,12 +167,11 @@ def save_with_hooks(
     state: Mapping[str, Any],
     *,
     metadata: Mapping[str, Any] | None = None,
-    before_write: Callable[[Mapping[str, Any]], None] | None = None,
+    before_write: Callable[[], None] | None = None,
     writers: str = DEFAULT_WRITERS,
     verify_replicas: bool = False,
 ) -> str:
-    """`save`; ``before_write(payload)`` runs on rank 0 once the payload passed its checks
-    (housekeeping; the payload is what will be written, to size it)."""
+    """`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
     check_writers(writers)
     start = _begin(path, state, metadata, verify_replicas)
     planned = _shares(start, state, before_write, writers)
@@ -200,7 +199,7 @@ class _Start:
 def _shares(
     start: _Start,
     state: Mapping[str, Any],
-    before_write: Callable[[Mapping[str, Any]], None] | None,
+    before_write: Callable[[], None] | None,
     writers: str,
     *,
     on_cpu: bool = False,
@@ -227,9 +226,7 @@ def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any]
     return _Start(path, user_meta, [rng_state for rng_state, _ in gathered], started)
 
 
-def _write(
-    location: Location, payload: Any, before_write: Callable[[Mapping[str, Any]], None] | None, ran: bool = False
-) -> int:
+def _write(location: Location, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:
     """Rank 0: housekeeping (unless it ran already), then the atomic write; the bytes written.
 
     `ckptools.write.zip_writer.write_alone`: a local file through the planned writer (one pwrite
@@ -237,7 +234,7 @@ def _write(
     docs/guides/writers.md for the figures), anything else through ``torch.save`` (a
     multipart upload on S3)."""
     if before_write is not None and not ran:
-        before_write(payload)
+        before_write()
     return write_alone(location, payload)  # the save's path, resolved once by _begin
 
 
@@ -314,7 +311,7 @@ def async_save_with_hooks(
     state: Mapping[str, Any],
     *,
     metadata: Mapping[str, Any] | None = None,
-    before_write: Callable[[Mapping[str, Any]], None] | None = None,
+    before_write: Callable[[], None] | None = None,
     after_write: Callable[[], None] | None = None,
     writers: str = DEFAULT_WRITERS,
     verify_replicas: bool = False,

@@ -55,7 +55,7 @@ def test_file_holds_the_state_as_of_the_call_bit_for_bit(tmp_path):
     ck.save(tmp_path / "sync.pt", state)
     gate = threading.Event()
     # The write is held back until training has moved on, so the test cannot pass by luck.
-    handle = _async_save(tmp_path / "async.pt", state, before_write=lambda _payload: gate.wait())
+    handle = _async_save(tmp_path / "async.pt", state, before_write=gate.wait)
     assert not handle.done()
     for _ in range(3):  # the optimizer steps in place: parameters, moments, step counters, lr
         _step(model, opt)
@@ -135,7 +135,7 @@ def test_failed_background_write_surfaces_at_the_next_checkpoint_call(tmp_path):
 
 def test_a_later_call_finishes_the_save_in_flight_first(tmp_path):
     gate = threading.Event()
-    first = _async_save(tmp_path / "1.pt", {"w": torch.ones(3)}, before_write=lambda _payload: gate.wait())
+    first = _async_save(tmp_path / "1.pt", {"w": torch.ones(3)}, before_write=gate.wait)
     threading.Timer(0.3, gate.set).start()
     second = ck.async_save(tmp_path / "2.pt", {"w": torch.zeros(3)})
     assert first.done() and (tmp_path / "1.pt").exists()  # finished before the second began

@@ -30,7 +30,7 @@ def test_cuda_state_is_snapshotted_into_pinned_memory_as_of_the_call(tmp_path):
     state = {"model": model, "optimizer": opt}
     ck.save(tmp_path / "sync.pt", state)
     gate = threading.Event()
-    handle = _async_save(tmp_path / "async.pt", state, before_write=lambda _payload: gate.wait())
+    handle = _async_save(tmp_path / "async.pt", state, before_write=gate.wait)
     try:
         # Every CUDA storage (weights, Adam's moments) went to pinned memory; CPU ones (the
         # RNG states, Adam's step counters) to plain memory.

@@ -152,7 +152,7 @@ def plan_shares(
     location: Location,
     state: Mapping[str, Any],
     build_payload: Callable[[], dict[str, Any]],
-    before_write: Callable[[Mapping[str, Any]], None] | None,
+    before_write: Callable[[], None] | None,
     writers: str,
     *,
     on_cpu: bool = False,
@@ -169,7 +169,7 @@ def plan_shares(
     def planned() -> Plan:
         payload = build_payload()
         if before_write is not None:
-            before_write(payload)
+            before_write()
         return zip_writer.create_tmp(location, make_plan(location, state, payload, on_cpu=on_cpu))
 
     sent = agree.saving(path).on_rank0(planned, send=True)
