@@ -57,6 +57,7 @@ from . import node_memory, zip_writer
 from .payload import build_payload, checked_args
 from .plan import Plan, Share, check_writers, make_plan
 from .shares import collect_shares, first_error, locate, report_share
+from .snapshot import whole_storage
 
 __all__ = [
     "close_slots",
@@ -436,7 +437,7 @@ def _copy(mapped: _Mapped, shares: list[Share], sources: list[Any]) -> None:
     back, non-blocking, and one synchronize per device waits for them."""
     devices = set()
     for share, source in zip(shares, sources):
-        data = source if isinstance(source, torch.Tensor) else _whole(source)
+        data = source if isinstance(source, torch.Tensor) else whole_storage(source)
         target = mapped.bytes[share.offset : share.offset + share.nbytes]
         if data.device.type == "cuda":
             mapped.pin()
@@ -446,10 +447,6 @@ def _copy(mapped: _Mapped, shares: list[Share], sources: list[Any]) -> None:
             target.copy_(data)
     for device in devices:
         torch.cuda.current_stream(device).synchronize()
-
-
-def _whole(storage: torch.UntypedStorage) -> torch.Tensor:
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
 
 
 def _receive_rank0_part(plan: Plan, nodes: list[list[int]], leader: int) -> None:
@@ -467,7 +464,7 @@ def _receive_rank0_part(plan: Plan, nodes: list[list[int]], leader: int) -> None
     offset = 0
     for key in keys:
         if rank == 0:
-            buffer[offset : offset + sizes[key]].copy_(_whole(plan.storages[key]))
+            buffer[offset : offset + sizes[key]].copy_(whole_storage(plan.storages[key]))
         offset += sizes[key]
     broadcast_bytes(buffer, 0)
     if rank != 0 and rank == leader:

@@ -315,35 +315,31 @@ def make_plan(
         writer = _spread(storages, where, ranks)
         for key, storage in storages.items():
             # Rank 0 writes from its payload; another node's leader what only rank 0 holds, received.
-            located = writer[key] != 0 and key not in writer.alone
-            shares.append(
-                Share(key, storage.nbytes(), offsets[key], writer[key], where.get(storage._cdata) if located else None)
-            )
+            located = writer[key] != 0 and _spreadable(storage, where)
+            place = where.get(storage._cdata) if located else None
+            shares.append(Share(key, storage.nbytes(), offsets[key], writer[key], place))
     content = {i: b for i, b in enumerate(small.values())}
     content.update({len(records) - len(tail) + i: b for i, b in enumerate(tail.values())})
     return Plan("", b"", records, shares, small=content, storages=storages, size=zplan.size)
 
 
-class _Writers(dict):  # type: ignore[type-arg]
-    """Storage key to writing rank; ``alone``: the keys only the node's lowest rank can write."""
+def _spreadable(storage: torch.UntypedStorage, where: Mapping[int, Any]) -> bool:
+    """Whether any rank may write ``storage``: replicated, on the CPU or a GPU."""
+    return storage.device.type in ("cpu", "cuda") and storage._cdata in where
 
-    alone: set[str]
 
-
-def _spread(storages: Mapping[str, torch.UntypedStorage], where: Mapping[int, Any], ranks: list[int]) -> _Writers:
+def _spread(storages: Mapping[str, torch.UntypedStorage], where: Mapping[int, Any], ranks: list[int]) -> dict[str, int]:
     """Who of ``ranks`` writes each storage: largest first onto the least loaded rank (ties: the
     lowest), within one storage of even; what is not replicated on the lowest rank."""
     load = dict.fromkeys(ranks, 0)
-    writer = _Writers()
-    writer.alone = set()
+    writer: dict[str, int] = {}
     spread = []
     for key, storage in storages.items():
-        if storage.device.type not in ("cpu", "cuda") or storage._cdata not in where:
-            writer[key] = ranks[0]
-            writer.alone.add(key)
-            load[ranks[0]] += storage.nbytes()
-        else:
+        if _spreadable(storage, where):
             spread.append(key)
+        else:
+            writer[key] = ranks[0]
+            load[ranks[0]] += storage.nbytes()
     for key in sorted(spread, key=lambda k: (-storages[k].nbytes(), int(k))):
         rank = min(ranks, key=lambda r: (load[r], r))
         writer[key] = rank
