@@ -204,7 +204,8 @@ def _allocated(path: str | None) -> int:
 def _prepare_slot(folder: str, prefix: str, size: int) -> str:
     """Leader: the slot to copy into, ``size`` bytes, its pages allocated; the newest committed
     snapshot stays whole, older ones go."""
-    committed = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if checkpoint_names(prefix).fullmatch(n)]
+    names = checkpoint_names(prefix)
+    committed = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if names.fullmatch(n)]
     for old in committed[:-1]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(old)
@@ -246,9 +247,10 @@ def _prepare_slot(folder: str, prefix: str, size: int) -> str:
 def _recycle(folder: str, prefix: str, kept: str) -> None:
     """Leader, after a commit: every other committed snapshot goes; one of this process's own
     slot files becomes the spare (renamed to a temporary name), the rest are removed."""
+    names = checkpoint_names(prefix)
     for name in sorted(os.listdir(folder)):
         path = os.path.join(folder, name)
-        if path == kept or not checkpoint_names(prefix).fullmatch(name):
+        if path == kept or not names.fullmatch(name):
             continue
         with contextlib.suppress(FileNotFoundError):
             if folder not in _SPARES and _inode(path) in _OURS:
