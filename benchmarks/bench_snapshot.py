@@ -11,7 +11,10 @@ disk), against the floor of a restore (the same copy, reversed). Prints medians 
 goal is stated in: snapshot stall / floor (goal <= 1.1 on CPU).
 
 ``--ranks 2``: the same state as a DDP model on 2 local ranks (gloo): each rank's stall, which the
-split should make about half of one rank's (and its own floor, half the state).
+split should make about half of one rank's (and its own floor, half the state). Then a job of 2
+ranks that dies after a snapshot is relaunched twice, restoring from memory, then from the disk
+(the snapshot removed, the durable file evicted from the page cache): each rank's process start,
+process-group set-up and restore, apart.
 
 ``--loop``: a training loop (a CPU MLP whose step takes >= 100x a snapshot's stall) run with no
 snapshot, a snapshot every 10 steps and every step, interleaved: steps/s against none (goal >= 0.99).
@@ -49,6 +52,23 @@ def _memory_folder() -> str:
     return tempfile.mkdtemp(prefix="ckptools-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
 
 
+def _copy_all(state: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> float:
+    """The copy floor: the same tensors into host buffers allocated and faulted in before."""
+    started = time.perf_counter()
+    for k, v in state.items():
+        buffers[k].copy_(v)
+    return time.perf_counter() - started
+
+
+def _evict(path: str) -> None:
+    """Drop ``path``'s pages from the page cache (written and synced, so they are clean)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
 def bench(gib: float, repeat: int, workdir: str) -> dict[str, float]:
     state = _state(gib)
     memory = _memory_folder()
@@ -56,19 +76,18 @@ def bench(gib: float, repeat: int, workdir: str) -> dict[str, float]:
     buffers = {k: torch.empty_like(v) for k, v in state.items()}
     for b in buffers.values():
         b.fill_(0)
-    keys = ("floor", "snapshot", "commit", "blocking", "save", "restore_mem", "restore_disk")
+    keys = ("floor", "snapshot", "ratio", "commit", "blocking", "save", "restore_mem", "restore_warm", "restore_cold")
     times: dict[str, list[float]] = {k: [] for k in keys}
     for i in range(repeat + 2):  # rounds 0 and 1 warm up (the two slots' pages, the page cache)
         keep = i > 1
-        started = time.perf_counter()
-        for k, v in state.items():
-            buffers[k].copy_(v)
-        floor = time.perf_counter() - started  # also the floor of a restore: the same copy, reversed
+        before = _copy_all(state, buffers)
         started = time.perf_counter()
         manager.snapshot({"model": state}, 3 * i + 1)
         snap = time.perf_counter() - started
         manager.wait()  # the commit in the background: CRC-32s, headers, rename
         commit = time.perf_counter() - started - snap
+        # The floor on both sides of the snapshot: the memory bus is shared and noisy here.
+        floor = (before + _copy_all(state, buffers)) / 2  # also the floor of a restore: the same copy, reversed
         started = time.perf_counter()
         manager.snapshot({"model": state}, 3 * i + 2, blocking=True)
         blocking = time.perf_counter() - started
@@ -79,11 +98,16 @@ def bench(gib: float, repeat: int, workdir: str) -> dict[str, float]:
         started = time.perf_counter()
         ck.load(manager.snapshots()[-1][1], target)
         mem = time.perf_counter() - started
+        on_disk = manager.checkpoints()[-1][1]
         started = time.perf_counter()
-        ck.load(manager.checkpoints()[-1][1], target)
-        disk = time.perf_counter() - started
+        ck.load(on_disk, target)
+        warm = time.perf_counter() - started
+        _evict(on_disk)  # a relaunch on another node, or long after: read from the disk itself
+        started = time.perf_counter()
+        ck.load(on_disk, target)
+        cold = time.perf_counter() - started
         if keep:
-            for key, value in zip(keys, (floor, snap, commit, blocking, save, mem, disk)):
+            for key, value in zip(keys, (floor, snap, snap / floor, commit, blocking, save, mem, warm, cold)):
                 times[key].append(value)
     manager.close()
     shutil.rmtree(memory, ignore_errors=True)
@@ -126,6 +150,89 @@ def _rank(rank: int, world: int, port: int, gib: float, repeat: int, queue: obje
     queue.put((rank, statistics.median(stalls), statistics.median(floors)))  # type: ignore[attr-defined]
     torch.distributed.barrier()
     ck.exit_process(0)
+
+
+def _crashed_rank(rank: int, world: int, port: int, gib: float, queue: object) -> None:
+    """A job's rank that saves step 1 durably, snapshots step 2, then dies (no exit_process)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    model = _module(_state(gib))
+    model.load_state_dict(_state(gib))
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    manager = ck.CheckpointManager(os.environ["BENCH_RUN_DIR"], snapshot_dir=os.environ["BENCH_SNAPSHOT_DIR"])
+    manager.save({"model": ddp}, 1)
+    manager.snapshot({"model": ddp}, 2, blocking=True)
+    torch.distributed.barrier()
+    queue.put(rank)  # type: ignore[attr-defined]
+    queue.close()  # type: ignore[attr-defined]
+    queue.join_thread()  # type: ignore[attr-defined]  # sent before os._exit
+    os._exit(0)  # a crash, as far as the snapshots know: they stay for the relaunch
+
+
+def _relaunched_rank(rank: int, world: int, port: int, gib: float, launched: float, queue: object) -> None:
+    """A relaunched rank: how long its start (interpreter, imports), the process group and the
+    restore each took."""
+    began = time.time()  # this function runs once the interpreter is up and torch and ckptools are imported
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.distributed.barrier()
+    grouped = time.time()
+    model = _module(_state(gib))  # the model's set-up, not counted: a relaunch makes it either way
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    manager = ck.CheckpointManager(os.environ["BENCH_RUN_DIR"], snapshot_dir=os.environ["BENCH_SNAPSHOT_DIR"])
+    torch.distributed.barrier()
+    started = time.perf_counter()
+    ckpt = manager.restore({"model": ddp})
+    restored = time.perf_counter() - started
+    assert ckpt is not None
+    queue.put((rank, began - launched, grouped - began, restored, ckpt["__ckptools__"]["metadata"]["step"]))  # type: ignore[attr-defined]
+    queue.close()  # type: ignore[attr-defined]
+    queue.join_thread()  # type: ignore[attr-defined]  # sent before os._exit
+    torch.distributed.barrier()
+    manager.close()
+    os._exit(0)  # not exit_process: its release would remove the snapshot the next relaunch reads
+
+
+def bench_relaunch(gib: float, world: int, workdir: str) -> dict[str, list[tuple[int, float, float, float, int]]]:
+    """A job of ``world`` local ranks dies after a snapshot; it is relaunched twice: reading the
+    snapshot from memory, then (the snapshot removed, the durable file evicted from the page
+    cache) reading the disk."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    memory = _memory_folder()
+    run = os.path.join(workdir, "relaunch")
+    # No keeper copy during the measurement (it would release the memory after its grace time).
+    os.environ.update(BENCH_SNAPSHOT_DIR=memory, BENCH_RUN_DIR=run, CKPTOOLS_KEEPER_GRACE="3600")
+    results = {}
+    try:
+        for phase in ("crash", "memory", "disk"):
+            if phase == "disk":
+                shutil.rmtree(memory)  # its keeper sees the folder gone and exits
+                for name in os.listdir(run):
+                    _evict(os.path.join(run, name))
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            queue = context.Queue()
+            launched = time.time()
+            if phase == "crash":
+                procs = [context.Process(target=_crashed_rank, args=(r, world, port, gib, queue)) for r in range(world)]
+            else:
+                procs = [
+                    context.Process(target=_relaunched_rank, args=(r, world, port, gib, launched, queue))
+                    for r in range(world)
+                ]
+            for p in procs:
+                p.start()
+            replies = sorted(queue.get(timeout=900) for _ in procs)
+            for p in procs:
+                p.join(timeout=120)
+            if phase != "crash":
+                results[phase] = replies
+    finally:
+        shutil.rmtree(memory, ignore_errors=True)
+    return results
 
 
 def bench_ranks(gib: float, repeat: int, world: int, workdir: str) -> list[tuple[int, float, float]]:
@@ -203,12 +310,18 @@ def main() -> None:
         for gib in args.gib:
             m = bench(gib, args.repeat, workdir)
             print(
-                f"{gib:g} GiB, median of {args.repeat}: floor {m['floor']:.3f} s; snapshot stall {m['snapshot']:.3f} s "
-                f"({m['snapshot'] / m['floor']:.2f}x the floor; goal <= 1.1), then its commit in the background "
-                f"{m['commit']:.3f} s; snapshot(blocking=True) {m['blocking']:.3f} s "
-                f"({m['blocking'] / m['floor']:.2f}x); sync save to disk {m['save']:.3f} s "
-                f"({m['save'] / m['snapshot']:.1f}x the stall); restore from memory {m['restore_mem']:.3f} s, "
-                f"from disk (warm) {m['restore_disk']:.3f} s (the restore's floor: {m['floor']:.3f} s)",
+                f"{gib:g} GiB, median of {args.repeat}: floor {m['floor']:.3f} s (measured before and after each "
+                f"snapshot); snapshot stall {m['snapshot']:.3f} s ({m['ratio']:.2f}x the floor, median of the rounds' "
+                f"ratios; goal <= 1.1), then its commit in the background {m['commit']:.3f} s; "
+                f"snapshot(blocking=True) {m['blocking']:.3f} s ({m['blocking'] / m['floor']:.2f}x); sync save to "
+                f"disk {m['save']:.3f} s ({m['save'] / m['snapshot']:.1f}x the stall)",
+                flush=True,
+            )
+            print(
+                f"  restore in place (ck.load): from memory {m['restore_mem']:.3f} s "
+                f"({m['restore_mem'] / m['floor']:.2f}x the floor), from disk {m['restore_warm']:.3f} s in the page "
+                f"cache, {m['restore_cold']:.3f} s "
+                f"evicted from it ({m['restore_cold'] / m['restore_mem']:.1f}x memory)",
                 flush=True,
             )
             if args.ranks > 1:
@@ -219,6 +332,16 @@ def main() -> None:
                         f"({stall / floor:.2f}x)",
                         flush=True,
                     )
+            if args.ranks > 1:
+                relaunch = bench_relaunch(gib, args.ranks, workdir)
+                for phase, replies in relaunch.items():
+                    for rank, start, group, restore, step in replies:
+                        print(
+                            f"  relaunch of {args.ranks} local ranks, rank {rank}, restore from {phase} (step {step}): "
+                            f"process start (interpreter, imports) {start:.2f} s, process group {group:.2f} s, "
+                            f"restore {restore:.3f} s",
+                            flush=True,
+                        )
         if args.loop:
             r = bench_loop(10, 5, workdir)
             print(

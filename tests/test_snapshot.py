@@ -74,6 +74,20 @@ def test_restore_takes_the_newest_of_node_memory_and_disk_bit_exact(tmp_path):
     assert manager.restore(_state(0.0))["step"] == 14
 
 
+def test_a_truncated_snapshot_is_skipped_at_restore_and_the_durable_one_read(tmp_path):
+    """Restore checks a snapshot's container, not its records' CRC-32s again (its commit wrote
+    them); a snapshot whose container is not whole (here cut short) is never loaded."""
+    manager = _manager(tmp_path)
+    manager.save({**_state(1.0), "step": 10}, 10)
+    manager.snapshot({**_state(11.0), "step": 11}, 11, blocking=True)
+    path = manager.snapshots()[-1][1]
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    target = _state(0.0)
+    assert manager.restore(target)["step"] == 10
+    assert torch.equal(target["model"].weight, _state(1.0)["model"].weight)
+
+
 def test_a_snapshot_holds_the_state_as_of_the_call_and_reuses_its_two_slots(tmp_path):
     manager = _manager(tmp_path)
     state = _state(3.0)

@@ -131,6 +131,7 @@ def _records(directory: Path, world: int) -> list[tuple[int, int, list[int]]]:
     return rows
 
 
+@pytest.mark.slow  # four 3-rank launches (~30 s): `make interop` runs it, with the other whole-job scenarios
 def test_three_processes_resumed_on_three_or_on_two_cover_the_data_exactly_once(tmp_path, reference):
     """3 ranks train with batches of 15 and a save every 3 steps; one dies after step 14, so the
     last checkpoint is step 12, one step into epoch 1 (45 samples consumed: not a multiple of 2).

@@ -154,9 +154,17 @@ class TorchFile(Layout):
                 raise
             return load_without_code(location, map_location, refusal, mmap=zipped and mmap)[0]
 
-    def check(self, location: Location) -> None:
-        """Check every record's CRC-32 (`CheckpointFormatError` if one differs; a legacy file has none)."""
-        verify_torch_file(location)
+    def check(self, location: Location, *, records: bool = True) -> None:
+        """Check every record's CRC-32 (`CheckpointFormatError` if one differs; a legacy file has none).
+
+        ``records=False`` checks a local zip's container only (its central directory, every record
+        inside the file), reading no record: for files whose CRC-32s were just written from what was
+        copied into memory (a node-memory snapshot's).
+        """
+        if records or not is_local_zip(location):
+            verify_torch_file(location)
+        else:
+            TorchZip(location.path)
 
     def is_lightning(self, location: Location) -> bool:
         """Whether a local zip is a Lightning checkpoint (its top level holds Lightning's version);

@@ -35,6 +35,7 @@ import contextlib
 import errno
 import mmap
 import os
+import queue
 import secrets
 import threading
 import time
@@ -57,7 +58,7 @@ from . import node_memory, zip_writer
 from .payload import build_payload, checked_args
 from .plan import Plan, Share, check_writers, make_plan
 from .shares import collect_shares, first_error, locate, report_share
-from .snapshot import whole_storage
+from .snapshot import copy_bytes, whole_storage
 
 __all__ = [
     "close_slots",
@@ -265,22 +266,50 @@ def _recycle(folder: str, prefix: str, kept: str) -> None:
 
 
 class _Commit:
-    """This rank's part of a snapshot after its copy: CRC-32s, report, and (leader) the commit."""
+    """This rank's part of a snapshot after its copy: CRC-32s, report, and (leader) the commit,
+    run by this process's commit thread."""
 
     def __init__(self, path: str, run: Callable[[], None]) -> None:
         self.path = path
+        self.run = run
         self.error: BaseException | None = None
+        self.done = threading.Event()
+        _commit_queue().put(self)
 
-        def target() -> None:
-            try:
-                run()
-            except BaseException as err:  # noqa: BLE001 - kept, raised on every rank by the next call
-                self.error = err
-                log.warn(f"the snapshot {path} was not committed: {type(err).__name__}: {err}", all_ranks=True)
+    def join(self) -> None:
+        self.done.wait()
 
+
+_QUEUE: tuple[int, queue.SimpleQueue[_Commit]] | None = None
+
+
+def _commit_queue() -> queue.SimpleQueue[_Commit]:
+    """The queue of this process's commit thread, started once: starting a thread per snapshot
+    waits for it to run, up to the GIL's switch interval (5 ms) of the stall."""
+    global _QUEUE
+    if _QUEUE is None or _QUEUE[0] != os.getpid():  # a forked child has no thread of its parent's
+        commits: queue.SimpleQueue[_Commit] = queue.SimpleQueue()
         # File I/O and the store only: never a collective (see ckptools.collective).
-        self.thread = threading.Thread(target=target, name="ckptools-snapshot", daemon=True)
-        self.thread.start()
+        threading.Thread(target=_commit_thread, args=(commits,), name="ckptools-snapshot", daemon=True).start()
+        _QUEUE = (os.getpid(), commits)
+    return _QUEUE[1]
+
+
+def _commit_thread(commits: queue.SimpleQueue[_Commit]) -> None:
+    while True:
+        commit = commits.get()
+        try:
+            commit.run()
+        except BaseException as err:  # noqa: BLE001 - kept, raised on every rank by the next call
+            commit.error = err
+            log.warn(f"the snapshot {commit.path} was not committed: {type(err).__name__}: {err}", all_ranks=True)
+        finally:
+            commit.run = _done  # what it held (the plan, the mapping's views) goes now
+            commit.done.set()
+
+
+def _done() -> None:
+    pass
 
 
 _PENDING: dict[str, _Commit] = {}
@@ -291,7 +320,7 @@ def _join(folder: str) -> str | None:
     commit = _PENDING.pop(folder, None)
     if commit is None:
         return None
-    commit.thread.join()
+    commit.join()
     if commit.error is None:
         return None
     return f"{type(commit.error).__name__}: {commit.error}"
@@ -301,7 +330,7 @@ def settle(folder: str) -> None:
     """Local: wait for this rank's commit in ``folder`` (its failure is kept for `finish_snapshot`)."""
     commit = _PENDING.get(folder)
     if commit is not None:
-        commit.thread.join()
+        commit.join()
 
 
 def finish_snapshot(folder: str) -> None:
@@ -444,9 +473,9 @@ def _copy(mapped: _Mapped, shares: list[Share], sources: list[Any]) -> None:
         if data.device.type == "cuda":
             mapped.pin()
             devices.add(data.device)
-            target.copy_(data, non_blocking=mapped.registered)
+            copy_bytes(target, data, non_blocking=mapped.registered)
         else:
-            target.copy_(data)
+            copy_bytes(target, data)
     for device in devices:
         torch.cuda.current_stream(device).synchronize()
 
