@@ -27,12 +27,14 @@ from .write import (
     checked_args,
     choose,
     compare_replicas,
+    describe_partitions,
     finish_pending,
     plan_shares,
     replica_digests,
     set_pending,
     take_snapshot,
     whole_storage,
+    with_partitions,
     write_alone,
     write_and_commit,
     write_share_in_background,
@@ -174,6 +176,7 @@ def save_with_hooks(
     """`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
     check_writers(writers)
     start = _begin(path, state, metadata, verify_replicas)
+    state = start.state  # a ZeRO optimizer as its ZeroEntry
     planned = _shares(start, state, before_write, writers)
     if planned is None:
         written = _on_rank0(start, state, lambda payload: _write(start.location, payload, before_write, start.written))
@@ -190,6 +193,7 @@ class _Start:
         self.path, self.user_meta, self.rng_states, self.started = path, user_meta, rng_states, started
         self.location: Location = resolve(path)
         self.written = False  # rank 0: whether before_write ran already (a fallback must not rerun it)
+        self.state: Mapping[str, Any] = {}  # what is saved: the state, a ZeRO optimizer as its ZeroEntry
 
     def payload(self, state: Mapping[str, Any]) -> Callable[[], dict[str, Any]]:
         """Rank 0's way to build the checked payload of ``state`` (when it is needed)."""
@@ -218,12 +222,23 @@ def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any]
     finish_pending()
     started = time.monotonic()
     path, user_meta = checked_args(path, state, metadata)
-    gathered = all_gather_object((rng.get_rng_state(), replica_digests(state) if verify else None))
+    # Each rank's ZeRO partition, described (metadata, never a tensor), rides the same exchange.
+    mine: tuple[Any, ...]
+    try:
+        mine = (rng.get_rng_state(), replica_digests(state) if verify else None, describe_partitions(state), None)
+    except CheckpointError as err:  # raised on every rank below, after the exchange
+        mine = (None, None, None, str(err))
+    gathered = all_gather_object(mine)
+    problem = next((f"rank {r}: {reply[3]}" for r, reply in enumerate(gathered) if reply[3]), None)
+    if problem is not None:
+        raise CheckpointError(f"saving checkpoint {path} failed on {problem}; earlier checkpoints are untouched")
     if verify:  # every rank has every rank's digests: the same verdict everywhere, no exchange
-        failure = compare_replicas([digests for _, digests in gathered])
+        failure = compare_replicas([reply[1] for reply in gathered])
         if failure is not None:
             raise CheckpointError(f"saving checkpoint {path} failed: {failure}; earlier checkpoints are untouched")
-    return _Start(path, user_meta, [rng_state for rng_state, _ in gathered], started)
+    start = _Start(path, user_meta, [reply[0] for reply in gathered], started)
+    start.state = with_partitions(state, [reply[2] for reply in gathered])
+    return start
 
 
 def _write(location: Location, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:
@@ -320,6 +335,7 @@ def async_save_with_hooks(
     in its writer thread (``before_write`` on the main thread with ``writers="all"``)."""
     check_writers(writers)
     start = _begin(path, state, metadata, verify_replicas)
+    state = start.state  # a ZeRO optimizer as its ZeroEntry
     planned = _shares(start, state, before_write, writers, on_cpu=True)
     handle = AsyncSave(start.path, start.started, shared=planned is not None)
     if planned is None:

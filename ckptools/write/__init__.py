@@ -19,6 +19,9 @@ node_memory.py       where `CheckpointManager.snapshot` keeps snapshots: the nod
 node_snapshot.py     the snapshot's writer: one whole copy per node, split over the node's ranks,
                      into reused mapped slots (the stall is the copy), committed in the background;
                      a node's snapshot sent to a node that lacks it
+zero.py              a ``ZeroRedundancyOptimizer`` saved without consolidation: each rank's
+                     partition described (metadata only), the consolidated dict with
+                     placeholders, each partition written by its owner
 ===================  ==========================================================================
 
 The operations (`ckptools.save`, `ckptools.async_save`, `CheckpointManager`) and a writer of
@@ -50,6 +53,7 @@ from .plan import check_writers, choose, compare_replicas, replica_digests
 from .shares import plan_shares, write_and_commit, write_share_in_background
 from .snapshot import SnapshotBuffers, whole_storage
 from .writer_thread import BackgroundWriter
+from .zero import describe_partitions, with_partitions
 from .zip_writer import write_alone
 
 __all__ = [
@@ -63,6 +67,7 @@ __all__ = [
     "choose",
     "compare_replicas",
     "default_folder",
+    "describe_partitions",
     "finish_pending",
     "finish_snapshot",
     "group_nodes",
@@ -78,6 +83,7 @@ __all__ = [
     "settle",
     "start_keeper",
     "take_snapshot",
+    "with_partitions",
     "watch",
     "whole_storage",
     "write_alone",

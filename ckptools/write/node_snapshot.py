@@ -59,6 +59,7 @@ from .payload import build_payload, checked_args
 from .plan import Plan, Share, check_writers, make_plan
 from .shares import collect_shares, first_error, locate, report_share
 from .snapshot import copy_bytes, whole_storage
+from .zero import describe_partitions, with_partitions
 
 __all__ = [
     "close_slots",
@@ -380,13 +381,21 @@ def write_snapshot(
     started = time.monotonic()
     path, user_meta = checked_args(os.path.join(folder, name), state, metadata)
     token = node_token(folder)
-    gathered = all_gather_object((rng.get_rng_state(), token, previous))
+    try:
+        partitions, problem = describe_partitions(state), None  # a ZeRO optimizer's, metadata only
+    except CheckpointError as err:
+        partitions, problem = None, str(err)
+    gathered = all_gather_object((rng.get_rng_state(), token, previous, partitions, problem))
     failed = first_error(gathered, lambda reply: reply[2])
     if failed is not None:
         raise CheckpointError(
             f"the snapshot before {path} was not committed on {failed}; the one before it is whole "
             "(this snapshot was not taken)"
         )
+    failed = first_error(gathered, lambda reply: reply[4])
+    if failed is not None:
+        raise CheckpointError(f"the snapshot {path} was not taken: {failed}")
+    state = with_partitions(state, [reply[3] for reply in gathered])
     nodes = group_nodes([reply[1] for reply in gathered])
     rank = get_rank()
     node = next(ranks for ranks in nodes if rank in ranks)

@@ -54,9 +54,11 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import log
 from ..codecs.torchzip import ZipPlan
 from ..collective.group import get_rank, get_world_size
+from ..errors import CheckpointError
 from ..state_dict import unwrap_model
 from ..storage import Location
 from .payload import state_entry
+from .zero import has_partitions, owned_tensors
 
 __all__ = ["WRITERS", "Plan", "choose", "make_plan"]
 
@@ -74,14 +76,28 @@ def check_writers(writers: str) -> None:
 def choose(writers: str, location: Location, state: Mapping[str, Any]) -> str:
     """``"rank0"`` or ``"all"``: what this save can do, decided alike on every rank (no exchange).
 
-    A single process, a state without a ``DistributedDataParallel`` model (nothing in it is
-    known to be replicated) and an object store get rank 0's writer; ``"auto"`` and ``"all"``
-    both get the planned writer otherwise (whether every rank sees the directory is checked
-    once the plan exists).
+    A single process, a state without a ``DistributedDataParallel`` model or a ZeRO optimizer
+    (nothing in it is known to be replicated or partitioned) and an object store get rank 0's
+    writer; ``"auto"`` and ``"all"`` both get the planned writer otherwise (whether every rank
+    sees the directory is checked once the plan exists). A ZeRO optimizer's partitions are
+    written by their own ranks or not at all: with ``"rank0"`` or an object store the save is
+    refused (`CheckpointError`, on every rank), since rank 0 alone would have to receive every
+    partition (torch's ``consolidate_state_dict``).
     """
-    if writers == "rank0" or get_world_size() == 1:
+    if get_world_size() == 1:
         return "rank0"
-    if not any(isinstance(obj, DistributedDataParallel) for obj in state.values()):
+    partitioned = has_partitions(state)
+    if partitioned and (writers == "rank0" or not location.local):
+        why = "writers='rank0'" if writers == "rank0" else f"{location} is in an object store (no shared file)"
+        raise CheckpointError(
+            f"saving checkpoint {location} failed: a ZeroRedundancyOptimizer's state is partitioned over the ranks "
+            f"and every rank writes its own partition into the one file, which {why} does not allow; save to a "
+            "local or shared folder every rank sees with writers='auto' or 'all', then copy the file; earlier "
+            "checkpoints are untouched"
+        )
+    if writers == "rank0":
+        return "rank0"
+    if not partitioned and not any(isinstance(obj, DistributedDataParallel) for obj in state.values()):
         return "rank0"
     if not location.local:
         if writers == "all":
@@ -140,12 +156,15 @@ def describe(where: tuple[Any, ...]) -> str:
 _PLAIN = frozenset((int, float, str, bool, type(None), tuple, list, dict, bytes, torch.dtype, torch.device, torch.Size))
 
 
-def pickle_payload(payload: Any, *, on_cpu: bool = False) -> tuple[bytes, dict[str, torch.UntypedStorage]]:
+def pickle_payload(
+    payload: Any, *, on_cpu: bool = False, cpu: frozenset[int] = frozenset()
+) -> tuple[bytes, dict[str, torch.UntypedStorage]]:
     """``data.pkl`` as ``torch.save`` writes it, and its storages by record key, in order.
 
     The storage naming is torch.serialization._save's: storages by reference, keys in order of
     first appearance, the storage type and ``location_tag`` of each (``"cpu"`` for all with
-    ``on_cpu``: an async save stores the CPU snapshot, as with ``writers="rank0"``); views of one
+    ``on_cpu``: an async save stores the CPU snapshot, as with ``writers="rank0"``; and for the
+    storages in ``cpu``, by ``_cdata``: a ZeRO partition, as torch's consolidation stores it); views of one
     storage with different dtypes are refused as torch refuses them.
     """
     from torch.serialization import location_tag, normalize_storage_type
@@ -171,7 +190,10 @@ def pickle_payload(payload: Any, *, on_cpu: bool = False) -> tuple[bytes, dict[s
         key = keys.setdefault(storage._cdata, str(len(keys)))
         storages[key] = storage
         fake = getattr(obj, "_fake_device", None)
-        location = "cpu" if on_cpu else (str(fake) if fake is not None else location_tag(storage))
+        if on_cpu or storage._cdata in cpu:
+            location = "cpu"
+        else:
+            location = str(fake) if fake is not None else location_tag(storage)
         return ("storage", storage_type, key, location, numel)
 
     class _Pickler(pickle.Pickler):
@@ -179,11 +201,47 @@ def pickle_payload(payload: Any, *, on_cpu: bool = False) -> tuple[bytes, dict[s
             # Called for every object pickled: the plain ones (most of them) leave at once.
             return None if type(obj) in _PLAIN else persistent_id(obj)
 
+    class _PlaceholderPickler(_Pickler):
+        def reducer_override(self, obj: Any) -> Any:
+            # Another rank's ZeRO tensor, a meta placeholder here: reduced as torch reduces the CPU
+            # tensor it stands for (torch reduces a meta tensor without its storage).
+            if type(obj) is torch.Tensor and obj.device.type == "meta" and obj.untyped_storage()._cdata in cpu:
+                return _reduce_as_stored(obj)
+            return NotImplemented
+
     import io
 
     buffer = io.BytesIO()
-    _Pickler(buffer, protocol=2).dump(payload)  # torch.save's default protocol
+    # torch.save's default protocol; the override (a Python call per object) only when needed.
+    (_PlaceholderPickler if cpu else _Pickler)(buffer, protocol=2).dump(payload)
     return buffer.getvalue(), storages
+
+
+def _reduce_as_stored(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
+    """``Tensor._reduce_ex_internal``'s reduction of a dense tensor with its storage (torch 2.x),
+    for a tensor whose storage is not here."""
+    from collections import OrderedDict
+
+    storage: Any
+    if tensor.dtype in torch.storage._new_dtypes():
+        rebuild: Any = torch._utils._rebuild_tensor_v3
+        storage = tensor.untyped_storage()
+    else:
+        rebuild = torch._utils._rebuild_tensor_v2
+        storage = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+            wrap_storage=tensor.untyped_storage(), dtype=tensor.dtype, _internal=True
+        )
+    args: tuple[Any, ...] = (
+        storage,
+        tensor.storage_offset(),
+        tuple(tensor.size()),
+        tensor.stride(),
+        tensor.requires_grad,
+        OrderedDict(),
+    )
+    if isinstance(storage, torch.UntypedStorage):
+        args += (tensor.dtype,)
+    return rebuild, args
 
 
 def replicated_tensors(state: Mapping[str, Any], entries: Mapping[str, Any]) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -292,7 +350,8 @@ def make_plan(
     copy of the file: each storage gets one share per node, the replicated ones spread over that
     node's ranks, the others on its lowest rank (which, on a node without rank 0, receives them
     from rank 0: their ``where`` is None, like rank 0's own)."""
-    data_pkl, storages = pickle_payload(payload, on_cpu=on_cpu)
+    owned = {} if alone else owned_tensors(state, payload)
+    data_pkl, storages = pickle_payload(payload, on_cpu=on_cpu, cpu=frozenset(owned))
     where = {} if alone else replicated(state, payload)
     if nodes is None:
         nodes = [[0]] if alone else [list(range(get_world_size()))]
@@ -312,11 +371,16 @@ def make_plan(
     offsets = {k: zplan.data_offsets[first + i] for i, k in enumerate(storages)}
     shares = []
     for ranks in nodes:
-        writer = _spread(storages, where, ranks)
+        fixed = _owners(storages, owned, ranks)
+        writer = _spread(storages, where, ranks, fixed)
         for key, storage in storages.items():
-            # Rank 0 writes from its payload; another node's leader what only rank 0 holds, received.
-            located = writer[key] != 0 and _spreadable(storage, where)
-            place = where.get(storage._cdata) if located else None
+            # Rank 0 writes from its payload; another node's leader what only rank 0 holds, received;
+            # a ZeRO partition its owner, from its own tensors.
+            if key in fixed:
+                place = owned[storage._cdata][1] if fixed[key] != 0 else None
+            else:
+                located = writer[key] != 0 and _spreadable(storage, where)
+                place = where.get(storage._cdata) if located else None
             shares.append(Share(key, storage.nbytes(), offsets[key], writer[key], place))
     content = {i: b for i, b in enumerate(small.values())}
     content.update({len(records) - len(tail) + i: b for i, b in enumerate(tail.values())})
@@ -328,14 +392,42 @@ def _spreadable(storage: torch.UntypedStorage, where: Mapping[int, Any]) -> bool
     return storage.device.type in ("cpu", "cuda") and storage._cdata in where
 
 
-def _spread(storages: Mapping[str, torch.UntypedStorage], where: Mapping[int, Any], ranks: list[int]) -> dict[str, int]:
+def _owners(
+    storages: Mapping[str, torch.UntypedStorage], owned: Mapping[int, tuple[int, Any]], ranks: list[int]
+) -> dict[str, int]:
+    """The ZeRO partitions' storages of ``storages`` (by key) with the rank that owns them; each
+    must be among ``ranks`` (a node's, for a snapshot: it keeps a whole file)."""
+    fixed = {}
+    for key, storage in storages.items():
+        if storage._cdata in owned:
+            owner = owned[storage._cdata][0]
+            if owner not in ranks:
+                raise CheckpointError(
+                    "a ZeroRedundancyOptimizer's state is partitioned over the ranks, and a snapshot in node memory "
+                    f"keeps a whole copy on every node: rank {owner}'s partition is not on the node of ranks {ranks}. "
+                    "Snapshots of a ZeRO optimizer work on one node; over several, save() instead"
+                )
+            fixed[key] = owner
+    return fixed
+
+
+def _spread(
+    storages: Mapping[str, torch.UntypedStorage],
+    where: Mapping[int, Any],
+    ranks: list[int],
+    fixed: Mapping[str, int] | None = None,
+) -> dict[str, int]:
     """Who of ``ranks`` writes each storage: largest first onto the least loaded rank (ties: the
-    lowest), within one storage of even; what is not replicated on the lowest rank."""
+    lowest), within one storage of even; what is not replicated on the lowest rank; ``fixed``
+    (a ZeRO partition's) on its owner."""
     load = dict.fromkeys(ranks, 0)
     writer: dict[str, int] = {}
     spread = []
     for key, storage in storages.items():
-        if _spreadable(storage, where):
+        if fixed and key in fixed:
+            writer[key] = fixed[key]
+            load[fixed[key]] += storage.nbytes()
+        elif _spreadable(storage, where):
             spread.append(key)
         else:
             writer[key] = ranks[0]

@@ -1,0 +1,183 @@
+"""A ``ZeroRedundancyOptimizer`` saved without consolidation: every rank writes its partition.
+
+``torch.distributed.optim.ZeroRedundancyOptimizer`` keeps on each rank the optimizer state of
+that rank's partition of the parameters only; its ``state_dict()`` refuses until
+``consolidate_state_dict(to=0)`` has sent every partition to one rank (all of the optimizer
+state through one rank's memory). A save here sends metadata only:
+
+1. Every rank describes its partition's state (per global parameter index: each tensor's dtype,
+   shape, strides and storage size; other values as they are) in the exchange every save opens
+   with (`ckptools.saving`'s first all-gather; a snapshot's too).
+2. Each ZeRO entry of the state becomes a `ZeroEntry` on every rank: its ``state_dict()`` is the
+   dict torch's consolidation gives (``param_groups`` of the wrapper, ``state`` keyed by torch's
+   global parameter numbering, sorted), holding this rank's own tensors where they are and, for
+   the other ranks' parameters, placeholders of the right dtype, shape and size on the ``meta``
+   device (no memory).
+3. Rank 0 pickles that dict, so the file's ``data.pkl`` is what ``torch.save`` of torch's
+   consolidated state would hold; `ckptools.write.plan` gives each partition's storages to the
+   rank that owns them, which writes them from its own tensors at their offsets
+   (``writers="all"``). Their location is ``cpu``, as in torch's consolidated dict.
+
+Loading needs nothing of this: the file's entry is an ordinary optimizer state dict, which
+``ZeroRedundancyOptimizer.load_state_dict`` (at any world size: it keeps its new partition and
+drops the rest) and ``torch.optim.AdamW.load_state_dict`` accept alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..collective.group import get_rank
+from ..errors import CheckpointError
+
+__all__ = ["ZeroEntry", "describe_partitions", "has_partitions", "is_zero", "owned_tensors", "with_partitions"]
+
+
+def is_zero(obj: Any) -> bool:
+    """Whether ``obj`` is a ``torch.distributed.optim.ZeroRedundancyOptimizer``."""
+    return isinstance(obj, torch.optim.Optimizer) and type(obj).__name__ == "ZeroRedundancyOptimizer"
+
+
+def has_partitions(state: Mapping[str, Any]) -> bool:
+    """Whether ``state`` holds a ZeRO optimizer (as is, or as its `ZeroEntry`)."""
+    return any(is_zero(obj) or isinstance(obj, ZeroEntry) for obj in state.values())
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """What rank 0 needs to pickle another rank's tensor: never its data."""
+
+    dtype: torch.dtype
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    storage_nbytes: int
+
+    def placeholder(self) -> torch.Tensor:
+        storage = torch.empty(self.storage_nbytes, dtype=torch.uint8, device="meta").untyped_storage()
+        return torch.empty(0, dtype=self.dtype, device="meta").set_(
+            storage, self.storage_offset, self.size, self.stride
+        )
+
+
+def _check(zero: Any, name: str) -> None:
+    if getattr(zero, "_overlap_with_ddp", False):
+        raise CheckpointError(
+            f"state[{name!r}] is a ZeroRedundancyOptimizer with overlap_with_ddp=True: its partition follows "
+            "DDP's gradient buckets and its local optimizer exists only after DDP rebuilt them, which ckptools "
+            "does not follow yet; save it with overlap_with_ddp=False (the default)"
+        )
+    if not hasattr(zero, "_partition_parameters") or not hasattr(zero, "_param_to_index"):
+        raise CheckpointError(
+            f"state[{name!r}] is a ZeroRedundancyOptimizer of a torch ckptools does not know (no partition): "
+            f"torch {torch.__version__}"
+        )
+
+
+def _own_state(zero: Any) -> dict[int, dict[str, Any]]:
+    """This rank's partition's state, keyed by torch's global parameter index (as the
+    consolidated dict keys it): the local optimizer's state dict translated as
+    ``ZeroRedundancyOptimizer.state_dict`` translates it."""
+    local = zero.optim.state_dict()
+    groups = zero._partition_parameters()[zero.rank]
+    if len(local["param_groups"]) != len(groups):
+        raise CheckpointError("a ZeroRedundancyOptimizer's local and global parameter groups differ in number")
+    own: dict[int, dict[str, Any]] = {}
+    for local_group, group in zip(local["param_groups"], groups):
+        for local_index, param in zip(local_group["params"], group["params"]):
+            if local_index in local["state"]:
+                own[zero._param_to_index[param]] = local["state"][local_index]
+    return own
+
+
+def describe_partitions(state: Mapping[str, Any]) -> dict[str, dict[int, dict[str, Any]]] | None:
+    """This rank's part of the metadata exchange: for each ZeRO entry of ``state``, its
+    partition's state with every tensor replaced by its `TensorMeta`. None without one."""
+    found = {}
+    for name, obj in state.items():
+        if is_zero(obj):
+            _check(obj, name)
+            found[name] = {
+                index: {
+                    key: _meta(value) if isinstance(value, torch.Tensor) else value for key, value in values.items()
+                }
+                for index, values in _own_state(obj).items()
+            }
+    return found or None
+
+
+def _meta(tensor: torch.Tensor) -> TensorMeta:
+    return TensorMeta(
+        tensor.dtype,
+        tuple(tensor.size()),
+        tuple(tensor.stride()),
+        int(tensor.storage_offset()),
+        tensor.untyped_storage().nbytes(),
+    )
+
+
+class ZeroEntry:
+    """A ZeRO optimizer as a save sees it on one rank, its ``state_dict()`` torch's consolidated
+    dict with this rank's tensors and placeholders for the others'; ``owner`` says which rank
+    holds each global parameter index's state."""
+
+    def __init__(self, zero: Any, partitions: list[dict[int, dict[str, Any]]]) -> None:
+        self.zero = zero
+        self.partitions = partitions
+        self.owner = {index: rank for rank, part in enumerate(partitions) for index in part}
+
+    def state_dict(self) -> dict[str, Any]:
+        # The wrapper's own (global) param_groups, and its state as torch's state_dict() starts
+        # from before it lays every rank's local state over it.
+        result = torch.optim.Optimizer.state_dict(self.zero)
+        rank = get_rank()
+        state = dict(result["state"])
+        own = _own_state(self.zero)
+        for owner, part in enumerate(self.partitions):
+            for index, values in part.items():
+                if owner == rank:
+                    state[index] = own[index]
+                else:
+                    state[index] = {
+                        key: value.placeholder() if isinstance(value, TensorMeta) else value
+                        for key, value in values.items()
+                    }
+        result["state"] = dict(sorted(state.items()))
+        return result
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.zero.load_state_dict(state_dict)
+
+
+Partitions = dict[str, dict[int, dict[str, Any]]]  # per ZeRO entry: global index -> its state, described
+
+
+def with_partitions(state: Mapping[str, Any], gathered: list[Partitions | None]) -> Mapping[str, Any]:
+    """``state`` with each ZeRO entry as its `ZeroEntry`, given every rank's `describe_partitions`
+    (the same ``state`` when it holds none)."""
+    if not any(gathered):
+        return state
+    wrapped = dict(state)
+    for name, obj in state.items():
+        if is_zero(obj):
+            wrapped[name] = ZeroEntry(obj, [dict((reply or {}).get(name, {})) for reply in gathered])
+    return wrapped
+
+
+def owned_tensors(state: Mapping[str, Any], payload: Mapping[str, Any]) -> dict[int, tuple[int, tuple[Any, ...]]]:
+    """Rank 0: each partitioned storage (by ``_cdata``) of ``payload``, with the rank that owns
+    it and where it sits in ``state`` (entry, "state", index, key)."""
+    found: dict[int, tuple[int, tuple[Any, ...]]] = {}
+    for name, obj in state.items():
+        if not isinstance(obj, ZeroEntry):
+            continue
+        for index, values in payload[name]["state"].items():
+            owner = obj.owner.get(index, 0)
+            for key, value in (values or {}).items():
+                if isinstance(value, torch.Tensor):
+                    found.setdefault(value.untyped_storage()._cdata, (owner, (name, "state", index, key)))
+    return found
