@@ -344,14 +344,7 @@ class CheckpointManager:
         handle = pending()
         if handle is not None:
             handle.join_writer()  # local: this rank's write (and pruning) in flight ends first
-        for _, path in reversed(self.checkpoints()):
-            try:
-                TORCH_FILE.check(resolve(path))
-            except CheckpointError as err:
-                log.warn(f"skipping damaged checkpoint: {err}", all_ranks=True)
-                continue
-            return path
-        return None
+        return self._newest_whole(records=True)
 
     def _committed_snapshot(self) -> str | None:
         """This node-memory manager's newest snapshot whose container is whole, or None.
@@ -362,11 +355,17 @@ class CheckpointManager:
         again for its CRC-32s cost 1.3 s of a 1.6 s restore on 2 ranks (docs/benchmarks.md); ``ckpt verify``
         still checks every record.
         """
+        return self._newest_whole(records=False)
+
+    def _newest_whole(self, *, records: bool) -> str | None:
+        """The newest listed file that passes `TorchFile.check` (``records``: every CRC-32 too);
+        a damaged one is skipped with a warning."""
+        what = "checkpoint" if records else "snapshot"
         for _, path in reversed(self.checkpoints()):
             try:
-                TORCH_FILE.check(resolve(path), records=False)
+                TORCH_FILE.check(resolve(path), records=records)
             except CheckpointError as err:
-                log.warn(f"skipping damaged snapshot: {err}", all_ranks=True)
+                log.warn(f"skipping damaged {what}: {err}", all_ranks=True)
                 continue
             return path
         return None

@@ -29,6 +29,7 @@ from .write import (
     compare_replicas,
     describe_partitions,
     finish_pending,
+    first_error,
     plan_shares,
     replica_digests,
     set_pending,
@@ -189,11 +190,13 @@ def save_with_hooks(
 class _Start:
     """What every save has once it began: the checked arguments and every rank's RNG."""
 
-    def __init__(self, path: str, user_meta: dict[str, Any], rng_states: list[Any], started: float) -> None:
+    def __init__(
+        self, path: str, user_meta: dict[str, Any], rng_states: list[Any], started: float, state: Mapping[str, Any]
+    ) -> None:
         self.path, self.user_meta, self.rng_states, self.started = path, user_meta, rng_states, started
+        self.state = state  # what is saved: the state, a ZeRO optimizer as its ZeroEntry
         self.location: Location = resolve(path)
         self.written = False  # rank 0: whether before_write ran already (a fallback must not rerun it)
-        self.state: Mapping[str, Any] = {}  # what is saved: the state, a ZeRO optimizer as its ZeroEntry
 
     def payload(self, state: Mapping[str, Any]) -> Callable[[], dict[str, Any]]:
         """Rank 0's way to build the checked payload of ``state`` (when it is needed)."""
@@ -223,22 +226,19 @@ def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any]
     started = time.monotonic()
     path, user_meta = checked_args(path, state, metadata)
     # Each rank's ZeRO partition, described (metadata, never a tensor), rides the same exchange.
-    mine: tuple[Any, ...]
-    try:
-        mine = (rng.get_rng_state(), replica_digests(state) if verify else None, describe_partitions(state), None)
-    except CheckpointError as err:  # raised on every rank below, after the exchange
-        mine = (None, None, None, str(err))
-    gathered = all_gather_object(mine)
-    problem = next((f"rank {r}: {reply[3]}" for r, reply in enumerate(gathered) if reply[3]), None)
+    partitions, unsavable = describe_partitions(state)
+    gathered = all_gather_object(
+        (rng.get_rng_state(), replica_digests(state) if verify else None, partitions, unsavable)
+    )
+    problem = first_error(gathered, lambda reply: reply[3])
     if problem is not None:
         raise CheckpointError(f"saving checkpoint {path} failed on {problem}; earlier checkpoints are untouched")
     if verify:  # every rank has every rank's digests: the same verdict everywhere, no exchange
         failure = compare_replicas([reply[1] for reply in gathered])
         if failure is not None:
             raise CheckpointError(f"saving checkpoint {path} failed: {failure}; earlier checkpoints are untouched")
-    start = _Start(path, user_meta, [reply[0] for reply in gathered], started)
-    start.state = with_partitions(state, [reply[2] for reply in gathered])
-    return start
+    saved = with_partitions(state, [reply[2] for reply in gathered])
+    return _Start(path, user_meta, [reply[0] for reply in gathered], started, saved)
 
 
 def _write(location: Location, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:

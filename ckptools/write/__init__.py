@@ -50,7 +50,7 @@ from .node_snapshot import (
 )
 from .payload import build_payload, checked_args
 from .plan import check_writers, choose, compare_replicas, replica_digests
-from .shares import plan_shares, write_and_commit, write_share_in_background
+from .shares import first_error, plan_shares, write_and_commit, write_share_in_background
 from .snapshot import SnapshotBuffers, whole_storage
 from .writer_thread import BackgroundWriter
 from .zero import describe_partitions, with_partitions
@@ -70,6 +70,7 @@ __all__ = [
     "describe_partitions",
     "finish_pending",
     "finish_snapshot",
+    "first_error",
     "group_nodes",
     "pending",
     "node_token",

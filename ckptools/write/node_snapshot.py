@@ -381,10 +381,7 @@ def write_snapshot(
     started = time.monotonic()
     path, user_meta = checked_args(os.path.join(folder, name), state, metadata)
     token = node_token(folder)
-    try:
-        partitions, problem = describe_partitions(state), None  # a ZeRO optimizer's, metadata only
-    except CheckpointError as err:
-        partitions, problem = None, str(err)
+    partitions, problem = describe_partitions(state)  # a ZeRO optimizer's, metadata only
     gathered = all_gather_object((rng.get_rng_state(), token, previous, partitions, problem))
     failed = first_error(gathered, lambda reply: reply[2])
     if failed is not None:

@@ -64,6 +64,10 @@ class TensorMeta:
         )
 
 
+# Per ZeRO entry of a state: global parameter index -> its state, tensors described.
+Partitions = dict[str, dict[int, dict[str, Any]]]
+
+
 def _check(zero: Any, name: str) -> None:
     if getattr(zero, "_overlap_with_ddp", False):
         raise CheckpointError(
@@ -94,20 +98,24 @@ def _own_state(zero: Any) -> dict[int, dict[str, Any]]:
     return own
 
 
-def describe_partitions(state: Mapping[str, Any]) -> dict[str, dict[int, dict[str, Any]]] | None:
+def describe_partitions(state: Mapping[str, Any]) -> tuple[Partitions | None, str | None]:
     """This rank's part of the metadata exchange: for each ZeRO entry of ``state``, its
-    partition's state with every tensor replaced by its `TensorMeta`. None without one."""
-    found = {}
+    partition's state with every tensor replaced by its `TensorMeta` (None without one); and
+    what makes it unsavable, as text to raise on every rank once the exchange is done."""
+    found: Partitions = {}
     for name, obj in state.items():
         if is_zero(obj):
-            _check(obj, name)
+            try:
+                _check(obj, name)
+            except CheckpointError as err:
+                return None, str(err)
             found[name] = {
                 index: {
                     key: _meta(value) if isinstance(value, torch.Tensor) else value for key, value in values.items()
                 }
                 for index, values in _own_state(obj).items()
             }
-    return found or None
+    return found or None, None
 
 
 def _meta(tensor: torch.Tensor) -> TensorMeta:
@@ -129,6 +137,7 @@ class ZeroEntry:
         self.zero = zero
         self.partitions = partitions
         self.owner = {index: rank for rank, part in enumerate(partitions) for index in part}
+        self.own = _own_state(zero)  # this rank's tensors: the save reads them several times
 
     def state_dict(self) -> dict[str, Any]:
         # The wrapper's own (global) param_groups, and its state as torch's state_dict() starts
@@ -136,11 +145,10 @@ class ZeroEntry:
         result = torch.optim.Optimizer.state_dict(self.zero)
         rank = get_rank()
         state = dict(result["state"])
-        own = _own_state(self.zero)
         for owner, part in enumerate(self.partitions):
             for index, values in part.items():
                 if owner == rank:
-                    state[index] = own[index]
+                    state[index] = self.own[index]
                 else:
                     state[index] = {
                         key: value.placeholder() if isinstance(value, TensorMeta) else value
@@ -151,9 +159,6 @@ class ZeroEntry:
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.zero.load_state_dict(state_dict)
-
-
-Partitions = dict[str, dict[int, dict[str, Any]]]  # per ZeRO entry: global index -> its state, described
 
 
 def with_partitions(state: Mapping[str, Any], gathered: list[Partitions | None]) -> Mapping[str, Any]:
