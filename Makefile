@@ -94,7 +94,8 @@ interop: $(INTEROP_STAMP) lightning-suite
 		tests/test_snapshot.py tests/test_s3.py::test_a_dead_jobs_snapshot_is_persisted_to_s3_by_the_keeper \
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind \
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_not_relaunched_leaves_the_newest_step_in_the_folder \
-		tests/test_train_ddp_e2e.py::test_three_processes_resumed_on_three_or_on_two_cover_the_data_exactly_once
+		tests/test_train_ddp_e2e.py::test_three_processes_resumed_on_three_or_on_two_cover_the_data_exactly_once \
+		tests/test_zero.py::test_saved_on_four_ranks_resumed_on_two
 
 # lightning-suite: Lightning's own checkpointing tests (third_party/lightning_tests, from its 2.6.5 tag) with each
 # ckptools plugin as every strategy's default CheckpointIO; the few that examine TorchCheckpointIO itself are
@@ -114,7 +115,8 @@ golden: interop
 # throughput with no, sync and async checkpoints, and a preemption's exit time and steps lost; resuming
 # with every rank reading vs broadcast=True; the peak memory of a 1 GiB save to S3 (moto); resume memory
 # and time of ck.load against torch.load for 1 and 4 GiB; what ck.SeededDataset costs per item and per step;
-# writers="all" against "rank0" with 1, 2 and 4 ranks (plain, and each writer throttled to 200 MiB/s).
+# writers="all" against "rank0" with 1, 2 and 4 ranks (plain, and each writer throttled to 200 MiB/s); node-memory
+# snapshots against the copy floor; a ZeroRedundancyOptimizer saved by its owners against torch's consolidation.
 bench: $(STAMP)
 	$(PY) benchmarks/bench_save.py --gib 1
 	$(PY) benchmarks/bench_cli.py --gib 1
@@ -128,6 +130,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_resume.py --gib 1 4
 	$(PY) benchmarks/bench_seeded.py
 	$(PY) benchmarks/bench_snapshot.py --gib 1 --repeat 7 --ranks 2 --loop
+	$(PY) benchmarks/bench_zero.py --gib 0.5 --repeat 5 --ranks 2 4
 
 demo: $(STAMP)
 	$(PY) examples/demo.py --workdir runs/demo

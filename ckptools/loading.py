@@ -30,6 +30,7 @@ from .state_dict import shared_prefix, strip_for_reading, strip_prefix
 from .storage import Location, PathLike, fspath, resolve
 from .training.sampler import ResumableDistributedSampler, note_rng_restored
 from .write import finish_pending
+from .write.zero import has_partitions
 
 __all__ = ["load", "load_state_dict"]
 
@@ -82,7 +83,10 @@ def load(
         path: file path or fsspec URL.
         state: names mapped to objects to restore (model, optimizer, scaler, scheduler, sampler,
             tensors, anything with ``load_state_dict``).
-        map_location: see `resolve_map_location`; ``"auto"`` is this rank's device.
+        map_location: see `resolve_map_location`; ``"auto"`` is this rank's device. With a
+            ZeroRedundancyOptimizer in ``state`` and a GPU target, what was saved on the CPU
+            (its partitions, as torch's consolidation saves them) stays mapped on the CPU and
+            each rank moves only its own partition to its GPU.
         strict: raise `KeyMismatchError` when a named entry is missing or a model's keys
             differ; with False, load what matches.
         weights_only: keep torch's safe unpickler; False runs arbitrary code from the file and
@@ -122,6 +126,8 @@ def load(
     ckpt: dict[str, Any] = {}
     try:
         target = resolve_map_location(map_location)
+        if has_partitions(state) and isinstance(target, torch.device) and target.type != "cpu":
+            target = _partitions_stay_on_cpu(target)
         if broadcast and get_world_size() > 1:
             loaded: Any = _read_on_rank0(location, target, weights_only=weights_only, verify=verify, state=state)
         else:
@@ -154,6 +160,29 @@ def load(
     Agreement(f"loading checkpoint {path}", own="as_is").on_every_rank(error, amend=amend)
     log.report("loaded", location, started)
     return ckpt
+
+
+def _partitions_stay_on_cpu(device: torch.device) -> Any:
+    """A ``map_location`` for a state holding a ZeroRedundancyOptimizer: storages saved on the
+    CPU (every optimizer partition, as torch's consolidation saves them) stay mapped on the CPU,
+    the rest goes to ``device``. ZeRO's ``load_state_dict`` moves its own partition to its
+    parameters' device; on ``device`` every rank would hold every partition at once, the memory
+    ZeRO exists to save.
+
+    Examples:
+        >>> import torch
+        >>> restore = _partitions_stay_on_cpu(torch.device("cuda", 1))
+        >>> storage = torch.zeros(2).untyped_storage()
+        >>> restore(storage, "cpu") is storage
+        True
+    """
+
+    def restore(storage: Any, location: str) -> Any:
+        if location == "cpu":
+            return storage
+        return torch.serialization.default_restore_location(storage, str(device))  # type: ignore[no-untyped-call]
+
+    return restore
 
 
 def _read(location: Location, target: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]) -> Any:

@@ -26,6 +26,7 @@ from .state_dict import (
     tensor_identity,
     unwrap_model,
 )
+from .write.zero import prefetch_partition
 
 __all__ = ["restore_all", "restore_rng_state"]
 
@@ -128,6 +129,7 @@ def _restore(obj: Any, entry: Any, *, strict: bool, path: str, name: str) -> Non
         with torch.no_grad():
             obj.copy_(entry)
     elif callable(getattr(obj, "load_state_dict", None)):
+        prefetch_partition(obj, entry)  # a ZeRO optimizer: read its own partition's pages, not its neighbours'
         obj.load_state_dict(entry)
     elif isinstance(obj, DistributedSampler):
         obj.set_epoch(int(entry["epoch"]))
@@ -218,8 +220,12 @@ def restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool,
         except CheckpointError:
             raise
         except (ValueError, KeyError, RuntimeError, TypeError, IndexError) as err:
+            hint = ""
+            if isinstance(obj, torch.optim.Optimizer) and "parameter group" in str(err):
+                # torch's words name the mismatch, not the fix (a group added later, add_param_group).
+                hint = "; give the optimizer the parameter groups it had at that save (add_param_group) before loading"
             raise CheckpointFormatError(
-                f"{path}: cannot restore entry {name!r} into {type(obj).__name__}: {err}"
+                f"{path}: cannot restore entry {name!r} into {type(obj).__name__}: {err}{hint}"
             ) from err
 
 

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import random
 import socket
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # Ports for test servers come from below the kernel's ephemeral range (32768-60999 by default), so
@@ -154,3 +155,51 @@ def run_ranks(
     if errors:
         raise AssertionError("\n".join(errors))
     return [results.get(r) for r in range(world_size)]
+
+
+@contextlib.contextmanager
+def counting_sent() -> Iterator[list[int]]:
+    """Bytes this rank hands to torch.distributed's collectives inside the block (``[n]``): patched
+    in both namespaces (ckptools calls ``torch.distributed.X``; torch's object collectives and
+    ZeRO's consolidation reach ``distributed_c10d.X``)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    sent = [0]
+    rank = dist.get_rank()
+
+    def nbytes(t) -> int:
+        return sum(x.nbytes for x in t) if isinstance(t, (list, tuple)) else t.nbytes
+
+    # The argument each collective sends from this rank (broadcast: only from its source).
+    sends = {
+        "broadcast": lambda t, src=0, *a, **k: nbytes(t) if (k.get("src", src) == rank) else 0,
+        "all_gather": lambda out, t, *a, **k: nbytes(t),
+        "all_gather_into_tensor": lambda out, t, *a, **k: nbytes(t),
+        "all_reduce": lambda t, *a, **k: nbytes(t),
+        "reduce": lambda t, *a, **k: nbytes(t),
+        "gather": lambda t, *a, **k: nbytes(t),
+        "scatter": lambda out, lst=None, *a, **k: nbytes(lst or []),
+        "send": lambda t, *a, **k: nbytes(t),
+        "isend": lambda t, *a, **k: nbytes(t),
+        "all_to_all_single": lambda out, t, *a, **k: nbytes(t),
+        "reduce_scatter_tensor": lambda out, t, *a, **k: nbytes(t),
+    }
+    real = {name: getattr(c10d, name) for name in sends}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            sent[0] += sends[name](*args, **kwargs)
+            return real[name](*args, **kwargs)
+
+        return call
+
+    for name in sends:
+        setattr(dist, name, counted(name))
+        setattr(c10d, name, counted(name))
+    try:
+        yield sent
+    finally:
+        for name, fn in real.items():
+            setattr(dist, name, fn)
+            setattr(c10d, name, fn)

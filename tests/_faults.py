@@ -12,6 +12,22 @@ import torch
 from fsspec.implementations.memory import MemoryFileSystem
 
 
+def dies_midway(how: str):
+    """A stand-in for a rank's ``write_shares``: half of its first record reaches the file, then
+    the rank is gone (``how="kill"``: SIGKILL) or its disk fails (ENOSPC)."""
+
+    def write_shares(plan, chunks):
+        share = chunks[0][0]
+        fd = os.open(plan.tmp, os.O_WRONLY)
+        os.pwrite(fd, bytes(share.nbytes // 2), share.offset)
+        os.close(fd)
+        if how == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        raise OSError(28, "No space left on device")
+
+    return write_shares
+
+
 class FlakyFileSystem(MemoryFileSystem):
     """An in-memory filesystem whose writes die halfway, like a connection reset mid-upload.
 

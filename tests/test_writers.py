@@ -7,13 +7,13 @@ compared bit for bit with the file ``writers="rank0"`` writes from the same stat
 from __future__ import annotations
 
 import os
-import signal
 import zipfile
 
 import numpy as np
 import pytest
 import torch
 from _dist import run_ranks
+from _faults import dies_midway
 
 import ckptools as ck
 from ckptools.codecs.trees import META_KEY
@@ -199,22 +199,6 @@ def test_replicas_that_differ_are_refused_on_every_rank(tmp_path):
     assert "every record's CRC-32 matches" in ck.verify(tmp_path / "good.pt")
 
 
-def _dies_midway(how: str):
-    """A stand-in for a rank's ``write_shares``: half of its first record reaches the file, then
-    the rank is gone (``how="kill"``: SIGKILL) or its disk fails (ENOSPC)."""
-
-    def write_shares(plan, chunks):
-        share = chunks[0][0]
-        fd = os.open(plan.tmp, os.O_WRONLY)
-        os.pwrite(fd, bytes(share.nbytes // 2), share.offset)
-        os.close(fd)
-        if how == "kill":
-            os.kill(os.getpid(), signal.SIGKILL)
-        raise OSError(28, "No space left on device")
-
-    return write_shares
-
-
 def _writer_trouble(rank: int, world: int, directory: str, victim: int, how: str) -> tuple[str, dict]:
     import ckptools.write.zip_writer as zip_writer
 
@@ -226,7 +210,7 @@ def _writer_trouble(rank: int, world: int, directory: str, victim: int, how: str
             p.add_(1.0)
     real = zip_writer.write_shares
     if rank == victim:
-        zip_writer.write_shares = _dies_midway(how)
+        zip_writer.write_shares = dies_midway(how)
     try:
         ck.save(f"{directory}/ckpt.pt", state, writers="all")
     except ck.CheckpointError as err:
@@ -299,7 +283,7 @@ def _async_trouble(rank: int, world: int, directory: str, victim: int, how: str)
     saved = {k: v.clone() for k, v in ck.unwrap_model(state["model"]).state_dict().items()}
     real = zip_writer.write_shares
     if rank == victim:
-        zip_writer.write_shares = _dies_midway(how)  # runs in the writer thread
+        zip_writer.write_shares = dies_midway(how)  # runs in the writer thread
     handle = ck.async_save(f"{directory}/ckpt.pt", state, writers="all")
     with torch.no_grad():
         for p in state["model"].parameters():

@@ -59,7 +59,7 @@ from .payload import build_payload, checked_args
 from .plan import Plan, Share, check_writers, make_plan
 from .shares import collect_shares, first_error, locate, report_share
 from .snapshot import copy_bytes, whole_storage
-from .zero import describe_partitions, with_partitions
+from .zero import describe_partitions, has_partitions, with_partitions
 
 __all__ = [
     "close_slots",
@@ -393,12 +393,18 @@ def write_snapshot(
     if failed is not None:
         raise CheckpointError(f"the snapshot {path} was not taken: {failed}")
     state = with_partitions(state, [reply[3] for reply in gathered])
+    split = writers != "rank0"
+    if not split and len(gathered) > 1 and has_partitions(state):  # the same verdict on every rank
+        raise CheckpointError(
+            f"the snapshot {path} was not taken: a ZeroRedundancyOptimizer's state is partitioned over the ranks "
+            "and every rank copies its own partition, which writers='rank0' does not allow; take it with "
+            "writers='auto' (the default) or 'all'"
+        )
     nodes = group_nodes([reply[1] for reply in gathered])
     rank = get_rank()
     node = next(ranks for ranks in nodes if rank in ranks)
     leader = node[0]
     location = resolve(path)
-    split = writers != "rank0"
 
     def plan_it() -> tuple[Plan, dict[int, bytes]]:
         payload = build_payload(state, user_meta, [reply[0] for reply in gathered])

@@ -25,6 +25,8 @@ drops the rest) and ``torch.optim.AdamW.load_state_dict`` accept alike.
 
 from __future__ import annotations
 
+import ctypes
+import mmap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -34,7 +36,15 @@ import torch
 from ..collective.group import get_rank
 from ..errors import CheckpointError
 
-__all__ = ["ZeroEntry", "describe_partitions", "has_partitions", "is_zero", "owned_tensors", "with_partitions"]
+__all__ = [
+    "ZeroEntry",
+    "describe_partitions",
+    "has_partitions",
+    "is_zero",
+    "owned_tensors",
+    "prefetch_partition",
+    "with_partitions",
+]
 
 
 def is_zero(obj: Any) -> bool:
@@ -43,7 +53,8 @@ def is_zero(obj: Any) -> bool:
 
 
 def has_partitions(state: Mapping[str, Any]) -> bool:
-    """Whether ``state`` holds a ZeRO optimizer (as is, or as its `ZeroEntry`)."""
+    """Whether ``state`` holds a ZeRO optimizer: as is (what a load restores into) or as its
+    `ZeroEntry` (what a save writes)."""
     return any(is_zero(obj) or isinstance(obj, ZeroEntry) for obj in state.values())
 
 
@@ -186,3 +197,53 @@ def owned_tensors(state: Mapping[str, Any], payload: Mapping[str, Any]) -> dict[
                 if isinstance(value, torch.Tensor):
                     found.setdefault(value.untyped_storage()._cdata, (owner, (name, "state", index, key)))
     return found
+
+
+def _madvise() -> Any:
+    try:
+        call = ctypes.CDLL(None, use_errno=True).madvise
+    except (AttributeError, OSError):  # no libc madvise (Windows): reads stay page by page
+        return None
+    call.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    call.restype = ctypes.c_int
+    return call
+
+
+_MADVISE = _madvise()
+_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
+
+
+def prefetch_partition(zero: Any, entry: Any) -> int:
+    """Ask the kernel to read now the pages of a loaded optimizer entry (a file torch mapped)
+    that this rank's partition of ``zero`` will copy, and only those; return the bytes asked for.
+
+    Loading maps the whole file (`ckptools.layouts`), and each rank of a ZeRO optimizer touches
+    only its partition, spread over the file between the other ranks' records. Touched page by
+    page, every fault reads the disk's read-ahead window around it (8 MiB on some virtual disks),
+    much of it the neighbours' partitions. ``MADV_WILLNEED`` over the partition's own ranges
+    reads them in large requests at once, and the faults then find them in the page cache.
+    Harmless on memory that is not a file's (nothing to read) and where madvise is missing.
+
+    Examples:
+        >>> prefetch_partition(object(), {"state": {}})  # not a ZeRO optimizer: nothing asked
+        0
+    """
+    if _MADVISE is None or not is_zero(zero) or not isinstance(entry, Mapping):
+        return 0
+    index_to_param = zero._index_to_param
+    owner = zero._param_to_rank
+    page = mmap.PAGESIZE
+    asked = 0
+    for index, values in (entry.get("state") or {}).items():
+        if not isinstance(index, int) or not 0 <= index < len(index_to_param) or not isinstance(values, Mapping):
+            continue
+        if owner.get(index_to_param[index]) != zero.rank:
+            continue
+        for value in values.values():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu" and value.numel():
+                start = value.data_ptr()
+                end = start + value.numel() * value.element_size()
+                aligned = start - start % page
+                if _MADVISE(aligned, end - aligned, _WILLNEED) == 0:
+                    asked += end - aligned
+    return asked
