@@ -89,7 +89,8 @@ $(INTEROP_STAMP): $(STAMP)
 interop: $(INTEROP_STAMP) lightning-suite
 	$(PY) tests/interop/make_golden.py build/golden --transformers4 build/transformers4
 	CKPTOOLS_GOLDEN=build/golden $(PY) -m pytest -q -p no:cacheprovider -n auto --dist load --maxschedchunk 1 \
-		tests/test_interop.py tests/test_real_files.py tests/test_lightning.py tests/test_transformers.py \
+		tests/test_interop.py tests/test_real_files.py tests/test_lightning.py tests/test_lightning_resume.py \
+		tests/test_transformers.py \
 		tests/test_docs.py::test_every_python_snippet_runs \
 		tests/test_snapshot.py tests/test_s3.py::test_a_dead_jobs_snapshot_is_persisted_to_s3_by_the_keeper \
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind \

@@ -49,6 +49,7 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .rewrite import rename_checkpoint
     from .saving import async_save, save, save_weights
     from .state_dict import add_prefix, strip_prefix, unwrap_model
+    from .training.loader import ResumableDataLoader
     from .training.preemption import Preemption
     from .training.process import exit_process
     from .training.sampler import ResumableDistributedSampler
@@ -71,6 +72,7 @@ _LAZY = {
     "verify_report": ".inspection",
     "CheckpointManager": ".manager",
     "Preemption": ".training.preemption",
+    "ResumableDataLoader": ".training.loader",
     "ResumableDistributedSampler": ".training.sampler",
     "SeededDataset": ".training.seeded",
     "add_prefix": ".state_dict",
@@ -110,6 +112,7 @@ __all__ = [
     "NodeMemoryError",
     "NotChecksummedError",
     "Preemption",
+    "ResumableDataLoader",
     "ResumableDistributedSampler",
     "SeededDataset",
     "TensorInfo",

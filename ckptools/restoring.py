@@ -28,7 +28,7 @@ from .state_dict import (
 )
 from .write.zero import prefetch_partition
 
-__all__ = ["restore_all", "restore_rng_state"]
+__all__ = ["restore_all", "restore_rank_rng", "restore_rng_state"]
 
 
 def _model_keys(model: torch.nn.Module) -> list[str]:
@@ -251,7 +251,25 @@ def restore_rng_state(ckpt: dict[str, Any], path: str) -> bool:
     meta = ckpt.get(META_KEY)
     if not isinstance(meta, Mapping) or "rng" not in meta:
         return False
-    states = meta["rng"]
+    return restore_rank_rng(meta["rng"], path)
+
+
+def restore_rank_rng(states: list[Any], path: str) -> bool:
+    """Put back this rank's entry of ``states`` (every rank's `ckptools.rng.get_rng_state`, by
+    rank); whether they were restored. Saved by another number of ranks, nothing is restored (a
+    rank's streams mean nothing to another rank) and a warning says so.
+
+    Raises:
+        CheckpointFormatError: this rank's entry is not an RNG state; nothing was changed.
+
+    Examples:
+        >>> import torch
+        >>> from ckptools import rng
+        >>> states = [rng.get_rng_state()]
+        >>> first = torch.rand(1); restore_rank_rng(states, "ckpt.pt"); torch.equal(torch.rand(1), first)
+        True
+        True
+    """
     world = get_world_size()
     if len(states) != world:
         log.warn(

@@ -195,3 +195,94 @@ def test_latest_complete_checkpoint_skips_what_is_not_whole(tmp_path, caplog):
         f.write(" ")  # a file changed after the manifest sealed it
     assert latest_complete_checkpoint(str(tmp_path)) is None
     assert "trainer_state.json has" in caplog.text
+
+
+# A Trainer run with randomness everywhere a user has it: dropout, the Trainer's shuffled order,
+# random augmentation in __getitem__ fetched by 2 DataLoader workers (or none), checkpoints every
+# 4 steps (12 an epoch, 3 epochs), CkptoolsCallback. "seeded" wraps the dataset in ck.SeededDataset.
+_EXACT = """
+import os, sys, torch
+import ckptools as ck
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from ckptools.integrations.transformers import CkptoolsCallback, latest_complete_checkpoint
+
+out, resume, workers, dataset = sys.argv[1], sys.argv[2] == "resume", int(sys.argv[3]), sys.argv[4]
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+        noise = 0.0 if dataset == "fixed" else 0.1 * torch.randn(8)  # random augmentation
+        return {"x": x + noise, "labels": (x.sum() > 0).long()}
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                       torch.nn.Linear(64, 2))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class Say(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        print("step", state.global_step, flush=True)
+
+
+torch.manual_seed(3)
+args = TrainingArguments(out, num_train_epochs=3, per_device_train_batch_size=8, save_steps=4, seed=3,
+                         dataloader_num_workers=workers, report_to=[], logging_strategy="no", use_cpu=True,
+                         learning_rate=0.1, lr_scheduler_type="constant", optim="sgd")
+data = ck.SeededDataset(Data(), seed=args.seed) if dataset == "seeded" else Data()
+trainer = Trainer(Net(), args, train_dataset=data, callbacks=[Say(), CkptoolsCallback()])
+trainer.train(resume_from_checkpoint=latest_complete_checkpoint(out) if resume else None)
+torch.save(trainer.model.state_dict(), os.path.join(out, "final.pt"))
+"""
+
+
+def _trainer_run(script, out, workers: int, dataset: str, kills=()) -> dict:
+    """Straight, or SIGKILLed as each step of ``kills`` ends and resumed from the newest complete
+    checkpoint each time; the final weights."""
+    import signal
+
+    out.mkdir()
+    for kill in [*kills, None]:
+        resume = latest_complete_checkpoint(str(out)) is not None
+        with open(out / "stderr.txt", "a") as err:
+            proc = subprocess.Popen([sys.executable, str(script), str(out), "resume" if resume else "fresh",
+                                     str(workers), dataset], stdout=subprocess.PIPE, stderr=err, text=True,
+                                    start_new_session=True)  # fmt: skip
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if kill is not None and line.strip() == f"step {kill}":
+                os.killpg(proc.pid, signal.SIGKILL)
+                break
+        assert proc.wait(timeout=600) == (-signal.SIGKILL if kill is not None else 0), (out / "stderr.txt").read_text()
+    return torch.load(out / "final.pt", weights_only=True)
+
+
+@pytest.mark.slow  # ~16 Trainer runs, each importing transformers: `make interop` runs it
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_killed_mid_epoch_the_trainers_resume_is_exact_with_augmentation_only_through_seeded_dataset(tmp_path, workers):
+    """Two kills at random steps (mid-epoch ones among them). The Trainer's own resume is exact with
+    dropout and shuffling (it restores the streams and replays the order); random augmentation in
+    __getitem__ breaks it (workers start their streams afresh; with none, the streams are put back
+    only after the first resumed batch was fetched), unless the dataset is a ck.SeededDataset."""
+    script = tmp_path / "train.py"
+    script.write_text(_EXACT)
+    seed = int(os.environ.get("CKPTOOLS_KILL_SEED", random.randrange(1 << 30)))
+    kills = sorted(random.Random(seed).sample([k for k in range(5, 36) if k % 4], 2))
+    print(f"kills at {kills} (CKPTOOLS_KILL_SEED={seed})")
+    same = {}
+    for dataset in ("fixed", "augmented", "seeded"):
+        straight = _trainer_run(script, tmp_path / f"{dataset}-straight", workers, dataset)
+        resumed = _trainer_run(script, tmp_path / f"{dataset}-resumed", workers, dataset, kills)
+        same[dataset] = all(straight[k].numpy().tobytes() == resumed[k].numpy().tobytes() for k in straight)
+    assert same == {"fixed": True, "augmented": False, "seeded": True}, (same, kills)

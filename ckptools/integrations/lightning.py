@@ -34,8 +34,9 @@ from ..layouts import TORCH_FILE
 from ..leftovers import abandoned_tmps
 from ..storage import TMP_MARKER, Location, remove, resolve
 from ..write import BackgroundWriter, SnapshotBuffers, write_file
+from .lightning_resume import ExactResume
 
-__all__ = ["AsyncCkptoolsCheckpointIO", "CkptoolsCheckpointIO"]
+__all__ = ["AsyncCkptoolsCheckpointIO", "CkptoolsCheckpointIO", "ExactResume"]
 
 _BASES = []
 for _module in ("lightning_fabric.plugins.io.checkpoint_io", "lightning.fabric.plugins.io.checkpoint_io"):

@@ -23,12 +23,14 @@ callback, or killed between the Trainer's last file and the manifest), its
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from typing import Any
 
 from .. import log
 from ..layouts.folder_check import MANIFEST, check_folder, write_manifest
+from ..training.seeded import SeededDataset
 
 try:
     from transformers import TrainerCallback
@@ -41,15 +43,40 @@ _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
 class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # Any without transformers
-    """A ``TrainerCallback`` that seals every ``checkpoint-N/`` the Trainer saves with a manifest.
+    """A ``TrainerCallback`` that seals every ``checkpoint-N/`` the Trainer saves with a manifest,
+    and keeps a `ckptools.SeededDataset` train dataset's epoch.
 
-    Runs on the process that saves (``args.should_save``), in ``on_save``, i.e. after the
+    The manifest: on the process that saves (``args.should_save``), in ``on_save``, i.e. after the
     Trainer wrote the folder's last file. Costs one read of the folder (its CRC-32s).
+
+    The epoch: the Trainer's own resume restores the random streams and the shuffled order, but
+    not random augmentation in ``__getitem__`` (workers start their streams afresh, and the streams
+    are put back only after the resumed epoch's first batch was fetched). Wrapped as
+    ``ck.SeededDataset(dataset, seed=args.seed)``, each item's draws depend on (seed, epoch,
+    index) alone; this callback gives it the epoch as each one begins (``on_epoch_begin``, before
+    the Trainer starts that epoch's workers). It refuses ``dataloader_persistent_workers=True``
+    then: persistent workers keep the epoch they started with.
 
     Examples:
         >>> from ckptools.integrations.transformers import CkptoolsCallback  # doctest: +SKIP
         >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[CkptoolsCallback()])  # doctest: +SKIP
     """
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        persistent = getattr(args, "dataloader_persistent_workers", False)
+        if persistent and _seeded(kwargs.get("train_dataloader")) is not None:
+            raise ValueError(
+                "the train dataset is a ck.SeededDataset without a sampler, whose epoch DataLoader workers copy when "
+                "they start: with dataloader_persistent_workers=True they would keep the first one; leave it False"
+            )
+        return control
+
+    def on_epoch_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        seeded = _seeded(kwargs.get("train_dataloader"))
+        if seeded is not None:
+            # state.epoch is epoch + (step / steps in the epoch): restored mid-epoch, that epoch.
+            seeded.set_epoch(math.floor(float(state.epoch or 0) + 1e-9))
+        return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         if getattr(args, "should_save", True):
@@ -57,6 +84,12 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
             if os.path.isdir(folder):
                 write_manifest(folder)
         return control
+
+
+def _seeded(loader: Any) -> SeededDataset[Any] | None:
+    """The loader's dataset if it is a `SeededDataset` that takes its epoch from `set_epoch`."""
+    dataset = getattr(loader, "dataset", None)
+    return dataset if isinstance(dataset, SeededDataset) and dataset.sampler is None else None
 
 
 def latest_complete_checkpoint(output_dir: str, *, verify: bool = True) -> str | None:

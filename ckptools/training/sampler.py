@@ -8,7 +8,7 @@ from __future__ import annotations
 import random
 import sys
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch.utils.data
@@ -297,18 +297,24 @@ class ResumableDistributedSampler(DistributedSampler[int]):
 
     def _iterate(self, loader: Iterable[T]) -> Iterator[T]:
         """``iter(loader)``; a torch DataLoader without a generator gets this epoch's own one for it."""
-        if not isinstance(loader, torch.utils.data.DataLoader) or loader.generator is not None:
+        if not isinstance(loader, torch.utils.data.DataLoader):
             return iter(loader)
-        # The base seed of the workers is drawn when the iterator is made, and only then: the
-        # generator is lent for that moment, so the user's DataLoader is left as it was.
-        # One seed per (seed, epoch, rank), from a string seed: CPython hashes it with SHA-512,
-        # the same on every machine and Python version; distinct triples give unrelated seeds.
-        seed = random.Random(f"ckptools/{self.seed}/{self.epoch}/{self.rank}").getrandbits(63)
-        loader.generator = torch.Generator().manual_seed(seed)
-        try:
-            return iter(loader)
-        finally:
-            loader.generator = None
+        return lend_generator(self, loader, iter)
+
+    @property
+    def resumed_mid_epoch(self) -> bool:
+        """Whether the current (or next) pass continues an epoch that `load_state_dict` restored
+        part-way through (until `set_epoch` moves to another epoch or a new pass starts over).
+
+        Examples:
+            >>> import ckptools as ck
+            >>> sampler = ck.ResumableDistributedSampler(range(8), num_replicas=1, rank=0)
+            >>> sampler.load_state_dict({"epoch": 0, "progress": 3}); sampler.resumed_mid_epoch
+            True
+            >>> sampler.set_epoch(1); sampler.resumed_mid_epoch
+            False
+        """
+        return bool(self._offset or self._base)
 
     def state_dict(self) -> dict[str, Any]:
         """Return epoch, seed, progress and the layout they are valid for (plain ints/bools)."""
@@ -407,6 +413,32 @@ def _loader_iterator() -> Any:
             return candidate
         frame = frame.f_back
     return None
+
+
+def lend_generator(
+    sampler: ResumableDistributedSampler,
+    loader: torch.utils.data.DataLoader[Any],
+    make: Callable[[torch.utils.data.DataLoader[Any]], Iterator[T]],
+) -> Iterator[T]:
+    """``make(loader)`` (the loader's iterator) with ``loader`` lent, for that moment, a generator
+    seeded from the sampler's seed, the epoch and the rank, unless it has one of its own.
+
+    Making a DataLoader iterator draws its workers' base seed from ``loader.generator``, or from the
+    global torch RNG when it has none: a run resumed mid-epoch would draw it at another point of
+    the restored stream than the uninterrupted run, and every random number after it would differ.
+    """
+    if loader.generator is not None:
+        return make(loader)
+    # The base seed is drawn when the iterator is made, and only then: the generator is lent for
+    # that moment, so the user's DataLoader is left as it was. One seed per (seed, epoch, rank),
+    # from a string seed: CPython hashes it with SHA-512, the same on every machine and Python
+    # version; distinct triples give unrelated seeds.
+    seed = random.Random(f"ckptools/{sampler.seed}/{sampler.epoch}/{sampler.rank}").getrandbits(63)
+    loader.generator = torch.Generator().manual_seed(seed)
+    try:
+        return make(loader)
+    finally:
+        loader.generator = None
 
 
 def note_rng_restored(sampler: ResumableDistributedSampler) -> None:

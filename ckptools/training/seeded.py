@@ -37,19 +37,25 @@ class SeededDataset(torch.utils.data.Dataset[T], Generic[T]):
     else draw exactly what they would draw without the wrapper. A batch is fetched item by item
     (a wrapped dataset's own ``__getitems__`` is not used).
 
-    Use the sampler the DataLoader draws from: its indices carry the epoch to the workers. A
-    transform that owns a generator (a ``torch.Generator``, ``np.random.default_rng()``) is not
-    reseeded; create it inside ``__getitem__`` from ``torch.initial_seed()``, which is the
-    item's own seed there. ``len()`` and every attribute of the wrapped dataset are forwarded;
-    the wrapped dataset is ``.dataset``.
+    Use the sampler the DataLoader draws from: its indices carry the epoch to the workers.
+    Without one (a loop that brings its own sampler, such as the Hugging Face ``Trainer``), give
+    ``seed`` and call `set_epoch` before each epoch's DataLoader iterator is made: the workers
+    copy the epoch when they start, so this form needs workers that start again every epoch (not
+    ``persistent_workers``); ``ckptools.integrations.transformers.CkptoolsCallback`` calls it for
+    the Trainer's train dataset. A transform that owns a generator (a ``torch.Generator``,
+    ``np.random.default_rng()``) is not reseeded; create it inside ``__getitem__`` from
+    ``torch.initial_seed()``, which is the item's own seed there. ``len()`` and every attribute of
+    the wrapped dataset are forwarded; the wrapped dataset is ``.dataset``.
 
     Args:
         dataset: a map-style dataset (``__getitem__`` and ``__len__``).
-        sampler: the `ResumableDistributedSampler` the DataLoader is built with.
+        sampler: the `ResumableDistributedSampler` the DataLoader is built with; None: the epoch
+            is the one given to `set_epoch` (0 until then).
+        seed: without a sampler, the seed of every item's draws (with one: the sampler's seed).
 
     Raises:
         TypeError: ``dataset`` is an ``IterableDataset`` (it has no index to seed from: seed inside
-            its ``__iter__`` from the worker id and position), or ``sampler`` is not a
+            its ``__iter__`` from the worker id and position), or ``sampler`` is neither None nor a
             `ResumableDistributedSampler`.
         ValueError: the sampler was built over a dataset of another length.
 
@@ -69,33 +75,51 @@ class SeededDataset(torch.utils.data.Dataset[T], Generic[T]):
         ...     train_step(batch)
     """
 
-    def __init__(self, dataset: torch.utils.data.Dataset[T], sampler: ResumableDistributedSampler) -> None:
+    def __init__(
+        self, dataset: torch.utils.data.Dataset[T], sampler: ResumableDistributedSampler | None = None, *, seed: int = 0
+    ) -> None:
         if isinstance(dataset, torch.utils.data.IterableDataset):
             raise TypeError(
                 f"SeededDataset wraps map-style datasets (__getitem__ and __len__); {type(dataset).__name__} is an "
                 "IterableDataset, which has no index to seed from: seed its random numbers inside __iter__ from "
                 "torch.utils.data.get_worker_info().id and the position in the stream"
             )
-        if not isinstance(sampler, ResumableDistributedSampler):
+        if sampler is not None and not isinstance(sampler, ResumableDistributedSampler):
             raise TypeError(
                 f"SeededDataset(dataset, sampler) needs the ck.ResumableDistributedSampler the DataLoader draws from "
                 f"(its indices carry the epoch to the workers), got {type(sampler).__name__}"
             )
-        if len(dataset) != len(sampler.dataset):  # type: ignore[arg-type]
+        if sampler is not None and len(dataset) != len(sampler.dataset):  # type: ignore[arg-type]
             raise ValueError(
                 f"SeededDataset: the dataset has {len(dataset)} items but the sampler was built over "  # type: ignore[arg-type]
                 f"{len(sampler.dataset)}; build the sampler over this dataset"  # type: ignore[arg-type]
             )
         self.dataset = dataset
         self.sampler = sampler
-        draw_seeded(sampler)
+        self.seed = int(seed)
+        self.epoch = 0  # without a sampler: the epoch items belong to (set_epoch)
+        if sampler is not None:
+            draw_seeded(sampler)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Without a sampler: the epoch the next items belong to (with one, its epoch counts).
+
+        Call it before the epoch's DataLoader iterator is made: workers copy it when they start.
+
+        Examples:
+            >>> import random, ckptools as ck
+            >>> data = ck.SeededDataset([0, 1, 2], seed=7)
+            >>> data.set_epoch(4); data.epoch
+            4
+        """
+        self.epoch = int(epoch)
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
     def __getattr__(self, name: str) -> Any:
         # Only for names this wrapper lacks; never for its own fields (absent while unpickling).
-        if name in ("dataset", "sampler") or (name.startswith("__") and name.endswith("__")):
+        if name in ("dataset", "sampler", "seed", "epoch") or (name.startswith("__") and name.endswith("__")):
             raise AttributeError(name)
         return getattr(self.dataset, name)
 
@@ -125,6 +149,8 @@ class SeededDataset(torch.utils.data.Dataset[T], Generic[T]):
         """The (seed, epoch) item ``index`` belongs to."""
         if isinstance(index, SampleIndex):
             return index.seed, index.epoch
+        if self.sampler is None:
+            return self.seed, self.epoch  # in a worker: as it was when the worker started
         if torch.utils.data.get_worker_info() is not None:
             # This worker's copy of the sampler is as old as the worker: it may be epochs behind.
             raise ValueError(

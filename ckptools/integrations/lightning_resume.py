@@ -1,0 +1,261 @@
+"""Exact resume inside Lightning and Fabric: `ExactResume` (every rank's random streams) beside
+`ckptools.ResumableDataLoader` (the position in the epoch).
+
+    >>> from ckptools.integrations.lightning import ExactResume  # doctest: +SKIP
+    >>> checkpoints = ModelCheckpoint(save_last=True, every_n_train_steps=50)  # doctest: +SKIP
+    >>> trainer = Trainer(callbacks=[ExactResume(), checkpoints])  # doctest: +SKIP
+
+What Lightning restores of a checkpoint (weights, optimizers, schedulers, its loops' counters, and a
+train loader's ``state_dict`` when it has one) leaves two things out, and each breaks a resume with
+randomness:
+
+- the random streams (torch CPU and CUDA, numpy, python) of every rank: dropout, a sampler that
+  draws from the global RNG, and anything else random continue from wherever the relaunch left
+  them. `ExactResume` saves every rank's streams into the checkpoint (an all-gather as the
+  checkpoint is made, on every rank) and puts each rank's back when training starts, after
+  Lightning's own set-up drew from them;
+- the position in the epoch: a plain DataLoader restarts the epoch (or Lightning skips batches).
+  A `ckptools.ResumableDataLoader` is a loader with ``state_dict``, which Lightning saves and
+  restores with its loops.
+
+Validation inside ``fit`` draws from the global RNG (every ``iter`` of a DataLoader draws its
+workers' base seed), and a run resumed right after a checkpoint does not repeat the validation that
+followed it: with `ExactResume` a validation leaves the streams as it found them (captured at each
+``on_train_batch_end``, put back at ``on_validation_end``), so training draws the same numbers
+whether or not, and however often, validation ran.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from typing import Any
+
+from .. import log, rng
+from ..collective.group import all_gather_object, get_world_size
+from ..restoring import restore_rank_rng
+from ..training.loader import ResumableDataLoader
+
+__all__ = ["ExactResume"]
+
+_CALLBACKS: list[type] = []
+for _module in ("pytorch_lightning.callbacks", "lightning.pytorch.callbacks"):
+    try:
+        _CALLBACKS.append(importlib.import_module(_module).Callback)
+    except ImportError:
+        continue
+# Fabric alone (lightning_fabric without the Trainer) needs no base: fabric.save and fabric.load
+# take any object with state_dict and load_state_dict.
+_BASE: type = _CALLBACKS[0] if _CALLBACKS else object
+if not _CALLBACKS and not any(importlib.util.find_spec(name) for name in ("lightning_fabric", "lightning")):
+    raise ImportError("ckptools.integrations.lightning needs Lightning: pip install pytorch-lightning (or lightning)")
+
+
+class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a class from a list: Any to mypy
+    """Every rank's random streams in the checkpoint, put back where the run resumes: with
+    `ckptools.ResumableDataLoader`, ``fit(..., ckpt_path="last")`` after a kill at any step is
+    bit-identical to a run never killed.
+
+    **Lightning**: add it to the ``Trainer``'s callbacks and return a `ckptools.ResumableDataLoader`
+    from ``train_dataloader()``. Each checkpoint then holds every rank's streams (torch CPU and
+    CUDA, numpy, python; gathered on every rank as the checkpoint is made), and ``fit`` resumed
+    from it puts each rank's back in ``on_train_start``. Restored on another number of ranks, the
+    streams are not restored (a rank's streams mean nothing to another rank: a warning says so) and
+    the loader deals the rest of the epoch out to the new ranks (every sample once). At the start
+    of training it checks what it cannot fix itself and says so: a train loader that is not
+    resumable (a warning: mid-epoch resumes restart or skip the epoch) or that was built for another
+    number of ranks (an error).
+
+    **Fabric**: put it in the state you save and load, beside the loader; ``fabric.load`` puts the
+    streams back at once (call it last, right before the loop)::
+
+        resume = ExactResume()
+        state = {"model": model, "optimizer": optimizer, "loader": loader, "rng": resume}
+        fabric.save(path, state)  # every rank, as Fabric requires
+        fabric.load(path, state)
+
+    Examples:
+        >>> from ckptools.integrations.lightning import CkptoolsCheckpointIO, ExactResume  # doctest: +SKIP
+        >>> trainer = Trainer(plugins=[CkptoolsCheckpointIO()], callbacks=[ExactResume(),  # doctest: +SKIP
+        ...     ModelCheckpoint(dirpath="ckpt", save_last=True, every_n_train_steps=100)])
+        >>> trainer.fit(model, ckpt_path="last")  # doctest: +SKIP
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._restored: dict[str, Any] | None = None  # the checkpoint's state, until training starts
+        self._before_validation: tuple[Any, Any] | None = None
+        self._lent: list[Any] = []  # validation loaders lent a generator between the restore and the first batch
+        self._resumed_without_streams = False
+
+    @property
+    def state_key(self) -> str:
+        """Where Lightning keeps this callback's state in a checkpoint (``checkpoint["callbacks"]``)."""
+        return "ckptools.ExactResume"
+
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's random streams, by rank: a collective (Lightning makes a checkpoint on
+        every rank, Fabric's ``save`` runs on every rank), of weights-only types."""
+        states = all_gather_object(rng.get_rng_state())
+        return {"rng": states, "world_size": len(states)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Put this rank's streams back now (Fabric's ``load``); inside ``fit`` once more when
+        training starts (`on_train_start`), after Lightning's set-up has drawn from them."""
+        self._restored = state
+        self._put_back(state, warn=False)
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        """Note a checkpoint that holds no state of this callback (saved without it)."""
+        self._resumed_without_streams = self.state_key not in (checkpoint.get("callbacks") or {})
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        """Check the train loaders; put back the streams of the checkpoint ``fit`` resumed from."""
+        _check_loaders(trainer)
+        _count_the_new_epoch(trainer)
+        state, self._restored = self._restored, None
+        if state is not None:
+            self._put_back(state, warn=True)
+            if state.get("world_size", trainer.world_size) != trainer.world_size:
+                _recount_the_resumed_epoch(trainer)
+            # Resumed at a batch after which validation was due, Lightning does not repeat that
+            # validation but fast-forwards its counters, and in doing so makes each validation
+            # loader's iterator, which draws from the global torch stream (the uninterrupted run's
+            # validation drew too, and was undone: on_validation_end). Until the first batch, such
+            # loaders draw from a generator of their own instead.
+            self._lent = _lend_generators(trainer)
+        elif self._resumed_without_streams:
+            log.warn(
+                "the checkpoint fit resumed from holds no random streams of ExactResume (saved without it): dropout "
+                "and everything else random continue from the relaunch's streams, so this resume is not bit-exact",
+                once="exact_resume_no_rng",
+            )
+
+    def on_train_epoch_start(self, trainer: Any, pl_module: Any) -> None:
+        """Take back the generators lent to the validation loaders at the restore."""
+        self._take_back()
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        """Take back the generators lent to the validation loaders at the restore."""
+        self._take_back()
+
+    def _take_back(self) -> None:
+        lent, self._lent = self._lent, []
+        for loader in lent:
+            loader.generator = None
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """The streams as the batch ends: what a validation run after it puts back."""
+        # ~50 µs (numpy's state is the cost); a checkpoint of this batch holds these same streams.
+        self._before_validation = (rng.capture_cpu_streams(), _cuda_state())
+
+    def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+        """Put back the streams the training batch before this validation ended with."""
+        self._take_back()
+        saved, self._before_validation = self._before_validation, None
+        if saved is None or getattr(trainer, "sanity_checking", False):
+            return
+        cpu, cuda = saved
+        rng.restore_cpu_streams(cpu)
+        if cuda is not None:
+            import torch
+
+            torch.cuda.set_rng_state(cuda)
+
+    def _put_back(self, state: dict[str, Any], *, warn: bool) -> None:
+        states = state.get("rng")
+        if not isinstance(states, list):
+            return
+        if len(states) != get_world_size() and not warn:
+            return  # said once, when training starts
+        restore_rank_rng(states, "the checkpoint ExactResume restores")
+
+
+def _cuda_state() -> Any:
+    """This device's CUDA stream, where CUDA is in use (None otherwise)."""
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+        return torch.cuda.get_rng_state()
+    return None
+
+
+def _count_the_new_epoch(trainer: Any) -> None:
+    """Resumed from a checkpoint made at the last batch of an epoch, Lightning (2.6) counts that
+    epoch as processed and completed and goes on with the next one as if it were the restored one,
+    never counting it as ready and started: the next checkpoint records an epoch that was never
+    begun, and a resume from *that* checkpoint runs one epoch more than the run was given,
+    repeating the last one's data. Count it, as the uninterrupted run did."""
+    fit_loop = trainer.fit_loop
+    epoch_loop = fit_loop.epoch_loop
+    progress = getattr(fit_loop, "epoch_progress", None)
+    if (
+        progress is not None
+        and getattr(fit_loop, "restarted_mid_epoch", False)
+        and getattr(epoch_loop, "restarted_on_train_batch_end", False)
+        and epoch_loop.batch_progress.is_last_batch
+        and progress.current.ready == progress.current.completed  # Lightning's reset just completed it
+    ):
+        progress.increment_ready()
+        progress.increment_started()
+
+
+def _recount_the_resumed_epoch(trainer: Any) -> None:
+    """Resumed on another number of ranks: count the batches Lightning restored as the loader does.
+
+    Lightning counts an epoch's batches once, at set-up (``len`` of the loader: an epoch at the new
+    world size), and resumes its count of the epoch's batches from the checkpoint (batches at the
+    old world size). The rest of the epoch, dealt out to the new ranks, is another number of
+    batches than what that leaves: the epoch would end before it is consumed (or after). The loader
+    counts the batches done as an epoch's less the rest (`ResumableDataLoader.load_state_dict`);
+    Lightning's count of the epoch's batches is shifted to it, so the epoch ends at its last batch
+    (with validation and the epoch's LR step there). What counts steps (``global_step``) is untouched.
+    """
+    loader = trainer.train_dataloader
+    if not isinstance(loader, ResumableDataLoader):
+        return  # several loaders, or another kind: Lightning's count is left as it is
+    current = trainer.fit_loop.epoch_loop.batch_progress.current
+    shift = loader.state_dict()["batches"] - current.ready
+    current.ready += shift
+    current.started += shift
+    current.processed += shift
+    current.completed += shift
+
+
+def _lend_generators(trainer: Any) -> list[Any]:
+    """Give each validation DataLoader without a generator one of its own; the loaders lent one."""
+    import torch
+
+    loaders = trainer.val_dataloaders
+    if isinstance(loaders, dict):
+        loaders = list(loaders.values())
+    elif not isinstance(loaders, (list, tuple)):
+        loaders = [loaders]
+    lent = []
+    for loader in loaders:
+        if isinstance(loader, torch.utils.data.DataLoader) and loader.generator is None:
+            loader.generator = torch.Generator().manual_seed(0)
+            lent.append(loader)
+    return lent
+
+
+def _check_loaders(trainer: Any) -> None:
+    """Warn about a train loader a mid-epoch resume cannot continue; refuse one built for another
+    number of ranks (every rank would see every sample)."""
+    loaders = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
+    for loader in getattr(loaders, "flattened", None) or []:
+        if isinstance(loader, ResumableDataLoader):
+            sampler = loader.resumable_sampler
+            if sampler.num_replicas != trainer.world_size or sampler.rank != trainer.global_rank:
+                raise ValueError(
+                    f"the train ResumableDataLoader was built for rank {sampler.rank} of {sampler.num_replicas}, but "
+                    f"this is rank {trainer.global_rank} of {trainer.world_size}: build it in train_dataloader() (the "
+                    "process group exists there), or pass num_replicas=trainer.world_size, rank=trainer.global_rank"
+                )
+        elif not callable(getattr(loader, "state_dict", None)):
+            log.warn(
+                f"the train loader ({type(loader).__name__}) has no state_dict, so Lightning cannot resume it "
+                "mid-epoch (it restarts the epoch's data or skips batches): return ckptools.ResumableDataLoader("
+                "dataset, batch_size, shuffle=..., num_workers=...) from train_dataloader() for an exact resume",
+                once="exact_resume_loader",
+            )

@@ -1,0 +1,337 @@
+"""Exact resume inside Lightning and Fabric (issue 37): ExactResume with ck.ResumableDataLoader, the
+real pytorch-lightning (interop extra), real kills (SIGKILL of the whole launch) at random steps."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pl = pytest.importorskip("pytorch_lightning", reason="the interop extra (pytorch-lightning) is not installed")
+
+import ckptools as ck  # noqa: E402
+from ckptools.integrations.lightning import ExactResume  # noqa: E402
+
+# A user's script: dropout, a shuffled epoch, random augmentation in 2 DataLoader workers, validation
+# whose data is augmented in the main process, ModelCheckpoint(save_last=True, every_n_train_steps).
+# "exact" is the recipe (ExactResume + ck.ResumableDataLoader); "plain" is Lightning alone (the control).
+_FIT = """
+import json, os, sys, torch, pytorch_lightning as pl
+import ckptools as ck
+from ckptools.integrations.lightning import CkptoolsCheckpointIO, ExactResume
+
+root, mode, devices, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "resume"
+epochs, every, workers, samples = (int(a) for a in sys.argv[5:9])
+
+
+class Augmented(torch.utils.data.Dataset):
+    def __init__(self, n):
+        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(1))
+        self.y = (self.x.sum(1) > 0).long()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(8), self.y[i], i  # random augmentation
+
+
+class Net(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                       torch.nn.Linear(64, 2))
+
+    def training_step(self, batch, _):
+        x, y, i = batch
+        with open(os.path.join(root, f"seen-{self.global_rank}.jsonl"), "a") as f:
+            f.write(json.dumps([self.global_step, self.current_epoch, i.tolist()]) + "\\n")
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def validation_step(self, batch, _):
+        x, y, _ = batch
+        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
+
+    def on_validation_epoch_end(self):
+        if not self.trainer.sanity_checking:
+            with open(os.path.join(root, f"validated-{self.global_rank}.jsonl"), "a") as f:
+                lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+                f.write(json.dumps([self.global_step, self.current_epoch, lr]) + "\\n")
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)]
+
+    def train_dataloader(self):
+        if mode == "exact":
+            return ck.ResumableDataLoader(Augmented(samples), batch_size=8, shuffle=True, seed=5, num_workers=workers)
+        return torch.utils.data.DataLoader(Augmented(samples), batch_size=8, shuffle=True, num_workers=workers)
+
+    def val_dataloader(self):
+        return torch.utils.data.DataLoader(Augmented(16), batch_size=8)
+
+    def on_train_batch_end(self, outputs, batch, batch_idx):
+        if self.global_rank == 0:
+            print("step", self.global_step, flush=True)
+
+
+pl.seed_everything(3)
+model = Net()
+callbacks = [pl.callbacks.ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=every, save_top_k=0)]
+if mode == "exact":
+    callbacks.insert(0, ExactResume())
+trainer = pl.Trainer(
+    default_root_dir=root, max_epochs=epochs, accelerator="cpu", devices=devices,
+    strategy="ddp" if devices > 1 else "auto", plugins=[CkptoolsCheckpointIO()], callbacks=callbacks,
+    logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
+)
+last = os.path.join(root, "last.ckpt")
+trainer.fit(model, ckpt_path=last if resume and os.path.exists(last) else None)
+if trainer.global_rank == 0:
+    torch.save(model.state_dict(), os.path.join(root, "final.pt"))
+"""
+
+
+def _launch(script, root, mode: str, devices: int, resume: bool, args) -> subprocess.Popen:
+    root.mkdir(exist_ok=True)
+    with open(root / "stderr.txt", "a") as err:
+        return subprocess.Popen(
+            [sys.executable, str(script), str(root), mode, str(devices), "resume" if resume else "fresh",
+             *map(str, args)],
+            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
+        )  # fmt: skip
+
+
+def _run(script, root, mode: str, devices: int, args, kills=(), final_devices=None, checkpoint="last.ckpt") -> dict:
+    """A launch killed (SIGKILL of every process of it, workers included) as rank 0 reports each
+    step of ``kills``, relaunched with ckpt_path="last" each time, then one that finishes (on
+    ``final_devices`` processes if given); the final weights. What launch N logged is moved to
+    ``root/launch-N``."""
+    for n, kill in enumerate([*kills, None]):
+        resume = (root / checkpoint).exists()
+        proc = _launch(script, root, mode, final_devices if kill is None and final_devices else devices, resume, args)
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if kill is not None and line.strip() == f"step {kill}":
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                break
+        code = proc.wait(timeout=600)
+        stderr = (root / "stderr.txt").read_text()[-3000:]
+        assert code == (-signal.SIGKILL if kill is not None else 0), stderr
+        (root / f"launch-{n}").mkdir()
+        for log in root.glob("*.jsonl"):
+            log.rename(root / f"launch-{n}" / log.name)
+    return torch.load(root / "final.pt", weights_only=True)
+
+
+def _logged(root, launch: int, name: str) -> list:
+    """Every row of ``name``-RANK.jsonl that launch ``launch`` wrote, on any rank."""
+    return [json.loads(line) for path in sorted((root / f"launch-{launch}").glob(f"{name}-*.jsonl"))
+            for line in path.read_text().splitlines()]  # fmt: skip
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a)
+
+
+def _kills(rng: random.Random, fixed: list[int], steps: int, count: int) -> list[int]:
+    """``fixed`` plus random steps in 1..steps-1, in order, each at most once."""
+    return sorted(set(fixed) | set(rng.sample(range(1, steps), count)))
+
+
+def _seed() -> int:
+    seed = int(os.environ.get("CKPTOOLS_KILL_SEED", random.randrange(1 << 30)))
+    print(f"kill steps drawn with CKPTOOLS_KILL_SEED={seed}")
+    return seed
+
+
+@pytest.mark.slow  # ~9 Lightning launches: `make interop`
+@pytest.mark.timeout(900)
+def test_one_process_killed_at_random_steps_resumes_bit_identical_and_without_it_does_not(tmp_path):
+    """96 samples, batches of 8: 12 steps an epoch, 3 epochs; a checkpoint every 4 steps, so some
+    are mid-epoch and some at an epoch's last batch. A kill at step 13 (resumed from the last
+    batch of epoch 0, which Lightning mis-counts) and at 3 random steps."""
+    script = tmp_path / "fit.py"
+    script.write_text(_FIT)
+    args = (3, 4, 2, 96)
+    kills = _kills(random.Random(_seed()), [13], 36, 3)
+    straight = _run(script, tmp_path / "straight", "exact", 1, args)
+    resumed = _run(script, tmp_path / "resumed", "exact", 1, args, kills)
+    assert _same(straight, resumed), f"kills at steps {kills}"
+    # The last launch ran from the newest checkpoint to the end: the straight run's steps.
+    last = _logged(tmp_path / "resumed", len(kills), "seen")
+    assert last[-1][0] == _logged(tmp_path / "straight", 0, "seen")[-1][0] == 35
+    # The control: Lightning alone (its own DataLoader, no ExactResume), killed at the same steps.
+    plain_straight = _run(script, tmp_path / "plain-straight", "plain", 1, args)
+    plain_resumed = _run(script, tmp_path / "plain-resumed", "plain", 1, args, kills)
+    assert not _same(plain_straight, plain_resumed), f"Lightning alone resumed exactly from kills at {kills}"
+
+
+@pytest.mark.slow  # 2-process DDP launches: `make interop`
+@pytest.mark.timeout(900)
+def test_two_ddp_processes_killed_at_random_steps_resume_bit_identical(tmp_path):
+    """Under strategy="ddp" (2 processes, gloo): 6 steps an epoch, a checkpoint every 4 steps (at
+    step 12 the last batch of epoch 1); kills at 7, 13 and a random step."""
+    script = tmp_path / "fit.py"
+    script.write_text(_FIT)
+    args = (3, 4, 2, 96)
+    kills = _kills(random.Random(_seed()), [7, 13], 18, 1)
+    straight = _run(script, tmp_path / "straight", "exact", 2, args)
+    resumed = _run(script, tmp_path / "resumed", "exact", 2, args, kills)
+    assert _same(straight, resumed), f"kills at steps {kills}"
+    assert "not bit-exact" not in (tmp_path / "resumed" / "stderr.txt").read_text()
+
+
+@pytest.mark.slow  # 2- and 3-process DDP launches: `make interop`
+@pytest.mark.timeout(900)
+def test_two_ranks_resumed_on_three_see_every_sample_once_per_epoch(tmp_path):
+    """Killed on 2 ranks after the checkpoint at step 4 (epoch 0, batch 4 of 7), relaunched on 3:
+    the rest of epoch 0 is dealt out to the 3 ranks, and every epoch covers the 100 samples once
+    (padding aside: DistributedSampler's few repeats to give every rank as many), with validation
+    and the LR step at the end of every epoch."""
+    script = tmp_path / "fit.py"
+    script.write_text(_FIT)
+    root = tmp_path / "run"
+    _run(script, root, "exact", 2, (3, 4, 2, 100), kills=[6], final_devices=3)
+    stderr = (root / "stderr.txt").read_text()
+    assert "saved by 2 ranks and is loaded by 3" in stderr  # the RNG streams are per rank: not restored
+    before = [row for row in _logged(root, 0, "seen") if row[0] < 4]  # trained before the checkpoint
+    after = _logged(root, 1, "seen")
+    for epoch in range(3):
+        count = collections.Counter(i for row in before + after if row[1] == epoch for i in row[2])
+        assert set(count) == set(range(100)), (epoch, sorted(set(range(100)) - set(count)))
+        repeats = sum(n - 1 for n in count.values())
+        assert repeats <= 2, (epoch, count.most_common(3))  # padding: fewer than the 3 ranks
+    # The relaunch validated at the end of each epoch (the resumed one: 4 steps + the 2 left; then
+    # 5 steps an epoch on 3 ranks), after the epoch's LR step (StepLR, 0.7 an epoch).
+    rows = (root / "launch-1" / "validated-0.jsonl").read_text().splitlines()
+    validated = [(step, epoch, round(lr, 6)) for step, epoch, lr in map(json.loads, rows)]
+    assert validated == [(6, 0, 0.07), (11, 1, 0.049), (16, 2, 0.0343)], validated
+
+
+# A Fabric loop, as a user writes it: the loader and ExactResume in the state fabric.save/load take.
+_FABRIC = """
+import json, os, sys, torch
+from lightning_fabric import Fabric
+import ckptools as ck
+from ckptools.integrations.lightning import CkptoolsCheckpointIO, ExactResume
+
+root, devices, resume = sys.argv[1], int(sys.argv[3]), sys.argv[4] == "resume"
+
+
+class Augmented(torch.utils.data.Dataset):
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+        return x + 0.1 * torch.randn(8), (x.sum() > 0).long()  # random augmentation
+
+
+fabric = Fabric(accelerator="cpu", devices=devices, strategy="ddp" if devices > 1 else "auto",
+                plugins=[CkptoolsCheckpointIO()])
+fabric.launch()
+fabric.seed_everything(3)
+model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(64, 2))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+model, optimizer = fabric.setup(model, optimizer)
+# Not through fabric.setup_dataloaders: its wrapper sets the sampler's epoch to its own count of
+# passes, which starts again at 0 in a relaunch. The loader is already split over the ranks.
+loader = ck.ResumableDataLoader(Augmented(), batch_size=8, shuffle=True, seed=5, num_workers=2)
+state = {"model": model, "optimizer": optimizer, "loader": loader, "rng": ExactResume(), "step": 0, "epoch": 0}
+path = os.path.join(root, "ckpt.pt")
+if resume and os.path.exists(path):
+    fabric.load(path, state)  # last, right before the loop: the random streams are put back here
+for epoch in range(state["epoch"], 3):
+    loader.resumable_sampler.set_epoch(epoch)
+    for batch in loader:
+        x, y = fabric.to_device(batch)
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        optimizer.zero_grad()
+        fabric.backward(loss)
+        optimizer.step()
+        state["step"] += 1
+        if state["step"] % 4 == 0:
+            state["epoch"] = epoch
+            fabric.save(path, state)  # every rank
+        if fabric.global_rank == 0:
+            print("step", state["step"], flush=True)
+if fabric.global_rank == 0:
+    torch.save(model.state_dict(), os.path.join(root, "final.pt"))
+"""
+
+
+@pytest.mark.slow  # 2-process Fabric launches: `make interop`
+@pytest.mark.timeout(600)
+def test_a_fabric_loop_killed_at_a_random_step_resumes_bit_identical(tmp_path):
+    """2 processes (6 steps an epoch, 3 epochs), a checkpoint every 4 steps with fabric.save, one
+    kill at a random step, fabric.load on the relaunch."""
+    script = tmp_path / "fabric.py"
+    script.write_text(_FABRIC)
+    kill = random.Random(_seed()).randrange(5, 18)
+    straight = _run(script, tmp_path / "straight", "-", 2, ())
+    resumed = _run(script, tmp_path / "resumed", "-", 2, (), kills=[kill], checkpoint="ckpt.pt")
+    assert _same(straight, resumed), f"killed at step {kill}"
+
+
+class _Small(pl.LightningModule):
+    def __init__(self, loader) -> None:
+        super().__init__()
+        self.net = torch.nn.Linear(4, 2)
+        self.loader = loader
+
+    def training_step(self, batch, _):
+        x, y = batch
+        return torch.nn.functional.cross_entropy(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return self.loader
+
+
+def _small_fit(root, loader, callbacks, ckpt_path=None, epochs: int = 1) -> None:
+    trainer = pl.Trainer(default_root_dir=str(root), max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
+                         enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks)  # fmt: skip
+    trainer.fit(_Small(loader), ckpt_path=ckpt_path)
+
+
+def _data():
+    return torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
+
+
+def test_exact_resume_says_what_it_cannot_make_exact(tmp_path):
+    # A plain DataLoader: Lightning cannot resume it mid-epoch.
+    with pytest.warns(ck.CheckpointWarning, match="has no state_dict"):
+        _small_fit(tmp_path / "a", torch.utils.data.DataLoader(_data(), batch_size=4), [ExactResume()])
+    # A loader built for 2 ranks in a 1-process fit: every rank would see half the data.
+    with pytest.raises(ValueError, match="built for rank 0 of 2"):
+        _small_fit(
+            tmp_path / "b", ck.ResumableDataLoader(_data(), batch_size=4, num_replicas=2, rank=0), [ExactResume()]
+        )
+    # A checkpoint saved without it holds no random streams.
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "c"), save_last=True)
+    _small_fit(tmp_path / "c", ck.ResumableDataLoader(_data(), batch_size=4), [checkpoint])
+    with pytest.warns(ck.CheckpointWarning, match="holds no random streams of ExactResume"):
+        _small_fit(tmp_path / "c", ck.ResumableDataLoader(_data(), batch_size=4), [ExactResume()],
+                   ckpt_path=str(tmp_path / "c" / "last.ckpt"), epochs=2)  # fmt: skip
+
+
+def test_the_checkpoint_holds_every_ranks_streams_as_weights_only_types(tmp_path):
+    checkpoint = pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path), save_last=True)
+    _small_fit(tmp_path, ck.ResumableDataLoader(_data(), batch_size=4), [ExactResume(), checkpoint])
+    saved = torch.load(tmp_path / "last.ckpt", weights_only=True)
+    state = saved["callbacks"]["ckptools.ExactResume"]
+    assert state["world_size"] == 1 and set(state["rng"][0]) >= {"python", "torch", "numpy"}
+    (loader,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
+    assert loader["batches"] == 4 and loader["sampler"]["progress"] == 16
