@@ -579,3 +579,25 @@ def test_stateful_dataloader_from_torchdata_resumes_exactly(tmp_path):
         got = train(state, start=step)
     for name, tensor in expected.items():
         assert tensor.isfinite().all() and torch.equal(got[name], tensor), name
+
+
+def test_seeded_dataset_without_a_sampler_takes_its_epoch_from_set_epoch():
+    """A loop that brings its own sampler (the HF Trainer's): seed given, set_epoch before each
+    epoch's iterator; the same items as with ck's sampler of that seed, whichever process fetches."""
+    expected = _augmented()  # ck's sampler, seed 11
+    for workers in (0, 2):
+        data = ck.SeededDataset(Augmented(), seed=11)
+        shuffle = torch.Generator().manual_seed(5)  # its own order; nothing drawn from the global streams
+        loader = DataLoader(data, batch_size=4, shuffle=True, num_workers=workers, generator=shuffle)
+        seen = {}
+        for epoch in (0, 1):
+            data.set_epoch(epoch)  # before iter(loader): the workers copy it when they start
+            before = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist())
+            for batch in loader:
+                for row in batch.tolist():
+                    seen[epoch, int(row[0])] = tuple(row[1:])
+            after = (torch.get_rng_state(), random.getstate(), np.random.get_state()[1].tolist())
+            assert torch.equal(before[0], after[0]) and before[1:] == after[1:]  # put back in the main process
+        assert seen == expected, workers
+    with pytest.raises(TypeError, match="ResumableDistributedSampler"):
+        ck.SeededDataset(Augmented(), torch.utils.data.SequentialSampler(Augmented()))
