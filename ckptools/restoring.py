@@ -254,13 +254,14 @@ def restore_rng_state(ckpt: dict[str, Any], path: str) -> bool:
     return restore_rank_rng(meta["rng"], path)
 
 
-def restore_rank_rng(states: list[Any], path: str) -> bool:
+def restore_rank_rng(states: list[Any], path: str, *, skip: str = "load with restore_rng=False to skip it") -> bool:
     """Put back this rank's entry of ``states`` (every rank's `ckptools.rng.get_rng_state`, by
     rank); whether they were restored. Saved by another number of ranks, nothing is restored (a
     rank's streams mean nothing to another rank) and a warning says so.
 
     Raises:
-        CheckpointFormatError: this rank's entry is not an RNG state; nothing was changed.
+        CheckpointFormatError: this rank's entry is not an RNG state; nothing was changed. Its
+            message ends with ``skip``, how to go on without the streams.
 
     Examples:
         >>> import torch
@@ -283,7 +284,6 @@ def restore_rank_rng(states: list[Any], path: str) -> bool:
     except (ValueError, TypeError, KeyError, IndexError, OverflowError, AttributeError, RuntimeError) as err:
         rng.set_rng_state(before)  # all or nothing: no generator is left half-restored
         raise CheckpointFormatError(
-            f"{path}: the RNG state stored for rank {get_rank()} is corrupt ({type(err).__name__}: {err}); "
-            "load with restore_rng=False to skip it"
+            f"{path}: the RNG state stored for rank {get_rank()} is corrupt ({type(err).__name__}: {err}); {skip}"
         ) from err
     return True

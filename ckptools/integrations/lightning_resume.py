@@ -168,7 +168,11 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
             return
         if len(states) != get_world_size() and not warn:
             return  # said once, when training starts
-        restore_rank_rng(states, "the checkpoint ExactResume restores")
+        restore_rank_rng(
+            states,
+            "the checkpoint ExactResume restores",
+            skip="take ExactResume out of the callbacks to resume without them",
+        )
 
 
 def _cuda_state() -> Any:
@@ -222,17 +226,22 @@ def _recount_the_resumed_epoch(trainer: Any) -> None:
     current.completed += shift
 
 
+def _each(loaders: Any) -> list[Any]:
+    """The loaders of what a ``Trainer``'s ``train_dataloader`` or ``val_dataloaders`` is: one
+    loader, a list or tuple of them, a dict of them, or None."""
+    if loaders is None:
+        return []
+    if isinstance(loaders, dict):
+        return list(loaders.values())
+    return list(loaders) if isinstance(loaders, (list, tuple)) else [loaders]
+
+
 def _lend_generators(trainer: Any) -> list[Any]:
     """Give each validation DataLoader without a generator one of its own; the loaders lent one."""
     import torch
 
-    loaders = trainer.val_dataloaders
-    if isinstance(loaders, dict):
-        loaders = list(loaders.values())
-    elif not isinstance(loaders, (list, tuple)):
-        loaders = [loaders]
     lent = []
-    for loader in loaders:
+    for loader in _each(trainer.val_dataloaders):
         if isinstance(loader, torch.utils.data.DataLoader) and loader.generator is None:
             loader.generator = torch.Generator().manual_seed(0)
             lent.append(loader)
@@ -242,8 +251,7 @@ def _lend_generators(trainer: Any) -> list[Any]:
 def _check_loaders(trainer: Any) -> None:
     """Warn about a train loader a mid-epoch resume cannot continue; refuse one built for another
     number of ranks (every rank would see every sample)."""
-    loaders = getattr(getattr(trainer, "fit_loop", None), "_combined_loader", None)
-    for loader in getattr(loaders, "flattened", None) or []:
+    for loader in _each(trainer.train_dataloader):
         if isinstance(loader, ResumableDataLoader):
             sampler = loader.resumable_sampler
             if sampler.num_replicas != trainer.world_size or sampler.rank != trainer.global_rank:
