@@ -60,7 +60,7 @@ def _copy_all(state: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) 
     return time.perf_counter() - started
 
 
-def _evict(path: str) -> None:
+def evict(path: str) -> None:
     """Drop ``path``'s pages from the page cache (written and synced, so they are clean)."""
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -102,7 +102,7 @@ def bench(gib: float, repeat: int, workdir: str) -> dict[str, float]:
         started = time.perf_counter()
         ck.load(on_disk, target)
         warm = time.perf_counter() - started
-        _evict(on_disk)  # a relaunch on another node, or long after: read from the disk itself
+        evict(on_disk)  # a relaunch on another node, or long after: read from the disk itself
         started = time.perf_counter()
         ck.load(on_disk, target)
         cold = time.perf_counter() - started
@@ -210,7 +210,7 @@ def bench_relaunch(gib: float, world: int, workdir: str) -> dict[str, list[tuple
             if phase == "disk":
                 shutil.rmtree(memory)  # its keeper sees the folder gone and exits
                 for name in os.listdir(run):
-                    _evict(os.path.join(run, name))
+                    evict(os.path.join(run, name))
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]

@@ -41,6 +41,8 @@ from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(_HERE, "..", "tests"))
+from bench_snapshot import evict  # noqa: E402  # drops a file's pages from the page cache
+
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 MODES = ("ckptools", "own files at once", "largest alone", "torch")
 
@@ -76,15 +78,6 @@ class _PeakRss:
 def _read_bytes() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
-
-
-def _evict(path: str) -> None:
-    """Drop ``path``'s pages from the page cache (written and synced, so they are clean)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _durable_torch_save(obj: Any, path: str) -> None:
@@ -200,7 +193,7 @@ def _resume_rank(rank: int, world: int, port: int, args: Any, path: str, prefetc
     _join(rank, world, port)
     zero = _zero(args.gib, step=False)
     if rank == 0:
-        _evict(path)
+        evict(path)
     dist.barrier()
     before = _read_bytes()
     started = time.perf_counter()
@@ -215,7 +208,7 @@ def _resume_rank(rank: int, world: int, port: int, args: Any, path: str, prefetc
     touched = 0
     for turn in range(1 if prefetch else world):
         if not prefetch and rank == 0:
-            _evict(path)
+            evict(path)
         dist.barrier()
         if prefetch or rank == turn:
             before = _read_bytes()

@@ -4,139 +4,24 @@ real pytorch-lightning (interop extra), real kills (SIGKILL of the whole launch)
 from __future__ import annotations
 
 import collections
-import contextlib
 import json
 import os
 import random
-import signal
-import subprocess
-import sys
 
 import pytest
 import torch
+from _lightning_fit import FIT, logged, run_killed
 
 pl = pytest.importorskip("pytorch_lightning", reason="the interop extra (pytorch-lightning) is not installed")
 
 import ckptools as ck  # noqa: E402
 from ckptools.integrations.lightning import ExactResume  # noqa: E402
 
-# A user's script: dropout, a shuffled epoch, random augmentation in 2 DataLoader workers, validation
-# whose data is augmented in the main process, ModelCheckpoint(save_last=True, every_n_train_steps).
-# "exact" is the recipe (ExactResume + ck.ResumableDataLoader); "plain" is Lightning alone (the control).
-_FIT = """
-import json, os, sys, torch, pytorch_lightning as pl
-import ckptools as ck
-from ckptools.integrations.lightning import CkptoolsCheckpointIO, ExactResume
-
-root, mode, devices, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "resume"
-epochs, every, workers, samples = (int(a) for a in sys.argv[5:9])
-
-
-class Augmented(torch.utils.data.Dataset):
-    def __init__(self, n):
-        self.x = torch.randn(n, 8, generator=torch.Generator().manual_seed(1))
-        self.y = (self.x.sum(1) > 0).long()
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i] + 0.1 * torch.randn(8), self.y[i], i  # random augmentation
-
-
-class Net(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
-                                       torch.nn.Linear(64, 2))
-
-    def training_step(self, batch, _):
-        x, y, i = batch
-        with open(os.path.join(root, f"seen-{self.global_rank}.jsonl"), "a") as f:
-            f.write(json.dumps([self.global_step, self.current_epoch, i.tolist()]) + "\\n")
-        return torch.nn.functional.cross_entropy(self.net(x), y)
-
-    def validation_step(self, batch, _):
-        x, y, _ = batch
-        self.log("val_loss", torch.nn.functional.cross_entropy(self.net(x), y), sync_dist=True)
-
-    def on_validation_epoch_end(self):
-        if not self.trainer.sanity_checking:
-            with open(os.path.join(root, f"validated-{self.global_rank}.jsonl"), "a") as f:
-                lr = self.trainer.optimizers[0].param_groups[0]["lr"]
-                f.write(json.dumps([self.global_step, self.current_epoch, lr]) + "\\n")
-
-    def configure_optimizers(self):
-        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
-        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)]
-
-    def train_dataloader(self):
-        if mode == "exact":
-            return ck.ResumableDataLoader(Augmented(samples), batch_size=8, shuffle=True, seed=5, num_workers=workers)
-        return torch.utils.data.DataLoader(Augmented(samples), batch_size=8, shuffle=True, num_workers=workers)
-
-    def val_dataloader(self):
-        return torch.utils.data.DataLoader(Augmented(16), batch_size=8)
-
-    def on_train_batch_end(self, outputs, batch, batch_idx):
-        if self.global_rank == 0:
-            print("step", self.global_step, flush=True)
-
-
-pl.seed_everything(3)
-model = Net()
-callbacks = [pl.callbacks.ModelCheckpoint(dirpath=root, save_last=True, every_n_train_steps=every, save_top_k=0)]
-if mode == "exact":
-    callbacks.insert(0, ExactResume())
-trainer = pl.Trainer(
-    default_root_dir=root, max_epochs=epochs, accelerator="cpu", devices=devices,
-    strategy="ddp" if devices > 1 else "auto", plugins=[CkptoolsCheckpointIO()], callbacks=callbacks,
-    logger=False, enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=1,
-)
-last = os.path.join(root, "last.ckpt")
-trainer.fit(model, ckpt_path=last if resume and os.path.exists(last) else None)
-if trainer.global_rank == 0:
-    torch.save(model.state_dict(), os.path.join(root, "final.pt"))
-"""
-
-
-def _launch(script, root, mode: str, devices: int, resume: bool, args) -> subprocess.Popen:
-    root.mkdir(exist_ok=True)
-    with open(root / "stderr.txt", "a") as err:
-        return subprocess.Popen(
-            [sys.executable, str(script), str(root), mode, str(devices), "resume" if resume else "fresh",
-             *map(str, args)],
-            stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-        )  # fmt: skip
-
-
-def _run(script, root, mode: str, devices: int, args, kills=(), final_devices=None, checkpoint="last.ckpt") -> dict:
-    """A launch killed (SIGKILL of every process of it, workers included) as rank 0 reports each
-    step of ``kills``, relaunched with ckpt_path="last" each time, then one that finishes (on
-    ``final_devices`` processes if given); the final weights. What launch N logged is moved to
-    ``root/launch-N``."""
-    for n, kill in enumerate([*kills, None]):
-        resume = (root / checkpoint).exists()
-        proc = _launch(script, root, mode, final_devices if kill is None and final_devices else devices, resume, args)
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            if kill is not None and line.strip() == f"step {kill}":
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                break
-        code = proc.wait(timeout=600)
-        stderr = (root / "stderr.txt").read_text()[-3000:]
-        assert code == (-signal.SIGKILL if kill is not None else 0), stderr
-        (root / f"launch-{n}").mkdir()
-        for log in root.glob("*.jsonl"):
-            log.rename(root / f"launch-{n}" / log.name)
-    return torch.load(root / "final.pt", weights_only=True)
-
-
-def _logged(root, launch: int, name: str) -> list:
-    """Every row of ``name``-RANK.jsonl that launch ``launch`` wrote, on any rank."""
-    return [json.loads(line) for path in sorted((root / f"launch-{launch}").glob(f"{name}-*.jsonl"))
-            for line in path.read_text().splitlines()]  # fmt: skip
+# Every run below: dropout, a shuffled epoch, random augmentation (in 2 DataLoader workers, and of the
+# validation data in the main process), ModelCheckpoint(save_last=True, every_n_train_steps=4).
+# "exact" is the recipe (ExactResume + ck.ResumableDataLoader); "plugin" is Lightning alone (with
+# ckptools' CheckpointIO: the control). Arguments: epochs, every, workers, samples, dropout, shuffle, augment.
+_RANDOM = (3, 4, 2, 96, 1, 1, 1)
 
 
 def _same(a: dict, b: dict) -> bool:
@@ -161,18 +46,18 @@ def test_one_process_killed_at_random_steps_resumes_bit_identical_and_without_it
     are mid-epoch and some at an epoch's last batch. A kill at step 13 (resumed from the last
     batch of epoch 0, which Lightning mis-counts) and at 3 random steps."""
     script = tmp_path / "fit.py"
-    script.write_text(_FIT)
-    args = (3, 4, 2, 96)
+    script.write_text(FIT)
+    args = _RANDOM
     kills = _kills(random.Random(_seed()), [13], 36, 3)
-    straight = _run(script, tmp_path / "straight", "exact", 1, args)
-    resumed = _run(script, tmp_path / "resumed", "exact", 1, args, kills)
+    straight = run_killed(script, tmp_path / "straight", "exact", 1, args)
+    resumed = run_killed(script, tmp_path / "resumed", "exact", 1, args, kills)
     assert _same(straight, resumed), f"kills at steps {kills}"
     # The last launch ran from the newest checkpoint to the end: the straight run's steps.
-    last = _logged(tmp_path / "resumed", len(kills), "seen")
-    assert last[-1][0] == _logged(tmp_path / "straight", 0, "seen")[-1][0] == 35
+    last = logged(tmp_path / "resumed", len(kills), "seen")
+    assert last[-1][0] == logged(tmp_path / "straight", 0, "seen")[-1][0] == 35
     # The control: Lightning alone (its own DataLoader, no ExactResume), killed at the same steps.
-    plain_straight = _run(script, tmp_path / "plain-straight", "plain", 1, args)
-    plain_resumed = _run(script, tmp_path / "plain-resumed", "plain", 1, args, kills)
+    plain_straight = run_killed(script, tmp_path / "plain-straight", "plugin", 1, args)
+    plain_resumed = run_killed(script, tmp_path / "plain-resumed", "plugin", 1, args, kills)
     assert not _same(plain_straight, plain_resumed), f"Lightning alone resumed exactly from kills at {kills}"
 
 
@@ -182,11 +67,11 @@ def test_two_ddp_processes_killed_at_random_steps_resume_bit_identical(tmp_path)
     """Under strategy="ddp" (2 processes, gloo): 6 steps an epoch, a checkpoint every 4 steps (at
     step 12 the last batch of epoch 1); kills at 7, 13 and a random step."""
     script = tmp_path / "fit.py"
-    script.write_text(_FIT)
-    args = (3, 4, 2, 96)
+    script.write_text(FIT)
+    args = _RANDOM
     kills = _kills(random.Random(_seed()), [7, 13], 18, 1)
-    straight = _run(script, tmp_path / "straight", "exact", 2, args)
-    resumed = _run(script, tmp_path / "resumed", "exact", 2, args, kills)
+    straight = run_killed(script, tmp_path / "straight", "exact", 2, args)
+    resumed = run_killed(script, tmp_path / "resumed", "exact", 2, args, kills)
     assert _same(straight, resumed), f"kills at steps {kills}"
     assert "not bit-exact" not in (tmp_path / "resumed" / "stderr.txt").read_text()
 
@@ -199,13 +84,13 @@ def test_two_ranks_resumed_on_three_see_every_sample_once_per_epoch(tmp_path):
     (padding aside: DistributedSampler's few repeats to give every rank as many), with validation
     and the LR step at the end of every epoch."""
     script = tmp_path / "fit.py"
-    script.write_text(_FIT)
+    script.write_text(FIT)
     root = tmp_path / "run"
-    _run(script, root, "exact", 2, (3, 4, 2, 100), kills=[6], final_devices=3)
+    run_killed(script, root, "exact", 2, (3, 4, 2, 100, 1, 1, 1), kills=[6], final_devices=3)
     stderr = (root / "stderr.txt").read_text()
     assert "saved by 2 ranks and is loaded by 3" in stderr  # the RNG streams are per rank: not restored
-    before = [row for row in _logged(root, 0, "seen") if row[0] < 4]  # trained before the checkpoint
-    after = _logged(root, 1, "seen")
+    before = [row for row in logged(root, 0, "seen") if row[0] < 4]  # trained before the checkpoint
+    after = logged(root, 1, "seen")
     for epoch in range(3):
         count = collections.Counter(i for row in before + after if row[1] == epoch for i in row[2])
         assert set(count) == set(range(100)), (epoch, sorted(set(range(100)) - set(count)))
@@ -278,8 +163,8 @@ def test_a_fabric_loop_killed_at_a_random_step_resumes_bit_identical(tmp_path):
     script = tmp_path / "fabric.py"
     script.write_text(_FABRIC)
     kill = random.Random(_seed()).randrange(5, 18)
-    straight = _run(script, tmp_path / "straight", "-", 2, ())
-    resumed = _run(script, tmp_path / "resumed", "-", 2, (), kills=[kill], checkpoint="ckpt.pt")
+    straight = run_killed(script, tmp_path / "straight", "-", 2, ())
+    resumed = run_killed(script, tmp_path / "resumed", "-", 2, (), kills=[kill], checkpoint="ckpt.pt")
     assert _same(straight, resumed), f"killed at step {kill}"
 
 
