@@ -271,14 +271,20 @@ def _trainer_run(script, out, workers: int, dataset: str, kills=()) -> dict:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_killed_mid_epoch_the_trainers_resume_is_exact_with_augmentation_only_through_seeded_dataset(tmp_path, workers):
-    """Two kills at random steps (mid-epoch ones among them). The Trainer's own resume is exact with
-    dropout and shuffling (it restores the streams and replays the order); random augmentation in
-    __getitem__ breaks it (workers start their streams afresh; with none, the streams are put back
-    only after the first resumed batch was fetched), unless the dataset is a ck.SeededDataset."""
+    """Two kills at random steps, at least one resumed from a mid-epoch checkpoint. The Trainer's
+    own resume is exact with dropout and shuffling (it restores the streams and replays the order);
+    random augmentation in __getitem__ breaks a mid-epoch resume (workers start their streams
+    afresh; with none, the streams are put back only after the first resumed batch was fetched),
+    unless the dataset is a ck.SeededDataset. A resume from an epoch's last batch is exact with
+    augmentation too (the epoch starts afresh in both runs): kills at 25 and 26 alone, both resumed
+    from step 24, made the control pass once, so one kill is always drawn mid-epoch."""
     script = tmp_path / "train.py"
     script.write_text(_EXACT)
     seed = int(os.environ.get("CKPTOOLS_KILL_SEED", random.randrange(1 << 30)))
-    kills = sorted(random.Random(seed).sample([k for k in range(5, 36) if k % 4], 2))
+    rng = random.Random(seed)
+    steps = [k for k in range(5, 36) if k % 4]  # never at a checkpoint's own step
+    mid_epoch = rng.choice([k for k in steps if k // 4 % 3])  # resumed from step 4, 8, 16, 20, 28 or 32
+    kills = sorted([mid_epoch, rng.choice([k for k in steps if k != mid_epoch])])
     print(f"kills at {kills} (CKPTOOLS_KILL_SEED={seed})")
     same = {}
     for dataset in ("fixed", "augmented", "seeded"):
