@@ -41,9 +41,15 @@ def get_rng_state() -> dict[str, Any]:
             "has_gauss": int(has_gauss),
             "cached_gaussian": float(cached),
         }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
+    if _cuda_in_use():
         state["cuda"] = [s.cpu() for s in torch.cuda.get_rng_state_all()]
     return state
+
+
+def _cuda_in_use() -> bool:
+    """Whether this process initialised CUDA: asking for its streams otherwise would create a
+    CUDA context on every visible GPU."""
+    return torch.cuda.is_available() and bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
 
 
 def set_rng_state(state: dict[str, Any]) -> None:
@@ -92,6 +98,27 @@ def restore_cpu_streams(saved: tuple[Any, ...]) -> None:
     random.setstate(python_state)
     if _np is not None:
         _np.random.set_state(numpy_state)
+
+
+def capture_streams() -> tuple[Any, Any]:
+    """`capture_cpu_streams` and this device's CUDA stream where CUDA is in use (None otherwise),
+    to put back with `restore_streams`, in this process.
+
+    Examples:
+        >>> import torch
+        >>> saved = capture_streams(); first = torch.rand(1)
+        >>> restore_streams(saved); torch.equal(torch.rand(1), first)
+        True
+    """
+    return capture_cpu_streams(), torch.cuda.get_rng_state() if _cuda_in_use() else None
+
+
+def restore_streams(saved: tuple[Any, Any]) -> None:
+    """Put back the streams `capture_streams` returned."""
+    cpu, cuda = saved
+    restore_cpu_streams(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state(cuda)
 
 
 class SampleIndex(int):

@@ -147,20 +147,14 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         """The streams as the batch ends: what a validation run after it puts back."""
         # ~50 µs (numpy's state is the cost); a checkpoint of this batch holds these same streams.
-        self._before_validation = (rng.capture_cpu_streams(), _cuda_state())
+        self._before_validation = rng.capture_streams()
 
     def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
         """Put back the streams the training batch before this validation ended with."""
         self._take_back()
         saved, self._before_validation = self._before_validation, None
-        if saved is None or getattr(trainer, "sanity_checking", False):
-            return
-        cpu, cuda = saved
-        rng.restore_cpu_streams(cpu)
-        if cuda is not None:
-            import torch
-
-            torch.cuda.set_rng_state(cuda)
+        if saved is not None and not getattr(trainer, "sanity_checking", False):
+            rng.restore_streams(saved)
 
     def _put_back(self, state: dict[str, Any], *, warn: bool) -> None:
         states = state.get("rng")
@@ -173,15 +167,6 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
             "the checkpoint ExactResume restores",
             skip="take ExactResume out of the callbacks to resume without them",
         )
-
-
-def _cuda_state() -> Any:
-    """This device's CUDA stream, where CUDA is in use (None otherwise)."""
-    import torch
-
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        return torch.cuda.get_rng_state()
-    return None
 
 
 def _count_the_new_epoch(trainer: Any) -> None:
