@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden dist docs lightning-suite
+.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden dist docs lightning-suite gpu
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -132,6 +132,15 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_seeded.py
 	$(PY) benchmarks/bench_snapshot.py --gib 1 --repeat 7 --ranks 2 --loop
 	$(PY) benchmarks/bench_zero.py --gib 0.5 --repeat 5 --ranks 2 4
+
+# gpu: on a machine with CUDA, every CUDA test (tests/test_gpu.py) and the GPU benchmarks in one call (<= 8 min),
+# one report (Markdown + JSON) in $GPU_REPORT_DIR (default gpu-report/). Without CUDA: one line, exit 0.
+# No install step: a lent GPU machine has torch and the test tools but no package index, so this runs the
+# checkout (PYTHONPATH) with .venv's python where there is one, else python3. GPU_DRY_RUN=1 runs what has a CPU
+# form on the CPU (checks the script and the tests before a GPU is lent; proves nothing about CUDA).
+gpu:
+	@py=$(PY); test -x $$py || py=python3; \
+		PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $$py benchmarks/gpu_proof.py --report-dir "$${GPU_REPORT_DIR:-gpu-report}"
 
 demo: $(STAMP)
 	$(PY) examples/demo.py --workdir runs/demo

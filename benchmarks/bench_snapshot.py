@@ -1,6 +1,6 @@
 """How long `CheckpointManager.snapshot` stalls the loop, against the copy floor and a sync save.
 
-Usage: python benchmarks/bench_snapshot.py [--gib 1] [--repeat 5] [--dir DIR] [--ranks 2] [--loop]
+Usage: python benchmarks/bench_snapshot.py [--gib 1] [--repeat 5] [--dir DIR] [--ranks 2] [--loop] [--device cuda]
 
 One process, per round, interleaved: the floor (copying the same tensors into host buffers
 allocated and faulted in once), a snapshot into node memory (/dev/shm): its stall (the call's
@@ -9,6 +9,9 @@ rename); a ``blocking=True`` snapshot (returns once committed); a sync `manager.
 (disk); then restores: from the snapshot, from the disk file (warm page cache, the best case for
 disk), against the floor of a restore (the same copy, reversed). Prints medians and the ratio the
 goal is stated in: snapshot stall / floor (goal <= 1.1 on CPU).
+
+``--device cuda``: the state on the GPU; the floor is the copy into pinned host buffers, a restore's
+floor the copy back from them (`make gpu` runs it).
 
 ``--ranks 2``: the same state as a DDP model on 2 local ranks (gloo): each rank's stall, which the
 split should make about half of one rank's (and its own floor, half the state). Then a job of 2
@@ -35,10 +38,10 @@ import torch
 import ckptools as ck
 
 
-def _state(gib: float) -> dict[str, torch.Tensor]:
+def _state(gib: float, device: str = "cpu") -> dict[str, torch.Tensor]:
     n = max(1, int(gib * 1024 / 8))  # 8 MiB fp32 tensors, like a model's weight matrices
     g = torch.Generator().manual_seed(0)
-    return {f"layer{i}.weight": torch.randn(2048, 1024, generator=g) for i in range(n)}
+    return {f"layer{i}.weight": torch.randn(2048, 1024, generator=g).to(device) for i in range(n)}
 
 
 def _module(state: dict[str, torch.Tensor]) -> torch.nn.Module:
@@ -49,14 +52,22 @@ def _module(state: dict[str, torch.Tensor]) -> torch.nn.Module:
 
 
 def _memory_folder() -> str:
-    return tempfile.mkdtemp(prefix="ckptools-bench-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    """A node-memory folder in /dev/shm (CKPTOOLS_BENCH_MEMORY_DIR: under that folder instead)."""
+    parent = os.environ.get("CKPTOOLS_BENCH_MEMORY_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
+    return tempfile.mkdtemp(prefix="ckptools-bench-", dir=parent)
 
 
 def _copy_all(state: dict[str, torch.Tensor], buffers: dict[str, torch.Tensor]) -> float:
-    """The copy floor: the same tensors into host buffers allocated and faulted in before."""
+    """The copy floor: the same tensors into buffers allocated and faulted in before (host buffers
+    pinned for CUDA tensors: the device-to-host floor; the other way round, a restore's floor)."""
+    cuda = any(v.is_cuda or b.is_cuda for v, b in zip(state.values(), buffers.values()))
+    if cuda:
+        torch.cuda.synchronize()
     started = time.perf_counter()
     for k, v in state.items():
-        buffers[k].copy_(v)
+        buffers[k].copy_(v, non_blocking=cuda)
+    if cuda:
+        torch.cuda.synchronize()
     return time.perf_counter() - started
 
 
@@ -69,14 +80,20 @@ def evict(path: str) -> None:
         os.close(fd)
 
 
-def bench(gib: float, repeat: int, workdir: str) -> dict[str, float]:
-    state = _state(gib)
+def bench(gib: float, repeat: int, workdir: str, device: str = "cpu") -> dict[str, float]:
+    """Medians of ``repeat`` interleaved rounds (after two to warm up), in seconds, and the ratios."""
+    state = _state(gib, device)
     memory = _memory_folder()
     manager = ck.CheckpointManager(os.path.join(workdir, "run"), keep_last=1, snapshot_dir=memory)
-    buffers = {k: torch.empty_like(v) for k, v in state.items()}
+    cuda = device.startswith("cuda")
+    buffers = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=cuda) for k, v in state.items()}
     for b in buffers.values():
         b.fill_(0)
-    keys = ("floor", "snapshot", "ratio", "commit", "blocking", "save", "restore_mem", "restore_warm", "restore_cold")
+    # On CUDA a restore's floor is the host-to-device copy from pinned memory; on the CPU the same copy.
+    back = {k: torch.empty_like(v) for k, v in state.items()} if cuda else None
+    sync = torch.cuda.synchronize if cuda else (lambda: None)  # a restore counts once its copies are done
+    keys = ("floor", "snapshot", "ratio", "commit", "blocking", "save", "restore_mem", "restore_warm", "restore_cold",
+            "restore_floor")  # fmt: skip
     times: dict[str, list[float]] = {k: [] for k in keys}
     for i in range(repeat + 2):  # rounds 0 and 1 warm up (the two slots' pages, the page cache)
         keep = i > 1
@@ -87,27 +104,32 @@ def bench(gib: float, repeat: int, workdir: str) -> dict[str, float]:
         manager.wait()  # the commit in the background: CRC-32s, headers, rename
         commit = time.perf_counter() - started - snap
         # The floor on both sides of the snapshot: the memory bus is shared and noisy here.
-        floor = (before + _copy_all(state, buffers)) / 2  # also the floor of a restore: the same copy, reversed
+        floor = (before + _copy_all(state, buffers)) / 2  # on the CPU also a restore's floor: the copy reversed
+        restore_floor = _copy_all(buffers, back) if back is not None else floor
         started = time.perf_counter()
         manager.snapshot({"model": state}, 3 * i + 2, blocking=True)
         blocking = time.perf_counter() - started
         started = time.perf_counter()
         manager.save({"model": state}, 3 * i)
         save = time.perf_counter() - started
-        target = {"model": _module(state)}  # restored in place: every tensor is copied into it
+        target = {"model": _module(state).to(device)}  # restored in place: every tensor is copied into it
         started = time.perf_counter()
         ck.load(manager.snapshots()[-1][1], target)
+        sync()
         mem = time.perf_counter() - started
         on_disk = manager.checkpoints()[-1][1]
         started = time.perf_counter()
         ck.load(on_disk, target)
+        sync()
         warm = time.perf_counter() - started
         evict(on_disk)  # a relaunch on another node, or long after: read from the disk itself
         started = time.perf_counter()
         ck.load(on_disk, target)
+        sync()
         cold = time.perf_counter() - started
         if keep:
-            for key, value in zip(keys, (floor, snap, snap / floor, commit, blocking, save, mem, warm, cold)):
+            values = (floor, snap, snap / floor, commit, blocking, save, mem, warm, cold, restore_floor)
+            for key, value in zip(keys, values):
                 times[key].append(value)
     manager.close()
     shutil.rmtree(memory, ignore_errors=True)
@@ -303,12 +325,13 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="a folder on the disk the durable saves go to")
     p.add_argument("--ranks", type=int, default=0, help="also measure the per-rank stall with this many local ranks")
     p.add_argument("--loop", action="store_true", help="also measure a training loop's steps/s")
+    p.add_argument("--device", default="cpu", help="where the state lives: cpu, or cuda (floor: pinned device-to-host)")
     args = p.parse_args()
     workdir = tempfile.mkdtemp(prefix="ckptools-bench-snapshot-", dir=args.dir)
     os.environ.setdefault("CKPTOOLS_KEEPER_GRACE", "1")
     try:
         for gib in args.gib:
-            m = bench(gib, args.repeat, workdir)
+            m = bench(gib, args.repeat, workdir, args.device)
             print(
                 f"{gib:g} GiB, median of {args.repeat}: floor {m['floor']:.3f} s (measured before and after each "
                 f"snapshot); snapshot stall {m['snapshot']:.3f} s ({m['ratio']:.2f}x the floor, median of the rounds' "
@@ -319,8 +342,8 @@ def main() -> None:
             )
             print(
                 f"  restore in place (ck.load): from memory {m['restore_mem']:.3f} s "
-                f"({m['restore_mem'] / m['floor']:.2f}x the floor), from disk {m['restore_warm']:.3f} s in the page "
-                f"cache, {m['restore_cold']:.3f} s "
+                f"({m['restore_mem'] / m['restore_floor']:.2f}x the floor), from disk {m['restore_warm']:.3f} s in "
+                f"the page cache, {m['restore_cold']:.3f} s "
                 f"evicted from it ({m['restore_cold'] / m['restore_mem']:.1f}x memory)",
                 flush=True,
             )

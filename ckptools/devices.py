@@ -8,7 +8,7 @@ from typing import Any, Union
 
 import torch
 
-from .collective.group import get_local_rank
+from .collective.group import local_gpu
 
 __all__ = ["resolve_map_location", "to_cpu"]
 
@@ -32,16 +32,17 @@ def _check_cuda(target: torch.device, spec: object) -> None:
 
 def _auto_device() -> torch.device:
     if torch.cuda.is_available():
-        return torch.device("cuda", get_local_rank())
+        return torch.device("cuda", local_gpu())
     return torch.device("cpu")
 
 
 def resolve_map_location(spec: MapLocation = "auto") -> Any:
     """Turn a device spec into a value ``torch.load(map_location=...)`` accepts.
 
-    ``"auto"``/None mean this rank's own device: ``cuda:LOCAL_RANK`` when CUDA is available,
-    else ``cpu``. ``"cuda"`` without an index also means this rank's GPU (not GPU 0: on an
-    8-GPU node every rank would otherwise load onto GPU 0 and run out of memory there).
+    ``"auto"``/None mean this rank's own device: ``cuda:LOCAL_RANK`` when CUDA is available
+    (``LOCAL_RANK % device_count`` where a node runs more ranks than it has GPUs), else ``cpu``.
+    ``"cuda"`` without an index also means this rank's GPU (not GPU 0: on an 8-GPU node every
+    rank would otherwise load onto GPU 0 and run out of memory there).
 
     Args:
         spec: ``"auto"``, None, ``"cpu"``, ``"cuda"``, ``"cuda:N"``, a ``torch.device``, a dict

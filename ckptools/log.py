@@ -41,9 +41,10 @@ def _rank() -> int:
     """This process's global rank; 0 while torch is not even imported (no process group can exist)."""
     if "torch" not in sys.modules:
         return 0
-    from .collective.group import get_rank  # imports torch: only once the program has
+    import torch.distributed as dist  # here, not above: only once the program imported torch
 
-    return get_rank()
+    # Asked of torch itself: the collective wing stands on this module, not the other way round.
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 def warn(message: str, *, once: str | None = None, all_ranks: bool = False) -> None:

@@ -70,6 +70,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--fail-rank", type=int, default=None, help="which rank dies (default: the last)")
     p.add_argument("--amp", action=argparse.BooleanOptionalAction, default=False, help="fp16 on GPU, bf16 on CPU")
+    p.add_argument("--amp-dtype", choices=["fp16", "bf16"], default=None, help="autocast's dtype with --amp")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-workers", type=int, default=0)
     p.add_argument("--persistent-workers", action="store_true", help="DataLoader workers live across epochs")
@@ -258,7 +259,9 @@ def main(argv: list[str] | None = None) -> NoReturn:
 
     optimizer = torch.optim.SGD(ddp.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=10, gamma=0.8)  # stepped per step
-    amp_dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    amp_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[
+        args.amp_dtype or ("fp16" if device.type == "cuda" else "bf16")
+    ]
     scaler = torch.amp.GradScaler(device.type, enabled=args.amp)
     loss_fn = torch.nn.CrossEntropyLoss()
 

@@ -13,7 +13,9 @@ from typing import Any
 
 # Argv: ROOT MODE DEVICES fresh|resume EPOCHS EVERY WORKERS SAMPLES DROPOUT SHUFFLE AUGMENT.
 # MODE: "lightning" (Lightning alone), "plugin" (its CheckpointIO is ckptools'), "exact" (the recipe:
-# ExactResume + ck.ResumableDataLoader, and the plugin). EVERY: a checkpoint every N steps (0: at each
+# ExactResume + ck.ResumableDataLoader, and the plugin), "exact-no-cuda-stream" (the recipe, with the
+# CUDA stream left out of what ExactResume puts back: a control for the GPU test). The accelerator is
+# FIT_ACCELERATOR's (default "cpu"). EVERY: a checkpoint every N steps (0: at each
 # epoch's end, ModelCheckpoint's default). DROPOUT, SHUFFLE, AUGMENT: 0 or 1 (augmentation in
 # __getitem__, of the training data in the workers and of the validation data in the main process).
 # Rank 0 prints "step N" after each step; each rank logs [step, epoch, indices] of every batch to
@@ -38,6 +40,13 @@ class Data(torch.utils.data.Dataset):
 
     def __getitem__(self, i):
         return (self.x[i] + 0.1 * torch.randn(8) if augment else self.x[i]), self.y[i], i
+
+
+class NoCudaStream(ExactResume):
+    def load_state_dict(self, state):
+        for streams in state["rng"]:
+            streams.pop("cuda", None)
+        super().load_state_dict(state)
 
 
 class Net(pl.LightningModule):
@@ -67,7 +76,7 @@ class Net(pl.LightningModule):
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)]
 
     def train_dataloader(self):
-        if mode == "exact":
+        if mode.startswith("exact"):
             return ck.ResumableDataLoader(Data(samples), batch_size=8, shuffle=bool(shuffle), seed=5,
                                           num_workers=workers)
         return torch.utils.data.DataLoader(Data(samples), batch_size=8, shuffle=bool(shuffle), num_workers=workers)
@@ -84,10 +93,10 @@ pl.seed_everything(3)
 model = Net()
 when = dict(every_n_train_steps=every) if every else dict(every_n_epochs=1)
 callbacks = [pl.callbacks.ModelCheckpoint(dirpath=root, save_last=True, **when)]
-if mode == "exact":
-    callbacks.insert(0, ExactResume())
+if mode.startswith("exact"):
+    callbacks.insert(0, ExactResume() if mode == "exact" else NoCudaStream())
 trainer = pl.Trainer(
-    default_root_dir=root, max_epochs=epochs, accelerator="cpu", devices=devices,
+    default_root_dir=root, max_epochs=epochs, accelerator=os.environ.get("FIT_ACCELERATOR", "cpu"), devices=devices,
     strategy="ddp" if devices > 1 else "auto", plugins=[] if mode == "lightning" else [CkptoolsCheckpointIO()],
     callbacks=callbacks, logger=False, enable_progress_bar=False, enable_model_summary=False,
     num_sanity_val_steps=1,

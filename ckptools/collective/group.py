@@ -122,7 +122,10 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
     """Initialise the default process group from torchrun's environment; return this rank's device.
 
     - Picks ``nccl`` and ``cuda:LOCAL_RANK`` (and calls ``torch.cuda.set_device``) when CUDA is
-      available, else ``gloo`` and ``cpu``. ``backend`` overrides the choice.
+      available, else ``gloo`` and ``cpu``. ``backend`` overrides the choice. Where a node runs
+      more ranks than it has GPUs (``torchrun --nproc-per-node=2`` on one GPU, for debugging),
+      the ranks share the GPUs in turn over ``gloo`` (nccl refuses two ranks on one GPU), with a
+      warning.
     - Isolates torchrun restart attempts: torchrun keeps one TCPStore across restarts and the
       failed attempt's keys stay in it (pytorch#135712), so a plain ``init_process_group`` after a
       restart can read stale keys and hang or fail. Every key of this attempt is put under a
@@ -140,7 +143,8 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
 
     Raises:
         ValueError: the environment names a rank or world size that is not an integer, or
-            ``MASTER_ADDR``/``MASTER_PORT`` are missing while ``WORLD_SIZE`` is set.
+            ``MASTER_ADDR``/``MASTER_PORT`` are missing while ``WORLD_SIZE`` is set, or
+            ``backend="nccl"`` is asked for while ranks share a GPU.
         CheckpointError: called while a spawned DataLoader worker imports a script that lacks an
             ``if __name__ == "__main__":`` guard (it would wait in the rendezvous forever).
 
@@ -153,8 +157,10 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
     _refuse_while_a_child_imports_main()
     cuda = torch.cuda.is_available()
     local_rank = get_local_rank()
+    shared = False
     if cuda:
-        device = torch.device("cuda", local_rank)
+        index, shared = gpu_of(local_rank, _local_world_size(local_rank), torch.cuda.device_count())
+        device = torch.device("cuda", index)
         # Before any CUDA work: otherwise every rank's context lands on GPU 0.
         torch.cuda.set_device(device)
     else:
@@ -175,6 +181,24 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
     except ValueError as err:
         raise ValueError(f"RANK/WORLD_SIZE/MASTER_PORT must be integers, got {env}") from err
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if shared:
+        if backend == "nccl":
+            raise ValueError(
+                f"{_local_world_size(local_rank)} processes on this node share {torch.cuda.device_count()} GPU(s), "
+                "and nccl refuses two ranks on one GPU: pass backend='gloo' (or None), or launch at most one "
+                "process per GPU (torchrun --nproc-per-node)"
+            )
+        if backend is None and local_rank == 0:
+            from .. import log
+
+            log.warn(
+                f"{_local_world_size(local_rank)} processes on this node share {torch.cuda.device_count()} GPU(s): "
+                f"rank {rank} uses {device}, and the process group is gloo (nccl refuses two ranks on one GPU; "
+                "gloo moves CUDA tensors through host memory). Right for debugging and tests, slow for training",
+                once="shared-gpu",
+                all_ranks=True,
+            )
+        backend = backend or "gloo"
     backend = backend or ("nccl" if cuda else "gloo")
     store_timeout = timeout or datetime.timedelta(minutes=30)
 
@@ -199,6 +223,33 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
     global _TIMEOUT
     _TIMEOUT = timeout
     return device
+
+
+def local_gpu() -> int:
+    """The index of this rank's GPU: ``LOCAL_RANK`` where the node has a GPU per rank, else the GPUs in
+    turn (``LOCAL_RANK % device_count``; see `init_distributed`). Needs CUDA."""
+    return get_local_rank() % torch.cuda.device_count()
+
+
+def gpu_of(local_rank: int, local_world: int, gpus: int) -> tuple[int, bool]:
+    """The GPU a local rank uses, and whether this node's ranks share GPUs (more ranks than GPUs).
+
+    One GPU per rank where there are enough; otherwise the ranks take the GPUs in turn
+    (``local_rank % gpus``), which nccl refuses and gloo allows.
+
+    Examples:
+        >>> gpu_of(1, 8, 8), gpu_of(1, 2, 1), gpu_of(3, 4, 2)
+        ((1, False), (0, True), (1, True))
+    """
+    return local_rank % gpus, local_world > gpus
+
+
+def _local_world_size(local_rank: int) -> int:
+    """How many ranks run on this node: torchrun's ``LOCAL_WORLD_SIZE``, else at least this rank's."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        return local_rank + 1
 
 
 # The timeout init_distributed was given, for the gloo side group (torch keeps no public record).

@@ -146,20 +146,20 @@ class _Mapped:
         if self.registered:
             return
         try:
-            # torch's own helper (cudaHostRegisterPortable: pinned for every device), used by DCP too.
-            from torch.cuda._pin_memory_utils import pin_memory
-
-            pin_memory(self.bytes.data_ptr(), self.bytes.numel())
+            # What torch's own helper does (torch.cuda._pin_memory_utils, used by DCP, private and
+            # not in every release we support): cudaHostRegisterPortable (1), pinned for every device.
+            cudart = torch.cuda.cudart()  # type: ignore[no-untyped-call]
+            code = int(cudart.cudaHostRegister(self.bytes.data_ptr(), self.bytes.numel(), 1))
+            if code != 0:
+                raise RuntimeError(f"cudaHostRegister returned cudaError {code}")
             self.registered = True
         except Exception as err:  # noqa: BLE001 - a slower copy, not a failure
             log.warn(f"could not register the snapshot slot with CUDA ({err}): its copies run unpinned", once="pin")
 
     def close(self) -> None:
         if self.registered:
-            from torch.cuda._pin_memory_utils import unpin_memory
-
             with contextlib.suppress(Exception):
-                unpin_memory(self.bytes.data_ptr())
+                torch.cuda.cudart().cudaHostUnregister(self.bytes.data_ptr())  # type: ignore[no-untyped-call]
         del self.bytes
         with contextlib.suppress(BufferError):  # a view still alive keeps the mapping: it goes with it
             self.mm.close()
