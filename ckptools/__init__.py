@@ -32,8 +32,8 @@ from .errors import (
 )
 
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
+    from .collective.arrival import barrier
     from .collective.group import (
-        barrier,
         get_local_rank,
         get_rank,
         get_world_size,
@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .layouts import open_checkpoint
     from .loading import load, load_state_dict
     from .manager import CheckpointManager
+    from .per_rank import PerRank
     from .rewrite import rename_checkpoint
     from .saving import async_save, save, save_weights
     from .state_dict import add_prefix, strip_prefix, unwrap_model
@@ -71,13 +72,14 @@ _LAZY = {
     "verify": ".inspection",
     "verify_report": ".inspection",
     "CheckpointManager": ".manager",
+    "PerRank": ".per_rank",
     "Preemption": ".training.preemption",
     "ResumableDataLoader": ".training.loader",
     "ResumableDistributedSampler": ".training.sampler",
     "SeededDataset": ".training.seeded",
     "add_prefix": ".state_dict",
     "async_save": ".saving",
-    "barrier": ".collective.group",
+    "barrier": ".collective.arrival",
     "convert": ".converting",
     "convert_to_safetensors": ".converting",
     "exit_process": ".training.process",
@@ -111,6 +113,7 @@ __all__ = [
     "MissingClassError",
     "NodeMemoryError",
     "NotChecksummedError",
+    "PerRank",
     "Preemption",
     "ResumableDataLoader",
     "ResumableDistributedSampler",

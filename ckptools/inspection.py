@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import CheckpointFormatError, CheckpointLayoutError, NotChecksummedError
-from .layouts import open_checkpoint
+from .layouts import META_KEY, loaded_weights, open_checkpoint
 from .state_dict import strip_wrappers, tensor_identity
 from .storage import PathLike, fspath
 from .view import CheckpointView
@@ -95,24 +95,42 @@ def verify_report(path: PathLike, *, trust_code: bool = False) -> dict[str, Any]
             "not_checksummed": found.not_checksummed}  # fmt: skip
 
 
+# ckptools' own entry: what says when and with what a file was saved is not compared (it differs between any
+# two saves); what a resume restores from it (the ranks' random streams, the world size, metadata) is.
+_PROVENANCE = ("created_unix", "ckptools_version", "torch_version", "format_version")
+
+
 def diff(
-    a: PathLike, b: PathLike, *, atol: float = 0.0, trust_code: bool = False, key: str | None = None
+    a: PathLike,
+    b: PathLike,
+    *,
+    atol: float = 0.0,
+    trust_code: bool = False,
+    key: str | None = None,
+    weights_only: bool = False,
 ) -> dict[str, Any]:
-    """Compare the weights of two checkpoints of any layouts (wrapper prefixes ignored), or one entry.
+    """Compare two checkpoints of any layouts: the weights (wrapper prefixes ignored) and every other entry.
 
-    ``key`` (dotted for nesting, list indices too: ``"model.state_dict"``, ``"optimizer"``,
-    ``"optimizer_states.0.state"``, ``"hyper_parameters"``) names the entry to compare in each file
-    that has entries; a tree of tensors (an optimizer's state) is compared tensor by tensor, other
-    values (numbers, strings, lists of them) by value. A file that holds bare weights (a
-    ``.safetensors`` file, a folder, a bare state dict) is compared whole, so a training checkpoint
-    compares with its export. A tensor that only one side names, stored once in the other under a
-    name it is tied to there (transformers' ``lm_head.weight``, tied to ``transformer.wte.weight``),
-    is no difference: ``tied`` maps it to that name.
+    Every entry both files hold is compared: the weights tensor by tensor (``module.`` and
+    ``_orig_mod.`` ignored), any other entry as a tree, tensor by tensor (an optimizer's state) and
+    value by value (a step, hyper-parameters), ckptools' own entry by what a resume restores from
+    it (every rank's random streams, the world size, the metadata; not when and with which
+    versions a file was saved, named in ``not_compared``). An entry only one file holds is a
+    difference (``missing_in_b``, ``only_in_b``). A file that holds bare weights (a
+    ``.safetensors`` file, a folder, a bare state dict) has only weights to compare, so a training
+    checkpoint compares with its export, and the other file's entries are named in
+    ``not_compared``. ``weights_only`` compares the weights alone; ``key`` (dotted for nesting,
+    list indices too: ``"optimizer"``, ``"optimizer_states.0.state"``) one entry alone. A tensor
+    that only one side names, stored once in the other under a name it is tied to there
+    (transformers' ``lm_head.weight``, tied to ``transformer.wte.weight``), is no difference:
+    ``tied`` maps it to that name.
 
-    Returns a dict: ``differ`` (bool), ``missing_in_b``, ``only_in_b``, ``tied``, ``shape_or_dtype_mismatch``
+    Returns a dict: ``differ`` (bool), ``compared`` (what was: ``"weights"``, the entries' names),
+    ``not_compared`` (name: why), ``all_compared`` (every entry of both was: only when and with
+    which versions they were saved was not), ``missing_in_b``, ``only_in_b``, ``tied``, ``shape_or_dtype_mismatch``
     (also a tensor on one side and a value on the other), ``changed`` (max |a-b| above ``atol``, or
     NaN; or a value that differs), ``max_abs_diff`` per common tensor and ``values`` (``[a, b]``, as
-    ``repr``, per common value that is no tensor).
+    ``repr``, per common value that is no tensor). Names of an entry's leaves start with the entry's.
 
     Raises:
         KeyMismatchError: a file with entries has none at ``key``; the message names those it has.
@@ -125,38 +143,116 @@ def diff(
         False
     """
     a, b = fspath(a), fspath(b)
-    wa = _compared_at(open_checkpoint(a, trust_code=trust_code), key)
-    wb = _compared_at(open_checkpoint(b, trust_code=trust_code), key)
-    import torch  # after both opened: a file refused there is refused without it
+    va, vb = open_checkpoint(a, trust_code=trust_code), open_checkpoint(b, trust_code=trust_code)
+    result: dict[str, Any] = {"a": a, "b": b, "atol": atol, "differ": False, "all_compared": False,
+                              "compared": [], "not_compared": {},
+                              "missing_in_b": [], "only_in_b": [], "tied": {}, "shape_or_dtype_mismatch": [],
+                              "changed": [], "max_abs_diff": {}, "values": {}}  # fmt: skip
+    if key is not None:
+        wa, wb = _compared_at(va, key), _compared_at(vb, key)
+        _compare(wa, wb, result, weights=True)
+        result["compared"] = [key]
+        result["not_compared"]["everything else"] = f"--key {key} compares that entry alone"
+    else:
+        _compare(va.weights(), vb.weights(), result, weights=True)
+        result["compared"] = ["weights"]
+        ta, tb = _entries(va), _entries(vb)
+        if weights_only:
+            rest = sorted(set(ta or {}) | set(tb or {}))
+            if rest:
+                result["not_compared"][", ".join(rest)] = "--weights compares the weights alone"
+        elif ta is not None and tb is not None:
+            _compare_entries(ta, tb, result)
+            result["all_compared"] = True
+        else:  # one side (or both) holds bare weights: nothing else to hold the other's entries against
+            result["all_compared"] = not ta and not tb
+            for side, tree, other in (("A", ta, b), ("B", tb, a)):
+                if tree:
+                    why = f"only {side} holds them: {other} holds weights alone"
+                    result["not_compared"][", ".join(sorted(tree))] = why
+    for name in ("missing_in_b", "only_in_b", "changed"):
+        result[name] = sorted(result[name])
+    result["shape_or_dtype_mismatch"].sort(key=lambda m: m["name"])
+    result["max_abs_diff"] = dict(sorted(result["max_abs_diff"].items()))
+    result["values"] = dict(sorted(result["values"].items()))
+    result["tied"] = dict(sorted(result["tied"].items()))
+    result["differ"] = bool(
+        result["missing_in_b"] or result["only_in_b"] or result["shape_or_dtype_mismatch"] or result["changed"]
+    )
+    return result
 
-    # Compared without any wrapper's prefix (DDP's "module.", torch.compile's "_orig_mod."). Names
-    # are mapped first and tensors read one at a time, in A's order: a sharded checkpoint is
+
+def _entries(view: CheckpointView) -> dict[str, Any] | None:
+    """A checkpoint's entries other than its weights, as one tree (the file read once); None for a
+    layout of bare weights. ckptools' own entry is kept without its provenance."""
+    try:
+        tree = view.entry("")
+    except CheckpointLayoutError:
+        return None
+    if not isinstance(tree, Mapping):
+        return None
+    try:
+        weights = loaded_weights(tree, None, view.path)
+    except CheckpointFormatError:  # no weights in it: every entry is one to compare
+        weights = None
+    if weights is tree:  # a bare state dict
+        return None
+    rest = {str(k): v for k, v in tree.items() if v is not weights}
+    if isinstance(rest.get(META_KEY), Mapping):
+        rest[META_KEY] = {k: v for k, v in rest[META_KEY].items() if k not in _PROVENANCE}
+    return rest
+
+
+def _compare_entries(ta: dict[str, Any], tb: dict[str, Any], result: dict[str, Any]) -> None:
+    """Every entry both hold, leaf by leaf; an entry only one holds is a difference."""
+    result["missing_in_b"] += sorted(set(ta) - set(tb))
+    result["only_in_b"] += sorted(set(tb) - set(ta))
+    for name in sorted(set(ta) & set(tb)):
+        la: dict[str, Any] = {}
+        lb: dict[str, Any] = {}
+        _collect(ta[name], name, la)
+        _collect(tb[name], name, lb)
+        if not la and not lb:  # an empty container on both sides
+            la, lb = {name: ta[name]}, {name: tb[name]}
+        _compare(la, lb, result, weights=False)
+        result["compared"].append("the ranks' random streams and metadata" if name == META_KEY else name)
+    if META_KEY in ta or META_KEY in tb:
+        result["not_compared"]["when and with which versions each was saved"] = "it differs between any two saves"
+
+
+def _compare(wa: Mapping[str, Any], wb: Mapping[str, Any], result: dict[str, Any], *, weights: bool) -> None:
+    """Compare two name -> leaf maps into ``result``: tensors by their largest difference, other
+    values by value. For ``weights``, names without any wrapper's prefix, and ties on one side."""
+    import torch
+
+    atol = result["atol"]
+    # Weights are compared without any wrapper's prefix (DDP's "module.", torch.compile's "_orig_mod.").
+    # Names are mapped first and tensors read one at a time, in A's order: a sharded checkpoint is
     # then read shard by shard, never held whole.
-    na = strip_wrappers({name: name for name in wa})
-    nb = strip_wrappers({name: name for name in wb})
+    na = strip_wrappers({name: name for name in wa}) if weights else {name: name for name in wa}
+    nb = strip_wrappers({name: name for name in wb}) if weights else {name: name for name in wb}
     common = set(na) & set(nb)
-    tied = {**_tied_names(set(na) - set(nb), na, wa, common), **_tied_names(set(nb) - set(na), nb, wb, common)}
-    missing = sorted(set(na) - set(nb) - set(tied))
-    unexpected = sorted(set(nb) - set(na) - set(tied))
-    mismatched: list[dict[str, Any]] = []
-    changed: list[str] = []
-    max_abs: dict[str, float] = {}
-    values: dict[str, list[str]] = {}
+    tied: dict[str, str] = {}
+    if weights:
+        tied = {**_tied_names(set(na) - set(nb), na, wa, common), **_tied_names(set(nb) - set(na), nb, wb, common)}
+    result["tied"].update(tied)
+    result["missing_in_b"] += sorted(set(na) - set(nb) - set(tied))
+    result["only_in_b"] += sorted(set(nb) - set(na) - set(tied))
     order = {stored: i for i, stored in enumerate(wa)}
     for name in sorted(common, key=lambda n: order[na[n]]):
         ta, tb = wa[na[name]], wb[nb[name]]
         tensors = isinstance(ta, torch.Tensor), isinstance(tb, torch.Tensor)
         if tensors == (False, False):  # plain values (hyper-parameters, a step count): by value
-            values[name] = [repr(ta), repr(tb)]
+            result["values"][name] = [repr(ta), repr(tb)]
             if not _same_value(ta, tb):
-                changed.append(name)
+                result["changed"].append(name)
             continue
         if not all(tensors) or ta.dtype != tb.dtype or _kind(ta) != _kind(tb):
-            mismatched.append({"name": name, "a": _described(ta), "b": _described(tb)})
+            result["shape_or_dtype_mismatch"].append({"name": name, "a": _described(ta), "b": _described(tb)})
             continue
         ta, tb = _dense(ta), _dense(tb)  # sparse, quantized, nested: compared by their values
         if ta.shape != tb.shape or ta.dtype != tb.dtype:
-            mismatched.append(
+            result["shape_or_dtype_mismatch"].append(
                 {"name": name, "a": [list(ta.shape), str(ta.dtype)], "b": [list(tb.shape), str(tb.dtype)]}
             )
             continue
@@ -169,15 +265,8 @@ def diff(
         else:
             delta = float((ta.long() - tb.long()).abs().max().item())
         if delta != delta or delta > atol:  # NaN counts as different
-            changed.append(name)
-        max_abs[name] = delta
-    max_abs = dict(sorted(max_abs.items()))
-    mismatched.sort(key=lambda m: m["name"])
-    changed.sort()
-    differ = bool(missing or unexpected or mismatched or changed)
-    return {"a": a, "b": b, "atol": atol, "differ": differ, "missing_in_b": missing, "only_in_b": unexpected,
-            "tied": dict(sorted(tied.items())), "shape_or_dtype_mismatch": mismatched, "changed": changed,
-            "max_abs_diff": max_abs, "values": dict(sorted(values.items()))}  # fmt: skip
+            result["changed"].append(name)
+        result["max_abs_diff"][name] = delta
 
 
 def _compared_at(view: CheckpointView, key: str | None) -> Mapping[str, Any]:

@@ -35,21 +35,10 @@ from .layouts.torch_io import verify_torch_file
 from .leftovers import pid_alive
 from .storage import atomic_write, join, list_files, remove
 
-__all__ = ["PIDS", "alive", "checkpoint_names", "main", "persist"]
+__all__ = ["PIDS", "checkpoint_names", "main", "persist"]
 
 PIDS = ".pids"  # one empty file per watched process, named by its pid
 LOCK = ".keeper"  # the keeper's own pid: one keeper per folder
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (`ckptools.leftovers.pid_alive`) and is not a zombie."""
-    if not pid_alive(pid):
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1][:1] != "Z"
-    except OSError:
-        return True  # no /proc: os.kill said it exists
 
 
 def checkpoint_names(prefix: str) -> re.Pattern[str]:
@@ -68,6 +57,11 @@ def _watched(folder: str) -> list[int]:
 def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> str | None:
     """Copy the newest whole snapshot of ``folder`` into ``directory`` when it is newer than every
     checkpoint there, then prune to ``keep_last``; the path written, or None."""
+    if "://" not in directory and not os.path.isdir(directory):
+        # The manager makes its folder at the first snapshot: gone now, it was removed (to start afresh).
+        print(f"ckptools keeper: the run folder {directory} was removed: nothing persisted, the snapshots in "
+              f"{folder} are released", file=sys.stderr, flush=True)  # fmt: skip
+        return None
     pattern = checkpoint_names(prefix)
     snapshots = sorted((int(m.group(1)), n) for n in os.listdir(folder) if (m := pattern.fullmatch(n)))
     durable = sorted((int(m.group(1)), n) for n in list_files(directory) if (m := pattern.fullmatch(n)))
@@ -112,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     except FileExistsError:
         with open(lock) as f:
             other = f.read().strip()
-        if other.isdigit() and alive(int(other)) and int(other) != os.getpid():
+        if other.isdigit() and pid_alive(int(other)) and int(other) != os.getpid():
             return 0  # this folder has its keeper
         with open(lock, "w") as f:
             f.write(str(os.getpid()))
@@ -123,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
             f.write(str(os.getpid()))
     gone_since: float | None = None
     while os.path.isdir(args.folder):
-        if any(alive(pid) for pid in _watched(args.folder)):
+        if any(pid_alive(pid) for pid in _watched(args.folder)):
             gone_since = None
         elif gone_since is None:
             gone_since = time.monotonic()
@@ -136,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             if written is not None:
                 print(f"ckptools keeper: the job is gone; persisted {written}", file=sys.stderr, flush=True)
-            if not any(alive(pid) for pid in _watched(args.folder)):  # no relaunch registered meanwhile
+            if not any(pid_alive(pid) for pid in _watched(args.folder)):  # no relaunch registered meanwhile
                 shutil.rmtree(args.folder, ignore_errors=True)
             return 0
         time.sleep(args.poll)

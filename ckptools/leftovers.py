@@ -26,14 +26,19 @@ def _tmp_owner(name: str) -> tuple[str, int] | None:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` exists on this host (perhaps under another user)."""
+    """Whether a process ``pid`` runs on this host (perhaps under another user); a zombie (exited,
+    not yet reaped by its parent) does not."""
     try:
         os.kill(pid, 0)
     except PermissionError:
-        return True  # it exists, under another user
+        pass  # it exists, under another user
     except (ProcessLookupError, OverflowError, ValueError):
         return False
-    return True
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][:1] != "Z"
+    except (OSError, IndexError):  # not Linux, or gone meanwhile: what kill said
+        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 def is_abandoned_tmp(path: PathLike) -> bool:

@@ -16,6 +16,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from . import log
 from .collective.agree import Agreement
+from .collective.arrival import checked_in
 from .collective.group import get_world_size
 from .collective.tree import broadcast_tree
 from .devices import MapLocation, resolve_map_location
@@ -45,6 +46,7 @@ _TRAINING_TYPES: tuple[type, ...] = (
 )
 
 
+@checked_in("ck.load")
 def load(
     path: PathLike,
     state: Mapping[str, Any] | None = None,

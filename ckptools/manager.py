@@ -5,11 +5,13 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import log
 from .collective.agree import Agreement
+from .collective.arrival import checked_in
 from .collective.group import all_gather_object, get_rank
 from .errors import CheckpointError
 from .keeper import checkpoint_names
@@ -18,8 +20,10 @@ from .leftovers import abandoned_tmps
 from .loading import load
 from .saving import async_save_with_hooks, save_with_hooks
 from .storage import PathLike, file_size, fspath, join, list_files, remove, resolve
+from .training.process import ORPHANED_EXIT, leave
 from .write import (
     AsyncSave,
+    Orphaned,
     close_slots,
     default_folder,
     finish_pending,
@@ -120,6 +124,7 @@ class CheckpointManager:
         # misconfiguration, but one that happens) must not have its file deleted mid-write.
         return abandoned_tmps(self.directory, f".{self.prefix}-")
 
+    @checked_in("CheckpointManager.save")
     def save(self, state: Mapping[str, Any], step: int, *, blocking: bool = True, **save_kwargs: Any) -> str:
         """Save ``state`` as the checkpoint for ``step`` (collective), then prune.
 
@@ -170,6 +175,7 @@ class CheckpointManager:
             prune()
         return path
 
+    @checked_in("CheckpointManager.wait")
     def wait(self) -> str | None:
         """Finish the async save in flight and the snapshot being committed, if any (collective);
         the async save's path, or None if none was.
@@ -190,6 +196,7 @@ class CheckpointManager:
         """The async save in flight (its ``done()`` is a local poll), or None."""
         return pending()
 
+    @checked_in("CheckpointManager.close")
     def close(self) -> None:
         """Finish the async save in flight and the snapshot being committed (collective), free the
         host buffers the async save held, and unmap this node's snapshot slots (the newest
@@ -240,6 +247,7 @@ class CheckpointManager:
         for path in doomed:
             self._remove_quietly(path)
 
+    @checked_in("CheckpointManager.snapshot")
     def snapshot(
         self,
         state: Mapping[str, Any],
@@ -291,13 +299,23 @@ class CheckpointManager:
         def prepare() -> None:  # every node's lowest rank, before its copy
             register(memory.directory)
             memory._remove_leftovers()
+            if "://" not in self.directory:  # the run folder exists from the first snapshot on (see restore)
+                os.makedirs(self.directory, exist_ok=True)
             watch(memory.directory)
             start_keeper(memory.directory, self.directory, self.prefix, self.keep_last)
 
-        return write_snapshot(
-            memory.directory, self.prefix, name, state, metadata=metadata, writers=writers, blocking=blocking,
-            prepare=prepare,
-        )  # fmt: skip
+        try:
+            return write_snapshot(
+                memory.directory, self.prefix, name, state, metadata=metadata, writers=writers, blocking=blocking,
+                prepare=prepare,
+            )  # fmt: skip
+        except Orphaned as gone:
+            # Training on alone would only fail later (the store the agent held is gone) or never end:
+            # the ranks leave together now, and the keeper copies the newest snapshot into the folder.
+            print(f"[rank{get_rank()}] ckptools: {gone}; every rank leaves now (exit code {ORPHANED_EXIT}), and "
+                  f"the keeper copies the newest snapshot into {self.directory} once they are gone",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            leave(ORPHANED_EXIT)
 
     def snapshots(self) -> list[tuple[int, str]]:
         """``(step, path)`` of this node's snapshots, oldest first (unverified; local: once this
@@ -316,6 +334,21 @@ class CheckpointManager:
         match = self._pattern.fullmatch(os.path.basename(path))
         assert match is not None  # every path a manager lists matches its pattern
         return int(match.group(1))
+
+    def _choose_unless_removed(self, newest: list[int | None]) -> tuple[tuple[int, bool] | None, bool]:
+        """Rank 0: `_choose`, unless node memory holds snapshots of a run whose (local) folder is gone:
+        the folder exists from a run's first snapshot on, so it was removed (to start afresh), and those
+        snapshots are stale. Then: no choice, and True (every node releases its snapshots)."""
+        steps = [s for s in newest if s is not None]
+        if "://" not in self.directory and not os.path.isdir(self.directory) and steps:
+            log.warn(
+                f"node memory holds snapshots of {self.directory} (up to step {max(steps)}) "
+                "but that folder is gone: it was removed after they were taken, so this run starts afresh and the "
+                "snapshots are released",
+                once="run_folder_removed",
+            )
+            return None, True
+        return self._choose(newest), False
 
     def _choose(self, newest: list[int | None]) -> tuple[int, bool] | None:
         """Rank 0: the step of the newest good checkpoint, durable or a node's snapshot (a tie:
@@ -370,6 +403,7 @@ class CheckpointManager:
             return path
         return None
 
+    @checked_in("CheckpointManager.restore")
     def restore(self, state: Mapping[str, Any], **load_kwargs: Any) -> dict[str, Any] | None:
         """Restore ``state`` from the newest good checkpoint on every rank; None on a fresh start.
 
@@ -409,13 +443,16 @@ class CheckpointManager:
         found = memory._committed_snapshot() if rank in leaders else None
         steps = all_gather_object(None if found is None else self._step_of(found))
         newest = [steps[leader] for leader in leaders]
-        choice = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(
-            lambda: self._choose(newest), send=True
+        chosen = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(
+            lambda: self._choose_unless_removed(newest), send=True
         )
+        assert chosen is not None  # on_rank0 raised otherwise
+        choice, removed = chosen
         node = next(ranks for ranks in nodes if rank in ranks)
         made_here = not any(existed[r] for r in node)
-        if (choice is None or not choice[1]) and made_here and rank == node[0]:
-            shutil.rmtree(self.snapshot_dir, ignore_errors=True)  # made for the node token only: nothing is kept
+        if (removed or ((choice is None or not choice[1]) and made_here)) and rank == node[0]:
+            # Made for the node token only, or the snapshots of a run whose folder was removed: nothing is kept.
+            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
         if choice is None:
             if rank == 0:
                 log.logger.info("no checkpoint in %s: starting fresh", self.directory)

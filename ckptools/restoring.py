@@ -17,6 +17,7 @@ from . import log, rng
 from .collective.group import get_rank, get_world_size
 from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError
 from .layouts import LIGHTNING_VERSION_KEY, META_KEY, loaded_weights, placeholder_name
+from .per_rank import PER_RANK_KEY, PerRank, is_per_rank_entry
 from .state_dict import (
     WRAPPER_PREFIXES,
     add_prefix,
@@ -28,7 +29,7 @@ from .state_dict import (
 )
 from .write.zero import prefetch_partition
 
-__all__ = ["restore_all", "restore_rank_rng", "restore_rng_state"]
+__all__ = ["own_value", "restore_all", "restore_rank_rng", "restore_rng_state"]
 
 
 def _model_keys(model: torch.nn.Module) -> list[str]:
@@ -121,7 +122,9 @@ def _short(keys: list[str], limit: int = 10) -> str:
 
 
 def _restore(obj: Any, entry: Any, *, strict: bool, path: str, name: str) -> None:
-    if isinstance(obj, torch.nn.Module):
+    if isinstance(obj, PerRank):
+        obj.value = own_value(entry, path=path, name=name)
+    elif isinstance(obj, torch.nn.Module):
         if not isinstance(entry, Mapping):
             raise CheckpointFormatError(f"{path}: entry {name!r} is a {type(entry).__name__}, not a model state dict")
         _load_model(obj, entry, strict=strict, path=path, name=name)
@@ -182,6 +185,29 @@ def _lightning_entries(ckpt: Mapping[str, Any], state: Mapping[str, Any], path: 
     return found
 
 
+def own_value(entry: Any, *, path: str, name: str) -> Any:
+    """This rank's value of a per-rank entry (`PerRank`).
+
+    Raises:
+        CheckpointFormatError: ``entry`` holds no value per rank.
+        CheckpointError: it holds one per rank of another number of ranks.
+    """
+    if not is_per_rank_entry(entry):
+        raise CheckpointFormatError(
+            f"{path}: entry {name!r} holds one value for every rank (a {type(entry).__name__}), not one per rank: "
+            f"restore it as state[{name!r}] = the object it was, or save it as ck.PerRank(...)"
+        )
+    values = entry[PER_RANK_KEY]
+    world = get_world_size()
+    if len(values) != world:
+        raise CheckpointError(
+            f"{path}: entry {name!r} holds one value per rank for {len(values)} ranks, and this job has {world}: a "
+            f"rank's own value has no meaning for the ranks of another world size. Leave {name!r} out of the state "
+            "to restore (it is in the checkpoint load returns, every rank's), or resume with the same number of ranks"
+        )
+    return values[get_rank()]
+
+
 def restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool, path: str) -> None:
     models = [name for name, obj in state.items() if isinstance(obj, torch.nn.Module)]
     lightning = _lightning_entries(ckpt, state, path)
@@ -227,6 +253,10 @@ def restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool,
             raise CheckpointFormatError(
                 f"{path}: cannot restore entry {name!r} into {type(obj).__name__}: {err}{hint}"
             ) from err
+    # Each rank's own value of a per-rank entry, in the checkpoint returned too (where the world size allows).
+    for name, entry in ckpt.items():
+        if is_per_rank_entry(entry) and len(entry[PER_RANK_KEY]) == get_world_size():
+            ckpt[name] = entry[PER_RANK_KEY][get_rank()]
 
 
 def _placeholder_in(entry: Any) -> str | None:

@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
-from . import log, rng
+from . import log
 from .collective import agree
+from .collective.arrival import checked_in
 from .collective.group import all_gather_object, get_rank
 from .devices import to_cpu
 from .errors import CheckpointError
@@ -31,6 +32,7 @@ from .write import (
     finish_pending,
     first_error,
     plan_shares,
+    rank_part,
     replica_digests,
     set_pending,
     take_snapshot,
@@ -47,6 +49,7 @@ DEFAULT_WRITERS = "auto"
 __all__ = ["async_save", "save", "save_weights"]
 
 
+@checked_in("ck.save")
 def save(
     path: PathLike,
     state: Mapping[str, Any],
@@ -124,6 +127,7 @@ def save(
     return save_with_hooks(path, state, metadata=metadata, writers=writers, verify_replicas=verify_replicas)
 
 
+@checked_in("ck.save_weights")
 def save_weights(path: PathLike, model: Any, *, metadata: Mapping[str, str] | None = None) -> str:
     """Save a model's weights alone, for inference or sharing; collective like `save`.
 
@@ -188,19 +192,24 @@ def save_with_hooks(
 
 
 class _Start:
-    """What every save has once it began: the checked arguments and every rank's RNG."""
+    """What every save has once it began: the checked arguments and every rank's part (`rank_part`)."""
 
     def __init__(
-        self, path: str, user_meta: dict[str, Any], rng_states: list[Any], started: float, state: Mapping[str, Any]
+        self,
+        path: str,
+        user_meta: dict[str, Any],
+        parts: list[dict[str, Any]],
+        started: float,
+        state: Mapping[str, Any],
     ) -> None:
-        self.path, self.user_meta, self.rng_states, self.started = path, user_meta, rng_states, started
+        self.path, self.user_meta, self.parts, self.started = path, user_meta, parts, started
         self.state = state  # what is saved: the state, a ZeRO optimizer as its ZeroEntry
         self.location: Location = resolve(path)
         self.written = False  # rank 0: whether before_write ran already (a fallback must not rerun it)
 
     def payload(self, state: Mapping[str, Any]) -> Callable[[], dict[str, Any]]:
         """Rank 0's way to build the checked payload of ``state`` (when it is needed)."""
-        return lambda: build_payload(state, self.user_meta, self.rng_states)
+        return lambda: build_payload(state, self.user_meta, self.parts)
 
 
 def _shares(
@@ -220,16 +229,15 @@ def _shares(
 
 def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, verify: bool) -> _Start:
     """The collective part every save opens with: finish a save in flight, check the
-    arguments, gather every rank's RNG (before rank 0 does anything that could draw from it)
-    and, with ``verify``, every rank's CRC-32s of the replicated tensors (the same exchange)."""
+    arguments, gather every rank's part (its RNG, before rank 0 does anything that could draw from
+    it; its `PerRank` values) and, with ``verify``, every rank's CRC-32s of the replicated tensors
+    (the same exchange)."""
     finish_pending()
     started = time.monotonic()
     path, user_meta = checked_args(path, state, metadata)
     # Each rank's ZeRO partition, described (metadata, never a tensor), rides the same exchange.
     partitions, unsavable = describe_partitions(state)
-    gathered = all_gather_object(
-        (rng.get_rng_state(), replica_digests(state) if verify else None, partitions, unsavable)
-    )
+    gathered = all_gather_object((rank_part(state), replica_digests(state) if verify else None, partitions, unsavable))
     problem = first_error(gathered, lambda reply: reply[3])
     if problem is not None:
         raise CheckpointError(f"saving checkpoint {path} failed on {problem}; earlier checkpoints are untouched")
@@ -256,9 +264,10 @@ def _write(location: Location, payload: Any, before_write: Callable[[], None] | 
 def _on_rank0(start: _Start, state: Mapping[str, Any], then: Callable[[dict[str, Any]], Any]) -> Any:
     """Rank 0 builds the checked payload and passes it to ``then``; its result (None off rank
     0). An error on rank 0 is raised on every rank."""
-    return agree.saving(start.path).on_rank0(lambda: then(build_payload(state, start.user_meta, start.rng_states)))
+    return agree.saving(start.path).on_rank0(lambda: then(build_payload(state, start.user_meta, start.parts)))
 
 
+@checked_in("ck.async_save")
 def async_save(
     path: PathLike,
     state: Mapping[str, Any],

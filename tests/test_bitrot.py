@@ -79,9 +79,10 @@ def test_every_flip_is_caught(tmp_path, files, fmt):
                 ck.load_state_dict(damaged, verify=True)
         except ck.CheckpointFormatError:
             caught_lib += 1
-        if i < 3:  # the installed executable too: exit 1, one line on stderr
+        if i < 3:  # the installed executable too: exit 1, one DAMAGED line on stdout (its answer), nothing on stderr
             proc = subprocess.run([CKPT, "verify", damaged], capture_output=True, text=True)
-            assert proc.returncode == 1 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+            assert proc.returncode == 1 and proc.stderr == "", proc.stderr
+            assert len(proc.stdout.strip().splitlines()) == 1 and proc.stdout.startswith("DAMAGED "), proc.stdout
     print(f"\nbit rot ({fmt}): ckpt verify caught {caught_cli}/{FLIPS}, load(verify=True) caught {caught_lib}/{FLIPS}")
     assert caught_cli == FLIPS and caught_lib == FLIPS
     # The pristine file still passes both.

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -137,7 +138,7 @@ def test_bad_inputs_exit_2_one_line_no_traceback_nothing_written(tmp_path, comma
         args = [command, str(src), *map(str, extra)]
         if name == "proto.pt":  # torch warns about it: a real process, whose stderr holds whatever is printed
             proc = subprocess.run([CKPT, *args], capture_output=True, text=True, timeout=120)
-            code, stderr = proc.returncode, proc.stderr
+            code, stderr, stdout = proc.returncode, proc.stderr, proc.stdout
         else:  # in this process (each `ckpt` process imports torch: ~2 s of CPU); a warning that
             # escaped the command would be a second line on a real stderr: none may be raised
             with warnings.catch_warnings(record=True) as raised:
@@ -145,10 +146,14 @@ def test_bad_inputs_exit_2_one_line_no_traceback_nothing_written(tmp_path, comma
                 result = runner.invoke(app, args)
             assert not raised, (name, [str(w.message) for w in raised])
             assert result.exception is None or isinstance(result.exception, SystemExit), result.exception
-            code, stderr = result.exit_code, result.stderr
-        # verify answers "exists but damaged" with 1; missing and unsafe are bad input (2).
+            code, stderr, stdout = result.exit_code, result.stderr, result.stdout
+        # verify answers "exists but damaged" with 1, one line on stdout (its answer, as OK is);
+        # missing and unsafe are bad input (2), one line on stderr.
         damaged = command == "verify" and name not in ("missing.pt", "evil.pt")
         assert code == (1 if damaged else 2), (name, stderr)
+        if damaged:
+            assert stderr == "" and stdout.startswith("DAMAGED "), (name, stdout, stderr)
+            stderr = "ckpt: " + stdout.removeprefix("DAMAGED ")
         lines = stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("ckpt: ") and "Traceback" not in stderr, stderr
         assert name.split(".")[0] in lines[0] or name == "evil.pt"
@@ -262,3 +267,71 @@ def test_compile_prefix_is_no_difference_and_convert_drops_it(tmp_path):
     stripped = _run("strip-module", tmp_path / "compiled.pt", "--prefix", "_orig_mod.", "-o", tmp_path / "s.pt")
     assert stripped.exit_code == 0
     assert sorted(torch.load(tmp_path / "s.pt")["state_dict"]) == sorted(net.state_dict())
+
+
+def _two_training_checkpoints(tmp_path):
+    """The same weights, different optimizer state and step (issue 44's case: `ckpt diff` said
+    "2 common tensors equal bit for bit / checkpoints match", exit 0)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    opt.step()
+    ck.save(tmp_path / "a.pt", {"model": model, "optimizer": opt, "step": 1})
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.step()
+    model.load_state_dict(weights)  # the weights as in a.pt; the optimizer moved on
+    ck.save(tmp_path / "b.pt", {"model": model, "optimizer": opt, "step": 2})
+    return tmp_path / "a.pt", tmp_path / "b.pt"
+
+
+def test_diff_compares_every_entry_and_never_says_match_about_what_it_did_not_compare(tmp_path):
+    a, b = _two_training_checkpoints(tmp_path)
+    result = _run("diff", a, b)
+    assert result.exit_code == 1 and "checkpoints differ" in result.output and "match" not in result.output
+    assert "changed step: 1 vs 2" in result.output and "optimizer.state.0.exp_avg" in result.output
+    report = json.loads(_run("diff", a, b, "--json").output)
+    assert {"step", "optimizer.state.0.exp_avg", "optimizer.state.1.step"} <= set(report["changed"])
+    assert report["compared"][0] == "weights" and "optimizer" in report["compared"] and report["all_compared"]
+    assert "weight" not in report["changed"] and report["max_abs_diff"]["weight"] == 0.0
+    # The same file: every entry equal; only when and with what each was saved is not compared, and said so.
+    same = _run("diff", a, a)
+    assert same.exit_code == 0 and same.output.rstrip().endswith("checkpoints match"), same.output
+    assert "not compared: when and with which versions each was saved" in same.output
+    # --weights: the weights alone, and the word "match" only about them.
+    weights = _run("diff", a, b, "--weights")
+    assert weights.exit_code == 0 and "checkpoints match" not in weights.output, weights.output
+    assert "not compared: __ckptools__, optimizer, step (--weights compares the weights alone)" in weights.output
+    assert weights.output.rstrip().endswith("weights match; the rest not compared")
+    # Against its export (bare weights): what the export cannot hold is named as not compared.
+    ck.save_weights(tmp_path / "w.safetensors", torch.nn.Linear(4, 2))
+    ck.convert(a, tmp_path / "export.safetensors")
+    export = _run("diff", a, tmp_path / "export.safetensors")
+    assert export.exit_code == 0 and "checkpoints match" not in export.output, export.output
+    assert "only A holds them" in export.output and "optimizer, step" in export.output
+
+
+def test_verify_a_run_folder_and_several_paths_each_on_stdout(tmp_path):
+    manager = ck.CheckpointManager(tmp_path / "run", snapshot_dir=tmp_path / "memory")
+    for step in (1, 2):
+        manager.save({"w": torch.randn(1000)}, step)
+    bad = manager.path_for(1)
+    data = bytearray(pathlib.Path(bad).read_bytes())
+    data[len(data) // 3] ^= 0xFF
+    pathlib.Path(bad).write_bytes(bytes(data))
+    result = subprocess.run([CKPT, "verify", str(tmp_path / "run")], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr == "", result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(f"{tmp_path / 'run'}: a CheckpointManager's folder, 2 checkpoints; 0 snapshots")
+    assert lines[1].startswith(f"DAMAGED {bad}: record ") and lines[2].startswith(f"OK {manager.path_for(2)}: ")
+    # Several paths: a line each in order, the worst exit status; what cannot be judged on stderr.
+    both = subprocess.run([CKPT, "verify", manager.path_for(2), str(tmp_path / "missing.pt"), bad],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert both.returncode == 2 and both.stdout.splitlines()[0].startswith(f"OK {manager.path_for(2)}")
+    assert both.stdout.splitlines()[1].startswith(f"DAMAGED {bad}") and "missing.pt does not exist" in both.stderr
+    report = json.loads(_run("verify", "--json", tmp_path / "run").output)
+    assert [r["status"] for r in report["reports"]] == ["damaged", "ok"] and report["exit_code"] == 1
+    # A folder that is neither a checkpoint nor a manager's says what to pass, in one line, exit 2.
+    (tmp_path / "empty").mkdir()
+    empty = _run("verify", tmp_path / "empty")
+    assert empty.exit_code == 2 and len(empty.stderr.strip().splitlines()) == 1, empty.stderr

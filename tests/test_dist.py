@@ -15,13 +15,21 @@ from _dist import _exit_now, free_port
 import ckptools as ck
 
 
-def test_no_process_group_is_rank_0_of_1(monkeypatch):
+def test_no_process_group_is_rank_0_of_1_and_init_distributed_alone_makes_a_group_of_one(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     assert (ck.get_rank(), ck.get_world_size(), ck.get_local_rank(), ck.is_main_process()) == (0, 1, 0, True)
     ck.barrier()
+    # Run without a launcher (`python train.py`): a group of one rank, so DDP works unchanged.
     assert ck.init_distributed() == torch.device("cpu")
-    assert not torch.distributed.is_initialized()
+    try:
+        assert torch.distributed.is_initialized() and torch.distributed.get_world_size() == 1
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        model(torch.ones(1, 2)).sum().backward()
+        ck.barrier()
+        assert ck.init_distributed() == torch.device("cpu")  # a second call leaves the group alone
+    finally:
+        torch.distributed.destroy_process_group()
 
 
 def test_bad_environment_is_explained(monkeypatch):

@@ -184,7 +184,10 @@ def _cli(path: str, out: str) -> None:
         assert time.monotonic() - started < TIME_BOUND_S
         assert result.exception is None or isinstance(result.exception, SystemExit), (args, result.exception)
         assert result.exit_code in (0, 1, 2), (args, result.output)
-        if result.exit_code:
+        if result.exit_code == 1 and args[0] == "verify":  # DAMAGED: verify's answer, one line on stdout
+            assert result.stderr == "" and result.stdout.startswith("DAMAGED "), (args, result.output)
+            assert len(result.stdout.strip().splitlines()) == 1, (args, result.stdout)
+        elif result.exit_code:
             assert len(result.stderr.strip().splitlines()) == 1, (args, result.stderr)
             assert "Traceback" not in result.output
             assert "please report this" not in result.stderr, (args, result.stderr)  # the CLI's catch-all

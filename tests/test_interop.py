@@ -190,8 +190,8 @@ def test_verify_finds_every_disagreement_between_index_and_shards(tmp_path):
     pathlib.Path(index_path).write_text(json.dumps(index))
     for folder, words in ((missing, "is missing"), (stray, "stray shard files"), (unlisted, "the index does not list")):
         proc = subprocess.run([CKPT, "verify", folder], capture_output=True, text=True, timeout=120)
-        assert proc.returncode == 1 and proc.stderr.startswith("ckpt: DAMAGED: "), proc.stdout
-        assert words in proc.stderr, proc.stderr
+        assert proc.returncode == 1 and proc.stdout.startswith(f"DAMAGED {folder}: "), proc.stdout
+        assert words in proc.stdout, proc.stdout
     # Every other command refuses the incomplete folder too, naming the file to fetch again.
     proc = subprocess.run([CKPT, "info", missing], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "names shard model-00002-of-00002.safetensors, which is missing" in proc.stderr
@@ -264,7 +264,7 @@ def test_verify_checks_an_accelerate_folders_optimizer_state_too(tmp_path):
     data[start + info.file_size // 2] ^= 1  # inside a tensor record (records are 64-byte aligned)
     (folder / "optimizer.bin").write_bytes(bytes(data))
     proc = subprocess.run([CKPT, "verify", str(folder)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 1 and "optimizer.bin: record optimizer/data/" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "optimizer.bin: record optimizer/data/" in proc.stdout, proc.stdout
 
 
 @pytest.mark.slow  # ~700 commands, ~20 s: make interop runs it, over the golden files it writes afresh

@@ -601,3 +601,104 @@ def test_seeded_dataset_without_a_sampler_takes_its_epoch_from_set_epoch():
         assert seen == expected, workers
     with pytest.raises(TypeError, match="ResumableDistributedSampler"):
         ck.SeededDataset(Augmented(), torch.utils.data.SequentialSampler(Augmented()))
+
+
+# --- a save after the epoch (issue 44) ---------------------------------------------------------------
+
+
+def _epoch_loop(folder, epochs: int, *, start: str, inside: bool = False, stop_after: int | None = None,
+                tracked: bool = True, workers: int = 0) -> tuple[list[bytes], float] | None:  # fmt: skip
+    """The loop tutorials teach: a scheduler stepped per epoch, ``manager.save`` after each epoch's
+    batch loop (``inside``: from inside it, at the epoch's last batch, before the scheduler steps).
+    ``start``: "sampler" (``range(sampler.epoch, epochs)``) or "ckpt" (``ckpt["epoch"] + 1``). Returns
+    None once it saved epoch ``stop_after`` (the process killed there), else the final weights and lr."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(24, 4, generator=g), torch.randn(24, 2, generator=g))
+    sampler = ck.ResumableDistributedSampler(data, num_replicas=1, rank=0, seed=1)
+    loader = DataLoader(data, batch_size=4, sampler=sampler, num_workers=workers,
+                        persistent_workers=workers > 0)  # fmt: skip
+    manager = ck.CheckpointManager(folder)
+    state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "sampler": sampler}
+    ckpt = manager.restore(state)
+    first = sampler.epoch if start == "sampler" else (ckpt["epoch"] + 1 if ckpt is not None else 0)
+    for epoch in range(first, epochs):
+        sampler.set_epoch(epoch)
+        batches = sampler.track(loader) if tracked else loader
+        for i, (x, y) in enumerate(batches):
+            optimizer.zero_grad()
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            if inside and i == len(loader) - 1:
+                manager.save({**state, "epoch": epoch}, epoch)
+                if stop_after == epoch:
+                    return None
+        scheduler.step()
+        if not inside:
+            manager.save({**state, "epoch": epoch}, epoch)
+            if stop_after == epoch:
+                return None
+    return [p.detach().numpy().tobytes() for p in model.parameters()], scheduler.get_last_lr()[0]
+
+
+@pytest.mark.parametrize("start", ["sampler", "ckpt"])
+@pytest.mark.parametrize("tracked", [True, False])
+def test_a_save_after_the_epoch_resumes_at_the_next_epoch_exactly(tmp_path, start, tracked):
+    """Killed between epochs (after epoch 1's save) and relaunched: the same weights and lr as the
+    uninterrupted run (before: the sampler came back at epoch 1 finished, the loop re-entered it with no
+    batch and stepped the scheduler again, lr 0.003125 for 0.00625, other weights), and no warning."""
+    straight = _epoch_loop(tmp_path / "straight", 4, start=start, tracked=tracked)
+    assert _epoch_loop(tmp_path / "run", 4, start=start, tracked=tracked, stop_after=1) is None
+    saved = torch.load(ck.CheckpointManager(tmp_path / "run").latest(), weights_only=True)["sampler"]
+    assert saved["epoch_ended"] is True
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ck.CheckpointWarning)
+        resumed = _epoch_loop(tmp_path / "run", 4, start=start, tracked=tracked)
+    assert resumed == straight and straight[1] == 0.1 * 0.5**4
+
+
+def test_a_save_inside_the_batch_loop_at_an_epochs_last_batch_resumes_in_that_epoch(tmp_path):
+    """The other pattern: saved at the epoch's last batch, before its end-of-epoch code; the relaunch
+    re-enters that epoch with no batch left and runs its end (the scheduler's step) once, as it should."""
+    straight = _epoch_loop(tmp_path / "straight", 4, start="sampler", inside=True)
+    assert _epoch_loop(tmp_path / "run", 4, start="sampler", inside=True, stop_after=1) is None
+    saved = torch.load(ck.CheckpointManager(tmp_path / "run").latest(), weights_only=True)["sampler"]
+    assert saved["epoch_ended"] is False and saved["epoch"] == 1
+    assert _epoch_loop(tmp_path / "run", 4, start="sampler", inside=True) == straight
+
+
+def test_where_the_epochs_end_is_not_known_the_resume_says_so_naming_both_patterns(tmp_path):
+    """Persistent workers without track(): the iterator outlives the loop, so the sampler cannot tell
+    whether the loop had left the epoch. It resumes at the next epoch (right for a save after the
+    loop) and warns at the resume, naming both patterns and the fix."""
+    straight = _epoch_loop(tmp_path / "straight", 3, start="sampler", tracked=False, workers=2)
+    assert _epoch_loop(tmp_path / "run", 3, start="sampler", tracked=False, workers=2, stop_after=0) is None
+    assert (
+        torch.load(ck.CheckpointManager(tmp_path / "run").latest(), weights_only=True)["sampler"]["epoch_ended"] is None
+    )
+    with pytest.warns(ck.CheckpointWarning, match=r"last batch of epoch 0.*not recorded.*start of epoch 1.*after the "
+                      r"epoch's loop.*inside the batch loop.*sampler.track\(loader\)"):  # fmt: skip
+        assert _epoch_loop(tmp_path / "run", 3, start="sampler", tracked=False, workers=2) == straight
+
+
+def test_set_epoch_past_an_epoch_restored_part_way_warns_that_its_rest_is_skipped():
+    sampler = _sampler(0)
+    it = iter(sampler)
+    [next(it) for _ in range(5)]
+    resumed = _sampler(0)
+    resumed.load_state_dict(sampler.state_dict())
+    with pytest.warns(ck.CheckpointWarning, match=r"set_epoch\(1\) right after restoring epoch 0 part-way \(20 of"):
+        resumed.set_epoch(1)
+
+
+def test_without_a_process_group_the_sampler_is_rank_0_of_1():
+    """A script run with plain `python` (no torchrun, no init_distributed): DistributedSampler raises
+    "Default process group has not been initialized"; this one deals the whole epoch to rank 0 of 1."""
+    assert not torch.distributed.is_initialized()
+    with pytest.raises(ValueError, match="process group"):
+        torch.utils.data.DistributedSampler(DATA)
+    sampler = ck.ResumableDistributedSampler(DATA, shuffle=False)
+    assert (sampler.num_replicas, sampler.rank, list(sampler)) == (1, 0, list(range(50)))

@@ -19,6 +19,7 @@ from typing import Annotated, Any, Optional
 import typer
 from typer.core import TyperGroup
 
+from ..text import plural
 from .render import err, out, render_diff, render_info, render_run
 
 # click's exception classes: from click itself, or from the copy newer typer versions carry.
@@ -379,17 +380,22 @@ def diff(
     ] = False,
     trust: Annotated[bool, _TRUST] = False,
     key: Annotated[Optional[str], typer.Option(help=_KEY_HELP + "; a file without it is read as without --key")] = None,
+    weights: Annotated[bool, typer.Option("--weights", help="compare the weights alone (the rest named)")] = False,
 ) -> None:
-    """Compare the weights of two checkpoints ('module.' and '_orig_mod.' ignored); exit 1 if they differ.
+    """Compare two checkpoints, weights and every other entry; exit 1 if they differ.
 
-    A tensor one side stores once under a name it is tied to (transformers' lm_head.weight and
-    transformer.wte.weight) is reported as tied, not as a difference."""
+    Weights are compared tensor by tensor ('module.' and '_orig_mod.' ignored), every other entry
+    (optimizer, scheduler, step, the ranks' random streams) tensor by tensor and value by value. What
+    was not compared is named (--weights, --key, a file of bare weights, the save times and versions),
+    and "checkpoints match" is said only when every entry was compared. A tensor one side stores
+    once under a name it is tied to (transformers' lm_head.weight and transformer.wte.weight) is
+    reported as tied, not as a difference."""
 
     def body() -> int:
         from ..inspection import diff as compare
 
         with _about(a, b):
-            result = compare(a, b, atol=atol, trust_code=trust, key=key)
+            result = compare(a, b, atol=atol, trust_code=trust, key=key, weights_only=weights)
         if as_json:
             out.print_json(json.dumps(result))
         else:
@@ -404,7 +410,7 @@ def diff(
 
 @app.command()
 def verify(
-    path: Annotated[str, typer.Argument(help="checkpoint file, folder or URL")],
+    paths: Annotated[list[str], typer.Argument(help="checkpoint files, folders or URLs; a CheckpointManager's folder")],
     strict: Annotated[
         bool, typer.Option("--strict", help="exit 1 also when some bytes carry no checksum (only structure checked)")
     ] = False,
@@ -416,27 +422,85 @@ def verify(
     OK: every byte matched a stored checksum. STRUCTURE OK: nothing damaged was found, but the
     files named after 'data not checksummed' carry no checksum (safetensors from other tools,
     DCP, tokenizer files): only their structure was checked; --strict exits 1 for that. A folder
-    is checked whole: every file in it, a ckptools manifest, the HF Trainer's expected files."""
+    is checked whole: every file in it, a ckptools manifest, the HF Trainer's expected files. A
+    CheckpointManager's folder: each of its checkpoints and each snapshot in this node's memory.
+    Several paths: a line each, on stdout (DAMAGED too); the exit status is the worst of them
+    (a path that cannot be judged: its line on stderr, exit 2)."""
 
     def body() -> int:
+        from ..errors import CheckpointError, CheckpointLayoutError
         from ..inspection import verify_report
 
-        with _progress("verifying", path):
+        reports: list[dict[str, Any]] = []
+        failures: list[str] = []
+        shown: list[str | dict[str, Any]] = []  # what to print, in the order of the paths: headers and reports
+
+        def judge(path: str, where: str = "") -> None:
             report = verify_report(path, trust_code=trust)
-        status = report["status"]
-        code = 1 if status == "damaged" or (strict and status != "ok") else 0
+            report = {**report, "line": report["line"] + where}
+            reports.append(report)
+            shown.append(report)
+
+        for path in paths:
+            run: dict[str, Any] | None = None
+            try:
+                with _progress("verifying", path):
+                    judge(path)
+            except CheckpointLayoutError as refusal:
+                from ..manager import run_report
+
+                run = run_report(path) if "://" not in path else None
+                if run is None:
+                    if len(paths) == 1:
+                        raise
+                    failures.append(f"{path}: {refusal}")
+            except CheckpointError as error:
+                if len(paths) == 1:
+                    raise
+                failures.append(str(error))
+            if run is None:
+                continue
+            files = [(c["path"], "") for r in run["runs"] for c in r["checkpoints"]]
+            memory_note = " (a snapshot in this node's memory)"
+            snapshots = [(c["path"], memory_note) for r in run["runs"] for c in r["snapshots"]]
+            memory = ", ".join(r["snapshot_dir"] for r in run["runs"])
+            shown.append(f"{path}: a CheckpointManager's folder, {plural(len(files), 'checkpoint')}; "
+                         f"{plural(len(snapshots), 'snapshot')} in this node's memory ({memory})")  # fmt: skip
+            for found, where in files + snapshots:
+                try:
+                    judge(found, where)
+                except CheckpointError as error:  # gone meanwhile (pruned by a running job), or refused
+                    failures.append(str(error))
+        code = max([_verify_code(r["status"], strict) for r in reports] + [2] * len(failures), default=2)
         if as_json:
-            out.print_json(json.dumps({**report, "strict": strict, "exit_code": code}))
+            if len(paths) == 1 and len(reports) == 1 and not failures and reports[0]["path"] == paths[0]:
+                out.print_json(json.dumps({**reports[0], "strict": strict, "exit_code": code}))
+            else:
+                result = {"reports": reports, "errors": failures, "strict": strict, "exit_code": code}
+                out.print_json(json.dumps(result))
             return code
-        if status == "damaged":
-            raise _Fail(f"DAMAGED: {report['line']}", code=1)
-        label = "OK" if status == "ok" else "STRUCTURE OK"
-        if code:
-            raise _Fail(f"NOT CHECKSUMMED (--strict): {path}: {report['line']}", code=1)
-        out.print(f"{label} {path}: {report['line']}", markup=False, highlight=False, soft_wrap=True)
-        return 0
+        for item in shown:
+            out.print(item if isinstance(item, str) else _verdict(item, strict), markup=False, highlight=False,
+                      soft_wrap=True)  # fmt: skip
+        for failure in failures:
+            err.print(f"ckpt: {failure}", markup=False, highlight=False, soft_wrap=True)
+        return code
 
     _run(body)
+
+
+def _verdict(report: dict[str, Any], strict: bool) -> str:
+    """One checkpoint's line: OK, STRUCTURE OK, NOT CHECKSUMMED (--strict) or DAMAGED, the path, what was found."""
+    status, path, line = report["status"], str(report["path"]), str(report["line"])
+    label = {"ok": "OK", "structure_ok": "STRUCTURE OK", "damaged": "DAMAGED"}[status]
+    if strict and status == "structure_ok":
+        label = "NOT CHECKSUMMED (--strict)"
+    return f"{label} {path}: {line.removeprefix(path + ': ')}"
+
+
+def _verify_code(status: object, strict: bool) -> int:
+    """What one checkpoint's verdict adds to `verify`'s exit status."""
+    return 1 if status == "damaged" or (strict and status != "ok") else 0
 
 
 def main() -> None:

@@ -126,7 +126,16 @@ def render_diff(result: dict[str, Any], *, verbose: bool = False) -> None:
         largest = max(deltas.values())
         said = "equal bit for bit" if largest == 0 else f"within atol={result['atol']:g} (largest |a-b| {largest:.3g})"
         out.print(f"{plural(len(deltas), 'common tensor')} {said} (--verbose lists them)")
-    out.print("[red]checkpoints differ[/]" if result["differ"] else "[green]checkpoints match[/]")
+    not_compared = result.get("not_compared", {})
+    for what, why in not_compared.items():
+        out.print(f"[yellow]not compared[/]: {escape(what)} ({escape(why)})", highlight=False, soft_wrap=True)
+    if result["differ"]:
+        out.print("[red]checkpoints differ[/]")
+    elif result.get("all_compared", True):  # every entry: only when and with what each was saved was not
+        out.print("[green]checkpoints match[/]")
+    else:  # never "match" about what was not compared
+        compared = escape(" and ".join(result.get("compared", ["weights"])))
+        out.print(f"[green]{compared} match[/]; the rest not compared", highlight=False, soft_wrap=True)
 
 
 def render_run(run: dict[str, Any]) -> None:

@@ -21,6 +21,34 @@ from ..errors import CheckpointError
 
 __all__ = ["barrier", "get_local_rank", "get_rank", "get_world_size", "init_distributed", "is_main_process"]
 
+# torchrun's agent: the parent that started this process (None when torchrun did not). Read once, at
+# import, by the process itself: once the agent is gone, getppid() names whoever adopted the process
+# (PID 1, a subreaper), and a forked DataLoader worker's parent is its rank.
+_LAUNCHED = (os.getpid(), os.getppid() if os.environ.get("TORCHELASTIC_RUN_ID") else None)
+
+
+def launcher() -> int | None:
+    """The pid of the torchrun agent that started this process, or None (not under torchrun).
+
+    Examples:
+        >>> launcher() is None  # run without torchrun
+        True
+    """
+    pid, parent = _LAUNCHED
+    return parent if pid == os.getpid() else None
+
+
+def launcher_gone() -> bool:
+    """Whether torchrun's agent started this process and is gone (killed: nobody will restart or
+    stop this rank any more).
+
+    Examples:
+        >>> launcher_gone()
+        False
+    """
+    parent = launcher()
+    return parent is not None and os.getppid() != parent
+
 
 def _dist_ready() -> bool:
     # torch.distributed is missing from some builds (e.g. older macOS wheels): is_available().
@@ -130,8 +158,10 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
       failed attempt's keys stay in it (pytorch#135712), so a plain ``init_process_group`` after a
       restart can read stale keys and hang or fail. Every key of this attempt is put under a
       prefix derived from ``TORCHELASTIC_RESTART_COUNT``.
-    - Without ``WORLD_SIZE`` in the environment (a plain ``python script.py``) no group is made
-      and the single process is rank 0 of 1.
+    - Without ``WORLD_SIZE`` in the environment (a plain ``python script.py``, for debugging) it
+      makes a process group of one rank (an in-process store: no port, no launcher), so a script
+      written for torchrun, DDP included, runs unchanged. ckptools' own calls need no group; a
+      script that never calls this runs as rank 0 of 1 too.
     - If a default group already exists it is left alone.
 
     Args:
@@ -149,10 +179,11 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
             ``if __name__ == "__main__":`` guard (it would wait in the rendezvous forever).
 
     Examples:
-        >>> import ckptools as ck
-        >>> device = ck.init_distributed()  # under torchrun: joins the group
-        >>> device.type
-        'cpu'
+        >>> import ckptools as ck, torch
+        >>> device = ck.init_distributed()  # under torchrun: joins the group; run alone: a group of one
+        >>> device.type, ck.get_world_size(), torch.distributed.is_initialized()
+        ('cpu', 1, True)
+        >>> torch.distributed.destroy_process_group()  # (a script leaves through ck.exit_process)
     """
     _refuse_while_a_child_imports_main()
     cuda = torch.cuda.is_available()
@@ -166,7 +197,18 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
     else:
         device = torch.device("cpu")
 
-    if _dist_ready() or "WORLD_SIZE" not in os.environ:
+    if _dist_ready():
+        return device
+    global _TIMEOUT
+    if "WORLD_SIZE" not in os.environ:  # no launcher: a group of one, so DDP and the collectives work
+        alone: dict[str, Any] = {"backend": backend or ("nccl" if cuda else "gloo"), "rank": 0, "world_size": 1}
+        alone["store"] = torch.distributed.HashStore()  # type: ignore[attr-defined]  # exported, not in __all__
+        if timeout is not None:
+            alone["timeout"] = timeout
+        if alone["backend"] == "nccl":
+            alone["device_id"] = device
+        torch.distributed.init_process_group(**alone)
+        _TIMEOUT = timeout
         return device
 
     env = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
@@ -220,7 +262,6 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
     if backend == "nccl" and cuda:
         kwargs["device_id"] = device
     torch.distributed.init_process_group(**kwargs)
-    global _TIMEOUT
     _TIMEOUT = timeout
     return device
 
@@ -313,7 +354,18 @@ def default_store() -> Any:
 
 def collective_timeout() -> datetime.timedelta:
     """How long ckptools waits for another rank: the process group's timeout (30 min by default)."""
-    return _TIMEOUT if _TIMEOUT is not None else datetime.timedelta(minutes=30)
+    if _TIMEOUT is not None:
+        return _TIMEOUT
+    if _dist_ready():  # a group made without init_distributed: its backend's own (torch keeps it there)
+        group = torch.distributed.distributed_c10d._get_default_group()
+        for device in ("cpu", "cuda"):
+            try:
+                timeout = group._get_backend(torch.device(device)).options._timeout
+            except Exception:  # noqa: BLE001 - no such backend, or another torch's layout
+                continue
+            if isinstance(timeout, datetime.timedelta):
+                return timeout
+    return datetime.timedelta(minutes=30)
 
 
 def _payload(obj: Any) -> torch.Tensor:

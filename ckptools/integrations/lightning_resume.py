@@ -32,6 +32,7 @@ import importlib.util
 from typing import Any
 
 from .. import log, rng
+from ..collective.arrival import checked_in
 from ..collective.group import all_gather_object, get_world_size
 from ..restoring import restore_rank_rng
 from ..training.loader import ResumableDataLoader
@@ -93,6 +94,7 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
         """Where Lightning keeps this callback's state in a checkpoint (``checkpoint["callbacks"]``)."""
         return "ckptools.ExactResume"
 
+    @checked_in("ExactResume.state_dict")
     def state_dict(self) -> dict[str, Any]:
         """Every rank's random streams, by rank: a collective (Lightning makes a checkpoint on
         every rank, Fabric's ``save`` runs on every rank), of weights-only types."""

@@ -73,9 +73,9 @@ class TorchFile(Layout):
         return torch_weights(view.location, key, map_location, view.trust_code)
 
     def entry(self, view: CheckpointView, key: str, map_location: Any) -> Any:
-        """The node at ``key``; a file that is itself a bare state dict has no entries but its tensors'
-        names (`CheckpointLayoutError`, as a safetensors file). Refused classes are inert placeholders
-        unless the view trusts the file's code."""
+        """The node at ``key`` (``""``: the whole tree); a file that is itself a bare state dict has no
+        entries but its tensors' names (`CheckpointLayoutError`, as a safetensors file). Refused classes
+        are inert placeholders unless the view trusts the file's code."""
         import torch
 
         location = view.location
@@ -84,6 +84,8 @@ class TorchFile(Layout):
             tree = load_whole(location, view.trust_code, mmap=False, map_location=map_location)
         except UnsafeCheckpointError as refusal:
             tree = load_without_code(location, map_location, refusal)[0]
+        if key == "":  # the whole tree (what `ckptools.diff` compares, read once)
+            return tree
         try:
             return entry_at(tree, key, path=location.url)
         except KeyMismatchError:

@@ -35,6 +35,12 @@ class _Sampler(ResumableDistributedSampler):
         # Copied into workers with the SeededDataset that holds it: the loader stays here.
         return {**super().__getstate__(), "loader": None}
 
+    def _left_epoch(self) -> bool | None:
+        # The framework that drives the loader (Lightning's fit loop) decides when an epoch ends and
+        # saves its own count of it; a finished epoch is one with no batch left, and the framework
+        # sets the next one (Lightning's fetcher also reads a batch ahead, so exhaustion says nothing).
+        return False
+
 
 class ResumableDataLoader(torch.utils.data.DataLoader[Any]):
     """A ``DataLoader`` whose ``state_dict()`` is its position in the epoch, for an exact resume
@@ -206,7 +212,8 @@ class ResumableDataLoader(torch.utils.data.DataLoader[Any]):
                 ones (see `ResumableDistributedSampler.load_state_dict`).
         """
         sampler = self.resumable_sampler
-        sampler.load_state_dict(state["sampler"])
+        # A file from ckptools 0.4 or older has no "epoch_ended": for this loader it was always False.
+        sampler.load_state_dict({"epoch_ended": False, **state["sampler"]})
         # Counted so that the batches done and the batches left make an epoch at this world size
         # (the saved count, when it is the saving world size; after a change, what the rest of the
         # epoch dealt out to the new ranks leaves of one).

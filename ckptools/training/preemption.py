@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable
 from typing import Any, NoReturn
 
 from .. import log
-from ..collective.group import barrier, get_rank, max_over_ranks
+from ..collective.arrival import arrive, checked_in
+from ..collective.group import barrier, get_rank, launcher_gone, max_over_ranks
 from ..write import finish_pending, release
 from .process import leave
 
@@ -159,6 +160,7 @@ class Preemption:
         self.received_at: float | None = None
         self.stop_signal: int | None = None  # the agreed signal, the same on every rank
         self._calls = 0
+        self._orphaned = False  # SIGHUP stands for this rank's torchrun agent gone, not a signal
         self._left = threading.Event()
         self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
         self._wakeup: tuple[int, int] | None = None
@@ -257,6 +259,9 @@ class Preemption:
     def should_stop(self) -> bool:
         """Collective, at a step boundary: whether any rank got a signal. Same answer everywhere.
 
+        A rank whose torchrun agent is gone (killed: nobody would restart or stop the ranks) counts
+        as having received SIGHUP: every rank saves and leaves with exit code 129.
+
         Every rank must call it at the same points (once per step). With ``check_every=k``
         only every k-th call communicates (one 1-byte all-reduce on the CPU, over a gloo group
         when training uses nccl, so it never waits for the GPU); the others return False at
@@ -270,16 +275,20 @@ class Preemption:
         if self.stop_signal is not None:
             return True
         self._calls += 1
+        if self._calls == 1:  # every step costs a check-in's store round trips; the first call tells
+            arrive("Preemption.should_stop")
         if self._calls % self.check_every:
             return False
+        if self.received is None and launcher_gone():
+            self.received = signal.SIGHUP  # the launcher hung up: as good as a signal to stop
+            self._orphaned = True
         agreed = max_over_ranks(int(self.received or 0))
         if agreed:
             self.stop_signal = agreed
             if get_rank() == 0:
+                got = "torchrun's agent is gone" if self._orphaned else self._name(self.received) or "no signal itself"
                 log.logger.info(
-                    "%s received: every rank stops at this step (rank 0 got %s)",
-                    signal.Signals(agreed).name,
-                    self._name(self.received) or "no signal itself",
+                    "%s received: every rank stops at this step (rank 0: %s)", signal.Signals(agreed).name, got
                 )
         return bool(agreed)
 
@@ -322,6 +331,7 @@ class Preemption:
             loader.worker_init_fn = _IgnoreSignals(tuple(int(s) for s in self.signals), inner)
         return loader
 
+    @checked_in("Preemption.exit")
     def exit(self, code: int | None = None) -> NoReturn:
         """Leave the job together: finish an async save in flight, barrier, flush, ``os._exit``.
 

@@ -8,10 +8,16 @@ import os
 import sys
 from typing import NoReturn
 
+from ..collective.arrival import arrive
 from ..collective.group import barrier
 from ..write import finish_pending, release
 
-__all__ = ["exit_process", "leave"]
+__all__ = ["ORPHANED_EXIT", "exit_process", "leave"]
+
+
+# The exit status of ranks that leave because torchrun's agent is gone: 128 + SIGHUP, as for a process
+# whose controlling terminal hung up (`CheckpointManager.snapshot`, `Preemption.should_stop`).
+ORPHANED_EXIT = 129
 
 
 def exit_process(code: int = 0, *, collective: bool = True) -> NoReturn:
@@ -37,6 +43,7 @@ def exit_process(code: int = 0, *, collective: bool = True) -> NoReturn:
         ...     ck.exit_process(0)
     """
     if collective:
+        arrive("ck.exit_process")
         finish_pending()
         barrier()
         release()  # the job ended normally: its node-memory snapshots go (a crash keeps them)

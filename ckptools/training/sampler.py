@@ -85,6 +85,13 @@ class ResumableDistributedSampler(DistributedSampler[int]):
     """
 
     def __init__(self, dataset: torch.utils.data.Dataset[Any], *args: Any, **kwargs: Any) -> None:
+        if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            # No process group (a script run with plain `python`): rank 0 of 1, where
+            # DistributedSampler raises "Default process group has not been initialized".
+            if len(args) < 1:
+                kwargs.setdefault("num_replicas", 1)
+            if len(args) < 2:
+                kwargs.setdefault("rank", 0)
         super().__init__(dataset, *args, **kwargs)
         self._offset = 0  # where the current (or next) iteration starts in this rank's share
         # Samples of the epoch's permutation consumed before a resume at a world size that does
@@ -100,6 +107,10 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         self._driver_workers = 0
         self._rng_after_restore: torch.Tensor | None = None  # see note_rng_restored
         self._seeded = False  # a SeededDataset draws from this sampler: indices carry seed and epoch
+        # Whether the loop has left the current epoch's pass: track() knows (False while it yields,
+        # True once its loader is exhausted); None where nobody told (see _left_epoch).
+        self._left: bool | None = None
+        self._exhausted = False  # the current pass's generator ran past its last index
 
     @property
     def progress(self) -> int:
@@ -149,8 +160,18 @@ class ResumableDistributedSampler(DistributedSampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch`` from its beginning, unless it is the epoch just restored."""
         if epoch != self.epoch:
+            left = self._share() - self._offset
+            if self._fresh and self.resumed_mid_epoch and left > 0 and epoch > self.epoch:
+                log.warn(
+                    f"set_epoch({epoch}) right after restoring epoch {self.epoch} part-way ({left} of this rank's "
+                    f"samples left): the rest of epoch {self.epoch} is skipped. A checkpoint saved inside the batch "
+                    f"loop resumes in its epoch: loop `for epoch in range(sampler.epoch, epochs)` rather than from "
+                    "`ckpt['epoch'] + 1`",
+                    once="set_epoch_skips",
+                )
             self._offset = self._drawn = self._reported = self._base = 0
             self._fresh = True
+            self._left = None
         super().set_epoch(epoch)
 
     def __iter__(self) -> Iterator[int]:
@@ -169,6 +190,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         indices = self._dealt() if self._base else list(super().__iter__())
         self._fresh = False
         self._drawn = self._reported = 0
+        self._exhausted = False
         self._check_rng_after_restore()
         loader_iter = _loader_iterator()
         self._check_unseeded_workers(loader_iter, len(indices) - self._offset)
@@ -237,6 +259,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         for index in indices:
             self._drawn += 1
             yield SampleIndex(index, seed, epoch) if self._seeded else index
+        self._exhausted = True  # asked for one more after the last: whoever iterates has left the pass
 
     def __len__(self) -> int:
         return self._share() - self._offset
@@ -289,11 +312,15 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         ):
             raise ValueError("track(loader): this loader does not draw from this sampler; pass sampler=this sampler")
         self._reporting = True
+        self._left = False
         for batch in self._iterate(loader):
             # Recorded before the loop sees the batch: a checkpoint saved while processing it
             # must count it, or the resumed run would train on it twice.
             self.record_consumed(batch_size)
             yield batch
+        # The loop asked for a batch after the last one: it is leaving the epoch, and what it does
+        # next (a scheduler stepped per epoch, validation, a save) is the epoch's end.
+        self._left = True
 
     def _iterate(self, loader: Iterable[T]) -> Iterator[T]:
         """``iter(loader)``; a torch DataLoader without a generator gets this epoch's own one for it."""
@@ -316,9 +343,31 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         """
         return bool(self._offset or self._base)
 
+    def _left_epoch(self) -> bool | None:
+        """Whether the loop had left the current epoch's pass (True) or was still inside it, at its
+        last batch (False); None where that cannot be known. Asked of a finished epoch only."""
+        if self._left is not None:  # track() knows
+            return self._left
+        if self._reporting:  # record_consumed by hand: the sampler cannot see the loop
+            return None
+        if self._driver is None:  # iterated directly, no DataLoader between: its own generator knows
+            return self._exhausted
+        driver = self._driver()
+        if driver is None:  # the loop's DataLoader iterator is gone: the `for` over it has ended
+            return True
+        # A live iterator: the loop is inside the pass, unless persistent workers keep it after the end.
+        return None if getattr(driver, "_persistent_workers", False) else False
+
     def state_dict(self) -> dict[str, Any]:
-        """Return epoch, seed, progress and the layout they are valid for (plain ints/bools)."""
+        """Return epoch, seed, progress and the layout they are valid for (plain ints/bools).
+
+        ``epoch_ended`` (a finished epoch only; else None) says whether the loop had left the
+        epoch when the state was taken: True resumes at the next epoch's start, False in the
+        finished epoch (the loop then runs that epoch's end again), None is unknown (see
+        `load_state_dict`).
+        """
         self._check_untracked_workers()
+        finished = self.progress >= self._share()
         return {
             "epoch": int(self.epoch),
             "seed": int(self.seed),
@@ -329,6 +378,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
             "dataset_len": len(self.dataset),  # type: ignore[arg-type]
             "shuffle": bool(self.shuffle),
             "drop_last": bool(self.drop_last),
+            "epoch_ended": self._left_epoch() if finished else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -361,7 +411,16 @@ class ResumableDistributedSampler(DistributedSampler[int]):
                 "changes with the world size (keep it with gradient accumulation, or scale the learning rate)",
             )
         finished = int(state.get("progress", 0)) >= int(state.get("num_samples", n + 1))
-        if consumed >= n or finished:  # the whole epoch was consumed (drop_last's remainder stays dropped)
+        self._left = None
+        if (consumed >= n or finished) and state.get("epoch_ended") is not False:
+            # Saved after the loop left the epoch (or not known): the run goes on at the next epoch's
+            # start, so that `for epoch in range(sampler.epoch, epochs)` does not run this epoch's end
+            # (its scheduler step, validation) a second time.
+            if state.get("epoch_ended") is None:
+                _warn_epoch_end_unknown(self.epoch)
+            self.epoch += 1
+            self._base = self._offset = 0
+        elif consumed >= n or finished:  # saved at the epoch's last batch, inside the loop: nothing left of it
             self._base, self._offset = 0, self.num_samples
         elif consumed % self.num_replicas == 0:  # DistributedSampler's own layout continues exactly
             self._base, self._offset = 0, min(consumed // self.num_replicas, self.num_samples)
@@ -393,6 +452,20 @@ class ResumableDistributedSampler(DistributedSampler[int]):
                 "sampler.record_consumed(len(batch)) after taking each batch)",
                 once="untracked_workers",
             )
+
+
+def _warn_epoch_end_unknown(epoch: int) -> None:
+    log.warn(
+        f"this checkpoint was taken after the last batch of epoch {epoch}, and whether the training loop had "
+        "already left that epoch when it saved is not recorded (a checkpoint from ckptools 0.4 or older, a loop "
+        "that reports with record_consumed, or persistent DataLoader workers without track()). The run resumes at "
+        f"the start of epoch {epoch + 1}: exact for a save after the epoch's loop (`for epoch in "
+        "range(sampler.epoch, epochs): ...; scheduler.step(); manager.save(...)`, or `start_epoch = ckpt['epoch'] + "
+        f"1`), not for a save inside the batch loop at that last batch, whose end-of-epoch code (a scheduler "
+        f"stepped per epoch, validation) epoch {epoch} then never runs. Iterate sampler.track(loader): the "
+        "checkpoint then records which it was",
+        once="epoch_end_unknown",
+    )
 
 
 def _loader_iterator() -> Any:

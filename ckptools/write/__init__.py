@@ -39,6 +39,7 @@ from ..storage import Location, PathLike, resolve
 from .async_save import AsyncSave, finish_pending, pending, release_snapshot_buffers, set_pending, take_snapshot
 from .node_memory import default_folder, register, start_keeper, watch
 from .node_snapshot import (
+    Orphaned,
     close_slots,
     finish_snapshot,
     group_nodes,
@@ -48,7 +49,7 @@ from .node_snapshot import (
     settle,
     write_snapshot,
 )
-from .payload import build_payload, checked_args
+from .payload import build_payload, checked_args, rank_part
 from .plan import check_writers, choose, compare_replicas, replica_digests
 from .shares import first_error, plan_shares, write_and_commit, write_share_in_background
 from .snapshot import SnapshotBuffers, whole_storage
@@ -59,12 +60,13 @@ from .zip_writer import write_alone
 __all__ = [
     "AsyncSave",
     "BackgroundWriter",
+    "Orphaned",
     "SnapshotBuffers",
     "build_payload",
     "check_writers",
-    "close_slots",
     "checked_args",
     "choose",
+    "close_slots",
     "compare_replicas",
     "default_folder",
     "describe_partitions",
@@ -72,9 +74,10 @@ __all__ = [
     "finish_snapshot",
     "first_error",
     "group_nodes",
-    "pending",
     "node_token",
+    "pending",
     "plan_shares",
+    "rank_part",
     "register",
     "release",
     "release_snapshot_buffers",
@@ -84,9 +87,9 @@ __all__ = [
     "settle",
     "start_keeper",
     "take_snapshot",
-    "with_partitions",
     "watch",
     "whole_storage",
+    "with_partitions",
     "write_alone",
     "write_and_commit",
     "write_file",

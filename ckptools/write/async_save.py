@@ -16,6 +16,7 @@ from typing import Any
 
 from .. import log
 from ..collective import agree
+from ..collective.arrival import entered
 from ..collective.group import all_gather_object, get_rank
 from .snapshot import SnapshotBuffers
 from .writer_thread import BackgroundWriter
@@ -138,11 +139,12 @@ class AsyncSave:
         global _PENDING
         if not self._finished:
             try:
-                if self.shared:
-                    self._meet()
-                self.join_writer()
-                self._outcome = self._agreement.broadcast(self._writer.error)
-                self._finished = True
+                with entered("AsyncSave.wait"):  # in here: a rank that never comes abandons the write too
+                    if self.shared:
+                        self._meet()
+                    self.join_writer()
+                    self._outcome = self._agreement.broadcast(self._writer.error)
+                    self._finished = True
             finally:
                 if not self._finished:
                     self.abandoned.set()

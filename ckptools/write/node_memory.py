@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-from ..collective.group import get_local_rank
+from ..collective.group import get_local_rank, launcher
 from ..errors import NodeMemoryError
 from ..keeper import PIDS
 from ..text import human_size
@@ -85,12 +85,16 @@ def check_space(folder: str, needed: int, held: int) -> None:
 
 
 def watch(folder: str) -> None:
-    """Register this process (and its torchrun agent) as the job the keeper of ``folder`` watches."""
+    """Register this process (and its torchrun agent) as the job the keeper of ``folder`` watches.
+
+    The agent is the one that started this process (`ckptools.collective.group.launcher`), never
+    ``getppid()`` now: after the agent is killed that names PID 1, which the keeper would wait on forever."""
     pids = os.path.join(folder, PIDS)
     os.makedirs(pids, exist_ok=True)
     watched = [os.getpid()]
-    if "TORCHELASTIC_RUN_ID" in os.environ:  # the agent outlives a failed attempt and restarts it
-        watched.append(os.getppid())
+    agent = launcher()
+    if agent is not None:  # the agent outlives a failed attempt and restarts it
+        watched.append(agent)
     for pid in watched:
         with open(os.path.join(pids, str(pid)), "w"):
             pass

@@ -46,22 +46,23 @@ from typing import Any
 
 import torch
 
-from .. import log, rng
+from .. import log
 from ..collective import agree
 from ..collective.agree import Agreement, RankFailure, outcome_of
-from ..collective.group import all_gather_object, broadcast_bytes, broadcast_object, get_rank
+from ..collective.group import all_gather_object, broadcast_bytes, broadcast_object, get_rank, launcher_gone
 from ..errors import CheckpointError, NodeMemoryError
 from ..keeper import checkpoint_names
 from ..storage import resolve, tmp_name
 from ..text import human_size
 from . import node_memory, zip_writer
-from .payload import build_payload, checked_args
+from .payload import build_payload, checked_args, rank_part
 from .plan import Plan, Share, check_writers, make_plan
 from .shares import collect_shares, first_error, locate, report_share
 from .snapshot import copy_bytes, whole_storage
 from .zero import describe_partitions, has_partitions, with_partitions
 
 __all__ = [
+    "Orphaned",
     "close_slots",
     "finish_snapshot",
     "group_nodes",
@@ -303,7 +304,7 @@ def _commit_thread(commits: queue.SimpleQueue[_Commit]) -> None:
             commit.run()
         except BaseException as err:  # noqa: BLE001 - kept, raised on every rank by the next call
             commit.error = err
-            log.warn(f"the snapshot {commit.path} was not committed: {type(err).__name__}: {err}", all_ranks=True)
+            log.warn(f"the snapshot {commit.path} was not committed: {_said(err)}", all_ranks=True)
         finally:
             commit.run = _done  # what it held (the plan, the mapping's views) goes now
             commit.done.set()
@@ -324,7 +325,12 @@ def _join(folder: str) -> str | None:
     commit.join()
     if commit.error is None:
         return None
-    return f"{type(commit.error).__name__}: {commit.error}"
+    return _said(commit.error)
+
+
+def _said(error: BaseException) -> str:
+    """An error in one line: torch's store errors carry C++ stack frames after the first."""
+    return f"{type(error).__name__}: " + (str(error).strip().splitlines() or [""])[0][:300]
 
 
 def settle(folder: str) -> None:
@@ -355,6 +361,16 @@ def _crc32s(mapped: _Mapped, shares: list[Share]) -> dict[str, int]:
 # --- the snapshot ---------------------------------------------------------------------------------
 
 
+class Orphaned(CheckpointError):
+    """Raised on every rank by `write_snapshot` when some rank's torchrun agent is gone (killed):
+    nobody will restart or stop the ranks any more, so the caller leaves. The snapshot just taken
+    was committed first, where that could be done (``committed``); else the one before it is whole."""
+
+    def __init__(self, message: str, *, committed: bool) -> None:
+        super().__init__(message)
+        self.committed = committed
+
+
 def write_snapshot(
     folder: str,
     prefix: str,
@@ -382,7 +398,8 @@ def write_snapshot(
     path, user_meta = checked_args(os.path.join(folder, name), state, metadata)
     token = node_token(folder)
     partitions, problem = describe_partitions(state)  # a ZeRO optimizer's, metadata only
-    gathered = all_gather_object((rng.get_rng_state(), token, previous, partitions, problem))
+    gathered = all_gather_object((rank_part(state), token, previous, partitions, problem, launcher_gone()))
+    orphaned = [r for r, reply in enumerate(gathered) if reply[5]]
     failed = first_error(gathered, lambda reply: reply[2])
     if failed is not None:
         raise CheckpointError(
@@ -444,6 +461,8 @@ def write_snapshot(
         _copy(mapped, mine, storages)
     except Exception as err:  # noqa: BLE001 - reported to the leader: the snapshot does not count
         copy_error = err
+    if orphaned:  # the job's last snapshot: committed here, without the store, then every rank leaves
+        _commit_orphaned(plan, mapped, copy_error, location, (folder, prefix, path), node, orphaned)
     members = node[1:]
     abandoned = threading.Event()  # never set: a member that never reports is given up on at the timeout
 
@@ -468,11 +487,47 @@ def write_snapshot(
         _recycle(folder, prefix, path)
 
     _PENDING[folder] = _Commit(path, commit)
-    if rank == leader:
-        log.report("snapshot copied", location, started)
+    if rank == leader:  # the file is renamed into place by the commit: its size is the plan's
+        log.report("snapshot copied", location, started, plan.size)
     if blocking:
         finish_snapshot(folder)
     return path
+
+
+def _commit_orphaned(
+    plan: Plan,
+    mapped: _Mapped,
+    copy_error: BaseException | None,
+    location: Any,
+    where: tuple[str, str, str],
+    node: list[int],
+    orphaned: list[int],
+) -> None:
+    """Collective, when torchrun's agent of some rank is gone: commit this snapshot in this thread and
+    raise `Orphaned` on every rank. The commit's reports go through the store the agent held, gone
+    with it: instead, once every rank's copy is whole (an exchange over the process group), each node's
+    leader computes the CRC-32 of every record of its copy itself (the node holds a whole copy) and
+    commits. Whatever became of the previous snapshot's commit, this one counts."""
+    folder, prefix, path = where
+    rank = get_rank()
+    copies = all_gather_object(outcome_of(copy_error, rank))
+    error: BaseException | None = None
+    if rank == node[0]:
+        try:
+            failed = [copies[r] for r in node if copies[r] is not None]
+            if failed:
+                raise RankFailure(failed[0][1])
+            zip_writer.commit(plan, location, _crc32s(mapped, plan.shares))
+            _recycle(folder, prefix, path)
+        except Exception as err:  # noqa: BLE001 - raised on every rank below, in Orphaned's words
+            error = err
+            _SPARES[folder] = plan.tmp  # not committed: still this node's spare slot
+    outcomes = [o for o in all_gather_object(outcome_of(error, rank)) if o is not None]
+    gone = f"torchrun's agent of rank(s) {', '.join(map(str, orphaned))} is gone"
+    if outcomes:
+        raise Orphaned(f"{gone}, and the snapshot {path} was not committed ({outcomes[0][1]}); the one before it "
+                       "is whole", committed=False)  # fmt: skip
+    raise Orphaned(f"{gone}; the snapshot {path} is committed", committed=True)
 
 
 def _copy(mapped: _Mapped, shares: list[Share], sources: list[Any]) -> None:

@@ -15,6 +15,7 @@ import io
 import pickle
 import re
 import time
+import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import PurePath
@@ -22,15 +23,18 @@ from typing import Any
 
 import torch
 
+from .. import log, rng
 from .._version import __version__
 from ..collective.group import get_world_size
+from ..devices import to_cpu
 from ..errors import UnsafeStateError
 from ..layouts import META_KEY
 from ..layouts.torch_io import GLOBAL_RE, first_line
+from ..per_rank import PER_RANK_KEY, PerRank
 from ..state_dict import unwrap_model
 from ..storage import PathLike, fspath
 
-__all__ = ["FORMAT_VERSION", "build_payload", "check_loadable", "checked_args", "state_entry"]
+__all__ = ["FORMAT_VERSION", "build_payload", "check_loadable", "checked_args", "rank_part", "state_entry"]
 
 FORMAT_VERSION = 1
 
@@ -51,10 +55,57 @@ def checked_args(
     return path, dict(metadata or {})
 
 
-def build_payload(state: Mapping[str, Any], user_meta: dict[str, Any], rng_states: list[Any]) -> dict[str, Any]:
-    """Rank 0: what goes into the file, every value checked to load back with weights_only."""
-    payload = {}
+# A plain entry (no state_dict) larger than this is not compared between ranks at a save.
+_DIGEST_MAX = 1 << 20
+
+
+def rank_part(state: Mapping[str, Any]) -> dict[str, Any]:
+    """What this rank brings to a save's opening exchange: its RNG states (before anything could
+    draw from them), its values of `PerRank` entries (CPU copies), and a CRC-32 of each small plain
+    entry, so that rank 0 can tell when one differs between ranks (`build_payload` warns)."""
+    values = {name: to_cpu(obj.value) for name, obj in state.items() if isinstance(obj, PerRank)}
+    digests = {}
     for name, obj in state.items():
+        if isinstance(obj, (PerRank, torch.nn.Module)) or callable(getattr(obj, "state_dict", None)):
+            continue
+        digest = _digest(obj)
+        if digest is not None:
+            digests[name] = digest
+    return {"rng": rng.get_rng_state(), "per_rank": values, "digests": digests}
+
+
+def _digest(value: Any) -> int | None:
+    """A CRC-32 of ``value`` (None when it is large, or cannot be pickled: not compared)."""
+    try:
+        if isinstance(value, torch.Tensor):
+            if value.nbytes > _DIGEST_MAX or value.layout != torch.strided or value.is_quantized:
+                return None
+            flat = value.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+            value = (str(value.dtype), tuple(value.shape), flat.view(torch.uint8).numpy().tobytes())
+        data = pickle.dumps(value, protocol=4)
+    except Exception:  # noqa: BLE001 - not comparable (an odd tensor, an object); check_loadable judges it
+        return None
+    return zlib.crc32(data) if len(data) <= _DIGEST_MAX else None
+
+
+def build_payload(state: Mapping[str, Any], user_meta: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """Rank 0: what goes into the file, every value checked to load back with weights_only.
+
+    ``parts``: every rank's `rank_part`, by rank."""
+    payload: dict[str, Any] = {}
+    digests = parts[0]["digests"]
+    differ = [name for name, digest in digests.items() if any(p["digests"].get(name, digest) != digest for p in parts)]
+    for name in differ:
+        log.warn(
+            f"state[{name!r}] differs between ranks, and the checkpoint keeps rank 0's: after a restore every rank "
+            f"gets rank 0's value back. Wrap it, state[{name!r}] = ck.PerRank(value), to keep each rank's own",
+            once=f"differs:{name}",
+        )
+    for name, obj in state.items():
+        if isinstance(obj, PerRank):
+            payload[name] = entry = {PER_RANK_KEY: [p["per_rank"][name] for p in parts]}
+            check_loadable(entry, f"state[{name!r}] (a ck.PerRank, every rank's value)")
+            continue
         payload[name] = entry = state_entry(obj)
         check_loadable(entry, f"state[{name!r}]" + (".state_dict()" if entry is not obj else ""))
     check_loadable(user_meta, "metadata")
@@ -64,7 +115,7 @@ def build_payload(state: Mapping[str, Any], user_meta: dict[str, Any], rng_state
         "torch_version": str(torch.__version__),  # TorchVersion itself is refused by weights_only
         "world_size": get_world_size(),
         "created_unix": time.time(),
-        "rng": rng_states,
+        "rng": [p["rng"] for p in parts],
         "metadata": user_meta,
     }
     return payload

@@ -1,0 +1,82 @@
+"""ck.PerRank (issue 44): a value of each rank's own survives a save and a restore; a plain value that
+differs between ranks is warned about (the checkpoint keeps rank 0's). Real gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from _dist import run_ranks
+
+import ckptools as ck
+
+
+def _save_then_restore(rank: int, world: int, directory: str, manager: bool) -> dict:
+    # What a GPT-style loop carries across steps: the batch fetched ahead, a per-rank counter.
+    batch = torch.arange(4) + 100 * rank
+    state = {"prefetched": ck.PerRank(batch), "seen": ck.PerRank(10 + rank), "step": 5}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ck.CheckpointWarning)  # nothing differs outside PerRank
+        if manager:
+            ck.CheckpointManager(directory).save(state, 5)
+        else:
+            ck.save(os.path.join(directory, "c.pt"), state)
+    restored = {"prefetched": ck.PerRank(), "seen": ck.PerRank()}
+    if manager:
+        ckpt = ck.CheckpointManager(directory).restore(restored)
+    else:
+        ckpt = ck.load(os.path.join(directory, "c.pt"), restored)
+    return {
+        "prefetched": restored["prefetched"].value.tolist(),
+        "seen": restored["seen"].value,
+        "returned": (ckpt["prefetched"].tolist(), ckpt["seen"], ckpt["step"]),
+    }
+
+
+@pytest.mark.parametrize("manager", [False, True])
+def test_every_rank_gets_its_own_value_back(tmp_path, manager):
+    results = run_ranks(_save_then_restore, 3, str(tmp_path), manager)
+    for rank, got in enumerate(results):
+        own = [100 * rank + i for i in range(4)]
+        assert got == {"prefetched": own, "seen": 10 + rank, "returned": (own, 10 + rank, 5)}, (rank, got)
+    # On disk: an ordinary list of every rank's value, which torch.load(weights_only=True) reads.
+    path = ck.CheckpointManager(tmp_path).latest() if manager else tmp_path / "c.pt"
+    on_disk = torch.load(path, weights_only=True)
+    assert on_disk["seen"] == {"ckptools.per_rank": [10, 11, 12]}
+
+
+def _restore_on_other_world(rank: int, world: int, directory: str) -> str:
+    try:
+        ck.load(os.path.join(directory, "c.pt"), {"seen": ck.PerRank()})
+    except ck.CheckpointError as err:
+        return str(err)
+    return "restored"
+
+
+def test_a_per_rank_value_on_another_world_size_is_refused_clearly(tmp_path):
+    run_ranks(_save_then_restore, 3, str(tmp_path), False)
+    results = run_ranks(_restore_on_other_world, 2, str(tmp_path))
+    assert "holds one value per rank for 3 ranks, and this job has 2" in results[0], results[0]
+    assert all("CheckpointError" in r or "3 ranks" in r for r in results), results
+
+
+def _plain_differs(rank: int, world: int, directory: str) -> list[str]:
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ck.save(os.path.join(directory, "c.pt"), {"prefetched": torch.arange(3) + rank, "step": 1, "lr": 0.1})
+    return [str(w.message) for w in seen if issubclass(w.category, ck.CheckpointWarning)]
+
+
+def test_a_plain_value_that_differs_between_ranks_is_named_with_the_fix(tmp_path):
+    rank0, rank1 = run_ranks(_plain_differs, 2, str(tmp_path))
+    assert len(rank0) == 1 and rank1 == [], (rank0, rank1)
+    assert "state['prefetched'] differs between ranks" in rank0[0] and "ck.PerRank(value)" in rank0[0]
+    assert torch.load(tmp_path / "c.pt", weights_only=True)["prefetched"].tolist() == [0, 1, 2]  # rank 0's
+
+
+def test_a_plain_entry_restored_as_per_rank_is_explained(tmp_path):
+    ck.save(tmp_path / "c.pt", {"seen": 3})
+    with pytest.raises(ck.CheckpointFormatError, match=r"entry 'seen' holds one value for every rank.*ck.PerRank"):
+        ck.load(tmp_path / "c.pt", {"seen": ck.PerRank()})
