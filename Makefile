@@ -51,11 +51,13 @@ fuzz: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache build dist site *.egg-info
 
-# docs: regenerate the CLI reference from the typer app, then build the site into site/ with
+# docs: regenerate the CLI reference from the typer app and the API reference's summary lines (what the
+# raw Markdown shows on a code host, where the mkdocstrings directives show nothing), then build the site into site/ with
 # warnings as errors (a broken link, anchor, or docstring reference fails). `make test` builds it
 # too (tests/test_docs.py), and checks that the committed CLI reference is current.
 docs: $(STAMP)
 	$(VENV)/bin/typer ckptools.cli utils docs --name ckpt --title "CLI reference" --output docs/reference/cli.md
+	$(PY) docs/tools/api_summaries.py
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict
 
 # dist: the sdist and the wheel, checked by twine, installed into a fresh venv (torch held at the
@@ -96,7 +98,8 @@ interop: $(INTEROP_STAMP) lightning-suite
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind \
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_not_relaunched_leaves_the_newest_step_in_the_folder \
 		tests/test_train_ddp_e2e.py::test_three_processes_resumed_on_three_or_on_two_cover_the_data_exactly_once \
-		tests/test_zero.py::test_saved_on_four_ranks_resumed_on_two
+		tests/test_zero.py::test_saved_on_four_ranks_resumed_on_two tests/test_kill_matrix.py tests/test_user_scripts.py \
+		tests/test_dist.py::test_a_script_ending_with_destroy_process_group_never_aborts_at_exit
 
 # lightning-suite: Lightning's own checkpointing tests (third_party/lightning_tests, from its 2.6.5 tag) with each
 # ckptools plugin as every strategy's default CheckpointIO; the few that examine TorchCheckpointIO itself are

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
 import sys
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import log
 from .collective.agree import Agreement
-from .collective.arrival import checked_in
+from .collective.arrival import arrive, checked_in
 from .collective.group import all_gather_object, get_rank
 from .errors import CheckpointError
 from .keeper import checkpoint_names
@@ -100,6 +102,7 @@ class CheckpointManager:
         self._pattern = checkpoint_names(prefix)
         self.snapshot_dir = fspath(snapshot_dir) if snapshot_dir is not None else default_folder(self.directory, prefix)
         self._memory: CheckpointManager | None = None
+        self._cadence = _Cadence()
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r}, keep_last={self.keep_last!r}, prefix={self.prefix!r})"
@@ -247,7 +250,6 @@ class CheckpointManager:
         for path in doomed:
             self._remove_quietly(path)
 
-    @checked_in("CheckpointManager.snapshot")
     def snapshot(
         self,
         state: Mapping[str, Any],
@@ -256,7 +258,8 @@ class CheckpointManager:
         blocking: bool = False,
         metadata: Mapping[str, Any] | None = None,
         writers: str = "auto",
-    ) -> str:
+        budget: float | None = None,
+    ) -> str | None:
         """Copy ``state`` into node memory as the snapshot of ``step`` (collective, like `save`).
 
         Every node keeps its own snapshot, the checkpoint `save` would write, in its node-memory
@@ -279,9 +282,14 @@ class CheckpointManager:
             metadata: as for `save`.
             writers: ``"auto"`` (or ``"all"``): a node's ranks split the copy; ``"rank0"``: each
                 node's lowest rank copies everything.
+            budget: the fraction of the loop's time snapshots may stall it (``0.02``: 2 %), or None
+                (the default) to take every call. With a budget, rank 0 measures each snapshot's stall
+                and the time per call, and the ranks agree, in the snapshot's own exchange, to skip
+                the calls that would exceed it (no communication for a skipped call): a kill then
+                loses at most the calls between two snapshots. Each change of cadence is logged.
 
         Returns:
-            The snapshot's path (on this node).
+            The snapshot's path (on this node), or None for a call the budget skipped.
 
         Raises:
             NodeMemoryError: a node's folder cannot hold two snapshots of ``state`` (on every
@@ -292,6 +300,18 @@ class CheckpointManager:
         Examples:
             >>> manager.snapshot({"model": model, "optimizer": opt}, step=301)  # doctest: +SKIP
         """
+        if budget is not None and not 0 < budget <= 1:
+            raise ValueError(f"budget must be a fraction of the loop's time in (0, 1], or None; got {budget!r}")
+        called = time.monotonic()
+        cadence = self._cadence
+        cadence.calls += 1
+        if cadence.skip > 0:  # every rank skips the same calls: agreed at the last snapshot taken
+            cadence.skip -= 1
+            return None
+        if not cadence.checked_in:  # called every step: the first call tells (as Preemption.should_stop)
+            arrive("CheckpointManager.snapshot")
+            cadence.checked_in = True
+        proposal = [cadence.propose(called, budget)] if budget is not None else None
         memory = self._memory_manager()
         name = os.path.basename(memory.path_for(step))
         metadata = {**dict(metadata or {}), "step": step}
@@ -305,9 +325,9 @@ class CheckpointManager:
             start_keeper(memory.directory, self.directory, self.prefix, self.keep_last)
 
         try:
-            return write_snapshot(
+            path = write_snapshot(
                 memory.directory, self.prefix, name, state, metadata=metadata, writers=writers, blocking=blocking,
-                prepare=prepare,
+                prepare=prepare, cadence=proposal,
             )  # fmt: skip
         except Orphaned as gone:
             # Training on alone would only fail later (the store the agent held is gone) or never end:
@@ -316,6 +336,8 @@ class CheckpointManager:
                   f"the keeper copies the newest snapshot into {self.directory} once they are gone",
                   file=sys.stderr, flush=True)  # fmt: skip
             leave(ORPHANED_EXIT)
+        cadence.taken(called, time.monotonic() - called, proposal[0] if proposal else 0, step, budget)
+        return path
 
     def snapshots(self) -> list[tuple[int, str]]:
         """``(step, path)`` of this node's snapshots, oldest first (unverified; local: once this
@@ -475,6 +497,41 @@ class CheckpointManager:
         if rank == 0:
             log.logger.info("restoring from the snapshot in node memory: %s", path)
         return load(path, state, **load_kwargs)
+
+
+class _Cadence:
+    """How often `CheckpointManager.snapshot` takes a snapshot under a budget (see there)."""
+
+    def __init__(self) -> None:
+        self.calls = 0  # snapshot() calls so far
+        self.skip = 0  # calls still to skip (agreed)
+        self.checked_in = False
+        self.last: tuple[float, int] | None = None  # (time, call) of the last snapshot taken
+        self.stall: float | None = None  # its stall, seconds (None: the first, which allocates the slots)
+        self.skip_was = 0  # the last cadence agreed (a change is logged)
+
+    def propose(self, now: float, budget: float) -> int:
+        """Rank 0's proposal: how many calls to skip after this one, so that stalls stay within
+        ``budget`` of the loop's time per call, measured since the last snapshot taken."""
+        if self.last is None or self.stall is None:
+            return 0
+        per_call = (now - self.last[0]) / max(self.calls - self.last[1], 1)
+        if per_call <= 0:
+            return 0
+        return max(math.ceil(self.stall / (budget * per_call)) - 1, 0)
+
+    def taken(self, at: float, stall: float, skip: int, step: int, budget: float | None) -> None:
+        """A snapshot was taken at ``at`` (stalling ``stall`` s); the next ``skip`` calls are skipped."""
+        if budget is not None and skip != self.skip_was and get_rank() == 0:
+            every = "every call" if skip == 0 else f"one call in {skip + 1}"
+            log.logger.info(
+                "snapshots: %s from step %d (a snapshot stalls %.1f ms; a budget of %.0f%% of the loop's time)",
+                every, step, (self.stall or stall) * 1000, budget * 100,
+            )  # fmt: skip
+        self.skip_was = skip
+        self.stall = stall if self.last is not None else None
+        self.last = (at, self.calls)
+        self.skip = skip
 
 
 _RUN_FILE = re.compile(r"([A-Za-z0-9_-]+)-(\d{10})\.pt")

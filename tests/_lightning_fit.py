@@ -15,9 +15,11 @@ from typing import Any
 # MODE: "lightning" (Lightning alone), "plugin" (its CheckpointIO is ckptools'), "exact" (the recipe:
 # ExactResume + ck.ResumableDataLoader, and the plugin), "exact-no-cuda-stream" (the recipe, with the
 # CUDA stream left out of what ExactResume puts back: a control for the GPU test). The accelerator is
-# FIT_ACCELERATOR's (default "cpu"). EVERY: a checkpoint every N steps (0: at each
-# epoch's end, ModelCheckpoint's default). DROPOUT, SHUFFLE, AUGMENT: 0 or 1 (augmentation in
-# __getitem__, of the training data in the workers and of the validation data in the main process).
+# FIT_ACCELERATOR's (default "cpu"); FIT_SCHEDULE=onecycle: OneCycleLR per step, sized with
+# trainer.estimated_stepping_batches in configure_optimizers (Lightning's recipe), instead of StepLR per
+# epoch. EVERY: a checkpoint every N steps (0: at each epoch's end, ModelCheckpoint's default).
+# DROPOUT, SHUFFLE, AUGMENT: 0 or 1 (augmentation in __getitem__, of the training data in the workers
+# and of the validation data in the main process).
 # Rank 0 prints "step N" after each step; each rank logs [step, epoch, indices] of every batch to
 # seen-RANK.jsonl and [step, epoch, lr] of every validation to validated-RANK.jsonl; rank 0 saves
 # the final weights to final.pt.
@@ -73,6 +75,10 @@ class Net(pl.LightningModule):
 
     def configure_optimizers(self):
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        if os.environ.get("FIT_SCHEDULE") == "onecycle":  # Lightning's own recipe: sized by the trainer
+            total = self.trainer.estimated_stepping_batches
+            scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=total)
+            return [optimizer], [{"scheduler": scheduler, "interval": "step"}]
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)]
 
     def train_dataloader(self):

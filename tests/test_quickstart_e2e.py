@@ -5,7 +5,8 @@ data augmented at random in `__getitem__` with torch, python and numpy draws, th
 small save interval, `num_workers`): the README's Quick start
 and the full script of docs/getting-started.md (GradScaler, scheduler, async saves, DataLoader
 workers). So this test breaks when either drifts. One rank dies right after step 25; the same command is launched again
-and must resume from step 20 and end with exactly the weights of a run that never stopped,
+and must resume from step 24 (the epoch's end the block saves after its batch loop; its periodic save
+was at step 20) and end with exactly the weights of a run that never stopped,
 without a single CheckpointWarning.
 """
 
@@ -153,7 +154,7 @@ def test_quickstart_killed_and_relaunched_is_bit_exact(tmp_path, uninterrupted, 
     first = launch(script, tmp_path, kill=True)
     assert first.returncode != 0, "rank 1 dies after step 25, so the launch fails"
     again = ok(launch(script, tmp_path, kill=True))  # the same command: resumes, and does not die again
-    assert "resumed from 20, ended at step 32" in again
+    assert "resumed from 24, ended at step 32" in again  # the save after epoch 2 (steps 17-24), the newest
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     expected = uninterrupted(page)
     assert final["step"] == expected["step"] == 32

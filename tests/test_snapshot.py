@@ -335,3 +335,59 @@ def test_a_snapshot_does_not_wait_for_an_async_save_in_flight(tmp_path, monkeypa
     assert manager.restore(target)["step"] == 11
     assert torch.equal(target["model"].weight, _state(11.0)["model"].weight)
     manager.close()
+
+
+def _budgeted(rank: int, world: int, directory: str, clock: bool) -> dict:
+    """A loop whose tiny snapshot costs far more than the budget allows of a step: the ranks skip the
+    same calls (agreed in the snapshot's exchange). ``clock``: the manager's clock is one the loop moves
+    (20 ms a step, 2 ms inside each snapshot), so the cadence is exactly computable."""
+    from ckptools import manager as manager_module
+
+    now = [0.0]
+
+    class Clock:
+        @staticmethod
+        def monotonic() -> float:
+            now[0] += 0.002  # at every call's start, and at a snapshot's end: a 2 ms stall
+            return now[0]
+
+    if clock:
+        manager_module.time = Clock  # type: ignore[assignment]
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
+    manager = ck.CheckpointManager(os.path.join(directory, "run"), snapshot_dir=os.path.join(directory, "memory"))
+    taken = []
+    for step in range(1, 61):
+        if clock:
+            now[0] += 0.02  # the step
+        else:
+            time.sleep(0.02)
+        if manager.snapshot({"model": model, "step": step}, step, budget=0.05 if clock else 0.01) is not None:
+            taken.append(step)
+    last = manager.snapshots()[-1][0]
+    manager.close()
+    return {"taken": taken, "last": last}
+
+
+def test_a_budget_skips_the_same_calls_on_every_rank(tmp_path):
+    results = run_ranks(_budgeted, 2, str(tmp_path), False, timeout=180)
+    taken = results[0]["taken"]
+    assert results[1]["taken"] == taken, results  # the same calls everywhere: nothing hangs
+    assert taken[:2] == [1, 2] and len(taken) < 30 and results[0]["last"] == taken[-1], taken
+
+
+def test_a_budget_keeps_the_stalls_within_it_at_the_cadence_it_computes(tmp_path):
+    """A 2 ms stall, a call every 22-24 ms, 5 %: one call in ceil(2 / (0.05 * 24)) = 2 from the third
+    on (the first allocates the slots, the second is the first measured), on every rank."""
+    results = run_ranks(_budgeted, 2, str(tmp_path), True, timeout=180)
+    taken = results[0]["taken"]
+    assert results[1]["taken"] == taken
+    assert taken == [1, 2, 3, *range(5, 61, 2)], taken
+
+
+def test_without_a_budget_every_call_is_taken(tmp_path):
+    manager = _manager(tmp_path)
+    assert all(manager.snapshot({**_state(1.0), "step": s}, s) is not None for s in range(1, 6))
+    with pytest.raises(ValueError, match="budget must be a fraction"):
+        manager.snapshot(_state(1.0), 6, budget=2.0)
+    manager.close()

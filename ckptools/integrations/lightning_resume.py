@@ -114,6 +114,7 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
         """Check the train loaders; put back the streams of the checkpoint ``fit`` resumed from."""
         _check_loaders(trainer)
+        _load_the_stashed_loader_states(trainer)
         _count_the_new_epoch(trainer)
         state, self._restored = self._restored, None
         if state is not None:
@@ -169,6 +170,25 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
             "the checkpoint ExactResume restores",
             skip="take ExactResume out of the callbacks to resume without them",
         )
+
+
+def _load_the_stashed_loader_states(trainer: Any) -> None:
+    """Hand the train loaders the positions the checkpoint saved, where Lightning kept them back.
+
+    A ``configure_optimizers`` that sizes a schedule with ``trainer.estimated_stepping_batches``
+    (OneCycleLR, Lightning's own recipe) sets the train loaders up before the checkpoint is restored;
+    Lightning then stashes the loaders' saved states and never loads them (Lightning#20550, 2.6):
+    the resumed epoch would start again from its first batch while Lightning counts it as partly
+    done (samples trained twice, others never). Loaded here, before the first batch, and the loop's
+    iterator made anew, as Lightning's own resume does.
+    """
+    fit_loop = trainer.fit_loop
+    if not getattr(fit_loop, "_combined_loader_states_to_load", None) or fit_loop._combined_loader is None:
+        return
+    fit_loop._load_combined_loader_states()  # only where Lightning would have (a restart mid-epoch)
+    fetcher = getattr(fit_loop, "_data_fetcher", None)
+    if not fit_loop._combined_loader_states_to_load and fetcher is not None:
+        iter(fetcher)
 
 
 def _count_the_new_epoch(trainer: Any) -> None:

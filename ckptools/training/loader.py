@@ -24,6 +24,11 @@ class _Sampler(ResumableDistributedSampler):
 
     loader: weakref.ReferenceType[ResumableDataLoader] | None = None
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # The loader counts what the loop received (record_consumed): never "workers running ahead".
+        self._reporting = True
+
     def set_epoch(self, epoch: int) -> None:
         moved = epoch != self.epoch
         super().set_epoch(epoch)

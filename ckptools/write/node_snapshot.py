@@ -381,12 +381,15 @@ def write_snapshot(
     writers: str = "auto",
     blocking: bool = False,
     prepare: Callable[[], None] | None = None,
+    cadence: list[int] | None = None,
 ) -> str:
     """Collective: copy ``state`` into every node's memory as the snapshot ``name`` in ``folder``.
 
     Returns once this rank's copy is whole (``blocking``: once the snapshot is committed on every
     node, its failure raised on every rank). ``prepare`` runs on every node's leader before the
     copy (the keeper's start). ``writers="rank0"``: each node's leader copies everything.
+    ``cadence``: ``[n]``, this rank's proposal (calls to skip after this one), replaced by rank 0's,
+    agreed in the opening exchange (`CheckpointManager.snapshot`'s budget).
 
     Examples:
         >>> write_snapshot("/tmp/ckptools-doc-shm", "ckpt", "ckpt-0000000001.pt", {"w": torch.ones(2)}, blocking=True)
@@ -398,7 +401,10 @@ def write_snapshot(
     path, user_meta = checked_args(os.path.join(folder, name), state, metadata)
     token = node_token(folder)
     partitions, problem = describe_partitions(state)  # a ZeRO optimizer's, metadata only
-    gathered = all_gather_object((rank_part(state), token, previous, partitions, problem, launcher_gone()))
+    proposal = cadence[0] if cadence else 0
+    gathered = all_gather_object((rank_part(state), token, previous, partitions, problem, launcher_gone(), proposal))
+    if cadence:
+        cadence[0] = gathered[0][6]  # rank 0's: the same calls are skipped everywhere
     orphaned = [r for r, reply in enumerate(gathered) if reply[5]]
     failed = first_error(gathered, lambda reply: reply[2])
     if failed is not None:

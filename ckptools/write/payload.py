@@ -98,7 +98,8 @@ def build_payload(state: Mapping[str, Any], user_meta: dict[str, Any], parts: li
     for name in differ:
         log.warn(
             f"state[{name!r}] differs between ranks, and the checkpoint keeps rank 0's: after a restore every rank "
-            f"gets rank 0's value back. Wrap it, state[{name!r}] = ck.PerRank(value), to keep each rank's own",
+            f"gets rank 0's value back. Right for a value rank 0 alone computes (a metric); for one each rank carries "
+            f"for itself (a batch fetched ahead), wrap it, state[{name!r}] = ck.PerRank(value), to keep its own",
             once=f"differs:{name}",
         )
     for name, obj in state.items():

@@ -1,0 +1,118 @@
+"""Whichever processes of a torchrun job are killed, the newest snapshot is not lost (issue 44, item 3).
+
+The reference loop on 2 ranks snapshots into node memory every step; right after rank 0 logs step 23,
+one kill topology hits the job: torchrun's agent alone (kill -9; its workers sit in sessions of their
+own, so they survive it), every rank alone (the agent survives), one rank, the whole tree, SIGTERM to
+the agent, a rank stuck (SIGSTOP) while the other waits for it in a collective. Nobody relaunching, the
+run folder holds the newest step within the keeper's grace + 30 s and no process of ours remains;
+relaunched, the run resumes at most one step behind and ends bit-identical to an uninterrupted run.
+Whole launches (slow): `make interop` runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+from _torchrun import computed_once, job_processes, ok, rank_processes, torchrun_signalled
+from test_train_ddp_e2e import ROOT, SCRIPT, assert_bit_identical, torchrun
+
+import ckptools as ck
+
+GRACE = 2  # the keeper's grace, seconds
+ARGS = ["--save-every-steps", "1000", "--snapshot-every", "1", "--log-every", "1", "--pg-timeout", "0.1"]
+
+
+def _kill(pids: list[int], signum: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signum)
+
+
+# Who is hit, given torchrun's pid; returns the processes of the job (to wait for them all to be gone).
+TOPOLOGIES = {
+    "agent alone": lambda pid: _kill([pid], signal.SIGKILL),
+    "every rank alone": lambda pid: _kill(rank_processes(pid), signal.SIGKILL),
+    "one rank": lambda pid: _kill(rank_processes(pid)[-1:], signal.SIGKILL),
+    "the whole tree": lambda pid: _kill(job_processes(pid), signal.SIGKILL),
+    "SIGTERM to the agent": lambda pid: _kill([pid], signal.SIGTERM),
+    "a rank stuck in a collective": lambda pid: _kill(rank_processes(pid)[-1:], signal.SIGSTOP),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    def run(folder) -> None:
+        ok(torchrun(folder, *ARGS))
+
+    return computed_once(tmp_path_factory, "kill-matrix-ref", run)
+
+
+def _killed(run_dir, topology: str) -> tuple[int, list[int], str]:
+    """Launch, hit the job after step 23; the last step rank 0 logged, the job's processes, the output."""
+    job: list[int] = []
+
+    def send(pid: int) -> None:
+        job.extend(job_processes(pid))
+        TOPOLOGIES[topology](pid)
+
+    launch = ["--standalone", "--nproc-per-node=2", "--max-restarts=0", SCRIPT, "--ckpt-dir", str(run_dir), *ARGS,
+              "--step-seconds", "0.05"]  # fmt: skip
+    first, _ = torchrun_signalled(launch, cwd=ROOT, when="step 23 loss", send=send, timeout=180)
+    assert "step 23 loss" in first.stdout and "done after" not in first.stdout, first.stdout[-3000:]
+    last = max(int(n) for n in re.findall(r"step (\d+) loss", first.stdout))
+    # Every process of the job is gone before anything is judged: the keeper waits for that too.
+    deadline = time.monotonic() + 90
+    while any(_alive(p) for p in job) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    leftover = [p for p in job if _alive(p)]
+    _kill(leftover, signal.SIGKILL)  # a stopped rank the agent did not end (it is the agent's to end)
+    assert not leftover, f"{topology}: processes of the job still alive 90 s after the kill: {leftover}"
+    return last, job, first.stdout
+
+
+def _alive(pid: int) -> bool:
+    from ckptools.leftovers import pid_alive
+
+    return pid_alive(pid)
+
+
+@pytest.mark.slow  # whole torchrun launches: `make interop`
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+def test_nobody_relaunches_and_the_newest_step_reaches_the_run_folder(tmp_path, monkeypatch, topology):
+    monkeypatch.setenv("CKPTOOLS_KEEPER_GRACE", str(GRACE))
+    run = tmp_path / "run"
+    last, _, out = _killed(run, topology)
+    gone = time.monotonic()
+    memory = ck.CheckpointManager(run).snapshot_dir
+    while os.path.exists(memory) and time.monotonic() - gone < GRACE + 30:
+        time.sleep(0.2)
+    assert not os.path.exists(memory), f"{topology}: node memory still held {GRACE + 30} s after the job was gone"
+    steps = [s for s, _ in ck.CheckpointManager(run).checkpoints()]
+    preempted = re.findall(r"preempted at step (\d+)", out)
+    newest = int(preempted[0]) if preempted else last - 1
+    assert steps and steps[-1] >= newest, (topology, last, steps, out[-3000:])
+    keepers = subprocess.run(["pgrep", "-f", f"ckptools.keeper {memory}"], capture_output=True, text=True)
+    assert keepers.stdout.split() == [], f"{topology}: the keeper did not exit"
+    if topology == "agent alone":  # the ranks left by themselves, the snapshot of that step committed
+        assert "is gone; the snapshot" in out and "exit code 129" in out, out[-3000:]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+def test_relaunched_it_resumes_at_most_one_step_behind_bit_identical(tmp_path, monkeypatch, reference, topology):
+    monkeypatch.setenv("CKPTOOLS_KEEPER_GRACE", "30")  # the relaunch comes first: it reads node memory
+    run = tmp_path / "run"
+    last, _, out = _killed(run, topology)
+    again = ok(torchrun(run, *ARGS))
+    resumed = int(re.search(r"resumed from step (\d+) ", again).group(1))
+    preempted = re.findall(r"preempted at step (\d+)", out)
+    assert resumed >= (int(preempted[0]) if preempted else last - 1), (topology, last, resumed, again[-3000:])
+    assert_bit_identical(reference, run)

@@ -1,0 +1,110 @@
+"""The user's own scripts (issue 44): the shapes tutorials teach, ported to ckptools as the docs say
+(tests/user_scripts/), killed with SIGKILL at random steps (every process of the launch) and
+relaunched until they finish, end bit-identical to an uninterrupted run. The literal port of
+`if rank == 0: torch.save(...)` does not hang. Whole launches (slow): `make interop`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from _torchrun import job_processes
+
+SCRIPTS = Path(__file__).resolve().parent / "user_scripts"
+
+
+def _launch(script: str, run_dir: Path, nproc: int, *extra: str) -> list[str]:
+    if nproc == 0:  # plain python, no launcher
+        return [sys.executable, str(SCRIPTS / script), str(run_dir), *extra]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "--max-restarts=0", str(SCRIPTS / script), str(run_dir), *extra]  # fmt: skip
+
+
+def _run(script: str, run_dir: Path, nproc: int, kills: list[int], *extra: str) -> dict:
+    """Run ``script`` into ``run_dir``, killed (SIGKILL, every process) when rank 0 prints ``step K``
+    (or a later step) for each K of ``kills`` in turn and relaunched, then to its end; its final weights."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    log = run_dir / "launches.txt"
+    for n, kill in enumerate([*kills, None]):
+        with open(log, "a") as out:
+            out.write(f"--- launch {n} (kill at {kill})\n")
+            proc = subprocess.Popen(_launch(script, run_dir, nproc, *extra), stdout=subprocess.PIPE,
+                                    stderr=out, text=True, env=env, start_new_session=True)  # fmt: skip
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                out.write(line)
+                # At the first step at or past the kill's: a launch may run a few steps on before the
+                # SIGKILL lands, and save past the next kill's step (its relaunch then starts there).
+                said = line.split()
+                if kill is not None and len(said) == 2 and said[0] == "step" and int(said[1]) >= kill:
+                    for pid in job_processes(proc.pid):  # torchrun's workers sit in sessions of their own
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pid, signal.SIGKILL)
+                    break
+            code = proc.wait(timeout=300)
+        expected = -signal.SIGKILL if kill is not None else 0
+        assert code == expected, f"{script} launch {n} ended with {code}:\n{log.read_text()[-4000:]}"
+    return torch.load(run_dir / "final.pt", weights_only=True)
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+
+
+def _kills(seed_name: str, steps: int, count: int) -> list[int]:
+    seed = int(os.environ.get("CKPTOOLS_KILL_SEED", random.randrange(1 << 30)))
+    print(f"{seed_name}: kill steps drawn with CKPTOOLS_KILL_SEED={seed}")
+    return sorted(random.Random(seed).sample(range(2, steps), count))
+
+
+# script: (processes, steps in the whole run; 0 processes: plain python)
+CASES = {
+    "ddp_tutorial.py": (2, 40),  # 8 steps an epoch, a save after each of 5 epochs
+    "imagenet_style.py": (2, 24),  # 6 steps an epoch, 4 epochs, validation and a save after each
+    "gpt_style.py": (2, 40),  # a save every 5 iterations, a batch fetched ahead
+    "rank0_barrier.py": (2, 60),  # a save every 6 steps, then a barrier
+    "no_launcher.py": (0, 60),  # plain python: a group of one
+}
+
+
+@pytest.mark.slow  # whole launches: `make interop`
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("script", sorted(CASES))
+def test_a_ported_script_killed_at_random_steps_ends_bit_identical(tmp_path, script):
+    nproc, steps = CASES[script]
+    kills = _kills(script, steps, 2)
+    straight = _run(script, tmp_path / "straight", nproc, [])
+    resumed = _run(script, tmp_path / "resumed", nproc, kills)
+    assert _same(straight, resumed), f"{script}: killed at steps {kills}, not bit-identical"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_literal_port_of_a_rank_0_save_fails_clearly_on_every_rank_instead_of_hanging(tmp_path):
+    """`if rank == 0: manager.save(...)`, then `dist.barrier()`: rank 0 waits for the others at the
+    save, they wait for it at the barrier. It hung (140 s, then killed); now rank 0 raises within the
+    bound, naming the rank that did not come and the fix, and the launch ends."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CKPTOOLS_ARRIVAL_TIMEOUT="5")
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    started = time.monotonic()
+    proc = subprocess.run(_launch("rank0_barrier.py", tmp_path, 2, "--literal"), capture_output=True, text=True,
+                          env=env, timeout=180)  # fmt: skip
+    seconds = time.monotonic() - started
+    assert proc.returncode != 0 and seconds < 60, (proc.returncode, seconds, proc.stderr[-3000:])
+    said = proc.stderr
+    assert "CheckpointManager.save is collective" in said and "rank(s) 1 (of 2) did not within 5 s" in said, said[
+        -3000:
+    ]
+    assert "not under `if rank == 0:`" in said
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith("ckpt")] == [], "nothing was written"
