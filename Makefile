@@ -3,13 +3,13 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 # torch is pinned here, for the dev/test set-up only: this exact CPU wheel is what the test
-# machines have locally. The library itself declares torch>=2.3.
+# machines have locally. The library itself declares torch>=2.6 (`make compat` tests both ends).
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden dist docs lightning-suite gpu
+.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden dist docs lightning-suite gpu compat
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile ckptools/_version.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q $(TORCH_PIN)
@@ -110,6 +110,12 @@ lightning-suite: $(INTEROP_STAMP)
 			tests_pytorch/checkpointing tests_pytorch/plugins) \
 			|| exit 1; \
 	done
+
+# compat: the fast suite and the frameworks' kill-and-resume tests on both ends of the declared versions
+# (torch 2.6.0 with Lightning 2.5.0, transformers 5.0.0, accelerate 1.7.0; torch 2.14.1 with the newest), each in
+# a venv of its own under build/compat (installed from the package index, reused while the pins hold).
+compat:
+	$(PYTHON) tests/compat/run_compat.py $(ENDS)
 
 golden: interop
 	rm -rf tests/interop/golden && cp -r build/golden tests/interop/golden

@@ -1,3 +1,3 @@
 """The version of ckptools, in a module of its own: what imports it imports nothing else."""
 
-__version__ = "0.2.0"
+__version__ = "0.4.0"

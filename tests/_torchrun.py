@@ -173,3 +173,17 @@ def computed_once(tmp_path_factory: Any, name: str, compute: Callable[[Path], No
             compute(folder)
             (folder / ".complete").touch()
     return folder
+
+
+def keepers_left(folder: str | os.PathLike[str], within: float = 10.0) -> list[str]:
+    """The keepers of node-memory ``folder`` still running ``within`` s from now (waited for).
+
+    A keeper removes the folder and then exits; the interpreter's exit takes a moment (more under
+    load), so a look taken the instant the folder vanished can still see it: wait, bounded.
+    """
+    deadline = time.monotonic() + within
+    while True:
+        found = subprocess.run(["pgrep", "-f", f"ckptools.keeper {folder}"], capture_output=True, text=True)
+        if not found.stdout.split() or time.monotonic() > deadline:
+            return found.stdout.split()
+        time.sleep(0.1)

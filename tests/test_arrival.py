@@ -107,6 +107,38 @@ def test_every_rank_that_came_raises_at_the_bound_of_the_first_arrival(tmp_path,
     assert abs(first["at"] - second["at"]) < 1.0 and second["seconds"] < first["seconds"] - 1.0, results
 
 
+def _dies_mid_check_in(rank: int, world: int, directory: str) -> dict:
+    """Rank 1 writes its name at the check-in and dies before counting itself in (as a rank killed
+    right there does): rank 0 must notice, not wait the bound out and say that every rank came."""
+    state = _state()
+    if rank == 1:
+        real = arrival.default_store()
+
+        class DiesAtTheCount:
+            def __getattr__(self, name):
+                return getattr(real, name)
+
+            def add(self, key, amount):
+                os._exit(1)
+
+        arrival.default_store = lambda: DiesAtTheCount()
+    started = time.monotonic()
+    try:
+        ck.save(os.path.join(directory, "ckpt.pt"), state)
+    except ck.CheckpointError as err:
+        return {"error": str(err), "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+def test_a_rank_that_dies_in_the_middle_of_its_check_in_is_noticed_within_seconds(tmp_path, monkeypatch):
+    monkeypatch.setenv(arrival.ENV, "30")
+    results = run_ranks(_dies_mid_check_in, 2, str(tmp_path), may_die=frozenset({1}), timeout=60)
+    got = results[0]
+    assert "ck.save is collective, and rank(s) 1 died before every rank had come to it" in got["error"], got
+    assert got["seconds"] < 10, got  # noticed, not the 30 s bound
+    assert not os.listdir(tmp_path), "nothing written"
+
+
 def test_the_bound_is_read_from_the_environment(monkeypatch):
     monkeypatch.delenv(arrival.ENV, raising=False)
     assert arrival.arrival_timeout() == 60.0

@@ -193,6 +193,18 @@ def test_usage_errors_are_one_line_exit_2(tmp_path, args, message):
     assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("ckpt: ") and message in proc.stderr, proc.stderr
 
 
+@pytest.mark.parametrize("byte", [b"\x1c", b"\x85"[:1], b"\n"])
+def test_an_error_naming_a_damaged_record_stays_one_line_whatever_byte_the_name_holds(tmp_path, byte):
+    # Found by the differential fuzz (torch 2.6's files): a record name with \x1c, which
+    # str.splitlines (and so every reader of the line) breaks at, printed raw made two lines.
+    path = _ddp_file(tmp_path)
+    data = path.read_bytes()  # torch.save names its records after the file: ddp/data/0, ...
+    path.write_bytes(data.replace(b"ddp/data/0", byte + b"dp/data/0"))
+    result = _run("info", path)
+    assert result.exit_code == 2, result.output
+    assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("ckpt: "), repr(result.output)
+
+
 def test_version():
     from ckptools import __version__
 

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import _torch_can as torch_can
 import pytest
 import torch
 from _dist import _exit_now, free_port
@@ -152,6 +153,8 @@ def test_ckptools_collectives_never_make_a_gloo_thread_take_the_gil(tmp_path):
         stacks = [s for s in ours.split("=== thread state\n") if "ProcessGroupGloo" in s]
         assert not stacks, f"rank pid {pid}: a gloo thread took the GIL after a ckptools collective:\n{stacks[0]}"
     control = logs[procs[0].pid].split("=== control\n")[1]
+    if not control.strip() and torch_can.handback_before_2_13():
+        pytest.skip(f"torch {torch.__version__}'s tensors do not hand their Python object back from a gloo thread")
     assert "ProcessGroupGloo" in control and "decref" in control, "the shim saw no gloo thread take the GIL"
 
 

@@ -15,11 +15,10 @@ import contextlib
 import os
 import re
 import signal
-import subprocess
 import time
 
 import pytest
-from _torchrun import computed_once, job_processes, ok, rank_processes, torchrun_signalled
+from _torchrun import computed_once, job_processes, keepers_left, ok, rank_processes, torchrun_signalled
 from test_train_ddp_e2e import ROOT, SCRIPT, assert_bit_identical, torchrun
 
 import ckptools as ck
@@ -98,8 +97,7 @@ def test_nobody_relaunches_and_the_newest_step_reaches_the_run_folder(tmp_path, 
     preempted = re.findall(r"preempted at step (\d+)", out)
     newest = int(preempted[0]) if preempted else last - 1
     assert steps and steps[-1] >= newest, (topology, last, steps, out[-3000:])
-    keepers = subprocess.run(["pgrep", "-f", f"ckptools.keeper {memory}"], capture_output=True, text=True)
-    assert keepers.stdout.split() == [], f"{topology}: the keeper did not exit"
+    assert keepers_left(memory) == [], f"{topology}: the keeper did not exit within 10 s of releasing node memory"
     if topology == "agent alone":  # the ranks left by themselves, the snapshot of that step committed
         assert "is gone; the snapshot" in out and "exit code 129" in out, out[-3000:]
 

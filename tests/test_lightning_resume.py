@@ -220,6 +220,17 @@ def _data():
     return torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 2, (16,)))
 
 
+def test_exact_resume_refuses_a_lightning_older_than_it_was_made_exact_for(monkeypatch):
+    import ckptools.integrations.lightning_resume as module
+
+    ExactResume()  # the Lightning installed here is in the range
+    monkeypatch.setattr(module, "_lightning_release", lambda: ("pytorch-lightning", "2.4.0"))
+    with pytest.raises(ck.CheckpointError, match=r"needs pytorch-lightning >= 2.5, found 2.4.0.*pip install"):
+        ExactResume()
+    monkeypatch.setattr(module, "_lightning_release", lambda: ("lightning", "2.5.0.post0"))
+    ExactResume()
+
+
 def test_exact_resume_says_what_it_cannot_make_exact(tmp_path):
     # A plain DataLoader: Lightning cannot resume it mid-epoch.
     with pytest.warns(ck.CheckpointWarning, match="has no state_dict"):

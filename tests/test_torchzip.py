@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import argparse
+import inspect
 import io
 import os
 import pickle
@@ -163,8 +164,9 @@ def test_refused_globals_are_named_right_through_the_memo(tmp_path):
 
     from ckptools.codecs.pickles import refused_globals as _refused_globals
 
+    alone = {"no_dist": True} if "no_dist" in inspect.signature(dcp.save).parameters else {}  # torch 2.7 on
     dcp.save({"model.0.weight": torch.ones(2, 2), "model.0.bias": torch.zeros(2)}, checkpoint_id=str(tmp_path),
-             no_dist=True)  # fmt: skip
+             **alone)  # fmt: skip
     names = _refused_globals((tmp_path / ".metadata").read_bytes())
     assert "torch.distributed.checkpoint.metadata.Metadata" in names
     assert "torch.distributed.checkpoint.metadata.TensorStorageMetadata" in names
@@ -246,7 +248,11 @@ def test_a_rezipped_torch_file_reads_as_torch_reads_it(tmp_path):
     ],
 )
 def test_what_torch_refuses_or_misreads_ckptools_refuses(tmp_path, change, message):
-    data = _rebuilt(_saved({"module.w": torch.randn(3, 4), "module.b": torch.arange(5)}), **change)
+    saved = _saved({"module.w": torch.randn(3, 4), "module.b": torch.arange(5)})
+    replaced = set(change.get("replace", {})) - set(zipfile.ZipFile(io.BytesIO(saved)).namelist())
+    if replaced:  # .storage_alignment: written from torch 2.7 on
+        pytest.skip(f"torch {torch.__version__} writes no {', '.join(sorted(replaced))} record")
+    data = _rebuilt(saved, **change)
     path = tmp_path / "c.pt"
     path.write_bytes(data)
     outcomes = _outcomes(path)

@@ -17,9 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import free_port
-from _torchrun import computed_once, job_processes, ok, rank_processes, torchrun_signalled
+from _torchrun import computed_once, job_processes, keepers_left, ok, rank_processes, torchrun_signalled
 from _torchrun import torchrun as _launch
 from safetensors.torch import load_file
+from torch.distributed.run import get_args_parser
 
 import ckptools as ck
 
@@ -281,6 +282,8 @@ def test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact(tmp_path, ref
     periodic = () if asynchronous else ("--save-every-steps", "1000")
     # SLURM's signal: torchrun must be told to forward SIGUSR1 (to every launch of that chain).
     launcher = _SLURM_TORCHRUN if _EVERY_PROCESS_USR1 in chain else ()
+    if launcher and "--signals-to-handle" not in get_args_parser()._option_string_actions:
+        pytest.skip(f"torchrun of torch {torch.__version__} has no --signals-to-handle (SIGUSR1 kills it)")
     step = None
     epochs = int(model[model.index("--epochs") + 1]) if "--epochs" in model else 3
     for epoch, (targets, signum) in zip(range(epochs - len(chain), epochs), chain):
@@ -358,8 +361,7 @@ def test_kill_9_of_the_whole_job_not_relaunched_leaves_the_newest_step_in_the_fo
     assert steps[-1] in (last - 1, last) and steps[:-1] == [16], (last, steps)
     persisted = torch.load(ck.CheckpointManager(tmp_path).latest(), weights_only=True)
     assert persisted["step"] == steps[-1]
-    keepers = subprocess.run(["pgrep", "-f", f"ckptools.keeper {memory}"], capture_output=True, text=True)
-    assert keepers.stdout.split() == []
+    assert keepers_left(memory) == [], "the keeper exits once it released node memory"
 
 
 def _whole(path: Path) -> bool:

@@ -8,6 +8,7 @@ import random
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -188,7 +189,12 @@ def test_latest_complete_checkpoint_skips_what_is_not_whole(tmp_path, caplog):
     assert latest_complete_checkpoint(str(tmp_path)) == third
     optimizer = tmp_path / "checkpoint-30" / "optimizer.pt"
     data = bytearray(optimizer.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    with zipfile.ZipFile(optimizer) as archive:  # inside data.pkl's bytes (not the zip's alignment padding)
+        info = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
+    local = info.header_offset  # the local header's own name and extra lengths (torch pads there)
+    start = local + 30 + int.from_bytes(data[local + 26 : local + 28], "little")
+    start += int.from_bytes(data[local + 28 : local + 30], "little")
+    data[start + info.file_size // 2] ^= 0xFF
     optimizer.write_bytes(bytes(data))
     assert latest_complete_checkpoint(str(tmp_path)) == first  # damaged: skipped (verify=True)
     with open(os.path.join(first, "trainer_state.json"), "a") as f:
@@ -314,3 +320,21 @@ def test_a_seeded_dataset_refuses_persistent_workers_which_keep_their_first_epoc
     trainer = Trainer(Tiny(), args, train_dataset=data, callbacks=[CkptoolsCallback()])
     with pytest.raises(ValueError, match="persistent_workers"):
         trainer.train()
+
+
+def test_releases_older_than_measured_exact_are_named_once_as_training_begins(monkeypatch, recwarn):
+    import importlib.metadata
+    import types
+
+    from ckptools import log
+    from ckptools.integrations.transformers import CkptoolsCallback
+
+    args = types.SimpleNamespace(dataloader_persistent_workers=False)
+    CkptoolsCallback().on_train_begin(args, None, None)  # the releases installed here are in the range
+    assert not [w for w in recwarn if "resumes mid-epoch" in str(w.message)]
+    real = importlib.metadata.version
+    old = {"transformers": "4.57.6", "accelerate": "1.6.0"}
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: old.get(name) or real(name))
+    monkeypatch.setattr(log, "_warned", set())
+    with pytest.warns(ck.CheckpointWarning, match=r"transformers 4.57.6 \(exact from 5.0\), accelerate 1.6.0"):
+        CkptoolsCallback().on_train_begin(args, None, None)

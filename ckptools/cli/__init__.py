@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import unicodedata
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -100,6 +101,20 @@ def _about(*paths: str) -> Iterator[None]:
         raise _Fail(f"{' / '.join(paths)}: {error}") from None
 
 
+def _one_line(message: str) -> str:
+    """``message`` as one printable line: line breaks become spaces, other control characters (a name read
+    from a damaged file may hold any byte; str.splitlines breaks at \\x1c..\\x1e and \\x85 too) escapes."""
+    out = []
+    for char in message.strip():
+        if char in "\r\n":
+            out.append(" ")
+        elif unicodedata.category(char) in ("Cc", "Zl", "Zp") and char != "\t":
+            out.append(char.encode("unicode_escape").decode("ascii"))
+        else:
+            out.append(char)
+    return "".join(out)
+
+
 def _run(body: Callable[[], int | None]) -> None:
     from ..errors import CheckpointError
 
@@ -110,16 +125,16 @@ def _run(body: Callable[[], int | None]) -> None:
             warnings.simplefilter("ignore")
             code = body() or 0
     except _Fail as failure:
-        err.print(f"ckpt: {failure}", markup=False, highlight=False, soft_wrap=True)
+        err.print(_one_line(f"ckpt: {failure}"), markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(failure.code) from None
     except (CheckpointError, OSError, ValueError, TypeError) as error:
         message = str(error) or type(error).__name__
-        err.print(f"ckpt: {message}", markup=False, highlight=False, soft_wrap=True)
+        err.print(_one_line(f"ckpt: {message}"), markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(2) from None
     except Exception as error:  # noqa: BLE001 - the CLI boundary: one line, never a traceback
         first = (str(error).strip().splitlines() or [""])[0][:300]
         message = f"ckpt: unexpected {type(error).__name__}: {first} (please report this)"
-        err.print(message, markup=False, highlight=False)
+        err.print(_one_line(message), markup=False, highlight=False)
         raise typer.Exit(2) from None
     raise typer.Exit(code)
 
@@ -483,7 +498,7 @@ def verify(
             out.print(item if isinstance(item, str) else _verdict(item, strict), markup=False, highlight=False,
                       soft_wrap=True)  # fmt: skip
         for failure in failures:
-            err.print(f"ckpt: {failure}", markup=False, highlight=False, soft_wrap=True)
+            err.print(_one_line(f"ckpt: {failure}"), markup=False, highlight=False, soft_wrap=True)
         return code
 
     _run(body)

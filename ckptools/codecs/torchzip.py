@@ -74,7 +74,8 @@ class TorchZip:
                 f"{path} is a TorchScript archive (torch.jit.save), not a checkpoint: load it with "
                 "torch.jit.load(path); its weights are torch.jit.load(path).state_dict()"
             )
-        if any(name.endswith("/archive_format") for name in names):
+        # The .pt2 layout of torch 2.7 on (an archive_format record), and of 2.6 and before (the program as JSON).
+        if any(name.endswith("/archive_format") or name == "serialized_exported_program.json" for name in names):
             raise CheckpointLayoutError(
                 f"{path} is a torch.export archive (.pt2), not a checkpoint: load it with torch.export.load(path)"
             )

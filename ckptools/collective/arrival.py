@@ -124,8 +124,8 @@ def _check_in(store: Any, name: str, world: int) -> None:
     kind, _, detail = said.partition(":")
     if kind == "dead":
         raise CheckpointError(
-            f"{name} is collective, and rank(s) {_ranks(json.loads(detail))} died before coming to it: the job has "
-            "to restart (it resumes from the last complete checkpoint)"
+            f"{name} is collective, and rank(s) {_ranks(json.loads(detail))} died before every rank had come to it: "
+            "the job has to restart (it resumes from the last complete checkpoint)"
         )
     if kind == "calls":
         calls = json.loads(detail)
@@ -137,6 +137,11 @@ def _check_in(store: Any, name: str, world: int) -> None:
         )
     came = json.loads(detail)
     missing = [r for r in range(world) if r not in came]
+    if not missing:  # every rank wrote its name, and the count or the verdict never followed
+        raise CheckpointError(
+            f"{name} is collective: every rank came to it, but the check-in did not complete within {timeout:g} s "
+            "(a rank stopped or died in the middle of it, or the store lost a write): the job has to restart"
+        )
     raise CheckpointError(
         f"{name} is collective: every rank calls it. Rank(s) {_ranks(came)} came to it, rank(s) {_ranks(missing)} "
         f"(of {world}) did not within {timeout:g} s. Call it on every rank, not under `if rank == 0:` (ckptools "
@@ -177,14 +182,16 @@ def _whereabouts() -> list[Any]:
 
 
 def _dead(store: Any, key: str, world: int, base: str) -> list[int]:
-    """The ranks that have not come to ``key`` and are known dead: same host and PID namespace as
-    this rank (recorded at their first check-in), and their process is gone."""
+    """The ranks known dead while ``key`` has no verdict: same host and PID namespace as this rank
+    (recorded at their first check-in), and their process is gone. Whether or not a rank wrote its
+    name first: one that died after writing it, before the count or the verdict, leaves the
+    others waiting just as one that never came."""
     here = _whereabouts()
     if here[1] is None:
         return []
     dead = []
     for r in range(world):
-        if store.check([f"{key}/{r}"]) or not store.check([f"{base}/who/{r}"]):
+        if not store.check([f"{base}/who/{r}"]):
             continue
         host, namespace, pid = json.loads(store.get(f"{base}/who/{r}"))
         if [host, namespace] == here and not pid_alive(pid):

@@ -55,6 +55,9 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         verify: check every record's CRC-32 before loading (one extra read of the file).
             Lightning's own loader does not: ``torch.load`` ignores CRC-32s.
         mmap: memory-map local files when loading (tensors are read when touched).
+        trust_code: load every checkpoint as ``weights_only=False`` (it may run the file's code):
+            for checkpoints you wrote yourself, where Lightning (before 2.6) has no
+            ``trainer.fit(..., weights_only=False)`` to say it per call.
 
     Examples:
         >>> from ckptools.integrations.lightning import CkptoolsCheckpointIO  # doctest: +SKIP
@@ -62,10 +65,11 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         >>> trainer.fit(model, ckpt_path="last")  # doctest: +SKIP
     """
 
-    def __init__(self, *, verify: bool = True, mmap: bool = True) -> None:
+    def __init__(self, *, verify: bool = True, mmap: bool = True, trust_code: bool = False) -> None:
         super().__init__()
         self.verify = verify
         self.mmap = mmap
+        self.trust_code = trust_code
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically (global rank 0 only, as Lightning calls it).
@@ -94,16 +98,12 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
             loaded = TORCH_FILE.read_tree(
                 resolve(path),
                 map_location=map_location if map_location is not None else "cpu",
-                trust_code=weights_only is False,
+                trust_code=weights_only is False or self.trust_code,
                 verify=self.verify,
                 mmap=self.mmap,
             )
         except UnsafeCheckpointError as refusal:  # e.g. save_hyperparameters() of a Path or a Namespace
-            raise UnsafeCheckpointError(
-                f"{refusal}. In Lightning, for a checkpoint you wrote yourself: trainer.fit(model, ckpt_path=..., "
-                "weights_only=False) (validate, test and predict take it too), or fabric.load(path, state, "
-                "weights_only=False)"
-            ) from refusal
+            raise UnsafeCheckpointError(f"{refusal}. {_trusting()}") from refusal
         if not isinstance(loaded, dict):
             raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a Lightning checkpoint (a dict)")
         return loaded
@@ -144,8 +144,8 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
         >>> trainer = Trainer(plugins=[AsyncCkptoolsCheckpointIO()])  # doctest: +SKIP
     """
 
-    def __init__(self, *, verify: bool = True, mmap: bool = True) -> None:
-        super().__init__(verify=verify, mmap=mmap)
+    def __init__(self, *, verify: bool = True, mmap: bool = True, trust_code: bool = False) -> None:
+        super().__init__(verify=verify, mmap=mmap, trust_code=trust_code)
         self._buffers = SnapshotBuffers()
         self._writer = BackgroundWriter("ckptools-lightning-save")
         _teach_lightning()
@@ -293,3 +293,22 @@ def _newest_sibling(location: Location) -> str | None:
         if newest is None or stamp > newest[0]:
             newest = (stamp, name)
     return None if newest is None else newest[1]
+
+
+def _trusting() -> str:
+    """How to load a trusted checkpoint in the Lightning installed here: ``fit(weights_only=False)``
+    exists from Lightning 2.6; before it, the plugin's ``trust_code=True``."""
+    import inspect
+
+    fits = []
+    for name in ("pytorch_lightning", "lightning.pytorch"):  # the package, or the unified one
+        try:
+            fits.append(importlib.import_module(name).Trainer.fit)
+        except (ImportError, AttributeError):
+            continue
+    if not fits or any("weights_only" in inspect.signature(fit).parameters for fit in fits):
+        return ("In Lightning, for a checkpoint you wrote yourself: trainer.fit(model, ckpt_path=..., "
+                "weights_only=False) (validate, test and predict take it too), or fabric.load(path, state, "
+                "weights_only=False)")  # fmt: skip
+    return ("In Lightning before 2.6 (no weights_only in trainer.fit), for checkpoints you wrote yourself: "
+            "Trainer(plugins=[CkptoolsCheckpointIO(trust_code=True)])")  # fmt: skip

@@ -29,11 +29,13 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import re
 from typing import Any
 
 from .. import log, rng
 from ..collective.arrival import checked_in
 from ..collective.group import all_gather_object, get_world_size
+from ..errors import CheckpointError
 from ..restoring import restore_rank_rng
 from ..training.loader import ResumableDataLoader
 
@@ -50,6 +52,38 @@ for _module in ("pytorch_lightning.callbacks", "lightning.pytorch.callbacks"):
 _BASE: type = _CALLBACKS[0] if _CALLBACKS else object
 if not _CALLBACKS and not any(importlib.util.find_spec(name) for name in ("lightning_fabric", "lightning")):
     raise ImportError("ckptools.integrations.lightning needs Lightning: pip install pytorch-lightning (or lightning)")
+
+# The oldest Lightning whose resumes ExactResume makes exact, measured: with 2.4.0 the killed-and-
+# resumed fits of tests/test_lightning_resume.py end with other weights than the uninterrupted one;
+# with 2.5.0 (make compat's old end) and every later release tried they are bit-identical.
+OLDEST_LIGHTNING = (2, 5)
+
+
+def _lightning_release() -> tuple[str, str]:
+    """The distribution that holds the Trainer this module uses (Fabric's where there is none), and its version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    module = _BASE.__module__.split(".")[0] if _CALLBACKS else "lightning_fabric"
+    for dist in {"pytorch_lightning": ("pytorch-lightning",), "lightning": ("lightning",)}.get(
+        module, ("lightning-fabric", "lightning")
+    ):
+        try:
+            return dist, version(dist)
+        except PackageNotFoundError:
+            continue
+    return "lightning", "unknown"
+
+
+def check_lightning_version() -> None:
+    """Raise `CheckpointError` where the installed Lightning is older than ExactResume was made exact for."""
+    dist, found = _lightning_release()
+    numbers = tuple(int(n) for n in re.findall(r"\d+", found)[:2])
+    if len(numbers) == 2 and numbers < OLDEST_LIGHTNING:
+        wanted = ".".join(map(str, OLDEST_LIGHTNING))
+        raise CheckpointError(
+            f"ExactResume needs {dist} >= {wanted}, found {found}: fits resumed with older releases were measured "
+            f"to end with other weights than a fit never stopped. Upgrade: pip install '{dist}>={wanted}'"
+        )
 
 
 class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a class from a list: Any to mypy
@@ -83,6 +117,7 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
     """
 
     def __init__(self) -> None:
+        check_lightning_version()
         super().__init__()
         self._restored: dict[str, Any] | None = None  # the checkpoint's state, until training starts
         self._before_validation: tuple[Any, Any] | None = None

@@ -41,6 +41,30 @@ __all__ = ["MANIFEST", "CkptoolsCallback", "latest_complete_checkpoint", "write_
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
+# The oldest releases whose Trainer resumes mid-epoch bit-identically (tests/test_transformers.py,
+# `make compat`): with accelerate 1.6 the skipped batches of the resumed epoch come from another
+# epoch's order (its SkipDataLoader does not pass the epoch to the sampler; 1.7 does); with
+# transformers 4.57.6 (and 4.50, 4.53, 4.55) the resumed run ends with other weights, also without
+# augmentation. Older releases still get complete folders; the resume is then not exact, and
+# `CkptoolsCallback` says so once.
+EXACT_FROM = {"transformers": (5, 0), "accelerate": (1, 7)}
+
+
+def _inexact_releases() -> list[str]:
+    """The installed releases of `EXACT_FROM` older than the oldest measured exact, as 'name version'."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    old = []
+    for name, oldest in EXACT_FROM.items():
+        try:
+            found = version(name)
+        except PackageNotFoundError:
+            continue
+        numbers = tuple(int(n) for n in re.findall(r"\d+", found)[:2])
+        if len(numbers) == 2 and numbers < oldest:
+            old.append(f"{name} {found} (exact from {'.'.join(map(str, oldest))})")
+    return old
+
 
 class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # Any without transformers
     """A ``TrainerCallback`` that seals every ``checkpoint-N/`` the Trainer saves with a manifest,
@@ -63,6 +87,13 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
     """
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        old = _inexact_releases()
+        if old:
+            log.warn(
+                f"the Trainer resumes mid-epoch with other weights than a run never stopped with {', '.join(old)}: "
+                "checkpoint folders are still sealed and checked, but for exact resumes upgrade",
+                once="hf_inexact_release",
+            )
         persistent = getattr(args, "dataloader_persistent_workers", False)
         if persistent and _seeded(kwargs.get("train_dataloader")) is not None:
             raise ValueError(

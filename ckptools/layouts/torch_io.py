@@ -115,6 +115,8 @@ def load_file(
     except pickle.UnpicklingError as err:
         if weights_only and "GLOBAL" in str(err):
             raise _unsafe_error(path, err) from err
+        if _cuda_without_cuda(err):  # torch < 2.6 wraps it in its weights-only loader's error
+            raise _cuda_error(path) from err
         raise CheckpointFormatError(f"{path} is corrupt or not a torch checkpoint ({first_line(err)})") from err
     except CheckpointError:
         raise
@@ -137,15 +139,25 @@ def load_file(
         # On a damaged file torch.load raises whatever its reader tripped over: RuntimeError
         # from the zip reader, EOFError, KeyError, struct.error and even AssertionError from the
         # legacy reader (found by fuzzing). All of them mean the same thing to the caller.
-        if isinstance(err, RuntimeError) and "CUDA" in str(err) and "deserialize" in str(err):
-            raise CheckpointFormatError(
-                f"{path} holds CUDA tensors but CUDA is not available here; load it with map_location='cpu'"
-            ) from err
+        if isinstance(err, RuntimeError) and _cuda_without_cuda(err):
+            raise _cuda_error(path) from err
         empty = isinstance(err, EOFError)
         reason = "it is empty or truncated" if empty else first_line(err)
         raise CheckpointFormatError(
             f"{path} is truncated, corrupt or not a torch checkpoint ({reason}); re-save it or pick another file"
         ) from err
+
+
+def _cuda_without_cuda(err: BaseException) -> bool:
+    """Whether torch refused to put a storage on a CUDA device this machine lacks."""
+    text = str(err)
+    return "CUDA" in text and "deserialize" in text
+
+
+def _cuda_error(path: str) -> CheckpointFormatError:
+    return CheckpointFormatError(
+        f"{path} holds CUDA tensors but CUDA is not available here; load it with map_location='cpu'"
+    )
 
 
 @contextmanager

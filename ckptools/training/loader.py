@@ -217,7 +217,7 @@ class ResumableDataLoader(torch.utils.data.DataLoader[Any]):
                 ones (see `ResumableDistributedSampler.load_state_dict`).
         """
         sampler = self.resumable_sampler
-        # A file from ckptools 0.4 or older has no "epoch_ended": for this loader it was always False.
+        # A file written before ckptools 0.4.0 has no "epoch_ended": for this loader it was always False.
         sampler.load_state_dict({"epoch_ended": False, **state["sampler"]})
         # Counted so that the batches done and the batches left make an epoch at this world size
         # (the saved count, when it is the saving world size; after a change, what the rest of the

@@ -457,7 +457,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
 def _warn_epoch_end_unknown(epoch: int) -> None:
     log.warn(
         f"this checkpoint was taken after the last batch of epoch {epoch}, and whether the training loop had "
-        "already left that epoch when it saved is not recorded (a checkpoint from ckptools 0.4 or older, a loop "
+        "already left that epoch when it saved is not recorded (a checkpoint written before ckptools 0.4.0, a loop "
         "that reports with record_consumed, or persistent DataLoader workers without track()). The run resumes at "
         f"the start of epoch {epoch + 1}: exact for a save after the epoch's loop (`for epoch in "
         "range(sampler.epoch, epochs): ...; scheduler.step(); manager.save(...)`, or `start_epoch = ckpt['epoch'] + "

@@ -74,9 +74,41 @@ def rank_part(state: Mapping[str, Any]) -> dict[str, Any]:
     return {"rng": rng.get_rng_state(), "per_rank": values, "digests": digests}
 
 
+def _small(value: Any, budget: int = _DIGEST_MAX, visits: int = 10_000) -> bool:
+    """Whether ``value`` holds at most ``budget`` bytes of tensors, arrays and strings, found by a walk
+    that stops at the first excess: pickling a large entry only to find it large would copy it all
+    (a dict of CUDA weights moved to the CPU: 1.3 s per save of 1 GiB, seen on an H100)."""
+    todo, size = [value], 0
+    while todo:
+        visits -= 1
+        item = todo.pop()
+        if visits < 0:
+            return False
+        if isinstance(item, torch.Tensor):
+            size += item.nbytes if item.layout == torch.strided else budget + 1
+        elif isinstance(item, (str, bytes, bytearray)):
+            size += len(item)
+        elif isinstance(item, Mapping):
+            todo.extend(item.keys())
+            todo.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            todo.extend(item)
+        elif isinstance(getattr(item, "nbytes", None), int):  # a numpy array
+            size += item.nbytes
+        elif hasattr(item, "__dict__") and not isinstance(item, type):
+            todo.extend(vars(item).values())
+        else:
+            size += 8
+        if size > budget:
+            return False
+    return True
+
+
 def _digest(value: Any) -> int | None:
     """A CRC-32 of ``value`` (None when it is large, or cannot be pickled: not compared)."""
     try:
+        if not _small(value):
+            return None
         if isinstance(value, torch.Tensor):
             if value.nbytes > _DIGEST_MAX or value.layout != torch.strided or value.is_quantized:
                 return None
