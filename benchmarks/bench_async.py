@@ -91,7 +91,7 @@ def bench(gib: float, repeat: int, workdir: str, device: str) -> dict[str, float
         _sync(device)
         if keep:
             out["floor"].append(time.perf_counter() - t)
-    ck.release_snapshot_buffers()
+    ck.release_staging_buffers()
     return {k: _median(v) for k, v in out.items()}
 
 

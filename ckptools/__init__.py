@@ -56,7 +56,7 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .training.sampler import ResumableDistributedSampler
     from .training.seeded import SeededDataset
     from .view import CheckpointView, TensorInfo, Verification
-    from .write.async_save import AsyncSave, release_snapshot_buffers
+    from .write.async_save import AsyncSave, release_staging_buffers
 
 from ._version import __version__ as __version__
 
@@ -90,7 +90,7 @@ _LAZY = {
     "is_main_process": ".collective.group",
     "load": ".loading",
     "load_state_dict": ".loading",
-    "release_snapshot_buffers": ".write.async_save",
+    "release_staging_buffers": ".write.async_save",
     "rename_checkpoint": ".rewrite",
     "resolve_map_location": ".devices",
     "save": ".saving",
@@ -139,7 +139,7 @@ __all__ = [
     "load",
     "load_state_dict",
     "open_checkpoint",
-    "release_snapshot_buffers",
+    "release_staging_buffers",
     "rename_checkpoint",
     "resolve_map_location",
     "save",
@@ -152,7 +152,19 @@ __all__ = [
 ]
 
 
+# Old spellings kept for one release (0.4): each warns once where it is used and gives the new name.
+_DEPRECATED = {"release_snapshot_buffers": "release_staging_buffers"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _DEPRECATED:
+        import warnings
+
+        new = _DEPRECATED[name]
+        warnings.warn(f"ckptools.{name} is deprecated and goes in 0.5: use ckptools.{new} (the same function; an "
+                      "async save's host copy is its staging, a snapshot is what CheckpointManager.snapshot keeps)",
+                      DeprecationWarning, stacklevel=2)  # fmt: skip
+        return __getattr__(new)
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ckptools' has no attribute {name!r}")

@@ -40,7 +40,7 @@ def verify(path: PathLike, *, trust_code: bool = False, strict: bool = False) ->
     structure, a ``ckptools-manifest.json``'s sizes and CRC-32s, the Trainer's expected set: the
     judgement ``latest_complete_checkpoint`` makes). Bytes no stored checksum covers (a
     safetensors file from another tool, a DCP folder, a tokenizer file) are named at the end of
-    the line, after ``data not checksummed:``.
+    the line, after ``data not checksummed:``. The verdict is `verify_report`'s.
 
     Args:
         path: a file, a folder or an fsspec URL of a file.
@@ -59,19 +59,28 @@ def verify(path: PathLike, *, trust_code: bool = False, strict: bool = False) ->
         >>> ck.verify("/tmp/f.pt")
         "torch zip, every record's CRC-32 matches, 1 tensor loaded"
     """
-    found = open_checkpoint(path, trust_code=trust_code).verify()
-    if strict and not found.checksummed:
-        raise NotChecksummedError(f"{fspath(path)}: {found.line()}; with strict, every byte must carry a checksum")
-    return found.line()
+    report, damage = _judge(path, trust_code, strict)
+    if damage is not None:
+        raise damage
+    if not report["passed"]:
+        raise NotChecksummedError(f"{report['path']}: {report['line']}; with strict, every byte must carry a checksum")
+    return str(report["line"])
 
 
-def verify_report(path: PathLike, *, trust_code: bool = False) -> dict[str, Any]:
-    """What ``ckpt verify --json`` prints, as a dict: damage is a result here, not an exception.
+# Each verdict's label, as `ckpt verify` prints it before the path.
+LABELS = {"ok": "OK", "structure_ok": "STRUCTURE OK", "damaged": "DAMAGED"}
+
+
+def verify_report(path: PathLike, *, trust_code: bool = False, strict: bool = False) -> dict[str, Any]:
+    """The verdict on one checkpoint, decided here alone (`verify` and ``ckpt verify`` render it):
+    what ``ckpt verify --json`` prints, as a dict; damage is a result here, not an exception.
 
     Keys: ``path``; ``status``: ``"ok"`` (every byte matched a stored checksum),
     ``"structure_ok"`` (whole as far as it could be checked, but ``not_checksummed`` names bytes
-    no checksum covers) or ``"damaged"``; ``line`` (`verify`'s line, or what is damaged);
-    ``checksummed`` (bool); ``not_checksummed`` (file: what was checked instead).
+    no checksum covers) or ``"damaged"``; ``passed`` (``"ok"``, or ``"structure_ok"`` without
+    ``strict``); ``label`` (``OK``, ``STRUCTURE OK``, ``NOT CHECKSUMMED (--strict)``, ``DAMAGED``);
+    ``line`` (what was checked, or what is damaged); ``checksummed`` (bool); ``not_checksummed``
+    (file: what was checked instead).
 
     Raises:
         CheckpointNotFoundError, CheckpointLayoutError, UnsafeCheckpointError: not a checkpoint
@@ -83,16 +92,26 @@ def verify_report(path: PathLike, *, trust_code: bool = False) -> dict[str, Any]
         >>> ck.verify_report("/tmp/r.pt")["status"]
         'ok'
     """
+    return _judge(path, trust_code, strict)[0]
+
+
+def _judge(path: PathLike, trust_code: bool, strict: bool) -> tuple[dict[str, Any], CheckpointFormatError | None]:
+    """The one place a verdict is decided: `verify_report`'s dict, and the damage found (or None)."""
     path = fspath(path)
     try:
         found = open_checkpoint(path, trust_code=trust_code).verify()
     except CheckpointLayoutError:
         raise  # a valid file of another kind is never called damaged
     except CheckpointFormatError as damage:
-        return {"path": path, "status": "damaged", "line": str(damage), "checksummed": False, "not_checksummed": {}}
+        report = {"path": path, "status": "damaged", "passed": False, "label": LABELS["damaged"], "line": str(damage),
+                  "checksummed": False, "not_checksummed": {}}  # fmt: skip
+        return report, damage
     status = "ok" if found.checksummed else "structure_ok"
-    return {"path": path, "status": status, "line": found.line(), "checksummed": found.checksummed,
-            "not_checksummed": found.not_checksummed}  # fmt: skip
+    passed = status == "ok" or not strict
+    label = LABELS[status] if passed else "NOT CHECKSUMMED (--strict)"
+    report = {"path": path, "status": status, "passed": passed, "label": label, "line": found.line(),
+              "checksummed": found.checksummed, "not_checksummed": found.not_checksummed}  # fmt: skip
+    return report, None
 
 
 # ckptools' own entry: what says when and with what a file was saved is not compared (it differs between any

@@ -34,7 +34,7 @@ from .write import (
     node_token,
     pending,
     register,
-    release_snapshot_buffers,
+    release_staging_buffers,
     send_file,
     settle,
     start_keeper,
@@ -209,7 +209,7 @@ class CheckpointManager:
             >>> manager.close()  # doctest: +SKIP
         """
         self.wait()
-        release_snapshot_buffers()
+        release_staging_buffers()
         close_slots(self.snapshot_dir)
 
     def __enter__(self) -> CheckpointManager:

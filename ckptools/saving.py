@@ -35,7 +35,7 @@ from .write import (
     rank_part,
     replica_digests,
     set_pending,
-    take_snapshot,
+    stage,
     whole_storage,
     with_partitions,
     write_alone,
@@ -293,10 +293,10 @@ def async_save(
     happens. A process that ends with a save in flight finishes the write before it exits
     (unless it leaves through ``os._exit``: then wait first).
 
-    The snapshot goes into buffers kept from the previous async save while sizes match (pinned
+    The staged copy goes into buffers kept from the previous async save while sizes match (pinned
     host memory for CUDA tensors, copied non-blocking, then one synchronize), so the steady
     cost is one memory copy of the state; that memory (one state's size) stays held until
-    `ckptools.release_snapshot_buffers`. Only rank 0 copies anything.
+    `ckptools.release_staging_buffers`. Only rank 0 copies anything.
 
     With ``writers="all"`` (what ``"auto"`` becomes when every rank sees the directory; see
     `save`) each rank copies only its own share, about 1/N of the state (rank 0 also what
@@ -348,14 +348,14 @@ def async_save_with_hooks(
     planned = _shares(start, state, before_write, writers, on_cpu=True)
     handle = AsyncSave(start.path, start.started, shared=planned is not None)
     if planned is None:
-        snapshot = _on_rank0(start, state, take_snapshot)
+        staged = _on_rank0(start, state, stage)
         if get_rank() == 0:
             ran = start.written
-            handle.start(lambda: _write(start.location, snapshot, before_write, ran), after_write)
+            handle.start(lambda: _write(start.location, staged, before_write, ran), after_write)
     else:
         plan, storages = planned
         # This rank's share only, into the reused host buffers: 1/N of the state per rank.
-        copies = take_snapshot([whole_storage(storage) for storage in storages])
+        copies = stage([whole_storage(storage) for storage in storages])
         pairs = [(share, copy.untyped_storage()) for share, copy in zip(plan.mine(), copies)]
         handle.start(lambda: write_share_in_background(start.location, plan, pairs, handle), after_write)
     set_pending(handle)

@@ -10,6 +10,7 @@ import threading
 import pytest
 import torch
 from _dist import run_ranks
+from _same import assert_same_tree
 
 import ckptools as ck
 from ckptools.saving import async_save_with_hooks as _async_save
@@ -31,23 +32,6 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
     opt.zero_grad()
 
 
-def _assert_same(a, b, where="") -> None:
-    """Equal bit for bit, tensors (dtype, shape, bytes) and plain values, recursively."""
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape, where
-        assert a.numpy().tobytes() == b.numpy().tobytes(), where
-    elif isinstance(a, dict):
-        assert list(a) == list(b), where
-        for k in a:
-            _assert_same(a[k], b[k], f"{where}.{k}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 def test_file_holds_the_state_as_of_the_call_bit_for_bit(tmp_path):
     model, opt = _trained()
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
@@ -67,9 +51,9 @@ def test_file_holds_the_state_as_of_the_call_bit_for_bit(tmp_path):
     assert handle.wait() == str(tmp_path / "async.pt") and handle.done()
     sync, other = torch.load(tmp_path / "sync.pt"), torch.load(tmp_path / "async.pt")
     for name in ("model", "optimizer", "scheduler", "step"):
-        _assert_same(sync[name], other[name], name)
+        assert_same_tree(sync[name], other[name], name)
     assert other["model"]._metadata == sync["model"]._metadata  # BatchNorm's version survives
-    _assert_same(sync["__ckptools__"]["rng"], other["__ckptools__"]["rng"], "rng")
+    assert_same_tree(sync["__ckptools__"]["rng"], other["__ckptools__"]["rng"], "rng")
     assert background.pending() is None
 
 
@@ -88,7 +72,7 @@ def test_shared_storage_parameters_and_requires_grad_are_kept(tmp_path):
         assert torch.equal(a[k], s[k])
 
 
-def test_snapshot_buffers_are_reused_while_shapes_stay_and_can_be_released(tmp_path):
+def test_staging_buffers_are_reused_while_shapes_stay_and_can_be_released(tmp_path):
     model, opt = _trained()
     state = {"model": model, "optimizer": opt}
     ck.async_save(tmp_path / "1.pt", state).wait()
@@ -98,11 +82,21 @@ def test_snapshot_buffers_are_reused_while_shapes_stay_and_can_be_released(tmp_p
     _step(model, opt)
     ck.async_save(tmp_path / "2.pt", state).wait()
     assert [s.data_ptr() for s in background._BUFFERS._storages] == first  # no new allocation
-    assert ck.release_snapshot_buffers() == held
+    assert ck.release_staging_buffers() == held
     assert background._BUFFERS.nbytes == 0
     ck.async_save(tmp_path / "3.pt", {"w": torch.ones(5)}).wait()
     # 20 bytes of w and the RNG states' tensors; nothing of the model's buffers kept.
     assert 20 < background._BUFFERS.nbytes < 20_000 < held
+
+
+def test_the_old_names_of_staging_still_work_with_a_deprecation_warning(tmp_path):
+    handle = ck.async_save(tmp_path / "a.pt", {"w": torch.ones(5)})
+    handle.wait()
+    with pytest.warns(DeprecationWarning, match="use stall_seconds"):
+        assert handle.snapshot_seconds == handle.stall_seconds > 0
+    with pytest.warns(DeprecationWarning, match="use ckptools.release_staging_buffers"):
+        release = ck.release_snapshot_buffers
+    assert release is ck.release_staging_buffers and release() > 0
 
 
 def test_unsafe_state_is_refused_at_the_call_and_nothing_is_in_flight(tmp_path):

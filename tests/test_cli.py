@@ -203,6 +203,8 @@ def test_an_error_naming_a_damaged_record_stays_one_line_whatever_byte_the_name_
     result = _run("info", path)
     assert result.exit_code == 2, result.output
     assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("ckpt: "), repr(result.output)
+    result = _run("verify", path)  # the verdict's line on stdout, too
+    assert result.exit_code == 1 and len(result.output.strip().splitlines()) == 1, repr(result.output)
 
 
 def test_version():
@@ -347,3 +349,32 @@ def test_verify_a_run_folder_and_several_paths_each_on_stdout(tmp_path):
     (tmp_path / "empty").mkdir()
     empty = _run("verify", tmp_path / "empty")
     assert empty.exit_code == 2 and len(empty.stderr.strip().splitlines()) == 1, empty.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "suffix"),
+    [(["info"], ".safetensors"), (["info"], ".pt"), (["strip-module", "-o", "{out}"], ".safetensors"),
+     (["strip-module", "-o", "{out}"], ".pt"),
+     (["strip-module", "-o", "{out}", "--prefix", "nothing."], ".safetensors"),
+     (["add-module", "-o", "{out}"], ".safetensors"), (["convert", "{out}"], ".pt")],
+)  # fmt: skip
+def test_paths_that_need_no_tensor_never_import_torch(tmp_path, command, suffix):
+    """Reading headers and records, renaming keys, converting a torch zip to safetensors: torch-free
+    (libtorch costs ~200 MiB and a second per call; `verify` loads a torch file with torch on
+    purpose). strip-module's hint about the prefix every key shares (when none had the one asked
+    for) took the weights, and so torch, on a safetensors file."""
+    weights = {"net.w": torch.ones(2, 3), "net.b": torch.zeros(3)}
+    src = tmp_path / f"in{suffix}"
+    if suffix == ".pt":
+        torch.save({"state_dict": weights, "epoch": 1}, src)
+    else:
+        safetensors.torch.save_file(weights, str(src))
+    out = tmp_path / ("out.safetensors" if command[0] == "convert" else f"out{suffix}")
+    args = [a.format(out=out) for a in command[:1]] + [str(src)] + [a.format(out=out) for a in command[1:]]
+    code = (
+        "import sys; from ckptools.cli import app\n"
+        f"try:\n    app({args!r})\nexcept SystemExit as e:\n    code = e.code\n"
+        "print('EXIT', code, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip().splitlines()[-1] == "EXIT 0 False", proc.stdout + proc.stderr

@@ -27,6 +27,7 @@ import pytest
 import safetensors
 import safetensors.torch
 import torch
+from _same import same_tensor
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
@@ -48,14 +49,6 @@ DTYPES = [getattr(torch, name) for name in ("float64", "float32", "float16", "bf
           "int8", "uint8", "bool", "complex64", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32", "uint64")
           if torch_can.save(name)]  # fmt: skip
 NAME = st.text(st.characters(categories=("L", "N"), include_characters="._-é中"), min_size=1, max_size=10)
-
-
-def _bits(t: torch.Tensor) -> bytes:
-    return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
-
-
-def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and tuple(a.shape) == tuple(b.shape) and _bits(a) == _bits(b)
 
 
 @st.composite
@@ -115,7 +108,7 @@ def test_every_operation_agrees_with_torch_and_safetensors(tmp_path_factory, sta
 
     # load_state_dict: every tensor bit for bit
     ours = ck.load_state_dict(src, strip=None)
-    assert set(ours) == set(theirs) and all(_same(ours[k], theirs[k]) for k in theirs)
+    assert set(ours) == set(theirs) and all(same_tensor(ours[k], theirs[k]) for k in theirs)
 
     # to safetensors, read back by the official library (tied names through ckptools' aliases)
     dst = tmp / "s.safetensors"
@@ -126,7 +119,7 @@ def test_every_operation_agrees_with_torch_and_safetensors(tmp_path_factory, sta
     assert not set(aliases) & set(official)  # an alias never names a stored tensor
     assert set(official) | set(aliases) == set(theirs)
     for name, t in theirs.items():
-        assert _same(official[aliases.get(name, name)], t), name
+        assert same_tensor(official[aliases.get(name, name)], t), name
 
     # strip-module and add-module, read back by torch: keys as ck.strip_prefix / ck.add_prefix give
     # them, tensors unchanged, every other entry as it was
@@ -148,7 +141,7 @@ def test_every_operation_agrees_with_torch_and_safetensors(tmp_path_factory, sta
     torch_file = ck.load_state_dict(dst, strip=None)
     ck.layouts.torch_io.save_file(again, torch_file)
     final = torch.load(again, weights_only=True)
-    assert set(final) == set(theirs) and all(_same(final[k], theirs[k]) for k in theirs)
+    assert set(final) == set(theirs) and all(same_tensor(final[k], theirs[k]) for k in theirs)
 
 
 def _cli(*args: object):
@@ -165,7 +158,7 @@ def _check_renamed(path, loaded, nest, transform) -> None:
     whole = torch.load(path, weights_only=True)
     back = whole if nest is None else whole[nest]
     expected = transform(loaded if nest is None else loaded[nest])
-    assert list(back) == list(expected) and all(_same(back[k], expected[k]) for k in expected)
+    assert list(back) == list(expected) and all(same_tensor(back[k], expected[k]) for k in expected)
     if nest is not None:  # every other entry as it was
         assert {k: v for k, v in whole.items() if k != nest} == {k: v for k, v in loaded.items() if k != nest}
 
@@ -230,7 +223,7 @@ def test_a_mutated_file_ckptools_accepts_reads_as_the_official_library_reads_it(
     except Exception as err:
         raise AssertionError(f"ckptools accepted a file the official reader refuses: {err}") from err
     assert set(ours) == set(theirs)
-    assert all(_same(ours[k], theirs[k]) for k in theirs)
+    assert all(same_tensor(ours[k], theirs[k]) for k in theirs)
 
 
 def _official_torch_file(seed: int) -> bytes:
@@ -289,7 +282,7 @@ def test_a_mutated_torch_file_ckptools_accepts_reads_as_torch_reads_it(tmp_path_
         pass
     else:
         accepted("load_state_dict")
-        assert set(ours) == set(theirs) and all(_same(ours[k], theirs[k]) for k in theirs)
+        assert set(ours) == set(theirs) and all(same_tensor(ours[k], theirs[k]) for k in theirs)
     try:
         ck.convert_to_safetensors(path, tmp / "o.safetensors", strip=None)
     except ck.CheckpointError:
@@ -297,7 +290,7 @@ def test_a_mutated_torch_file_ckptools_accepts_reads_as_torch_reads_it(tmp_path_
     else:
         accepted("convert")
         official = safetensors.torch.load_file(str(tmp / "o.safetensors"))
-        assert all(_same(official[k], theirs[k]) for k in official)
+        assert all(same_tensor(official[k], theirs[k]) for k in official)
     for n, transform in enumerate((ck.strip_prefix, ck.add_prefix)):
         try:
             ck.rename_checkpoint(path, tmp / f"r{n}.pt", transform)
@@ -344,10 +337,10 @@ def test_a_generated_safetensors_file_reads_as_the_official_library_reads_it(tmp
         assert _cli("info", src, "--json").exit_code == 2
         return
     assert _cli("info", src, "--json").exit_code == 0
-    assert set(theirs) <= set(ours) and all(_same(ours[k], theirs[k]) for k in theirs)  # aliases only add names
+    assert set(theirs) <= set(ours) and all(same_tensor(ours[k], theirs[k]) for k in theirs)  # aliases only add names
     ck.layouts.torch_io.save_file(tmp / "a.pt", ours)
     back = torch.load(tmp / "a.pt", weights_only=True)
-    assert all(_same(back[k], theirs[k]) for k in theirs)
+    assert all(same_tensor(back[k], theirs[k]) for k in theirs)
     for transform in (ck.strip_prefix, ck.add_prefix):
         try:
             ck.rename_checkpoint(src, tmp / "r.safetensors", transform)
@@ -356,7 +349,7 @@ def test_a_generated_safetensors_file_reads_as_the_official_library_reads_it(tmp
             continue
         renamed = safetensors.torch.load_file(str(tmp / "r.safetensors"))
         expected = transform(theirs)
-        assert set(renamed) == set(expected) and all(_same(renamed[k], expected[k]) for k in expected)
+        assert set(renamed) == set(expected) and all(same_tensor(renamed[k], expected[k]) for k in expected)
         with safetensors.safe_open(str(tmp / "r.safetensors"), "pt") as f:
             kept = f.metadata() or {}
         assert {k: v for k, v in kept.items() if not k.startswith("ckptools.")} == {

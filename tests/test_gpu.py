@@ -74,7 +74,7 @@ def test_cuda_state_is_snapshotted_into_pinned_memory_as_of_the_call(tmp_path):
     # Loads back onto the GPU like any checkpoint.
     restored = ck.load(tmp_path / "async.pt", {"model": model, "optimizer": opt})
     assert restored["model"]["0.weight"].device.type == "cuda"
-    assert ck.release_snapshot_buffers() > 0
+    assert ck.release_staging_buffers() > 0
 
 
 @cuda_only
@@ -396,7 +396,7 @@ def _writers_all_on_gpu(rank: int, world: int, directory: str) -> dict:
         for p in model.parameters():
             p.add_(1.0)
     handle.wait()
-    ck.release_snapshot_buffers()
+    ck.release_staging_buffers()
     return {"written": counted["bytes"]}
 
 

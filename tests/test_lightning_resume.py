@@ -11,6 +11,7 @@ import random
 import pytest
 import torch
 from _lightning_fit import FIT, logged, run_killed
+from _same import same_tree
 
 pl = pytest.importorskip("pytorch_lightning", reason="the interop extra (pytorch-lightning) is not installed")
 
@@ -22,10 +23,6 @@ from ckptools.integrations.lightning import ExactResume  # noqa: E402
 # "exact" is the recipe (ExactResume + ck.ResumableDataLoader); "plugin" is Lightning alone (with
 # ckptools' CheckpointIO: the control). Arguments: epochs, every, workers, samples, dropout, shuffle, augment.
 _RANDOM = (3, 4, 2, 96, 1, 1, 1)
-
-
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(a[k].numpy().tobytes() == b[k].numpy().tobytes() for k in a)
 
 
 def _kills(rng: random.Random, fixed: list[int], steps: int, count: int) -> list[int]:
@@ -51,14 +48,15 @@ def test_one_process_killed_at_random_steps_resumes_bit_identical_and_without_it
     kills = _kills(random.Random(_seed()), [13], 36, 3)
     straight = run_killed(script, tmp_path / "straight", "exact", 1, args)
     resumed = run_killed(script, tmp_path / "resumed", "exact", 1, args, kills)
-    assert _same(straight, resumed), f"kills at steps {kills}"
+    assert same_tree(straight, resumed, key_order=False), f"kills at steps {kills}"
     # The last launch ran from the newest checkpoint to the end: the straight run's steps.
     last = logged(tmp_path / "resumed", len(kills), "seen")
     assert last[-1][0] == logged(tmp_path / "straight", 0, "seen")[-1][0] == 35
     # The control: Lightning alone (its own DataLoader, no ExactResume), killed at the same steps.
     plain_straight = run_killed(script, tmp_path / "plain-straight", "plugin", 1, args)
     plain_resumed = run_killed(script, tmp_path / "plain-resumed", "plugin", 1, args, kills)
-    assert not _same(plain_straight, plain_resumed), f"Lightning alone resumed exactly from kills at {kills}"
+    exact = same_tree(plain_straight, plain_resumed, key_order=False)
+    assert not exact, f"Lightning alone resumed exactly from kills at {kills}"
 
 
 @pytest.mark.slow  # 2-process DDP launches: `make interop`
@@ -72,7 +70,7 @@ def test_two_ddp_processes_killed_at_random_steps_resume_bit_identical(tmp_path)
     kills = _kills(random.Random(_seed()), [7, 13], 18, 1)
     straight = run_killed(script, tmp_path / "straight", "exact", 2, args)
     resumed = run_killed(script, tmp_path / "resumed", "exact", 2, args, kills)
-    assert _same(straight, resumed), f"kills at steps {kills}"
+    assert same_tree(straight, resumed, key_order=False), f"kills at steps {kills}"
     assert "not bit-exact" not in (tmp_path / "resumed" / "stderr.txt").read_text()
 
 
@@ -119,7 +117,7 @@ def test_onecycle_sized_by_estimated_stepping_batches_resumes_bit_identical(tmp_
     args = (3, 4, 2, 96, 1, 1, 1)
     straight = run_killed(script, tmp_path / "straight", "exact", 1, args)
     resumed = run_killed(script, tmp_path / "resumed", "exact", 1, args, [6, 19], require_checkpoint=True)
-    assert _same(straight, resumed)
+    assert same_tree(straight, resumed, key_order=False)
     # The relaunches trained on exactly the samples the killed launches had not: each once per epoch.
     seen = [row for n, cut in ((0, 4), (1, 16)) for row in logged(tmp_path / "resumed", n, "seen") if row[0] < cut]
     seen += logged(tmp_path / "resumed", 2, "seen")
@@ -190,7 +188,7 @@ def test_a_fabric_loop_killed_at_a_random_step_resumes_bit_identical(tmp_path):
     kill = random.Random(_seed()).randrange(5, 18)
     straight = run_killed(script, tmp_path / "straight", "-", 2, ())
     resumed = run_killed(script, tmp_path / "resumed", "-", 2, (), kills=[kill], checkpoint="ckpt.pt")
-    assert _same(straight, resumed), f"killed at step {kill}"
+    assert same_tree(straight, resumed, key_order=False), f"killed at step {kill}"
 
 
 class _Small(pl.LightningModule):

@@ -20,6 +20,7 @@ import _torch_can as torch_can
 import pytest
 import safetensors.torch
 import torch
+from _same import assert_same_tree
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
@@ -47,9 +48,7 @@ def _ckpt(*args: object, prelude: str = "", cwd: str | None = None) -> subproces
 
 
 def _same(got, want) -> None:
-    assert set(got) == set(want), sorted(set(got) ^ set(want))[:5]
-    for k, v in want.items():
-        assert got[k].dtype == v.dtype and got[k].shape == v.shape and torch.equal(got[k], v), k
+    assert_same_tree(got, want, key_order=False)
 
 
 def _net() -> torch.nn.Module:

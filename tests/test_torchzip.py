@@ -13,6 +13,7 @@ from collections import OrderedDict
 
 import pytest
 import torch
+from _same import assert_same_tree, same_tree
 
 import ckptools as ck
 from ckptools.codecs.pickle_writer import dumps
@@ -47,23 +48,13 @@ def _rewrite(src, dst, transform=None, **kw):
     return archive
 
 
-def _same(a, b):
-    if isinstance(a, torch.Tensor):
-        return type(a) is type(b) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return list(a) == list(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @pytest.mark.parametrize("force_zip64", [False, True])
 def test_unchanged_roundtrip_loads_identically(tmp_path, force_zip64):
     original = _checkpoint(tmp_path / "a.pt")
     _rewrite(tmp_path / "a.pt", tmp_path / "b.pt", force_zip64=force_zip64)
     for mmap in (False, True):
         back = torch.load(tmp_path / "b.pt", weights_only=True, mmap=mmap)
-        assert _same(original, back)
+        assert same_tree(original, back, same_type=True)
         assert back["tied"]["a"] is back["tied"]["b"]  # ties survive
         assert back["tied"]["view"].untyped_storage().data_ptr() == back["tied"]["a"].untyped_storage().data_ptr()
         assert back["model"]._metadata == original["model"]._metadata
@@ -94,8 +85,8 @@ def test_strip_module_cli_keeps_everything_else(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert (tmp_path / "a.pt").read_bytes() == before
     back = torch.load(tmp_path / "b.pt", weights_only=True)
-    assert _same(ck.strip_prefix(original["model"]), back["model"])
-    assert _same({k: v for k, v in original.items() if k != "model"}, {k: v for k, v in back.items() if k != "model"})
+    assert same_tree(ck.strip_prefix(original["model"]), back["model"], same_type=True)
+    assert_same_tree(original, back, ignore={"model"}, same_type=True)
 
 
 def test_tensor_info_without_torch_semantics(tmp_path, cuda_tagged_file):

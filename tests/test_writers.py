@@ -14,6 +14,7 @@ import pytest
 import torch
 from _dist import run_ranks
 from _faults import dies_midway
+from _same import assert_same_tree
 
 import ckptools as ck
 from ckptools.codecs.trees import META_KEY
@@ -87,27 +88,13 @@ def _same_files(rank: int, world: int, directory: str) -> dict:
     replicated += sum(
         t.numel() * t.element_size() for s in state["optimizer"].state.values() for t in s.values() if t.numel() > 1
     )
-    ck.release_snapshot_buffers()
+    ck.release_staging_buffers()
     return {"written": counted["bytes"], "on_disk": on_disk, "snapshot": snapshot, "replicated": replicated}
 
 
 def _assert_same(a, b, where="file"):
-    """Equal trees, tensors bit for bit (dtype, shape, strides, bytes)."""
-    if isinstance(a, dict):
-        assert list(a) == list(b), where
-        for k in a:
-            if k != "created_unix":
-                _assert_same(a[k], b[k], f"{where}[{k!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    elif isinstance(a, torch.Tensor):
-        assert (a.dtype, a.shape, a.stride(), a.device) == (b.dtype, b.shape, b.stride(), b.device), where
-        raw_a, raw_b = (t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a, b))
-        assert torch.equal(raw_a, raw_b), where
-    else:
-        assert a == b, (where, a, b)
+    """Equal trees, tensors bit for bit and laid out alike (strides, device); the save time aside."""
+    assert_same_tree(a, b, where, ignore={"created_unix"}, strides=True)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -260,7 +260,10 @@ def _rename_command(
 
         dst = _target(path, output, in_place, force)
 
+        names: list[str] = []  # the weights' names as the rename saw them (per shard, for a sharded checkpoint)
+
         def transform(sd: Mapping[str, Any]) -> Mapping[str, Any]:
+            names.extend(sd)
             for prefix in prefixes:
                 sd = add_prefix(sd, prefix) if add else strip_prefix(sd, prefix)
             return sd
@@ -273,18 +276,17 @@ def _rename_command(
         said = " / ".join(repr(p) for p in prefixes)
         out.print(f"{dst}: prefix {said} {verb} {changed} keys")
         if not changed and not add:
-            _say_shared_prefix(path, key)
+            _say_shared_prefix(path, key, names)
 
     _run(body)
 
 
-def _say_shared_prefix(path: str, key: Optional[str]) -> None:
-    """After a strip that removed nothing: the prefix the keys do share (a LightningModule's
-    ``net.``), and how to remove it."""
-    from ..layouts import open_checkpoint
+def _say_shared_prefix(path: str, key: Optional[str], names: list[str]) -> None:
+    """After a strip that removed nothing: the prefix the ``names`` (the weights', as the rename read
+    them: no second read, no tensor, no torch) do share (a LightningModule's ``net.``), and how to remove it."""
     from ..state_dict import shared_prefix
 
-    head = shared_prefix(open_checkpoint(path).weights(key))
+    head = shared_prefix(names)
     if head is not None:
         where = f" --key {key}" if key else ""
         err.print(
@@ -451,7 +453,7 @@ def verify(
         shown: list[str | dict[str, Any]] = []  # what to print, in the order of the paths: headers and reports
 
         def judge(path: str, where: str = "") -> None:
-            report = verify_report(path, trust_code=trust)
+            report = verify_report(path, trust_code=trust, strict=strict)
             report = {**report, "line": report["line"] + where}
             reports.append(report)
             shown.append(report)
@@ -486,7 +488,7 @@ def verify(
                     judge(found, where)
                 except CheckpointError as error:  # gone meanwhile (pruned by a running job), or refused
                     failures.append(str(error))
-        code = max([_verify_code(r["status"], strict) for r in reports] + [2] * len(failures), default=2)
+        code = max([0 if r["passed"] else 1 for r in reports] + [2] * len(failures), default=2)
         if as_json:
             if len(paths) == 1 and len(reports) == 1 and not failures and reports[0]["path"] == paths[0]:
                 out.print_json(json.dumps({**reports[0], "strict": strict, "exit_code": code}))
@@ -495,8 +497,7 @@ def verify(
                 out.print_json(json.dumps(result))
             return code
         for item in shown:
-            out.print(item if isinstance(item, str) else _verdict(item, strict), markup=False, highlight=False,
-                      soft_wrap=True)  # fmt: skip
+            out.print(item if isinstance(item, str) else _verdict(item), markup=False, highlight=False, soft_wrap=True)
         for failure in failures:
             err.print(_one_line(f"ckpt: {failure}"), markup=False, highlight=False, soft_wrap=True)
         return code
@@ -504,18 +505,10 @@ def verify(
     _run(body)
 
 
-def _verdict(report: dict[str, Any], strict: bool) -> str:
-    """One checkpoint's line: OK, STRUCTURE OK, NOT CHECKSUMMED (--strict) or DAMAGED, the path, what was found."""
-    status, path, line = report["status"], str(report["path"]), str(report["line"])
-    label = {"ok": "OK", "structure_ok": "STRUCTURE OK", "damaged": "DAMAGED"}[status]
-    if strict and status == "structure_ok":
-        label = "NOT CHECKSUMMED (--strict)"
-    return f"{label} {path}: {line.removeprefix(path + ': ')}"
-
-
-def _verify_code(status: object, strict: bool) -> int:
-    """What one checkpoint's verdict adds to `verify`'s exit status."""
-    return 1 if status == "damaged" or (strict and status != "ok") else 0
+def _verdict(report: dict[str, Any]) -> str:
+    """One checkpoint's line: `verify_report`'s label, the path, what was found."""
+    path, line = str(report["path"]), str(report["line"])
+    return _one_line(f"{report['label']} {path}: {line.removeprefix(path + ': ')}")
 
 
 def main() -> None:

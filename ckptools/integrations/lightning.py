@@ -9,7 +9,7 @@ moment leaves the previous ``last.ckpt`` (or whichever name) whole, never a torn
 same torch zip ``torch.load`` and Lightning read, with every record's CRC-32; on S3 and other
 fsspec URLs it streams as one multipart upload that appears only when complete; loading checks
 every CRC-32 first (``verify=True``) and memory-maps local files; `remove_checkpoint` never
-removes the newest checkpoint of its folder. `AsyncCkptoolsCheckpointIO` snapshots the
+removes the newest checkpoint of its folder. `AsyncCkptoolsCheckpointIO` stages the
 checkpoint into reused host buffers at the call (the file holds the state as of the call while
 training goes on) and writes it in a background thread; Lightning's teardown waits for it.
 
@@ -33,7 +33,7 @@ from ..errors import CheckpointError, UnsafeCheckpointError
 from ..layouts import TORCH_FILE
 from ..leftovers import abandoned_tmps
 from ..storage import TMP_MARKER, Location, remove, resolve
-from ..write import BackgroundWriter, SnapshotBuffers, write_file
+from ..write import BackgroundWriter, StagingBuffers, write_file
 from .lightning_resume import ExactResume
 
 __all__ = ["AsyncCkptoolsCheckpointIO", "CkptoolsCheckpointIO", "ExactResume"]
@@ -127,7 +127,7 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
 
 
 class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
-    """`CkptoolsCheckpointIO` that writes in a background thread from a snapshot taken at the call.
+    """`CkptoolsCheckpointIO` that writes in a background thread from a copy staged at the call.
 
     ``save_checkpoint`` copies every tensor of the checkpoint into host buffers kept between
     saves (pinned for CUDA tensors), returns, and a thread writes the file (atomically, as the
@@ -146,24 +146,24 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
 
     def __init__(self, *, verify: bool = True, mmap: bool = True, trust_code: bool = False) -> None:
         super().__init__(verify=verify, mmap=mmap, trust_code=trust_code)
-        self._buffers = SnapshotBuffers()
+        self._buffers = StagingBuffers()
         self._writer = BackgroundWriter("ckptools-lightning-save")
         _teach_lightning()
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
-        """Snapshot ``checkpoint`` and write it in the background (see the class)."""
+        """Stage ``checkpoint`` (copy it to host buffers) and write it in the background (see the class)."""
         _no_storage_options(storage_options)
         self.wait()  # the buffers are reused: the previous write must be done with them
         started = time.monotonic()
         location = resolve(path)
-        snapshot = self._buffers.take(checkpoint)
-        log.logger.debug("snapshot of %s taken in %.3f s", path, time.monotonic() - started)
+        staged = self._buffers.take(checkpoint)
+        log.logger.debug("%s staged in %.3f s", path, time.monotonic() - started)
         # Already off the training thread (Lightning's own AsyncCheckpointIO wrapping this one, whose
         # teardown waits for its executor but not for us): write here, so that it does.
         inline = threading.current_thread() is not threading.main_thread()
         # Announced before returning: whoever reads the path next in this process waits for it.
         self._writer.start(
-            location.url, lambda: _write(location, snapshot), started=started, announce=True, inline=inline
+            location.url, lambda: _write(location, staged), started=started, announce=True, inline=inline
         )
         if inline:
             self.wait()

@@ -11,7 +11,7 @@ zip_writer.py        the temporary file, each storage's ``pwrite``, the commit; 
                      (`write_alone`) or every rank its share
 shares.py            the collective steps of ``writers="all"`` (plan, check, write, commit) and
                      the async variant's reports through the process group's store
-snapshot.py          `SnapshotBuffers`: a copy of the state in reused host buffers
+snapshot.py          `StagingBuffers`: a copy of the state in reused host buffers
 writer_thread.py     `BackgroundWriter`: one write in a background thread, its error kept
 async_save.py        the async save's state in one place: `AsyncSave`, the save in flight
 node_memory.py       where `CheckpointManager.snapshot` keeps snapshots: the node-memory folder,
@@ -26,7 +26,7 @@ zero.py              a ``ZeroRedundancyOptimizer`` saved without consolidation: 
 
 The operations (`ckptools.save`, `ckptools.async_save`, `CheckpointManager`) and a writer of
 one's own import from this package, never from its modules: a Lightning ``CheckpointIO`` (called
-on rank 0 alone, so no collective) writes with `write_file` from a `SnapshotBuffers` copy in a
+on rank 0 alone, so no collective) writes with `write_file` from a `StagingBuffers` copy in a
 `BackgroundWriter`. A new target (node memory, a ZeRO partition) is one more module here.
 """
 
@@ -36,7 +36,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..storage import Location, PathLike, resolve
-from .async_save import AsyncSave, finish_pending, pending, release_snapshot_buffers, set_pending, take_snapshot
+from .async_save import AsyncSave, finish_pending, pending, release_staging_buffers, set_pending, stage
 from .node_memory import default_folder, register, start_keeper, watch
 from .node_snapshot import (
     Orphaned,
@@ -52,7 +52,7 @@ from .node_snapshot import (
 from .payload import build_payload, checked_args, rank_part
 from .plan import check_writers, choose, compare_replicas, replica_digests
 from .shares import first_error, plan_shares, write_and_commit, write_share_in_background
-from .snapshot import SnapshotBuffers, whole_storage
+from .staging import StagingBuffers, whole_storage
 from .writer_thread import BackgroundWriter
 from .zero import describe_partitions, with_partitions
 from .zip_writer import write_alone
@@ -61,7 +61,7 @@ __all__ = [
     "AsyncSave",
     "BackgroundWriter",
     "Orphaned",
-    "SnapshotBuffers",
+    "StagingBuffers",
     "build_payload",
     "check_writers",
     "checked_args",
@@ -80,13 +80,13 @@ __all__ = [
     "rank_part",
     "register",
     "release",
-    "release_snapshot_buffers",
+    "release_staging_buffers",
     "replica_digests",
     "send_file",
     "set_pending",
     "settle",
     "start_keeper",
-    "take_snapshot",
+    "stage",
     "watch",
     "whole_storage",
     "with_partitions",

@@ -1,8 +1,8 @@
 """The async save's state in one place: its handle (`AsyncSave`: the writer thread, whether
 every rank wrote a share, the outcome ``wait()`` shares), the one slot for the save in flight,
-and the process's snapshot buffers.
+and the process's staging buffers.
 
-The division of labour is fixed: the main thread takes the snapshot and runs every collective
+The division of labour is fixed: the main thread stages the copy and runs every collective
 (in the same order on every rank); the writer thread, on global rank 0 only, does file I/O and
 nothing else. See `ckptools.async_save`.
 """
@@ -18,35 +18,35 @@ from .. import log
 from ..collective import agree
 from ..collective.arrival import entered
 from ..collective.group import all_gather_object, get_rank
-from .snapshot import SnapshotBuffers
+from .staging import StagingBuffers
 from .writer_thread import BackgroundWriter
 
-__all__ = ["AsyncSave", "finish_pending", "pending", "release_snapshot_buffers", "set_pending", "take_snapshot"]
+__all__ = ["AsyncSave", "finish_pending", "pending", "release_staging_buffers", "set_pending", "stage"]
 
-# One snapshot's worth of host memory, held between saves so the next one only copies.
-_BUFFERS = SnapshotBuffers()
+# One state's worth of host memory (the staged copy), held between saves so the next one only copies.
+_BUFFERS = StagingBuffers()
 
 
-def take_snapshot(payload: Any) -> Any:
-    """A copy of ``payload`` whose tensors live in the process's reused snapshot buffers."""
+def stage(payload: Any) -> Any:
+    """A copy of ``payload`` whose tensors live in the process's reused staging buffers."""
     return _BUFFERS.take(payload)
 
 
-def release_snapshot_buffers() -> int:
-    """Free the host memory async saves keep for their snapshots; return how many bytes it was.
+def release_staging_buffers() -> int:
+    """Free the host memory async saves keep for their staged copies; return how many bytes it was.
 
-    `ckptools.async_save` keeps one snapshot's worth of host memory (pinned when the
+    `ckptools.async_save` keeps one state's worth of host memory (pinned when the
     state is on CUDA) so that the next save copies into it instead of allocating and faulting
     in fresh pages. Call this when no more async saves will come (``CheckpointManager.close()``
     does), after the save in flight has finished; the next async save allocates again.
 
     Examples:
         >>> import ckptools as ck
-        >>> ck.release_snapshot_buffers()
+        >>> ck.release_staging_buffers()
         0
     """
     if _PENDING is not None and not _PENDING.done():
-        raise RuntimeError("an async save is still writing from the snapshot buffers; wait() for it first")
+        raise RuntimeError("an async save is still writing from the staging buffers; wait() for it first")
     held = _BUFFERS.nbytes
     _BUFFERS.release()
     return held
@@ -60,12 +60,22 @@ class AsyncSave:
 
     Attributes:
         path: where the checkpoint will be.
-        snapshot_seconds: how long the call held the caller (checks, snapshot, collectives).
+        stall_seconds: how long the call held the caller (checks, staging, collectives);
+            ``snapshot_seconds`` is its old name (deprecated, goes in 0.5).
     """
+
+    @property
+    def snapshot_seconds(self) -> float:
+        """Deprecated: `stall_seconds`."""
+        import warnings
+
+        warnings.warn("AsyncSave.snapshot_seconds is deprecated and goes in 0.5: use stall_seconds", DeprecationWarning,
+                      stacklevel=2)  # fmt: skip
+        return self.stall_seconds
 
     def __init__(self, path: str, started: float, *, shared: bool = False) -> None:
         self.path = path
-        self.snapshot_seconds = time.monotonic() - started
+        self.stall_seconds = time.monotonic() - started
         self._started = started
         self._writer = BackgroundWriter(
             "ckptools-async-save", raised_at=" (raised on every rank at the next checkpoint call)"

@@ -58,8 +58,8 @@ from . import node_memory, zip_writer
 from .payload import build_payload, checked_args, rank_part
 from .plan import Plan, Share, check_writers, make_plan
 from .shares import collect_shares, first_error, locate, report_share
-from .snapshot import copy_bytes, whole_storage
-from .zero import describe_partitions, has_partitions, with_partitions
+from .staging import copy_bytes, whole_storage
+from .zero import describe_partitions, has_partitions, refusal, with_partitions
 
 __all__ = [
     "Orphaned",
@@ -418,11 +418,8 @@ def write_snapshot(
     state = with_partitions(state, [reply[3] for reply in gathered])
     split = writers != "rank0"
     if not split and len(gathered) > 1 and has_partitions(state):  # the same verdict on every rank
-        raise CheckpointError(
-            f"the snapshot {path} was not taken: a ZeroRedundancyOptimizer's state is partitioned over the ranks "
-            "and every rank copies its own partition, which writers='rank0' does not allow; take it with "
-            "writers='auto' (the default) or 'all'"
-        )
+        fix, obstacle = "take it with writers='auto' (the default) or 'all'", "writers='rank0' does not allow"
+        raise CheckpointError(f"the snapshot {path} was not taken: {refusal(obstacle, fix)}")
     nodes = group_nodes([reply[1] for reply in gathered])
     rank = get_rank()
     node = next(ranks for ranks in nodes if rank in ranks)

@@ -58,7 +58,7 @@ from ..errors import CheckpointError
 from ..state_dict import unwrap_model
 from ..storage import Location
 from .payload import state_entry
-from .zero import has_partitions, owned_tensors
+from .zero import has_partitions, is_zero, owned_tensors, refusal
 
 __all__ = ["WRITERS", "Plan", "choose", "make_plan"]
 
@@ -89,11 +89,10 @@ def choose(writers: str, location: Location, state: Mapping[str, Any]) -> str:
     partitioned = has_partitions(state)
     if partitioned and (writers == "rank0" or not location.local):
         why = "writers='rank0'" if writers == "rank0" else f"{location} is in an object store (no shared file)"
+        fix = "save to a local or shared folder every rank sees with writers='auto' or 'all', then copy the file"
         raise CheckpointError(
-            f"saving checkpoint {location} failed: a ZeroRedundancyOptimizer's state is partitioned over the ranks "
-            f"and every rank writes its own partition into the one file, which {why} does not allow; save to a "
-            "local or shared folder every rank sees with writers='auto' or 'all', then copy the file; earlier "
-            "checkpoints are untouched"
+            f"saving checkpoint {location} failed: {refusal(f'{why} does not allow', fix)}; earlier checkpoints are "
+            "untouched"
         )
     if writers == "rank0":
         return "rank0"
@@ -331,7 +330,7 @@ def compare_replicas(gathered: list[list[tuple[tuple[Any, ...], int]]]) -> str |
 
 def _plain_optimizer(obj: Any) -> bool:
     # ZeroRedundancyOptimizer shards its state: a rank holds only its own part.
-    return isinstance(obj, torch.optim.Optimizer) and type(obj).__name__ != "ZeroRedundancyOptimizer"
+    return isinstance(obj, torch.optim.Optimizer) and not is_zero(obj)
 
 
 def make_plan(
@@ -402,11 +401,10 @@ def _owners(
         if storage._cdata in owned:
             owner = owned[storage._cdata][0]
             if owner not in ranks:
-                raise CheckpointError(
-                    "a ZeroRedundancyOptimizer's state is partitioned over the ranks, and a snapshot in node memory "
-                    f"keeps a whole copy on every node: rank {owner}'s partition is not on the node of ranks {ranks}. "
-                    "Snapshots of a ZeRO optimizer work on one node; over several, save() instead"
-                )
+                obstacle = (f"a snapshot in node memory, a whole copy on every node, cannot take: rank {owner}'s "
+                            f"partition is not on the node of ranks {ranks}")  # fmt: skip
+                fix = "snapshots of a ZeRO optimizer work on one node; over several, save()"
+                raise CheckpointError(refusal(obstacle, fix))
             fixed[key] = owner
     return fixed
 

@@ -33,7 +33,7 @@ from . import zip_writer
 from .async_save import AsyncSave
 from .payload import state_entry
 from .plan import TOKEN_BYTES, Plan, Share, describe, make_plan
-from .zero import has_partitions
+from .zero import has_partitions, refusal
 
 __all__ = ["commit_shares", "plan_shares", "write_and_commit", "write_share_in_background"]
 
@@ -184,10 +184,10 @@ def plan_shares(
     failure = first_error(replies, lambda reply: reply[1])
     blind = [rank for rank, reply in enumerate(replies) if not reply[0] and reply[1] is None]
     if failure is None and blind and has_partitions(state):
-        failure = (
-            f"rank {', '.join(map(str, blind))} cannot see the temporary file rank 0 created in "
-            f"{os.path.dirname(plan.tmp)} (node-local directory?), and a ZeroRedundancyOptimizer's partitions are "
-            "written by their own ranks into the one file; save to a directory every rank shares"
+        failure = refusal(
+            f"rank {', '.join(map(str, blind))} cannot do: it cannot see the temporary file rank 0 created in "
+            f"{os.path.dirname(plan.tmp)} (node-local directory?)",
+            "save to a directory every rank shares",
         )
     if failure is None and blind and writers == "all":
         failure = (

@@ -41,10 +41,25 @@ __all__ = [
     "describe_partitions",
     "has_partitions",
     "is_zero",
+    "refusal",
     "owned_tensors",
     "prefetch_partition",
     "with_partitions",
 ]
+
+
+def refusal(obstacle: str, fix: str) -> str:
+    """The one wording of why a ZeRO optimizer cannot be saved some way: its state is partitioned,
+    each rank writes its own partition, what stands in the way (``obstacle``), and ``fix``.
+
+    Examples:
+        >>> refusal("writers='rank0' does not allow", "use 'auto'").split(", which ")[1]
+        "writers='rank0' does not allow; use 'auto'"
+    """
+    return (
+        "a ZeroRedundancyOptimizer's state is partitioned over the ranks and each rank writes its own partition, "
+        f"which {obstacle}; {fix}"
+    )
 
 
 def is_zero(obj: Any) -> bool:

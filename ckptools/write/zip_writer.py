@@ -48,10 +48,10 @@ def create_tmp(location: Location, plan: Plan) -> Plan:
 def write_shares(plan: Plan, chunks: list[tuple[Share, torch.UntypedStorage]]) -> dict[str, int]:
     """Write each share's bytes at its offset in the temporary file, fsync; CRC-32 by key.
 
-    ``chunks`` pairs each share with its storage (or a snapshot of it). Every byte is written
+    ``chunks`` pairs each share with its storage (or its staged copy). Every byte is written
     first; then a helper thread waits in ``fsync`` for the disk while this thread computes the
     CRC-32s from the same memory (nothing changes it meanwhile: the caller's save holds it, or
-    it is the save's own snapshot). The checksums (~4 GiB/s here, a quarter second per GiB) so
+    it is the save's own staged copy). The checksums (~4 GiB/s here, a quarter second per GiB) so
     hide behind the disk's flush instead of adding to it: 1 GiB as 128 tensors, 9 rounds in
     rotating order with 10 s of rest before each run, median 2.36 s against 2.68 s with each
     CRC-32 computed before its write and 2.85 s for ``cp`` + ``sync`` of the file

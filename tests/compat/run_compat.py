@@ -5,10 +5,11 @@
 
 Each end is a venv under ``build/compat/<end>`` holding exactly the pinned releases below (torch from
 the package index: its CUDA build, ~2.5 GB, which runs on the CPU as well), ckptools installed from
-this checkout (editable) with its test and interop extras. A venv is reused while the pins and
-``pyproject.toml`` are unchanged (a stamp file records both). In it run the fast suite
-(``-m "not slow"``) and the slow tests that depend on the frameworks' internals most: Lightning's
-and the HF Trainer's killed-and-resumed fits, and the reference loop killed and resumed on 2 ranks.
+this checkout (editable) with its test, docs and interop extras (the docs tests build the site).
+A venv is reused while the pins and ``pyproject.toml`` are unchanged (a stamp file records both).
+In it run the fast suite (``-m "not slow"``) and the slow tests that depend on the frameworks'
+internals most: Lightning's and the HF Trainer's killed-and-resumed fits, the reference loop
+killed and resumed on 2 ranks, and a ZeRO optimizer saved on 4 ranks resumed on 2.
 Prints, per end, the versions, the install time and each run's outcome; exits 1 if any run failed.
 Why these ends: docs/development.md ("The versions we claim").
 """
@@ -64,7 +65,7 @@ def install(end: str) -> float:
     # torch first, alone: everything after it is held to it by the constraints.
     if _run([*pip, "--upgrade", "pip"]) or _run([*pip, ENDS[end][0]]):
         raise SystemExit(f"compat {end}: installing {ENDS[end][0]} failed")
-    if _run([*pip, "-c", str(constraints), "-e", ".[dev,s3,interop]", *ENDS[end][1:]]):
+    if _run([*pip, "-c", str(constraints), "-e", ".[dev,s3,docs,interop]", *ENDS[end][1:]]):
         raise SystemExit(f"compat {end}: installing ckptools with {' '.join(ENDS[end][1:])} failed")
     stamp.write_text(wanted)
     return time.monotonic() - start

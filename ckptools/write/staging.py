@@ -1,4 +1,7 @@
-"""Snapshots: a copy of a state in host buffers that training never touches, reused between saves.
+"""Staging: a copy of a state in host buffers that training never touches, reused between saves.
+
+(DCP's word for it. A *snapshot* in ckptools is what ``CheckpointManager.snapshot`` keeps in node
+memory: `ckptools.write.node_snapshot`, which copies with `copy_bytes` from here too.)
 
 What an async save copies at the call (`ckptools.async_save`, the Lightning plugin's
 `AsyncCkptoolsCheckpointIO`); the copy is then written from a background thread.
@@ -13,19 +16,19 @@ import torch
 
 from ..devices import keep_view_bits
 
-__all__ = ["SnapshotBuffers", "copy_bytes", "whole_storage"]
+__all__ = ["StagingBuffers", "copy_bytes", "whole_storage"]
 
 
-class SnapshotBuffers:
-    """Host buffers, one per distinct storage of the last snapshot, reused while sizes match.
+class StagingBuffers:
+    """Host buffers, one per distinct storage of the last staged state, reused while sizes match.
 
-    A snapshot copies whole storages, not tensors, so tensors that share memory (tied weights,
-    views) still share it in the snapshot and the file is laid out exactly as ``torch.save``
+    Staging copies whole storages, not tensors, so tensors that share memory (tied weights,
+    views) still share it in the copy and the file is laid out exactly as ``torch.save``
     would lay out the live state. CUDA storages land in pinned memory: the copies are issued
     non-blocking, back to back, and one synchronize per device waits for all of them.
 
-    `ckptools.async_save` uses one set for the whole process (`release_snapshot_buffers` frees
-    it); a writer of its own (the Lightning plugin) holds another, so that a snapshot still being
+    `ckptools.async_save` uses one set for the whole process (`release_staging_buffers` frees
+    it); a writer of its own (the Lightning plugin) holds another, so that a staged copy still being
     written is never overwritten by the other's next save.
     """
 
@@ -122,7 +125,7 @@ def _collect(node: Any, found: dict[int, torch.Tensor]) -> None:
 
 
 # Widest first: on CPU torch's uint8 copy runs about 10% below an 8-byte copy of the same bytes
-# (1 GiB: 74 ms against 66 ms here), and the copy is what a snapshot's stall is.
+# (1 GiB: 74 ms against 66 ms here), and the copy is what a save's stall is.
 _WIDE = (torch.int64, torch.int32, torch.int16)
 
 
@@ -145,5 +148,5 @@ def copy_bytes(target: torch.Tensor, source: torch.Tensor, *, non_blocking: bool
 
 
 def whole_storage(storage: Any) -> torch.Tensor:
-    """A uint8 tensor over all of ``storage`` (so a snapshot copies the whole storage)."""
+    """A uint8 tensor over all of ``storage`` (so staging copies the whole storage)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
