@@ -32,6 +32,9 @@ ENDS: dict[str, list[str]] = {
     "new": ["torch==2.14.1", "pytorch-lightning==2.6.6", "transformers==5.24.0", "accelerate==1.15.0"],
 }
 
+# ckptools' extras each venv holds: the tests', S3's, the docs' (the docs tests build the site), the frameworks'.
+EXTRAS = "dev,s3,docs,interop"
+
 # The slow tests that exercise the frameworks' and torch's internals (loop counters, Trainer resume,
 # torchrun and the DataLoader's iterator) end to end.
 SLOW = [
@@ -53,7 +56,7 @@ def install(end: str) -> float:
     venv = ROOT / "build" / "compat" / end
     python = venv / "bin" / "python"
     stamp = venv / ".installed"
-    wanted = "\n".join(ENDS[end]) + "\n" + (ROOT / "pyproject.toml").read_text()
+    wanted = "\n".join([*ENDS[end], EXTRAS]) + "\n" + (ROOT / "pyproject.toml").read_text()
     if stamp.exists() and stamp.read_text() == wanted:
         return 0.0
     start = time.monotonic()
@@ -65,7 +68,7 @@ def install(end: str) -> float:
     # torch first, alone: everything after it is held to it by the constraints.
     if _run([*pip, "--upgrade", "pip"]) or _run([*pip, ENDS[end][0]]):
         raise SystemExit(f"compat {end}: installing {ENDS[end][0]} failed")
-    if _run([*pip, "-c", str(constraints), "-e", ".[dev,s3,docs,interop]", *ENDS[end][1:]]):
+    if _run([*pip, "-c", str(constraints), "-e", f".[{EXTRAS}]", *ENDS[end][1:]]):
         raise SystemExit(f"compat {end}: installing ckptools with {' '.join(ENDS[end][1:])} failed")
     stamp.write_text(wanted)
     return time.monotonic() - start
