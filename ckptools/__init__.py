@@ -56,12 +56,12 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .training.sampler import ResumableDistributedSampler
     from .training.seeded import SeededDataset
     from .view import CheckpointView, TensorInfo, Verification
-    from .write.async_save import AsyncSave, release_staging_buffers
+    from .write import AsyncSave, release_staging_buffers
 
 from ._version import __version__ as __version__
 
 _LAZY = {
-    "AsyncSave": ".write.async_save",
+    "AsyncSave": ".write",
     "CheckpointView": ".view",
     "TensorInfo": ".view",
     "Verification": ".view",
@@ -90,7 +90,7 @@ _LAZY = {
     "is_main_process": ".collective.group",
     "load": ".loading",
     "load_state_dict": ".loading",
-    "release_staging_buffers": ".write.async_save",
+    "release_staging_buffers": ".write",
     "rename_checkpoint": ".rewrite",
     "resolve_map_location": ".devices",
     "save": ".saving",

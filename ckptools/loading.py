@@ -31,7 +31,7 @@ from .state_dict import shared_prefix, strip_for_reading, strip_prefix
 from .storage import Location, PathLike, fspath, resolve
 from .training.sampler import ResumableDistributedSampler, note_rng_restored
 from .write import finish_pending
-from .write.zero import has_partitions
+from .zero import has_partitions
 
 __all__ = ["load", "load_state_dict"]
 

@@ -20,27 +20,24 @@ from .keeper import checkpoint_names
 from .layouts import TORCH_FILE
 from .leftovers import abandoned_tmps
 from .loading import load
-from .saving import async_save_with_hooks, save_with_hooks
-from .storage import PathLike, file_size, fspath, join, list_files, remove, resolve
-from .training.process import ORPHANED_EXIT, leave
-from .write import (
-    AsyncSave,
+from .node import (
     Orphaned,
     close_slots,
     default_folder,
-    finish_pending,
     finish_snapshot,
     group_nodes,
     node_token,
-    pending,
     register,
-    release_staging_buffers,
     send_file,
     settle,
     start_keeper,
     watch,
     write_snapshot,
 )
+from .saving import async_save_with_hooks, save_with_hooks
+from .storage import PathLike, file_size, fspath, join, list_files, remove, resolve
+from .training.process import ORPHANED_EXIT, leave
+from .write import AsyncSave, finish_pending, pending, release_staging_buffers
 
 __all__ = ["CheckpointManager", "run_report"]
 
@@ -263,7 +260,7 @@ class CheckpointManager:
         """Copy ``state`` into node memory as the snapshot of ``step`` (collective, like `save`).
 
         Every node keeps its own snapshot, the checkpoint `save` would write, in its node-memory
-        folder (``snapshot_dir``; see `ckptools.write.node_snapshot`): it survives kill -9 of every
+        folder (``snapshot_dir``; see `ckptools.node`): it survives kill -9 of every
         process of the job, and `restore` resumes from it when it is newer than every durable
         checkpoint, bit-identical as from a file. The ranks of a node split the copy (what DDP
         keeps equal on every rank, over the node's ranks: about 1/LOCAL_WORLD_SIZE each), and the

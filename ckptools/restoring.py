@@ -27,7 +27,7 @@ from .state_dict import (
     tensor_identity,
     unwrap_model,
 )
-from .write.zero import prefetch_partition
+from .zero import prefetch_partition
 
 __all__ = ["own_value", "restore_all", "restore_rank_rng", "restore_rng_state"]
 

@@ -28,7 +28,6 @@ from .write import (
     checked_args,
     choose,
     compare_replicas,
-    describe_partitions,
     finish_pending,
     first_error,
     plan_shares,
@@ -37,11 +36,11 @@ from .write import (
     set_pending,
     stage,
     whole_storage,
-    with_partitions,
     write_alone,
     write_and_commit,
     write_share_in_background,
 )
+from .zero import describe_partitions, with_partitions
 
 # Who writes when the caller does not say; see `save`.
 DEFAULT_WRITERS = "auto"

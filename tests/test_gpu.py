@@ -213,7 +213,7 @@ def test_a_node_memory_snapshot_of_cuda_state_restores_bit_exact_onto_the_gpu(tm
     """manager.snapshot of a model, AdamW and a GradScaler on the GPU (a mixed-precision step), then
     training moves on and draws from the CUDA stream; restore() puts back the snapshot's tensors on the
     GPU and the CUDA stream as of the snapshot, bit for bit. The slot was registered with CUDA (pinned)."""
-    from ckptools.write import node_snapshot
+    from ckptools.node.slots import SLOTS
 
     state = _cuda_model_state()
     # In node memory (/dev/shm), where snapshots go: CUDA registers a mapping of tmpfs pages; a mapping
@@ -226,7 +226,7 @@ def test_a_node_memory_snapshot_of_cuda_state_restores_bit_exact_onto_the_gpu(tm
         warnings.simplefilter("error", ck.CheckpointWarning)  # "could not register the slot" would fail here
         manager.snapshot({**state, "step": 7}, 7, blocking=True)
     if CUDA:
-        assert any(m.registered for m in node_snapshot._MAPPED.values()), "the slot was never pinned"
+        assert any(m.registered for m in SLOTS.mapped.values()), "the slot was never pinned"
     drawn = torch.rand(4, device=DEVICE)  # the stream moves on
     with torch.no_grad():
         for p in state["model"].parameters():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.metadata
 import os
+import pathlib
 import re
 import subprocess
 import sys
@@ -177,16 +178,34 @@ def test_the_wings_keep_their_import_rules():
     """The rules docs/development.md states: the operations reach bytes only through a layout or
     the write wing (never a codec or the torch adapter); the integrations use the write wing's
     public face, never its modules; layouts import no collective code and nothing of the write
-    wing; the collective wing imports no layout, operation or writer."""
+    wing; the collective wing imports no layout, operation or writer; node/ uses write/'s face and
+    is used through its own."""
     graph = _imports()
     assert _crossings(graph, OPERATIONS, ("ckptools.codecs", TORCH_ADAPTER)) == []
     integration_imports = _crossings(graph, ("ckptools.integrations",), ("ckptools.write",))
     assert [c for c in integration_imports if not c.endswith(" -> ckptools.write")] == [], integration_imports
     assert _crossings(graph, ("ckptools.layouts",), ("ckptools.collective", "ckptools.write")) == []
     assert _crossings(graph, ("ckptools.codecs",), ("ckptools.layouts", "ckptools.collective", "ckptools.write")) == []
-    below = ("ckptools.layouts", "ckptools.write", "ckptools.training", "ckptools.saving", "ckptools.loading")
+    below = ("ckptools.layouts", "ckptools.write", "ckptools.node", "ckptools.training", "ckptools.saving",
+             "ckptools.loading")  # fmt: skip
     assert _crossings(graph, ("ckptools.collective",), below) == []
-    assert _crossings(graph, ("ckptools.write",), OPERATIONS) == []
+    assert _crossings(graph, ("ckptools.write",), (*OPERATIONS, "ckptools.node")) == []
+    # node/ writes through write/'s face; everyone else uses node/'s face.
+    node_writes = _crossings(graph, ("ckptools.node",), ("ckptools.write",))
+    assert [c for c in node_writes if not c.endswith(" -> ckptools.write")] == [], node_writes
+    assert _crossings(graph, ("ckptools.node",), OPERATIONS) == []
+    # Outside the write wing, only its face: no read-side module reaches into a writer.
+    into_write = [
+        c for c in _crossings(graph, ("ckptools",), ("ckptools.write",)) if not c.startswith("ckptools.write")
+    ]
+    assert [c for c in into_write if not c.endswith(" -> ckptools.write")] == [], into_write
+    # ZeroRedundancyOptimizer is known (by its class name, or imported) to ckptools/zero.py alone.
+    knows = ('"ZeroRedundancyOptimizer"', "import ZeroRedundancyOptimizer")
+    named = [str(p) for p in pathlib.Path(ROOT, "ckptools").rglob("*.py")
+             if p.name != "zero.py" and any(k in p.read_text() for k in knows)]  # fmt: skip
+    assert named == [], named
+    into_node = [c for c in _crossings(graph, ("ckptools",), ("ckptools.node",)) if not c.startswith("ckptools.node")]
+    assert [c for c in into_node if not c.endswith(" -> ckptools.node")] == [], into_node
 
 
 def test_reading_a_file_and_every_codec_need_no_torch(tmp_path):

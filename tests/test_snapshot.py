@@ -16,7 +16,7 @@ import torch
 from _dist import run_ranks
 
 import ckptools as ck
-from ckptools.write import node_snapshot
+from ckptools.node import snapshot as node_snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

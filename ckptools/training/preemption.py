@@ -17,7 +17,8 @@ from typing import Any, NoReturn
 from .. import log
 from ..collective.arrival import arrive, checked_in
 from ..collective.group import barrier, get_rank, launcher_gone, max_over_ranks
-from ..write import finish_pending, release
+from ..node import release
+from ..write import finish_pending
 from .process import leave
 
 __all__ = ["Preemption"]

@@ -10,7 +10,8 @@ from typing import NoReturn
 
 from ..collective.arrival import arrive
 from ..collective.group import barrier
-from ..write import finish_pending, release
+from ..node import release
+from ..write import finish_pending
 
 __all__ = ["ORPHANED_EXIT", "exit_process", "leave"]
 

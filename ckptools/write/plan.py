@@ -57,8 +57,8 @@ from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointError
 from ..state_dict import unwrap_model
 from ..storage import Location
+from ..zero import has_partitions, is_zero, owned_tensors, refusal
 from .payload import state_entry
-from .zero import has_partitions, is_zero, owned_tensors, refusal
 
 __all__ = ["WRITERS", "Plan", "choose", "make_plan"]
 

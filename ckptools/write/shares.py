@@ -29,11 +29,11 @@ from ..collective.group import (
 )
 from ..errors import CheckpointError
 from ..storage import Location
+from ..zero import has_partitions, refusal
 from . import zip_writer
 from .async_save import AsyncSave
 from .payload import state_entry
 from .plan import TOKEN_BYTES, Plan, Share, describe, make_plan
-from .zero import has_partitions, refusal
 
 __all__ = ["commit_shares", "plan_shares", "write_and_commit", "write_share_in_background"]
 

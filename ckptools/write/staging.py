@@ -1,7 +1,7 @@
 """Staging: a copy of a state in host buffers that training never touches, reused between saves.
 
 (DCP's word for it. A *snapshot* in ckptools is what ``CheckpointManager.snapshot`` keeps in node
-memory: `ckptools.write.node_snapshot`, which copies with `copy_bytes` from here too.)
+memory: `ckptools.node`, which copies with `copy_bytes` from here too.)
 
 What an async save copies at the call (`ckptools.async_save`, the Lightning plugin's
 `AsyncCkptoolsCheckpointIO`); the copy is then written from a background thread.

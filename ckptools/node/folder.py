@@ -1,4 +1,5 @@
-"""Node memory: where `CheckpointManager.snapshot` keeps the newest state, outside every process.
+"""The node-memory folder: where `CheckpointManager.snapshot` keeps the newest state, outside
+every process, and which ranks share it (a node).
 
 A snapshot is an ordinary ckptools checkpoint file (the planned writer's torch zip, CRC-32s in
 every record, committed by an atomic rename) in a folder on a memory-backed filesystem of this
@@ -29,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import secrets
 import shutil
 import subprocess
 import sys
@@ -39,9 +41,20 @@ from ..errors import NodeMemoryError
 from ..keeper import PIDS
 from ..text import human_size
 
-__all__ = ["ENV", "check_space", "default_folder", "register", "release", "start_keeper", "watch"]
+__all__ = [
+    "ENV",
+    "check_space",
+    "default_folder",
+    "group_nodes",
+    "node_token",
+    "register",
+    "release_folders",
+    "start_keeper",
+    "watch",
+]
 
 ENV = "CKPTOOLS_NODE_MEMORY"
+NODE_FILE = ".node"  # the token that tells which ranks share this folder
 # Seconds the keeper waits, once every process of the job is gone, for a relaunch (default 10).
 GRACE_ENV = "CKPTOOLS_KEEPER_GRACE"
 
@@ -126,7 +139,7 @@ def register(folder: str) -> None:
     _REGISTERED.add(folder)
 
 
-def release() -> list[str]:
+def release_folders() -> list[str]:
     """Remove the node-memory folders this process wrote snapshots into; the folders removed.
 
     Called by `ckptools.exit_process` and `Preemption.exit` on one rank per node, after every
@@ -142,3 +155,39 @@ def release() -> list[str]:
             removed.append(folder)
     _REGISTERED.clear()
     return removed
+
+
+def node_token(folder: str) -> str:
+    """The token of the node-memory ``folder`` (made by the first rank to get here): ranks that
+    read the same token share the folder, i.e. are one node."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, NODE_FILE)
+    with contextlib.suppress(FileNotFoundError), open(path) as f:
+        token = f.read()
+        if token:
+            return token
+    # Written whole under a name of its own, then linked: a rank never reads a half-written token.
+    mine = os.path.join(folder, f"{NODE_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+    with open(mine, "w") as f:
+        f.write(secrets.token_hex(8))
+    try:
+        os.link(mine, path)
+    except FileExistsError:
+        pass  # another rank of this node was first
+    finally:
+        os.unlink(mine)
+    with open(path) as f:
+        return f.read()
+
+
+def group_nodes(tokens: list[str]) -> list[list[int]]:
+    """Each node's ranks (lowest first), the nodes ordered by their lowest rank (rank 0's first).
+
+    Examples:
+        >>> group_nodes(["a", "b", "a", "b"])
+        [[0, 2], [1, 3]]
+    """
+    nodes: dict[str, list[int]] = {}
+    for rank, token in enumerate(tokens):
+        nodes.setdefault(token, []).append(rank)
+    return sorted(nodes.values())

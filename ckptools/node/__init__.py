@@ -1,0 +1,64 @@
+"""The node-memory wing: `CheckpointManager.snapshot`'s snapshots, kept in each node's memory.
+
+===================  ==========================================================================
+module               its one job
+===================  ==========================================================================
+folder.py            where the snapshots live (``/dev/shm/ckptools-<key>``), its space check for
+                     two slots, which ranks share it (a node), the keeper's start and the pids it
+                     watches, the folders' removal at the job's normal end
+slots.py             the two slot files per node, mapped once per rank and reused (`SLOTS` owns
+                     them), pinned for CUDA copies, preallocated
+commits.py           the commit in the background: CRC-32s, reports to the node's leader, the
+                     rename (`COMMITS` holds each folder's commit in flight)
+snapshot.py          the collective protocol of one snapshot (`write_snapshot`), and the commit of
+                     an orphaned job's last one
+transfer.py          a node's snapshot sent to the nodes that lack it (restore)
+===================  ==========================================================================
+
+Everything else imports from this package, never from its modules; it writes through the write
+wing's public face (`ckptools.write`). The keeper process itself is `ckptools.keeper`.
+"""
+
+from __future__ import annotations
+
+from .commits import COMMITS, finish_snapshot
+from .folder import default_folder, group_nodes, node_token, register, release_folders, start_keeper, watch
+from .slots import SLOTS
+from .snapshot import Orphaned, write_snapshot
+from .transfer import send_file
+
+__all__ = [
+    "Orphaned",
+    "close_slots",
+    "default_folder",
+    "finish_snapshot",
+    "group_nodes",
+    "node_token",
+    "register",
+    "release",
+    "send_file",
+    "settle",
+    "start_keeper",
+    "watch",
+    "write_snapshot",
+]
+
+
+def settle(folder: str) -> None:
+    """Local: wait for this rank's commit in ``folder`` (its failure is kept for `finish_snapshot`)."""
+    COMMITS.settle(folder)
+
+
+def close_slots(folder: str) -> None:
+    """Local: wait for this rank's commit in ``folder``, unmap its slots and remove its spare (the
+    committed snapshot stays): `CheckpointManager.close`."""
+    COMMITS.settle(folder)
+    SLOTS.close(folder)
+
+
+def release() -> list[str]:
+    """The job's normal end on this rank: wait for its commits, unmap its slots, and remove the
+    node-memory folders (one rank per node); the folders removed."""
+    COMMITS.join_all()
+    SLOTS.close_all()
+    return release_folders()

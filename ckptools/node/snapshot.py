@@ -1,0 +1,272 @@
+"""`CheckpointManager.snapshot`'s protocol: one whole snapshot per node, in that node's memory.
+
+A snapshot is the file `ckptools.save` would write (the planned torch zip, a CRC-32 in every
+record), in the node-memory folder (`ckptools.node.folder`). Every node writes its own copy, so
+a relaunch finds one on every node that survived:
+
+- **Who is a node.** The ranks that see the same folder (`node_token`); a node's *leader* is its
+  lowest rank.
+- **Who copies what.** What DDP keeps equal on every rank is split over each node's ranks (the
+  ``writers="all"`` split, `ckptools.write.plan`), so every rank copies about
+  1/LOCAL_WORLD_SIZE of the state; what only rank 0 holds as it is stored (buffers, scaler, RNG,
+  plain values) rank 0's node writes from its payload, and every other node's leader receives it
+  from rank 0 (one broadcast on the CPU-side group, usually small).
+- **The stall is the copy** into the spare slot (`ckptools.node.slots`): `write_snapshot` returns
+  once this rank's copy is whole. **The commit follows** in the background
+  (`ckptools.node.commits`); the snapshot counts from its rename, and a kill before it leaves the
+  previous snapshot whole.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from .. import log
+from ..collective import agree
+from ..collective.agree import RankFailure, outcome_of
+from ..collective.group import all_gather_object, broadcast_bytes, get_rank, launcher_gone
+from ..errors import CheckpointError
+from ..storage import resolve
+from ..write import (
+    Plan,
+    Share,
+    build_payload,
+    check_writers,
+    checked_args,
+    collect_shares,
+    commit_zip,
+    copy_bytes,
+    first_error,
+    locate,
+    make_plan,
+    rank_part,
+    report_share,
+    whole_storage,
+)
+from ..zero import describe_partitions, has_partitions, refusal, with_partitions
+from .commits import COMMITS, crc32s, finish_snapshot
+from .folder import group_nodes, node_token
+from .slots import SLOTS, MappedSlot
+
+__all__ = ["Orphaned", "write_snapshot"]
+
+
+class Orphaned(CheckpointError):
+    """Raised on every rank by `write_snapshot` when some rank's torchrun agent is gone (killed):
+    nobody will restart or stop the ranks any more, so the caller leaves. The snapshot just taken
+    was committed first, where that could be done (``committed``); else the one before it is whole."""
+
+    def __init__(self, message: str, *, committed: bool) -> None:
+        super().__init__(message)
+        self.committed = committed
+
+
+def write_snapshot(
+    folder: str,
+    prefix: str,
+    name: str,
+    state: Mapping[str, Any],
+    *,
+    metadata: Mapping[str, Any] | None = None,
+    writers: str = "auto",
+    blocking: bool = False,
+    prepare: Callable[[], None] | None = None,
+    cadence: list[int] | None = None,
+) -> str:
+    """Collective: copy ``state`` into every node's memory as the snapshot ``name`` in ``folder``.
+
+    Returns once this rank's copy is whole (``blocking``: once the snapshot is committed on every
+    node, its failure raised on every rank). ``prepare`` runs on every node's leader before the
+    copy (the keeper's start). ``writers="rank0"``: each node's leader copies everything.
+    ``cadence``: ``[n]``, this rank's proposal (calls to skip after this one), replaced by rank 0's,
+    agreed in the opening exchange (`CheckpointManager.snapshot`'s budget).
+
+    Examples:
+        >>> write_snapshot("/tmp/ckptools-doc-shm", "ckpt", "ckpt-0000000001.pt", {"w": torch.ones(2)}, blocking=True)
+        '/tmp/ckptools-doc-shm/ckpt-0000000001.pt'
+    """
+    check_writers(writers)
+    previous = COMMITS.join(folder)
+    started = time.monotonic()
+    path, user_meta = checked_args(os.path.join(folder, name), state, metadata)
+    token = node_token(folder)
+    partitions, problem = describe_partitions(state)  # a ZeRO optimizer's, metadata only
+    proposal = cadence[0] if cadence else 0
+    gathered = all_gather_object((rank_part(state), token, previous, partitions, problem, launcher_gone(), proposal))
+    if cadence:
+        cadence[0] = gathered[0][6]  # rank 0's: the same calls are skipped everywhere
+    orphaned = [r for r, reply in enumerate(gathered) if reply[5]]
+    failed = first_error(gathered, lambda reply: reply[2])
+    if failed is not None:
+        raise CheckpointError(
+            f"the snapshot before {path} was not committed on {failed}; the one before it is whole "
+            "(this snapshot was not taken)"
+        )
+    failed = first_error(gathered, lambda reply: reply[4])
+    if failed is not None:
+        raise CheckpointError(f"the snapshot {path} was not taken: {failed}")
+    state = with_partitions(state, [reply[3] for reply in gathered])
+    split = writers != "rank0"
+    if not split and len(gathered) > 1 and has_partitions(state):  # the same verdict on every rank
+        fix, obstacle = "take it with writers='auto' (the default) or 'all'", "writers='rank0' does not allow"
+        raise CheckpointError(f"the snapshot {path} was not taken: {refusal(obstacle, fix)}")
+    nodes = group_nodes([reply[1] for reply in gathered])
+    rank = get_rank()
+    node = next(ranks for ranks in nodes if rank in ranks)
+    leader = node[0]
+    location = resolve(path)
+
+    def plan_it() -> tuple[Plan, dict[int, bytes]]:
+        payload = build_payload(state, user_meta, [reply[0] for reply in gathered])
+        plan = make_plan(location, state, payload, nodes=nodes if split else [[n[0]] for n in nodes])
+        plan.token = secrets.token_bytes(16)  # names this snapshot's reports in the store
+        return plan, plan.small if len(nodes) > 1 else {}
+
+    saving = agree.saving(path)
+    sent = saving.on_rank0(plan_it, send=True)
+    assert sent is not None  # on_rank0 raised otherwise
+    plan, small = sent
+    if rank == leader and rank != 0:
+        plan.small = small
+    _receive_rank0_part(plan, nodes, leader)
+
+    slot, error, storages = None, None, []
+    try:
+        if rank == leader:
+            if prepare is not None:
+                prepare()
+            slot = SLOTS.prepare(folder, prefix, plan.size)
+        storages = locate(plan, state, plan.mine())
+    except Exception as err:  # noqa: BLE001 - raised on every rank below
+        error = err
+    replies = all_gather_object((slot, outcome_of(error, rank)))
+    failures = [outcome for _, outcome in replies if outcome is not None]
+    if failures:
+        if slot is not None:
+            SLOTS.keep_spare(folder, slot)  # allocated: the next snapshot reuses it
+        saving.raise_outcome(failures[0], error)
+    plan.tmp = replies[leader][0]
+
+    mine = plan.mine()
+    mapped = SLOTS.mapping(plan.tmp, plan.size)
+    copy_error: BaseException | None = None
+    try:
+        _copy(mapped, mine, storages)
+    except Exception as err:  # noqa: BLE001 - reported to the leader: the snapshot does not count
+        copy_error = err
+    if orphaned:  # the job's last snapshot: committed here, without the store, then every rank leaves
+        _commit_orphaned(plan, mapped, copy_error, location, (folder, prefix, path), node, orphaned)
+    members = node[1:]
+    abandoned = threading.Event()  # never set: a member that never reports is given up on at the timeout
+
+    def commit() -> None:
+        crcs = {} if copy_error is not None else crc32s(mapped, mine)
+        if rank != leader:
+            report_share(plan, copy_error, crcs)
+            if copy_error is not None:
+                raise copy_error
+            return
+        try:
+            replies = [(None, crcs), *(collect_shares(plan, abandoned, members) if members else [])]
+            if copy_error is not None:
+                raise copy_error
+            text = first_error(replies, lambda reply: reply[0])
+            if text is not None:
+                raise RankFailure(text)
+            commit_zip(plan, location, {k: v for reply in replies for k, v in reply[1].items()})
+        except BaseException:
+            SLOTS.keep_spare(folder, plan.tmp)  # not committed: still this node's spare slot
+            raise
+        SLOTS.recycle(folder, prefix, path)
+
+    COMMITS.start(folder, path, commit)
+    if rank == leader:  # the file is renamed into place by the commit: its size is the plan's
+        log.report("snapshot copied", location, started, plan.size)
+    if blocking:
+        finish_snapshot(folder)
+    return path
+
+
+def _commit_orphaned(
+    plan: Plan,
+    mapped: MappedSlot,
+    copy_error: BaseException | None,
+    location: Any,
+    where: tuple[str, str, str],
+    node: list[int],
+    orphaned: list[int],
+) -> None:
+    """Collective, when torchrun's agent of some rank is gone: commit this snapshot in this thread and
+    raise `Orphaned` on every rank. The commit's reports go through the store the agent held, gone
+    with it: instead, once every rank's copy is whole (an exchange over the process group), each node's
+    leader computes the CRC-32 of every record of its copy itself (the node holds a whole copy) and
+    commits. Whatever became of the previous snapshot's commit, this one counts."""
+    folder, prefix, path = where
+    rank = get_rank()
+    copies = all_gather_object(outcome_of(copy_error, rank))
+    error: BaseException | None = None
+    if rank == node[0]:
+        try:
+            failed = [copies[r] for r in node if copies[r] is not None]
+            if failed:
+                raise RankFailure(failed[0][1])
+            commit_zip(plan, location, crc32s(mapped, plan.shares))
+            SLOTS.recycle(folder, prefix, path)
+        except Exception as err:  # noqa: BLE001 - raised on every rank below, in Orphaned's words
+            error = err
+            SLOTS.keep_spare(folder, plan.tmp)  # not committed: still this node's spare slot
+    outcomes = [o for o in all_gather_object(outcome_of(error, rank)) if o is not None]
+    gone = f"torchrun's agent of rank(s) {', '.join(map(str, orphaned))} is gone"
+    if outcomes:
+        raise Orphaned(f"{gone}, and the snapshot {path} was not committed ({outcomes[0][1]}); the one before it "
+                       "is whole", committed=False)  # fmt: skip
+    raise Orphaned(f"{gone}; the snapshot {path} is committed", committed=True)
+
+
+def _copy(mapped: MappedSlot, shares: list[Share], sources: list[Any]) -> None:
+    """This rank's shares into the mapped slot at their offsets; CUDA copies are issued back to
+    back, non-blocking, and one synchronize per device waits for them."""
+    devices = set()
+    for share, source in zip(shares, sources):
+        data = source if isinstance(source, torch.Tensor) else whole_storage(source)
+        target = mapped.bytes[share.offset : share.offset + share.nbytes]
+        if data.device.type == "cuda":
+            mapped.pin()
+            devices.add(data.device)
+            copy_bytes(target, data, non_blocking=mapped.registered)
+        else:
+            copy_bytes(target, data)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
+def _receive_rank0_part(plan: Plan, nodes: list[list[int]], leader: int) -> None:
+    """Collective, several nodes only: rank 0 sends the storages only it holds as they are stored
+    (buffers, RNG, plain values) to every other node's leader, as one CPU byte tensor."""
+    if len(nodes) == 1:
+        return
+    keys = sorted({s.key for s in plan.shares if s.where is None and s.writer != 0}, key=int)
+    sizes = {s.key: s.nbytes for s in plan.shares}
+    total = sum(sizes[k] for k in keys)
+    if not keys or total == 0:
+        return
+    rank = get_rank()
+    buffer = torch.empty(total, dtype=torch.uint8)
+    offset = 0
+    for key in keys:
+        if rank == 0:
+            buffer[offset : offset + sizes[key]].copy_(whole_storage(plan.storages[key]))
+        offset += sizes[key]
+    broadcast_bytes(buffer, 0)
+    if rank != 0 and rank == leader:
+        offset = 0
+        for key in keys:
+            plan.storages[key] = buffer[offset : offset + sizes[key]]  # type: ignore[assignment]
+            offset += sizes[key]

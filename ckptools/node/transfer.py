@@ -1,0 +1,60 @@
+"""A node's snapshot sent to the nodes that lack it, at a restore: one file broadcast in chunks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from ..collective.agree import Agreement
+from ..collective.group import broadcast_bytes, broadcast_object, get_rank
+from ..storage import tmp_name
+
+__all__ = ["send_file"]
+
+
+def send_file(path: str, src: int, receive: bool, chunk: int = 64 << 20) -> None:
+    """Collective: rank ``src`` sends the file ``path`` to the ranks with ``receive``, which write
+    it at ``path`` in their own folder (atomically); every rank takes part in the broadcasts. A
+    failure on any rank is raised on every rank, and nothing is left half-written."""
+    rank = get_rank()
+    size = broadcast_object(os.path.getsize(path) if rank == src else None, src=src)
+    error: BaseException | None = None
+    source = target = None
+    tmp = os.path.join(os.path.dirname(path), tmp_name(os.path.basename(path)))
+    try:
+        if rank == src:
+            source = open(path, "rb")  # noqa: SIM115 - closed below, after the last broadcast
+        elif receive:
+            target = open(tmp, "wb")  # noqa: SIM115
+    except OSError as err:
+        error = err
+    buffer = torch.empty(min(chunk, max(size, 1)), dtype=torch.uint8)
+    done = 0
+    while done < size:
+        n = min(chunk, size - done)
+        piece = buffer[:n]
+        if source is not None and error is None:
+            try:
+                source.readinto(piece.numpy())  # type: ignore[arg-type]
+            except OSError as err:
+                error = err
+        broadcast_bytes(piece, src)  # every rank, even one that failed: no one is left waiting
+        if target is not None and error is None:
+            try:
+                target.write(piece.numpy().tobytes())
+            except OSError as err:
+                error = err
+        done += n
+    for f in (source, target):
+        if f is not None:
+            f.close()
+    if target is not None:
+        try:
+            if error is None:
+                os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+    Agreement(f"sending the snapshot {path} from rank {src}").on_every_rank(error)
