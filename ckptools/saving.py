@@ -30,8 +30,8 @@ from .write import (
     compare_replicas,
     finish_pending,
     first_error,
+    opening,
     plan_shares,
-    rank_part,
     replica_digests,
     set_pending,
     stage,
@@ -40,7 +40,7 @@ from .write import (
     write_and_commit,
     write_share_in_background,
 )
-from .zero import describe_partitions, with_partitions
+from .zero import with_partitions
 
 # Who writes when the caller does not say; see `save`.
 DEFAULT_WRITERS = "auto"
@@ -235,17 +235,16 @@ def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any]
     started = time.monotonic()
     path, user_meta = checked_args(path, state, metadata)
     # Each rank's ZeRO partition, described (metadata, never a tensor), rides the same exchange.
-    partitions, unsavable = describe_partitions(state)
-    gathered = all_gather_object((rank_part(state), replica_digests(state) if verify else None, partitions, unsavable))
-    problem = first_error(gathered, lambda reply: reply[3])
+    gathered = all_gather_object(opening(state, digests=replica_digests(state) if verify else None))
+    problem = first_error(gathered, lambda reply: reply.problem)
     if problem is not None:
         raise CheckpointError(f"saving checkpoint {path} failed on {problem}; earlier checkpoints are untouched")
     if verify:  # every rank has every rank's digests: the same verdict everywhere, no exchange
-        failure = compare_replicas([reply[1] for reply in gathered])
+        failure = compare_replicas([reply.digests for reply in gathered])
         if failure is not None:
             raise CheckpointError(f"saving checkpoint {path} failed: {failure}; earlier checkpoints are untouched")
-    saved = with_partitions(state, [reply[2] for reply in gathered])
-    return _Start(path, user_meta, [reply[0] for reply in gathered], started, saved)
+    saved = with_partitions(state, [reply.partitions for reply in gathered])
+    return _Start(path, user_meta, [reply.part for reply in gathered], started, saved)
 
 
 def _write(location: Location, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:

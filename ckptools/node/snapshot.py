@@ -46,11 +46,11 @@ from ..write import (
     first_error,
     locate,
     make_plan,
-    rank_part,
+    opening,
     report_share,
     whole_storage,
 )
-from ..zero import describe_partitions, has_partitions, refusal, with_partitions
+from ..zero import has_partitions, refusal, with_partitions
 from .commits import COMMITS, crc32s, finish_snapshot
 from .folder import group_nodes, node_token
 from .slots import SLOTS, MappedSlot
@@ -97,34 +97,34 @@ def write_snapshot(
     started = time.monotonic()
     path, user_meta = checked_args(os.path.join(folder, name), state, metadata)
     token = node_token(folder)
-    partitions, problem = describe_partitions(state)  # a ZeRO optimizer's, metadata only
     proposal = cadence[0] if cadence else 0
-    gathered = all_gather_object((rank_part(state), token, previous, partitions, problem, launcher_gone(), proposal))
+    brought = opening(state, token=token, previous=previous, orphaned=launcher_gone(), cadence=proposal)
+    gathered = all_gather_object(brought)
     if cadence:
-        cadence[0] = gathered[0][6]  # rank 0's: the same calls are skipped everywhere
-    orphaned = [r for r, reply in enumerate(gathered) if reply[5]]
-    failed = first_error(gathered, lambda reply: reply[2])
+        cadence[0] = gathered[0].cadence  # rank 0's: the same calls are skipped everywhere
+    orphaned = [r for r, reply in enumerate(gathered) if reply.orphaned]
+    failed = first_error(gathered, lambda reply: reply.previous)
     if failed is not None:
         raise CheckpointError(
             f"the snapshot before {path} was not committed on {failed}; the one before it is whole "
             "(this snapshot was not taken)"
         )
-    failed = first_error(gathered, lambda reply: reply[4])
+    failed = first_error(gathered, lambda reply: reply.problem)
     if failed is not None:
         raise CheckpointError(f"the snapshot {path} was not taken: {failed}")
-    state = with_partitions(state, [reply[3] for reply in gathered])
+    state = with_partitions(state, [reply.partitions for reply in gathered])
     split = writers != "rank0"
     if not split and len(gathered) > 1 and has_partitions(state):  # the same verdict on every rank
         fix, obstacle = "take it with writers='auto' (the default) or 'all'", "writers='rank0' does not allow"
         raise CheckpointError(f"the snapshot {path} was not taken: {refusal(obstacle, fix)}")
-    nodes = group_nodes([reply[1] for reply in gathered])
+    nodes = group_nodes([reply.token for reply in gathered])
     rank = get_rank()
     node = next(ranks for ranks in nodes if rank in ranks)
     leader = node[0]
     location = resolve(path)
 
     def plan_it() -> tuple[Plan, dict[int, bytes]]:
-        payload = build_payload(state, user_meta, [reply[0] for reply in gathered])
+        payload = build_payload(state, user_meta, [reply.part for reply in gathered])
         plan = make_plan(location, state, payload, nodes=nodes if split else [[n[0]] for n in nodes])
         plan.token = secrets.token_bytes(16)  # names this snapshot's reports in the store
         return plan, plan.small if len(nodes) > 1 else {}

@@ -29,7 +29,7 @@ from typing import Any
 
 from ..storage import Location, PathLike, resolve
 from .async_save import AsyncSave, finish_pending, pending, release_staging_buffers, set_pending, stage
-from .payload import build_payload, checked_args, rank_part
+from .payload import Opening, build_payload, checked_args, opening, rank_part
 from .plan import Plan, Share, check_writers, choose, compare_replicas, make_plan, replica_digests
 from .shares import (
     collect_shares,
@@ -48,6 +48,7 @@ from .zip_writer import write_alone
 __all__ = [
     "AsyncSave",
     "BackgroundWriter",
+    "Opening",
     "Plan",
     "Share",
     "StagingBuffers",
@@ -63,6 +64,7 @@ __all__ = [
     "first_error",
     "locate",
     "make_plan",
+    "opening",
     "pending",
     "plan_shares",
     "rank_part",

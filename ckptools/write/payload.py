@@ -19,7 +19,7 @@ import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import PurePath
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -33,8 +33,18 @@ from ..layouts.torch_io import GLOBAL_RE, first_line
 from ..per_rank import PER_RANK_KEY, PerRank
 from ..state_dict import unwrap_model
 from ..storage import PathLike, fspath
+from ..zero import describe_partitions
 
-__all__ = ["FORMAT_VERSION", "build_payload", "check_loadable", "checked_args", "rank_part", "state_entry"]
+__all__ = [
+    "FORMAT_VERSION",
+    "Opening",
+    "build_payload",
+    "check_loadable",
+    "checked_args",
+    "opening",
+    "rank_part",
+    "state_entry",
+]
 
 FORMAT_VERSION = 1
 
@@ -57,6 +67,32 @@ def checked_args(
 
 # A plain entry (no state_dict) larger than this is not compared between ranks at a save.
 _DIGEST_MAX = 1 << 20
+
+
+class Opening(NamedTuple):
+    """What each rank brings to the opening exchange of a save or a snapshot, gathered on every rank
+    (one all-gather: the same verdicts everywhere, no second exchange)."""
+
+    part: dict[str, Any]  # `rank_part`: its RNG states, PerRank values, small entries' CRC-32s
+    partitions: Any  # its ZeRO partition, described (metadata only), or None
+    problem: str | None  # why its ZeRO optimizer cannot be saved, or None
+    digests: Any = None  # save(verify_replicas=True): CRC-32s of its replicated tensors
+    token: str | None = None  # snapshot: its node-memory folder's token (who shares the node)
+    previous: str | None = None  # snapshot: its last commit's failure
+    orphaned: bool = False  # snapshot: its torchrun agent is gone
+    cadence: int = 0  # snapshot: its proposal of calls to skip (rank 0's is taken)
+
+
+def opening(state: Mapping[str, Any], **extra: Any) -> Opening:
+    """This rank's `Opening` of ``state``, with the fields of ``extra`` (a snapshot's, a save's digests).
+
+    Examples:
+        >>> import torch
+        >>> opening({"w": torch.ones(2)}, cadence=3).cadence
+        3
+    """
+    partitions, problem = describe_partitions(state)
+    return Opening(rank_part(state), partitions, problem, **extra)
 
 
 def rank_part(state: Mapping[str, Any]) -> dict[str, Any]:
