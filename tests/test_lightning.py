@@ -159,6 +159,29 @@ def test_a_fixed_filename_keeps_every_epochs_checkpoint_with_either_plugin(tmp_p
     assert epochs == {"test.ckpt": 0, "test-v1.ckpt": 1, "test-v2.ckpt": 2, "test-v3.ckpt": 3}
 
 
+def test_the_steps_the_async_plugin_wraps_are_lightnings_own_for_every_other_trainer(tmp_path, monkeypatch):
+    """Issue 45: the wrap of ModelCheckpoint.file_exists and Trainer.save_checkpoint acts for the
+    trainers that save through AsyncCkptoolsCheckpointIO alone."""
+    from ckptools import in_flight
+
+    AsyncCkptoolsCheckpointIO()  # made once in this process: the two steps are wrapped
+    waited = []
+    monkeypatch.setattr(in_flight, "wait_for", lambda path: waited.append(path))
+    plain = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    plain.fit(Wide())
+    plain.save_checkpoint(tmp_path / "plain.ckpt")
+    pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path)).file_exists(str(tmp_path / "plain.ckpt"), plain)
+    assert waited == []
+    ours = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                      plugins=[AsyncCkptoolsCheckpointIO()], enable_checkpointing=False, enable_progress_bar=False,
+                      enable_model_summary=False)  # fmt: skip
+    ours.fit(Wide())
+    ours.save_checkpoint(tmp_path / "ours.ckpt")
+    pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path)).file_exists(str(tmp_path / "ours.ckpt"), ours)
+    assert len(waited) >= 2 and set(waited) == {str(tmp_path / "ours.ckpt")}, waited  # both steps, and ckptools' own
+
+
 def test_a_save_after_fit_is_there_for_whatever_reads_it_at_once(tmp_path):
     """Issue 33: trainer.save_checkpoint after fit returned before the file existed."""
     trainer = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=1, accelerator="cpu", devices=1,

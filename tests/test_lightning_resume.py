@@ -229,6 +229,29 @@ def test_exact_resume_refuses_a_lightning_older_than_it_was_made_exact_for(monke
     ExactResume()
 
 
+def test_loop_counters_are_corrected_only_where_the_loops_have_what_the_corrections_assume(monkeypatch):
+    import types
+
+    import ckptools.integrations.lightning_resume as module
+    from ckptools import log
+
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    assert module._counters_missing(trainer) == []  # the Lightning installed here: as verified
+    monkeypatch.setattr(log, "_warned", set())
+    with pytest.warns(ck.CheckpointWarning, match=r"lack fit_loop.restarted_mid_epoch.*skipped"):
+        other = types.SimpleNamespace(
+            fit_loop=types.SimpleNamespace(
+                epoch_loop=trainer.fit_loop.epoch_loop, epoch_progress=trainer.fit_loop.epoch_progress
+            )
+        )
+        assert module._counters_as_verified(other) is False
+    monkeypatch.setattr(module, "_lightning_release", lambda: ("pytorch-lightning", "2.7.0"))
+    with pytest.warns(
+        ck.CheckpointWarning, match=r"verified with 2.5 to 2.6; pytorch-lightning 2.7.0 has the counters"
+    ):
+        assert module._counters_as_verified(trainer) is True
+
+
 def test_exact_resume_says_what_it_cannot_make_exact(tmp_path):
     # A plain DataLoader: Lightning cannot resume it mid-epoch.
     with pytest.warns(ck.CheckpointWarning, match="has no state_dict"):

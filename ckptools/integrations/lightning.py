@@ -204,10 +204,13 @@ _TAUGHT = False
 
 
 def _teach_lightning() -> None:
-    """Make two of Lightning's own steps wait for an async save of the path they look at (once).
+    """Make two of Lightning's own steps wait for an async save of the path they look at (once), for
+    the trainers that save through `AsyncCkptoolsCheckpointIO` (`_saves_async`): every other trainer
+    of the process runs Lightning's steps as they are.
 
     ckptools' readers wait for a write in flight by themselves (`ckptools.in_flight`); these two
-    go around every CheckpointIO, so the async plugin wraps them when it is made:
+    go around every CheckpointIO, and Lightning has no hook before either, so the async plugin
+    wraps them when it is made:
 
     - ``ModelCheckpoint.file_exists``, with which ``ModelCheckpoint`` picks a new file's name
       (``name-v1.ckpt`` when ``name.ckpt`` exists), through Lightning's own filesystem. A save of
@@ -232,12 +235,27 @@ def _teach_lightning() -> None:
         _wrap_save_checkpoint(trainer_cls)
 
 
+def _saves_async(trainer: Any) -> bool:
+    """Whether ``trainer`` saves through an `AsyncCkptoolsCheckpointIO` (itself, or wrapped by
+    Lightning's ``AsyncCheckpointIO``): the wrapped steps act for such a trainer alone, and are
+    Lightning's own for every other trainer of the process."""
+    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+    for _ in range(4):  # a wrapper's wrapper at most; never a loop
+        if isinstance(io, AsyncCkptoolsCheckpointIO):
+            return True
+        io = getattr(io, "checkpoint_io", None)
+        if io is None:
+            return False
+    return False
+
+
 def _wrap_file_exists(cls: Any) -> None:
     original = cls.file_exists
 
     @functools.wraps(original)
     def file_exists(self: Any, filepath: Any, trainer: Any) -> Any:
-        in_flight.wait_for(os.fspath(filepath))
+        if _saves_async(trainer):
+            in_flight.wait_for(os.fspath(filepath))
         return original(self, filepath, trainer)
 
     cls.file_exists = file_exists
@@ -250,7 +268,7 @@ def _wrap_save_checkpoint(cls: Any) -> None:
     def save_checkpoint(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, filepath, *args, **kwargs)
         status = getattr(getattr(self, "state", None), "status", None)
-        if getattr(status, "value", status) != "running":  # outside a run: nothing else would wait
+        if getattr(status, "value", status) != "running" and _saves_async(self):  # outside a run: nothing else waits
             in_flight.wait_for(os.fspath(filepath))  # rank 0's write (the only one)
             self.strategy.barrier("ckptools: the checkpoint is written")  # every rank, as the call above
         return result

@@ -57,6 +57,10 @@ if not _CALLBACKS and not any(importlib.util.find_spec(name) for name in ("light
 # resumed fits of tests/test_lightning_resume.py end with other weights than the uninterrupted one;
 # with 2.5.0 (make compat's old end) and every later release tried they are bit-identical.
 OLDEST_LIGHTNING = (2, 5)
+# The newest Lightning the loop-counter corrections below were verified with (2.6.6). On a newer one
+# they run only where the loop still has the counters they assume (checked at run time, else skipped
+# with a warning), never written blindly.
+NEWEST_VERIFIED = (2, 6)
 
 
 def _lightning_release() -> tuple[str, str]:
@@ -74,10 +78,57 @@ def _lightning_release() -> tuple[str, str]:
     return "lightning", "unknown"
 
 
+def _release_numbers(version: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", version)[:2])
+
+
+def _counters_missing(trainer: Any) -> list[str]:
+    """What the loop-counter corrections assume of Lightning's loops (as in 2.5 and 2.6) and this
+    trainer's loops lack; empty when all is there."""
+    fit_loop = getattr(trainer, "fit_loop", None)
+    epoch_loop = getattr(fit_loop, "epoch_loop", None)
+    current = getattr(getattr(epoch_loop, "batch_progress", None), "current", None)
+    wanted = {
+        "fit_loop.epoch_progress.increment_ready": getattr(getattr(fit_loop, "epoch_progress", None),
+                                                           "increment_ready", None),
+        "fit_loop.restarted_mid_epoch": getattr(fit_loop, "restarted_mid_epoch", None),
+        "fit_loop.epoch_loop.restarted_on_train_batch_end": getattr(epoch_loop, "restarted_on_train_batch_end", None),
+        "fit_loop.epoch_loop.batch_progress.is_last_batch": getattr(getattr(epoch_loop, "batch_progress", None),
+                                                                    "is_last_batch", None),
+        **{f"fit_loop.epoch_loop.batch_progress.current.{n}": getattr(current, n, None)
+           for n in ("ready", "started", "processed", "completed")},
+    }  # fmt: skip
+    return [name for name, value in wanted.items() if value is None]
+
+
+def _counters_as_verified(trainer: Any) -> bool:
+    """Whether the loop-counter corrections may run: the loops have what they assume. On a Lightning
+    newer than `NEWEST_VERIFIED`, said once either way."""
+    missing = _counters_missing(trainer)
+    dist, found = _lightning_release()
+    numbers = _release_numbers(found)
+    if missing:
+        log.warn(
+            f"{dist} {found}'s loops lack {', '.join(missing)}, which ExactResume's corrections of Lightning's "
+            f"counts after a resume assume (verified with 2.5 to {'.'.join(map(str, NEWEST_VERIFIED))}): they are "
+            "skipped, so a resume from an epoch's last batch or on another world size may count batches as Lightning "
+            "alone does",
+            once="exact_resume_counters",
+        )
+        return False
+    if len(numbers) == 2 and numbers > NEWEST_VERIFIED:
+        log.warn(
+            f"ExactResume's corrections of Lightning's counts after a resume were verified with 2.5 to "
+            f"{'.'.join(map(str, NEWEST_VERIFIED))}; {dist} {found} has the counters they assume, so they run",
+            once="exact_resume_newer",
+        )
+    return True
+
+
 def check_lightning_version() -> None:
     """Raise `CheckpointError` where the installed Lightning is older than ExactResume was made exact for."""
     dist, found = _lightning_release()
-    numbers = tuple(int(n) for n in re.findall(r"\d+", found)[:2])
+    numbers = _release_numbers(found)
     if len(numbers) == 2 and numbers < OLDEST_LIGHTNING:
         wanted = ".".join(map(str, OLDEST_LIGHTNING))
         raise CheckpointError(
@@ -150,11 +201,13 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
         """Check the train loaders; put back the streams of the checkpoint ``fit`` resumed from."""
         _check_loaders(trainer)
         _load_the_stashed_loader_states(trainer)
-        _count_the_new_epoch(trainer)
+        counters = _counters_as_verified(trainer)
+        if counters:
+            _count_the_new_epoch(trainer)
         state, self._restored = self._restored, None
         if state is not None:
             self._put_back(state, warn=True)
-            if state.get("world_size", trainer.world_size) != trainer.world_size:
+            if state.get("world_size", trainer.world_size) != trainer.world_size and counters:
                 _recount_the_resumed_epoch(trainer)
             # Resumed at a batch after which validation was due, Lightning does not repeat that
             # validation but fast-forwards its counters, and in doing so makes each validation
