@@ -403,9 +403,9 @@ class CheckpointManager:
 
         Not every record's CRC-32, as `latest` does for durable files: a snapshot exists under its
         name only once every rank's CRC-32s of what it copied were written into it (the commit
-        renames it into place last), and memory does not decay as a disk may. Reading 1 GiB
-        again for its CRC-32s cost 1.3 s of a 1.6 s restore on 2 ranks (docs/benchmarks.md); ``ckpt verify``
-        still checks every record.
+        renames it into place last), and memory does not decay as a disk may; reading it again for
+        its CRC-32s would cost most of a restore (docs/benchmarks.md). ``ckpt verify`` still checks
+        every record.
         """
         return self._newest_whole(records=False)
 

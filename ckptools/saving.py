@@ -1,7 +1,8 @@
 """Collective ``save`` and ``async_save`` of training checkpoints, and ``save_weights`` for weights.
 
-Global rank 0 alone writes; every rank's RNG is gathered into the file; an error on rank 0 is
-raised on every rank. What is read back is `ckptools.loading`'s part.
+Who writes is ``writers``' choice (global rank 0 alone, or every rank its share of one file);
+every rank's RNG is gathered into the file; an error on any rank is raised on every rank. What is
+read back is `ckptools.loading`'s part.
 """
 
 from __future__ import annotations

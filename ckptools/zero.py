@@ -41,9 +41,9 @@ __all__ = [
     "describe_partitions",
     "has_partitions",
     "is_zero",
-    "refusal",
     "owned_tensors",
     "prefetch_partition",
+    "refusal",
     "with_partitions",
 ]
 

@@ -14,7 +14,7 @@ import struct
 import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any
 
 from ..codecs.legacy import check_non_zip
 from ..codecs.pickles import loads
@@ -28,9 +28,6 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..storage import PathLike, atomic_write, crc32_range, fspath, open_for_read
-
-if TYPE_CHECKING:
-    pass
 
 GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 

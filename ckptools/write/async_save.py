@@ -3,8 +3,9 @@ every rank wrote a share, the outcome ``wait()`` shares), the one slot for the s
 and the process's staging buffers.
 
 The division of labour is fixed: the main thread stages the copy and runs every collective
-(in the same order on every rank); the writer thread, on global rank 0 only, does file I/O and
-nothing else. See `ckptools.async_save`.
+(in the same order on every rank); the writer thread, on each rank that writes (global rank 0, or
+every rank its share with ``writers="all"``), does file I/O and the store's reports, never a
+collective. See `ckptools.async_save`.
 """
 
 from __future__ import annotations

@@ -88,9 +88,6 @@ def locate(plan: Plan, state: Mapping[str, Any], shares: list[Share]) -> list[to
     return found
 
 
-# --- rank 0: the commit ----------------------------------------------------------------------------
-
-
 # --- async: each rank's share reported to rank 0's writer thread, through the group's store ---------
 
 

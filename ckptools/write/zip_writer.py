@@ -51,13 +51,8 @@ def write_shares(plan: Plan, chunks: list[tuple[Share, torch.UntypedStorage]]) -
     ``chunks`` pairs each share with its storage (or its staged copy). Every byte is written
     first; then a helper thread waits in ``fsync`` for the disk while this thread computes the
     CRC-32s from the same memory (nothing changes it meanwhile: the caller's save holds it, or
-    it is the save's own staged copy). The checksums (~4 GiB/s here, a quarter second per GiB) so
-    hide behind the disk's flush instead of adding to it: 1 GiB as 128 tensors, 9 rounds in
-    rotating order with 10 s of rest before each run, median 2.36 s against 2.68 s with each
-    CRC-32 computed before its write and 2.85 s for ``cp`` + ``sync`` of the file
-    (benchmarks/bench_save.py measures the same). A helper computing them *beside the writes*
-    was slower (it takes the CPU that copying into the page cache needs), and asking the kernel
-    to start writeback piece by piece (``sync_file_range``) three times slower on this disk.
+    it is the save's own staged copy), so the checksums hide behind the disk's flush instead of
+    adding to it; the figures, and the two designs that were slower, are in docs/benchmarks.md.
     """
     crcs: dict[str, int] = {}
     views: list[tuple[Share, memoryview]] = []
