@@ -21,17 +21,22 @@ def _state() -> dict:
     return {"model": model, "optimizer": torch.optim.SGD(model.parameters(), lr=0.1), "step": 1}
 
 
+def _timed_save(directory: str, state: dict) -> dict:
+    """``ck.save`` into ``directory``: its error (None when it saved) and how long it took."""
+    started = time.monotonic()
+    try:
+        ck.save(os.path.join(directory, "ckpt.pt"), state)
+    except ck.CheckpointError as err:
+        return {"error": str(err), "seconds": time.monotonic() - started}
+    return {"error": None, "seconds": time.monotonic() - started}
+
+
 def _rank0_alone(rank: int, world: int, directory: str, then: str) -> dict:
     """The literal port: `if rank == 0: ck.save(...)`; the other ranks go on (``then``: "leave",
     or "barrier": into torch's own barrier, as the tutorial's next line is)."""
     state = _state()
     if rank == 0:
-        started = time.monotonic()
-        try:
-            ck.save(os.path.join(directory, "ckpt.pt"), state)
-        except ck.CheckpointError as err:
-            return {"error": str(err), "seconds": time.monotonic() - started}
-        return {"error": None}
+        return _timed_save(directory, state)
     if then == "barrier":
         try:
             torch.distributed.barrier()  # waits for rank 0, which is in ck.save: until rank 0 gives up
@@ -122,12 +127,7 @@ def _dies_mid_check_in(rank: int, world: int, directory: str) -> dict:
                 os._exit(1)
 
         arrival.default_store = lambda: DiesAtTheCount()
-    started = time.monotonic()
-    try:
-        ck.save(os.path.join(directory, "ckpt.pt"), state)
-    except ck.CheckpointError as err:
-        return {"error": str(err), "seconds": time.monotonic() - started}
-    return {"error": None}
+    return _timed_save(directory, state)
 
 
 def test_a_rank_that_dies_in_the_middle_of_its_check_in_is_noticed_within_seconds(tmp_path, monkeypatch):
