@@ -95,6 +95,7 @@ interop: $(INTEROP_STAMP) lightning-suite
 		tests/test_transformers.py \
 		tests/test_docs.py::test_every_python_snippet_runs \
 		tests/test_snapshot.py tests/test_s3.py::test_a_dead_jobs_snapshot_is_persisted_to_s3_by_the_keeper \
+		tests/test_s3.py::test_writer_killed_mid_upload_leaves_previous_intact \
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind \
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_not_relaunched_leaves_the_newest_step_in_the_folder \
 		tests/test_train_ddp_e2e.py::test_three_processes_resumed_on_three_or_on_two_cover_the_data_exactly_once \

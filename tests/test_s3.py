@@ -195,6 +195,7 @@ def test_cli_on_s3_urls(s3_env):
     assert _objects("cli") == ["clean.pt", "ddp.pt", "model.safetensors"]
 
 
+@pytest.mark.slow  # ~20 s: make interop runs it (make stress with more kills), keeping make test within 5 minutes
 def test_writer_killed_mid_upload_leaves_previous_intact(s3_env):
     kills = int(os.environ.get("CKPTOOLS_S3_KILLS", "3"))
     # ~50 MB per checkpoint: the PUT to the server takes long enough to be killed inside.
