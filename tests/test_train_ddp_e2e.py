@@ -216,6 +216,7 @@ def _two_nodes(ckpt_dir, *args: str) -> list[subprocess.CompletedProcess]:
     return results
 
 
+@pytest.mark.slow  # ~14 s: make interop runs it (make test stays within 5 minutes)
 def test_two_simulated_nodes(tmp_path, reference):
     first = _two_nodes(tmp_path, "--fail-at-step", "23")
     assert all(p.returncode != 0 for p in first), "the crash of node 1's rank fails both launches"
@@ -251,7 +252,8 @@ _SLURM_TORCHRUN = ("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",)
     ("chain", "extra", "model"),
     [
         # Without DataLoader workers: SIGUSR1 to one rank (SIGTERM to torchrun: the async chain).
-        pytest.param((_ONE_RANK_USR1,), (), (), id="sigusr1-to-one-rank"),
+        # ~18 s: make interop runs it (make test stays within 5 minutes)
+        pytest.param((_ONE_RANK_USR1,), (), (), id="sigusr1-to-one-rank", marks=pytest.mark.slow),
         # One job preempted again and again, each launch resuming where the last stopped: the
         # signals of one chain share its processes (a launch each), not their paths.
         pytest.param(
