@@ -101,6 +101,8 @@ interop: $(INTEROP_STAMP) lightning-suite
 		tests/test_train_ddp_e2e.py::test_three_processes_resumed_on_three_or_on_two_cover_the_data_exactly_once \
 		tests/test_train_ddp_e2e.py::test_two_simulated_nodes \
 		'tests/test_train_ddp_e2e.py::test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact[sigusr1-to-one-rank]' \
+		'tests/test_train_ddp_e2e.py::test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact[sigterm-async-save-in-flight]' \
+		tests/test_train_ddp_e2e.py::test_unseeded_augmentation_in_workers_differs_after_a_resume_and_warns \
 		tests/test_zero.py::test_saved_on_four_ranks_resumed_on_two tests/test_kill_matrix.py tests/test_user_scripts.py \
 		tests/test_dist.py::test_a_script_ending_with_destroy_process_group_never_aborts_at_exit
 

@@ -94,6 +94,7 @@ def test_a_snapshot_holds_the_state_as_of_the_call_and_reuses_its_two_slots(tmp_
     expected = state["model"].weight.detach().clone()
     manager.snapshot({**state, "step": 1}, 1)
     manager.snapshot({**state, "step": 2}, 2)
+    manager.wait()  # its commit renames files in the background: look once it is done
     slots = {_inode(p) for p in _slot_files(manager.snapshot_dir)}
     assert len(slots) == 2  # the newest and the spare
     assert manager.snapshot({**state, "step": 3}, 3).endswith("ckpt-0000000003.pt")

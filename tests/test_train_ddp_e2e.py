@@ -87,6 +87,7 @@ def test_killed_and_restarted_by_torchrun_again_and_again_is_bit_exact(tmp_path,
     assert "CheckpointWarning" not in out
 
 
+@pytest.mark.slow  # ~17 s: make interop runs it (make test stays within 5 minutes)
 def test_unseeded_augmentation_in_workers_differs_after_a_resume_and_warns(tmp_path):
     """The control: the same dataset unwrapped (--no-seeded-dataset), killed and resumed with 2
     workers, ends with other weights than its own uninterrupted run, and the loop says why. On one
@@ -269,6 +270,7 @@ _SLURM_TORCHRUN = ("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",)
             ("--async-save", "--save-every-steps", "1"),
             ("--hidden", "1536", "--depth", "4", "--batch-size", "2", "--dataset-size", "64", "--epochs", "1"),
             id="sigterm-async-save-in-flight",
+            marks=pytest.mark.slow,  # ~23 s: make interop runs it (make test stays within 5 minutes)
         ),
     ],
 )
