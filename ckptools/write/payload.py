@@ -112,8 +112,8 @@ def rank_part(state: Mapping[str, Any]) -> dict[str, Any]:
 
 def _small(value: Any, budget: int = _DIGEST_MAX, visits: int = 10_000) -> bool:
     """Whether ``value`` holds at most ``budget`` bytes of tensors, arrays and strings, found by a walk
-    that stops at the first excess: pickling a large entry only to find it large would copy it all
-    (a dict of CUDA weights moved to the CPU: 1.3 s per save of 1 GiB, seen on an H100)."""
+    that stops at the first excess: pickling a large entry only to find it large would copy it all,
+    a dict of CUDA weights moved to the CPU at every save (docs/gpu-proof.md, the H100 run)."""
     todo, size = [value], 0
     while todo:
         visits -= 1
