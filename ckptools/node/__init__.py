@@ -13,6 +13,7 @@ commits.py           the commit in the background: CRC-32s, reports to the node'
 snapshot.py          the collective protocol of one snapshot (`write_snapshot`), and the commit of
                      an orphaned job's last one
 transfer.py          a node's snapshot sent to the nodes that lack it (restore)
+cadence.py           how often snapshots are taken under a budget of the loop's time (`Cadence`)
 ===================  ==========================================================================
 
 Everything else imports from this package, never from its modules; it writes through the write
@@ -21,6 +22,7 @@ wing's public face (`ckptools.write`). The keeper process itself is `ckptools.ke
 
 from __future__ import annotations
 
+from .cadence import Cadence
 from .commits import COMMITS, finish_snapshot
 from .folder import default_folder, group_nodes, node_token, register, release_folders, start_keeper, watch
 from .slots import SLOTS
@@ -28,6 +30,7 @@ from .snapshot import Orphaned, write_snapshot
 from .transfer import send_file
 
 __all__ = [
+    "Cadence",
     "Orphaned",
     "close_slots",
     "default_folder",
