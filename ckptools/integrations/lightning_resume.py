@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import re
 from typing import Any
 
 from .. import log, rng
@@ -38,6 +37,7 @@ from ..collective.group import all_gather_object, get_world_size
 from ..errors import CheckpointError
 from ..restoring import restore_rank_rng
 from ..training.loader import ResumableDataLoader
+from . import installed, release_numbers
 
 __all__ = ["ExactResume"]
 
@@ -65,21 +65,14 @@ NEWEST_VERIFIED = (2, 6)
 
 def _lightning_release() -> tuple[str, str]:
     """The distribution that holds the Trainer this module uses (Fabric's where there is none), and its version."""
-    from importlib.metadata import PackageNotFoundError, version
-
     module = _BASE.__module__.split(".")[0] if _CALLBACKS else "lightning_fabric"
     for dist in {"pytorch_lightning": ("pytorch-lightning",), "lightning": ("lightning",)}.get(
         module, ("lightning-fabric", "lightning")
     ):
-        try:
-            return dist, version(dist)
-        except PackageNotFoundError:
-            continue
+        found = installed(dist)
+        if found is not None:
+            return dist, found
     return "lightning", "unknown"
-
-
-def _release_numbers(version: str) -> tuple[int, ...]:
-    return tuple(int(n) for n in re.findall(r"\d+", version)[:2])
 
 
 def _counters_missing(trainer: Any) -> list[str]:
@@ -106,7 +99,7 @@ def _counters_as_verified(trainer: Any) -> bool:
     newer than `NEWEST_VERIFIED`, said once either way."""
     missing = _counters_missing(trainer)
     dist, found = _lightning_release()
-    numbers = _release_numbers(found)
+    numbers = release_numbers(found)
     if missing:
         log.warn(
             f"{dist} {found}'s loops lack {', '.join(missing)}, which ExactResume's corrections of Lightning's "
@@ -128,7 +121,7 @@ def _counters_as_verified(trainer: Any) -> bool:
 def check_lightning_version() -> None:
     """Raise `CheckpointError` where the installed Lightning is older than ExactResume was made exact for."""
     dist, found = _lightning_release()
-    numbers = _release_numbers(found)
+    numbers = release_numbers(found)
     if len(numbers) == 2 and numbers < OLDEST_LIGHTNING:
         wanted = ".".join(map(str, OLDEST_LIGHTNING))
         raise CheckpointError(

@@ -31,6 +31,7 @@ from typing import Any
 from .. import log
 from ..layouts.folder_check import MANIFEST, check_folder, write_manifest
 from ..training.seeded import SeededDataset
+from . import installed, release_numbers
 
 try:
     from transformers import TrainerCallback
@@ -52,15 +53,12 @@ EXACT_FROM = {"transformers": (5, 0), "accelerate": (1, 7)}
 
 def _inexact_releases() -> list[str]:
     """The installed releases of `EXACT_FROM` older than the oldest measured exact, as 'name version'."""
-    from importlib.metadata import PackageNotFoundError, version
-
     old = []
     for name, oldest in EXACT_FROM.items():
-        try:
-            found = version(name)
-        except PackageNotFoundError:
+        found = installed(name)
+        if found is None:
             continue
-        numbers = tuple(int(n) for n in re.findall(r"\d+", found)[:2])
+        numbers = release_numbers(found)
         if len(numbers) == 2 and numbers < oldest:
             old.append(f"{name} {found} (exact from {'.'.join(map(str, oldest))})")
     return old
