@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _same import same_tree
 from _torchrun import job_processes
 
 SCRIPTS = Path(__file__).resolve().parent / "user_scripts"
@@ -58,10 +59,6 @@ def _run(script: str, run_dir: Path, nproc: int, kills: list[int], *extra: str) 
     return torch.load(run_dir / "final.pt", weights_only=True)
 
 
-def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
-
-
 def _kills(seed_name: str, steps: int, count: int) -> list[int]:
     seed = int(os.environ.get("CKPTOOLS_KILL_SEED", random.randrange(1 << 30)))
     print(f"{seed_name}: kill steps drawn with CKPTOOLS_KILL_SEED={seed}")
@@ -86,7 +83,7 @@ def test_a_ported_script_killed_at_random_steps_ends_bit_identical(tmp_path, scr
     kills = _kills(script, steps, 2)
     straight = _run(script, tmp_path / "straight", nproc, [])
     resumed = _run(script, tmp_path / "resumed", nproc, kills)
-    assert _same(straight, resumed), f"{script}: killed at steps {kills}, not bit-identical"
+    assert same_tree(straight, resumed, key_order=False), f"{script}: killed at steps {kills}, not bit-identical"
 
 
 @pytest.mark.slow
