@@ -166,7 +166,12 @@ def test_the_steps_the_async_plugin_wraps_are_lightnings_own_for_every_other_tra
 
     AsyncCkptoolsCheckpointIO()  # made once in this process: the two steps are wrapped
     waited = []
-    monkeypatch.setattr(in_flight, "wait_for", lambda path: waited.append(path))
+
+    def wait_for(path: str) -> None:  # the calls of the two wrapped steps (ckptools' own I/O waits too)
+        if sys._getframe(1).f_code.co_name in ("file_exists", "save_checkpoint"):
+            waited.append((sys._getframe(1).f_code.co_name, path))
+
+    monkeypatch.setattr(in_flight, "wait_for", wait_for)
     plain = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=1, accelerator="cpu", devices=1, logger=False,
                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     plain.fit(Wide())
@@ -179,7 +184,8 @@ def test_the_steps_the_async_plugin_wraps_are_lightnings_own_for_every_other_tra
     ours.fit(Wide())
     ours.save_checkpoint(tmp_path / "ours.ckpt")
     pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path)).file_exists(str(tmp_path / "ours.ckpt"), ours)
-    assert len(waited) >= 2 and set(waited) == {str(tmp_path / "ours.ckpt")}, waited  # both steps, and ckptools' own
+    ours_path = str(tmp_path / "ours.ckpt")
+    assert waited == [("save_checkpoint", ours_path), ("file_exists", ours_path)], waited  # both steps, ours alone
 
 
 def test_a_save_after_fit_is_there_for_whatever_reads_it_at_once(tmp_path):
