@@ -31,7 +31,7 @@ import time
 from typing import IO
 
 from .errors import CheckpointError
-from .layouts.torch_io import verify_torch_file
+from .layouts import verify_torch_file
 from .leftovers import pid_alive
 from .storage import atomic_write, join, list_files, remove
 

@@ -26,11 +26,11 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .layouts import is_lightning_checkpoint, read_checkpoint, read_weights
+from .lifecycle import finish_pending
 from .restoring import restore_all, restore_rng_state
 from .state_dict import shared_prefix, strip_for_reading, strip_prefix
 from .storage import Location, PathLike, fspath, resolve
 from .training.sampler import ResumableDistributedSampler, note_rng_restored
-from .write import finish_pending
 from .zero import has_partitions
 
 __all__ = ["load", "load_state_dict"]

@@ -18,6 +18,7 @@ from .errors import CheckpointError
 from .keeper import checkpoint_names
 from .layouts import TORCH_FILE
 from .leftovers import abandoned_tmps
+from .lifecycle import finish_pending
 from .loading import load
 from .node import (
     Cadence,
@@ -37,7 +38,7 @@ from .node import (
 from .saving import async_save_with_hooks, save_with_hooks
 from .storage import PathLike, file_size, fspath, join, list_files, remove, resolve
 from .training.process import ORPHANED_EXIT, leave
-from .write import AsyncSave, finish_pending, pending, release_staging_buffers
+from .write import AsyncSave, pending, release_staging_buffers
 
 __all__ = ["CheckpointManager", "run_report"]
 

@@ -16,7 +16,7 @@ from torch.utils.data.distributed import DistributedSampler
 from . import log, rng
 from .collective.group import get_rank, get_world_size
 from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError
-from .layouts import LIGHTNING_VERSION_KEY, META_KEY, loaded_weights, placeholder_name
+from .loaded import LIGHTNING_VERSION_KEY, META_KEY, loaded_weights, placeholder_name
 from .per_rank import PER_RANK_KEY, PerRank, is_per_rank_entry
 from .state_dict import (
     WRAPPER_PREFIXES,
@@ -139,7 +139,7 @@ def _restore(obj: Any, entry: Any, *, strict: bool, path: str, name: str) -> Non
 
 
 def _find_weights(ckpt: Any, *, key: str | None, path: str) -> Mapping[str, Any]:
-    """The model weights inside a loaded checkpoint (see `ckptools.layouts.loaded_weights`)."""
+    """The model weights inside a loaded checkpoint (see `ckptools.loaded.loaded_weights`)."""
     return loaded_weights(ckpt, key, path)
 
 

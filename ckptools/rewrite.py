@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from .layouts import detect
-from .layouts.base import Transform
+from .layouts import Transform, detect
 from .storage import PathLike, fspath, resolve
 
 __all__ = ["rename_checkpoint"]

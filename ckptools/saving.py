@@ -20,6 +20,7 @@ from .collective.group import all_gather_object, get_rank
 from .devices import to_cpu
 from .errors import CheckpointError
 from .layouts import TORCH_FILE, writer_for
+from .lifecycle import finish_pending
 from .state_dict import strip_wrappers, unwrap_model
 from .storage import Location, PathLike, fspath, resolve
 from .write import (
@@ -29,7 +30,6 @@ from .write import (
     checked_args,
     choose,
     compare_replicas,
-    finish_pending,
     first_error,
     opening,
     plan_shares,

@@ -206,6 +206,18 @@ def test_the_wings_keep_their_import_rules():
     assert named == [], named
     into_node = [c for c in _crossings(graph, ("ckptools",), ("ckptools.node",)) if not c.startswith("ckptools.node")]
     assert [c for c in into_node if not c.endswith(" -> ckptools.node")] == [], into_node
+    # layouts/ too is used through its face; the write wing alone also takes the torch adapter (torch.save's bytes).
+    into_layouts = [c for c in _crossings(graph, ("ckptools",), ("ckptools.layouts",))
+                    if not c.startswith("ckptools.layouts") and not c.endswith(" -> ckptools.layouts")]  # fmt: skip
+    assert [c for c in into_layouts if not (c.startswith("ckptools.write") and c.endswith(TORCH_ADAPTER))] == []
+    # Restoring works on a loaded tree (ckptools.loaded), never on a file; the training loop's side
+    # imports neither writing wing; the save in flight and the node memory end in ckptools.lifecycle alone.
+    assert _crossings(graph, ("ckptools.restoring",), ("ckptools.layouts",)) == []
+    assert _crossings(graph, ("ckptools.training",), ("ckptools.write", "ckptools.node")) == []
+    ends = sorted(f"{m} takes {n}" for m, found in graph.items() for t, n in found
+                  if (t, n) in {("ckptools.write", "finish_pending"), ("ckptools.node", "release")}
+                  and m != "ckptools.lifecycle")  # fmt: skip
+    assert ends == [], ends
 
 
 def test_reading_a_file_and_every_codec_need_no_torch(tmp_path):

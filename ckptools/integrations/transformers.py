@@ -29,7 +29,7 @@ import re
 from typing import Any
 
 from .. import log
-from ..layouts.folder_check import MANIFEST, check_folder, write_manifest
+from ..layouts import MANIFEST, check_folder, write_manifest
 from ..training.seeded import SeededDataset
 from . import installed, release_numbers
 

@@ -33,15 +33,17 @@ from ..view import CheckpointView, TensorInfo
 from .base import Layout, Transform
 from .dcp import DCP_FOLDER
 from .export import Planned, safetensors_plan
+from .folder_check import MANIFEST, check_folder, write_manifest
 from .hf_folder import HUGGING_FACE_FOLDER
 from .named import writer_for
-from .placeholders import placeholder_name
 from .safetensors_file import SAFETENSORS_FILE
 from .sharded import weights_layout
-from .torch_file import TORCH_FILE, loaded_weights
+from .torch_file import TORCH_FILE
+from .torch_io import verify_torch_file
 
 __all__ = [
     "LIGHTNING_VERSION_KEY",
+    "MANIFEST",
     "META_KEY",
     "SAFETENSORS_FILE",
     "TORCH_FILE",
@@ -49,14 +51,16 @@ __all__ = [
     "Layout",
     "Planned",
     "TensorInfo",
+    "Transform",
+    "check_folder",
     "detect",
     "is_lightning_checkpoint",
-    "loaded_weights",
     "open_checkpoint",
-    "placeholder_name",
     "plan_safetensors",
     "read_checkpoint",
     "read_weights",
+    "verify_torch_file",
+    "write_manifest",
     "writer_for",
 ]
 

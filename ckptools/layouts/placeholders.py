@@ -55,11 +55,6 @@ def weights_without_code(
     return dict(weights)
 
 
-def placeholder_name(node: Any) -> str | None:
-    """The refused class an inert placeholder stands in for (``node`` is one), else None."""
-    return node.name if isinstance(node, Opaque) else None
-
-
 def load_without_code(
     location: Location, map_location: Any, refusal: UnsafeCheckpointError, *, mmap: bool = False
 ) -> tuple[Any, list[str]]:

@@ -267,13 +267,6 @@ def torch_weights(location: Location, key: str | None, map_location: Any, trust_
     return dict(locate_weights(tree, key=key, path=location.url, is_leaf=lambda v: isinstance(v, torch.Tensor))[2])
 
 
-def loaded_weights(tree: Any, key: str | None, path: str) -> Mapping[str, Any]:
-    """The model weights inside a tree torch loaded (see `ckptools.codecs.trees.locate_weights`)."""
-    import torch
-
-    return locate_weights(tree, key=key, path=path, is_leaf=lambda v: isinstance(v, torch.Tensor))[2]
-
-
 def loaded_tensor_info(devices: Mapping[int, str] | None = None) -> Callable[[Any], dict[str, Any] | None]:
     """A `walk_tree` describer for a tree torch loaded (``devices``: storage pointer -> saved device)."""
     import torch

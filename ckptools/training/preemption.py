@@ -16,9 +16,8 @@ from typing import Any, NoReturn
 
 from .. import log
 from ..collective.arrival import arrive, checked_in
-from ..collective.group import barrier, get_rank, launcher_gone, max_over_ranks
-from ..node import release
-from ..write import finish_pending
+from ..collective.group import get_rank, launcher_gone, max_over_ranks
+from ..lifecycle import end_job
 from .process import leave
 
 __all__ = ["Preemption"]
@@ -343,9 +342,7 @@ class Preemption:
         Examples:
             >>> preemption.exit()  # doctest: +SKIP
         """
-        finish_pending()
-        barrier()
-        release()  # its state is in the folder now: the node-memory snapshots go
+        end_job()  # its state is in the folder now: the node-memory snapshots go
         status = self.exit_code if code is None else code
         since = "" if self.received_at is None else f", {time.monotonic() - self.received_at:.2f} s after the signal"
         if get_rank() == 0:

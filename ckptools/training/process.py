@@ -9,9 +9,7 @@ import sys
 from typing import NoReturn
 
 from ..collective.arrival import arrive
-from ..collective.group import barrier
-from ..node import release
-from ..write import finish_pending
+from ..lifecycle import end_job
 
 __all__ = ["ORPHANED_EXIT", "exit_process", "leave"]
 
@@ -45,9 +43,7 @@ def exit_process(code: int = 0, *, collective: bool = True) -> NoReturn:
     """
     if collective:
         arrive("ck.exit_process")
-        finish_pending()
-        barrier()
-        release()  # the job ended normally: its node-memory snapshots go (a crash keeps them)
+        end_job()  # the job ended normally: its node-memory snapshots go (a crash keeps them)
     leave(code)
 
 
