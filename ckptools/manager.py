@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -13,7 +12,7 @@ from typing import Any
 from . import log
 from .collective.agree import Agreement
 from .collective.arrival import arrive, checked_in
-from .collective.group import all_gather_object, get_rank
+from .collective.group import get_rank
 from .errors import CheckpointError
 from .keeper import checkpoint_names
 from .layouts import TORCH_FILE
@@ -26,21 +25,19 @@ from .node import (
     close_slots,
     default_folder,
     finish_snapshot,
-    group_nodes,
-    node_token,
     register,
-    send_file,
     settle,
     start_keeper,
+    survey_nodes,
     watch,
     write_snapshot,
 )
 from .saving import async_save_with_hooks, save_with_hooks
-from .storage import PathLike, file_size, fspath, join, list_files, remove, resolve
+from .storage import PathLike, fspath, join, list_files, remove, resolve
 from .training.process import ORPHANED_EXIT, leave
 from .write import AsyncSave, pending, release_staging_buffers
 
-__all__ = ["CheckpointManager", "run_report"]
+__all__ = ["CheckpointManager"]
 
 
 class CheckpointManager:
@@ -50,19 +47,11 @@ class CheckpointManager:
     The manager only ever lists, verifies or deletes files whose names match that pattern, so it
     shares a directory safely with anything else (``final.safetensors``, logs, ...).
 
-    - ``save(state, step)`` (collective) writes atomically through `ckptools.save`, then
-      rank 0 deletes all but the newest ``keep_last`` checkpoints, only after the new one is
-      complete. Checkpoints with a *higher* step than the one being saved belong to a timeline
-      that was abandoned by resuming from an earlier checkpoint; they are deleted too (with a
-      warning), or ``latest()`` would later resume the abandoned timeline. Leftover temporary
-      files of a crashed save are removed (those whose writer process is gone; see
-      `ckptools.leftovers.is_abandoned_tmp`).
-    - ``latest()`` (local) returns the newest checkpoint whose every zip record passes its
-      CRC-32 check, skipping damaged or truncated ones with a warning.
-    - ``snapshot(state, step)`` (collective) copies the state into this node's memory
-      (``snapshot_dir``): it survives kill -9 of the whole job (docs/guides/snapshots.md).
-    - ``restore(state)`` (collective) loads on every rank the newest good checkpoint rank 0
-      finds, durable or snapshot, or returns None on a fresh start.
+    - ``save(state, step)`` (collective) writes through `ckptools.save`, then rank 0 prunes to the
+      newest ``keep_last`` (and removes the steps above it: an abandoned timeline, with a warning).
+    - ``latest()`` (local): the newest checkpoint whose every CRC-32 passes (damaged ones skipped).
+    - ``snapshot(state, step)`` (collective) copies the state into this node's memory.
+    - ``restore(state)`` (collective) loads the newest good checkpoint, durable or snapshot.
 
     Args:
         directory: a local path or an fsspec URL (``s3://bucket/run``, ``memory://run``).
@@ -121,20 +110,16 @@ class CheckpointManager:
         return sorted(found)
 
     def _leftovers(self) -> list[str]:
-        # Only files whose writer is gone: a second job saving into this directory (a
-        # misconfiguration, but one that happens) must not have its file deleted mid-write.
+        # Only those whose writer is gone: a second job saving here must not lose its file mid-write.
         return abandoned_tmps(self.directory, f".{self.prefix}-")
 
     @checked_in("CheckpointManager.save")
     def save(self, state: Mapping[str, Any], step: int, *, blocking: bool = True, **save_kwargs: Any) -> str:
         """Save ``state`` as the checkpoint for ``step`` (collective), then prune.
 
-        ``step`` is also recorded in the file's metadata (``__ckptools__["metadata"]["step"]``).
-        With ``blocking=False`` the save goes through `ckptools.async_save`: the call
-        returns once the state is snapshotted, rank 0 writes in the background, and pruning
-        happens in that background writer only after the new file is committed. The next
-        checkpoint call (any manager method but `checkpoints`, or ``ck.save``/``ck.load``)
-        finishes it first, and raises on every rank if it failed; `wait` does so now.
+        ``step`` is recorded in the file's metadata too. With ``blocking=False`` the save goes through
+        `ckptools.async_save`, pruning after its commit; the next checkpoint call (or `wait`) finishes
+        it, and raises on every rank if it failed.
 
         Args:
             state: as for `ckptools.save`.
@@ -260,18 +245,10 @@ class CheckpointManager:
     ) -> str | None:
         """Copy ``state`` into node memory as the snapshot of ``step`` (collective, like `save`).
 
-        Every node keeps its own snapshot, the checkpoint `save` would write, in its node-memory
-        folder (``snapshot_dir``; see `ckptools.node`): it survives kill -9 of every
-        process of the job, and `restore` resumes from it when it is newer than every durable
-        checkpoint, bit-identical as from a file. The ranks of a node split the copy (what DDP
-        keeps equal on every rank, over the node's ranks: about 1/LOCAL_WORLD_SIZE each), and the
-        call returns once this rank's copy is whole: the stall is one memory copy (on CUDA a
-        device-to-host copy into pinned memory). The CRC-32s and the commit follow in a background
-        thread, a fraction of the copy's time later; the snapshot counts from its commit, and
-        until then a kill leaves the previous one whole (two slots). The next snapshot, `wait`,
-        `close` and `restore` wait for that commit and raise its failure on every rank. An async
-        `save` still being written is left to write: a snapshot does not wait for it. The node's
-        free memory is checked for both slots, and the slot allocated, before anything is copied.
+        It survives kill -9 of every process of the job, and `restore` resumes from it when it is
+        newer than every durable checkpoint, bit-identical. The stall is one memory copy split over
+        the node's ranks; the commit follows in the background, and until it is done the previous
+        snapshot stays whole (two slots). How, and what each failure leaves: docs/guides/snapshots.md.
 
         Args:
             state: as for `save`, the same on every rank.
@@ -384,11 +361,9 @@ class CheckpointManager:
         return None if durable is None else (self._step_of(durable), False)
 
     def latest(self) -> str | None:
-        """Path of the newest complete checkpoint that passes its integrity check, or None.
+        """Path of the newest complete checkpoint whose every zip record passes its CRC-32, or None.
 
-        Local (not collective). Temporary leftovers of a crashed save are never considered.
-        The newest file is verified (every zip record's CRC-32, which ``torch.load`` does not
-        check); a damaged one is skipped with a warning and the next newest is tried.
+        Local. A damaged one is skipped with a warning; temporaries of a crashed save are never read.
 
         Examples:
             >>> ck.CheckpointManager("/tmp/empty-run").latest() is None  # doctest: +SKIP
@@ -402,11 +377,9 @@ class CheckpointManager:
     def _committed_snapshot(self) -> str | None:
         """This node-memory manager's newest snapshot whose container is whole, or None.
 
-        Not every record's CRC-32, as `latest` does for durable files: a snapshot exists under its
-        name only once every rank's CRC-32s of what it copied were written into it (the commit
-        renames it into place last), and memory does not decay as a disk may; reading it again for
-        its CRC-32s would cost most of a restore (docs/benchmarks.md). ``ckpt verify`` still checks
-        every record.
+        Not every record's CRC-32 (as `latest`): a snapshot exists under its name only once committed
+        with them, memory does not decay as a disk may, and reading it again would cost most of a
+        restore (docs/development.md). ``ckpt verify`` still checks every record.
         """
         return self._newest_whole(records=False)
 
@@ -427,12 +400,9 @@ class CheckpointManager:
     def restore(self, state: Mapping[str, Any], **load_kwargs: Any) -> dict[str, Any] | None:
         """Restore ``state`` from the newest good checkpoint on every rank; None on a fresh start.
 
-        Collective: rank 0 picks the checkpoint (so all ranks agree even if a save is racing
-        the listing) and broadcasts its path; every rank then loads it with `ckptools.load`,
-        restoring its own RNG states too (restoring is resuming; ``restore_rng=False`` opts out).
-        The newest of the durable checkpoints and this node's `snapshot` wins (a tie: the
-        snapshot, read from memory); ranks that cannot see rank 0's snapshot receive it from
-        rank 0 over the process group.
+        Collective: rank 0 picks the newest of the durable checkpoints and the nodes' snapshots (a
+        tie: the snapshot), every rank loads it with `ckptools.load`, its RNG states too
+        (``restore_rng=False`` opts out); a node without that snapshot receives it from one that has it.
 
         Args:
             state: objects to restore in place, as for `ckptools.load`.
@@ -451,30 +421,21 @@ class CheckpointManager:
         """
         finish_pending()
         finish_snapshot(self.snapshot_dir)
-        rank = get_rank()
-        # Whether this node had a folder before anything here made one: asked of every rank
-        # before any rank makes it (for the node token), or a rank could see its peer's.
-        existed = all_gather_object(os.path.isdir(self.snapshot_dir))
-        if existed[rank]:
-            watch(self.snapshot_dir)  # first: the keeper of a job that died must not release it now
-        nodes = group_nodes(all_gather_object(node_token(self.snapshot_dir)))
-        leaders = [ranks[0] for ranks in nodes]
         memory = self._memory_manager()
-        found = memory._committed_snapshot() if rank in leaders else None
-        steps = all_gather_object(None if found is None else self._step_of(found))
-        newest = [steps[leader] for leader in leaders]
+
+        def newest_snapshot() -> int | None:
+            found = memory._committed_snapshot()
+            return None if found is None else self._step_of(found)
+
+        nodes = survey_nodes(self.snapshot_dir, newest_snapshot)
         chosen = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(
-            lambda: self._choose_unless_removed(newest), send=True
+            lambda: self._choose_unless_removed(nodes.newest), send=True
         )
         assert chosen is not None  # on_rank0 raised otherwise
         choice, removed = chosen
-        node = next(ranks for ranks in nodes if rank in ranks)
-        made_here = not any(existed[r] for r in node)
-        if (removed or ((choice is None or not choice[1]) and made_here)) and rank == node[0]:
-            # Made for the node token only, or the snapshots of a run whose folder was removed: nothing is kept.
-            shutil.rmtree(self.snapshot_dir, ignore_errors=True)
+        nodes.release_unused(used=not removed and (not nodes.made_here or (choice is not None and choice[1])))
         if choice is None:
-            if rank == 0:
+            if get_rank() == 0:
                 log.logger.info("no checkpoint in %s: starting fresh", self.directory)
             return None
         step, from_memory = choice
@@ -483,50 +444,7 @@ class CheckpointManager:
         if not from_memory:
             return load(self.path_for(step), state, **load_kwargs)
         path = memory.path_for(step)
-        register(self.snapshot_dir)
-        lacking = [leader for leader, have in zip(leaders, newest) if have != step]
-        if lacking:
-            # A node without it (replaced, or killed mid-copy) gets it from a node that has it,
-            # into its own memory; then every rank reads its own node's copy.
-            source = next(leader for leader, have in zip(leaders, newest) if have == step)
-            if rank == 0:
-                log.logger.info("sending the snapshot of step %d from rank %d to rank %s", step, source, lacking)
-            send_file(path, source, rank in lacking)
-        if rank == 0:
+        nodes.bring(path, step)
+        if get_rank() == 0:
             log.logger.info("restoring from the snapshot in node memory: %s", path)
         return load(path, state, **load_kwargs)
-
-
-_RUN_FILE = re.compile(r"([A-Za-z0-9_-]+)-(\d{10})\.pt")
-
-
-def run_report(directory: PathLike) -> dict[str, Any] | None:
-    """What a `CheckpointManager`'s folder holds, or None when ``directory`` holds no numbered
-    checkpoint: for each prefix its checkpoints and this node's snapshots (`ckpt info RUN_DIR`).
-
-    Local (reads listings and sizes only; nothing is verified).
-
-    Examples:
-        >>> import torch, ckptools as ck
-        >>> _ = ck.CheckpointManager("/tmp/ckptools-doc-run-report").save({"w": torch.ones(1)}, 1)
-        >>> [c["step"] for c in run_report("/tmp/ckptools-doc-run-report")["runs"][0]["checkpoints"]][-1]
-        1
-    """
-    directory = fspath(directory)
-    prefixes = sorted({m.group(1) for n in list_files(directory) if (m := _RUN_FILE.fullmatch(n))})
-    if not prefixes:
-        return None
-    runs = []
-    for prefix in prefixes:
-        manager = CheckpointManager(directory, prefix=prefix, keep_last=None)
-
-        def described(found: list[tuple[int, str]]) -> list[dict[str, Any]]:
-            return [{"step": step, "path": path, "bytes": file_size(path)} for step, path in found]
-
-        runs.append({
-            "prefix": prefix,
-            "checkpoints": described(manager.checkpoints()),
-            "snapshot_dir": manager.snapshot_dir,
-            "snapshots": described(manager.snapshots()),
-        })  # fmt: skip
-    return {"path": directory, "runs": runs}

@@ -187,7 +187,7 @@ def info(
         try:
             report = inspect(path, trust_code=trust)
         except CheckpointLayoutError:
-            from ..manager import run_report
+            from ..runs import run_report
 
             run = run_report(path)  # a folder of numbered checkpoints: the run, not one file
             if run is None:
@@ -464,7 +464,7 @@ def verify(
                 with _progress("verifying", path):
                     judge(path)
             except CheckpointLayoutError as refusal:
-                from ..manager import run_report
+                from ..runs import run_report
 
                 run = run_report(path) if "://" not in path else None
                 if run is None:

@@ -12,7 +12,9 @@ commits.py           the commit in the background: CRC-32s, reports to the node'
                      rename (`COMMITS` holds each folder's commit in flight)
 snapshot.py          the collective protocol of one snapshot (`write_snapshot`), and the commit of
                      an orphaned job's last one
-transfer.py          a node's snapshot sent to the nodes that lack it (restore)
+survey.py            at a restore: which ranks are a node, each node's newest snapshot, the
+                     chosen one brought to the nodes that lack it
+transfer.py          one file sent from a rank to others in chunks (`survey_nodes`)
 cadence.py           how often snapshots are taken under a budget of the loop's time (`Cadence`)
 ===================  ==========================================================================
 
@@ -27,11 +29,12 @@ from .commits import COMMITS, finish_snapshot
 from .folder import default_folder, group_nodes, node_token, register, release_folders, start_keeper, watch
 from .slots import SLOTS
 from .snapshot import Orphaned, write_snapshot
-from .transfer import send_file
+from .survey import Survey, survey_nodes
 
 __all__ = [
     "Cadence",
     "Orphaned",
+    "Survey",
     "close_slots",
     "default_folder",
     "finish_snapshot",
@@ -39,9 +42,9 @@ __all__ = [
     "node_token",
     "register",
     "release",
-    "send_file",
     "settle",
     "start_keeper",
+    "survey_nodes",
     "watch",
     "write_snapshot",
 ]

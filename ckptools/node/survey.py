@@ -1,0 +1,61 @@
+"""At a restore: which ranks are a node, which snapshot each node holds, and a chosen snapshot
+brought to the nodes that lack it (`transfer.send_file`)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .. import log
+from ..collective.group import all_gather_object, get_rank
+from .folder import group_nodes, node_token, register, watch
+from .transfer import send_file
+
+__all__ = ["Survey", "survey_nodes"]
+
+
+@dataclass(frozen=True)
+class Survey:
+    """What every rank knows of the nodes' snapshots after `survey_nodes`."""
+
+    folder: str
+    nodes: list[list[int]]  # each node's ranks, lowest first; rank 0's node first
+    newest: list[int | None]  # each node's newest whole snapshot's step (None: none)
+    made_here: bool  # this rank's node had no folder before this restore made it (for the token)
+
+    def release_unused(self, used: bool) -> None:
+        """This node's lowest rank removes the folder unless its snapshots are ``used`` (a folder
+        made for the token only, or the snapshots of a run that was removed, hold nothing to keep)."""
+        node = next(ranks for ranks in self.nodes if get_rank() in ranks)
+        if not used and get_rank() == node[0]:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def bring(self, path: str, step: int) -> None:
+        """Collective: the nodes without the snapshot ``path`` of ``step`` (replaced, or killed
+        mid-copy) receive it from a node that has it, into their own memory."""
+        register(self.folder)
+        leaders = [ranks[0] for ranks in self.nodes]
+        lacking = [leader for leader, have in zip(leaders, self.newest) if have != step]
+        if lacking:
+            source = next(leader for leader, have in zip(leaders, self.newest) if have == step)
+            if get_rank() == 0:
+                log.logger.info("sending the snapshot of step %d from rank %d to rank %s", step, source, lacking)
+            send_file(path, source, get_rank() in lacking)
+
+
+def survey_nodes(folder: str, newest_step: Callable[[], int | None]) -> Survey:
+    """Collective: the nodes (ranks sharing ``folder``) and each one's newest snapshot, as its
+    lowest rank finds it with ``newest_step``."""
+    rank = get_rank()
+    # Whether this node had a folder before anything here made one: asked of every rank before
+    # any rank makes it (for the node token), or a rank could see its peer's.
+    existed = all_gather_object(os.path.isdir(folder))
+    if existed[rank]:
+        watch(folder)  # first: the keeper of a job that died must not release it now
+    nodes = group_nodes(all_gather_object(node_token(folder)))
+    leaders = [ranks[0] for ranks in nodes]
+    steps = all_gather_object(newest_step() if rank in leaders else None)
+    node = next(ranks for ranks in nodes if rank in ranks)
+    return Survey(folder, nodes, [steps[leader] for leader in leaders], not any(existed[r] for r in node))
