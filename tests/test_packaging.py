@@ -210,6 +210,9 @@ def test_the_wings_keep_their_import_rules():
     into_layouts = [c for c in _crossings(graph, ("ckptools",), ("ckptools.layouts",))
                     if not c.startswith("ckptools.layouts") and not c.endswith(" -> ckptools.layouts")]  # fmt: skip
     assert [c for c in into_layouts if not (c.startswith("ckptools.write") and c.endswith(TORCH_ADAPTER))] == []
+    into_storage = [c for c in _crossings(graph, ("ckptools",), ("ckptools.storage",))
+                    if not c.startswith("ckptools.storage") and not c.endswith(" -> ckptools.storage")]  # fmt: skip
+    assert into_storage == [], into_storage
     # Restoring works on a loaded tree (ckptools.loaded), never on a file; the training loop's side
     # imports neither writing wing; the save in flight and the node memory end in ckptools.lifecycle alone.
     assert _crossings(graph, ("ckptools.restoring",), ("ckptools.layouts",)) == []

@@ -87,8 +87,9 @@ def test_saves_stream_into_a_multipart_upload_completed_only_on_success(s3_env, 
     import s3fs
 
     from ckptools import storage
+    from ckptools.storage import writes
 
-    monkeypatch.setattr(storage, "UPLOAD_PART", 5 << 20)  # S3's smallest part, so a small file has parts
+    monkeypatch.setattr(writes, "UPLOAD_PART", 5 << 20)  # S3's smallest part, so a small file has parts
     fs = s3fs.S3FileSystem()
     url = f"s3://{BUCKET}/stream/model.pt"
     ck.save(url, {"model": _model(1.0), "step": 1})  # the previous checkpoint, which must survive

@@ -13,7 +13,8 @@ from typing import Any
 import torch.utils.data
 
 from ..collective.group import get_rank, get_world_size
-from .sampler import ResumableDistributedSampler, lend_generator
+from .generator import lend_generator
+from .sampler import ResumableDistributedSampler
 from .seeded import SeededDataset
 
 __all__ = ["ResumableDataLoader"]
@@ -170,7 +171,8 @@ class ResumableDataLoader(torch.utils.data.DataLoader[Any]):
             self._resumed_epoch = None
         self._position = (sampler.epoch, self._consumed() if resuming else 0)
         # The workers draw their base seed from the lent generator, not the global stream.
-        return lend_generator(sampler, self, torch.utils.data.DataLoader.__iter__)
+        key = (sampler.seed, sampler.epoch, sampler.rank)
+        return lend_generator(self, torch.utils.data.DataLoader.__iter__, key=key)
 
     def _epoch_moved(self) -> None:
         """The sampler moved to another epoch (`set_epoch`): a pass not begun yet is made anew."""

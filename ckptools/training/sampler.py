@@ -5,10 +5,8 @@ Its indices carry seed and epoch when a `ckptools.training.seeded.SeededDataset`
 
 from __future__ import annotations
 
-import random
-import sys
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, TypeVar
 
 import torch.utils.data
@@ -16,6 +14,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .. import log
 from ..rng import SampleIndex
+from .generator import lend_generator, loader_iterator
 
 __all__ = ["ResumableDistributedSampler"]
 
@@ -25,52 +24,14 @@ T = TypeVar("T")
 class ResumableDistributedSampler(DistributedSampler[int]):
     """Drop-in ``DistributedSampler`` whose state carries epoch, seed and progress in the epoch.
 
-    ``state_dict()`` records how many of this rank's samples of the current epoch the training
-    loop has consumed; after ``load_state_dict()`` the next iteration yields exactly the rest of
-    that epoch, in the order an uninterrupted run would have seen it (the order depends only on
-    ``seed``, ``epoch``, the dataset length and the world size, as in ``DistributedSampler``).
-
-    Iterate ``sampler.track(loader)`` instead of ``loader``; it makes the resume exact for any
-    ``num_workers``:
-
-    - It counts the batches the loop has *received*. DataLoader workers prefetch, so with
-      ``num_workers > 0`` the sampler has handed out more indices than the loop has seen (with 2
-      workers, 40 drawn for 20 consumed); counted that way, a resumed run would skip them.
-    - It gives a DataLoader built without ``generator=`` a seed of its own for the epoch
-      (from ``seed``, the epoch and the rank). Otherwise every ``iter(loader)`` draws its
-      workers' base seed from the global torch RNG, and a run resumed mid-epoch draws it at a
-      different point of the restored stream: every random number after it (dropout,
-      augmentation in the main process) differs from the uninterrupted run's.
-
-    ``sampler.record_consumed(n)`` right after taking each batch of ``n`` samples is the manual
-    form of the first point. Iterating the loader itself works exactly only with
-    ``num_workers=0`` and a DataLoader ``generator``; the other hazards are warned about (a
-    `ckptools.CheckpointWarning`, once, on rank 0) when they would make a resume inexact:
-    a checkpoint saved while untracked workers run ahead, a resumed epoch whose first batch
-    moved the global RNG, and a new pass over an epoch without ``set_epoch`` (which repeats the
-    last shuffle, as ``DistributedSampler`` does, pytorch#31771).
-
-    Randomness inside DataLoader worker processes (augmentation in ``__getitem__`` with
-    ``num_workers > 0``) is not part of an exact resume: a resumed worker starts its stream
-    afresh at a different batch. Derive it from the sample index (and epoch) for that.
-
-    Every rank consumes the same number of batches under DDP, so the progress rank 0 saves is
-    every rank's progress. An epoch whose progress equals ``num_samples`` is complete: resuming
-    it yields nothing.
-
-    **A different world size resumes exactly.** Rank r of W takes positions r, r+W, r+2W, ... of
-    the epoch's permutation, so the samples a run consumed are always a *prefix* of it
-    (``state_dict()["consumed"]`` long). Restored with another world size, the rest of the
-    permutation is dealt out again to the new ranks the same way: every rank gets the same
-    number of samples; with ``drop_last=True`` none of the epoch is seen twice and only the
-    unavoidable remainder (fewer than the new world size) is dropped; with ``drop_last=False``
-    none is skipped and only the padding repeats samples, as ``DistributedSampler``'s does.
-    With the old world size this is exactly ``DistributedSampler``'s own layout, and the prefix
-    property holds again for the next change; the next epoch is what a fresh run at the new
-    world size sees. The saved per-rank RNG states have no meaning for other ranks, so
-    `ckptools.load` leaves each new rank's RNG as it is (and warns); the global batch
-    (per-rank batch x world size) changes with the world size: keep it with gradient
-    accumulation or scale the learning rate, as for any change of world size.
+    After ``load_state_dict()`` the next iteration yields exactly the rest of the epoch, in the
+    order an uninterrupted run would have seen it. Iterate ``sampler.track(loader)`` instead of
+    ``loader``: it counts the batches the loop *received* (workers prefetch ahead), and lends a
+    DataLoader without ``generator=`` a seed of its own per epoch, so that a resumed run draws
+    nothing from the global RNG there. Hazards of an untracked loop are warned about once, on
+    rank 0. Restored with another world size, the rest of the epoch is dealt out again to the new
+    ranks: none skipped, none repeated beyond drop_last's remainder or the padding.
+    Why and how: docs/guides/resuming.md and docs/guides/world-size.md.
 
     Examples:
         >>> import torch, ckptools as ck
@@ -192,7 +153,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         self._drawn = self._reported = 0
         self._exhausted = False
         self._check_rng_after_restore()
-        loader_iter = _loader_iterator()
+        loader_iter = loader_iterator()
         self._check_unseeded_workers(loader_iter, len(indices) - self._offset)
         driver = None if self._reporting else loader_iter
         self._driver = weakref.ref(driver) if driver is not None else None
@@ -326,7 +287,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
         """``iter(loader)``; a torch DataLoader without a generator gets this epoch's own one for it."""
         if not isinstance(loader, torch.utils.data.DataLoader):
             return iter(loader)
-        return lend_generator(self, loader, iter)
+        return lend_generator(loader, iter, key=(self.seed, self.epoch, self.rank))
 
     @property
     def resumed_mid_epoch(self) -> bool:
@@ -466,52 +427,6 @@ def _warn_epoch_end_unknown(epoch: int) -> None:
         "checkpoint then records which it was",
         once="epoch_end_unknown",
     )
-
-
-def _loader_iterator() -> Any:
-    """The torch DataLoader iterator whose request for indices is running this call, or None.
-
-    The sampler is iterated from ``_BaseDataLoaderIter._next_index`` through the BatchSampler,
-    a few frames up. Only used to warn; any other driver (a custom loop) is simply not found.
-    """
-    base = getattr(torch.utils.data.dataloader, "_BaseDataLoaderIter", None)
-    if base is None:
-        return None
-    frame: Any = sys._getframe(2)
-    for _ in range(8):
-        if frame is None:
-            return None
-        candidate = frame.f_locals.get("self")
-        if isinstance(candidate, base):
-            return candidate
-        frame = frame.f_back
-    return None
-
-
-def lend_generator(
-    sampler: ResumableDistributedSampler,
-    loader: torch.utils.data.DataLoader[Any],
-    make: Callable[[torch.utils.data.DataLoader[Any]], Iterator[T]],
-) -> Iterator[T]:
-    """``make(loader)`` (the loader's iterator) with ``loader`` lent, for that moment, a generator
-    seeded from the sampler's seed, the epoch and the rank, unless it has one of its own.
-
-    Making a DataLoader iterator draws its workers' base seed from ``loader.generator``, or from the
-    global torch RNG when it has none: a run resumed mid-epoch would draw it at another point of
-    the restored stream than the uninterrupted run, and every random number after it would differ.
-    """
-    if loader.generator is not None:
-        return make(loader)
-    # The base seed is drawn when the iterator is made, and only then: the generator is lent for
-    # that moment, so the user's DataLoader is left as it was. One seed per (seed, epoch, rank),
-    # from a string seed: CPython hashes it with SHA-512, the same on every machine and Python
-    # version; distinct triples give unrelated seeds.
-    seed = random.Random(f"ckptools/{sampler.seed}/{sampler.epoch}/{sampler.rank}").getrandbits(63)
-    loader.generator = torch.Generator().manual_seed(seed)
-    try:
-        return make(loader)
-    finally:
-        loader.generator = None
 
 
 def note_rng_restored(sampler: ResumableDistributedSampler) -> None:

@@ -1,0 +1,42 @@
+"""The one door to files: local paths and fsspec URLs (``s3://``, ``memory://``, ...).
+
+Paths stay ``str`` throughout, because a URL run through ``pathlib.Path`` loses its ``//``.
+
+===========  ==============================================================================
+module       its one job
+===========  ==============================================================================
+paths.py     a path or URL resolved once (`Location`), joins, listings, temporary names
+writes.py    atomic writes: local (temporary file, fsync, rename, directory fsync), S3
+             (a streamed multipart upload, completed last), other stores (one PUT or a move)
+reads.py     a file for ``torch.load``, byte ranges copied or CRC-32-checked, progress
+===========  ==============================================================================
+
+Everything else imports from this package, never from its modules.
+"""
+
+from __future__ import annotations
+
+from .paths import (
+    TMP_MARKER,
+    Location,
+    PathLike,
+    file_size,
+    fspath,
+    fsync_dir,
+    get_filesystem,
+    host,
+    is_local,
+    is_object_store,
+    join,
+    list_files,
+    remove,
+    resolve,
+    tmp_name,
+)
+from .reads import copy_range, crc32_range, open_for_read, progress_hook, report_progress
+from .writes import UPLOAD_PART, atomic_write, local_target, publish
+
+__all__ = ["TMP_MARKER", "UPLOAD_PART", "Location", "PathLike", "atomic_write", "copy_range", "crc32_range",
+           "file_size", "fspath", "fsync_dir", "get_filesystem", "host", "is_local", "is_object_store", "join",
+           "list_files", "local_target", "open_for_read", "progress_hook", "publish", "remove", "report_progress",
+           "resolve", "tmp_name"]  # fmt: skip

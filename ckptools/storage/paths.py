@@ -1,0 +1,199 @@
+"""Where a file is: a path or URL resolved once into a `Location`, names, listings, temporary names."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import secrets
+import socket
+from typing import Union
+
+import fsspec
+from fsspec.implementations.local import LocalFileSystem
+
+from .. import in_flight
+
+__all__ = ["TMP_MARKER", "Location", "PathLike", "file_size", "fspath", "fsync_dir", "get_filesystem", "host",
+           "is_local", "is_object_store", "join", "list_files", "remove", "resolve", "tmp_name"]  # fmt: skip
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+# Temporary files start with "." and carry this marker, so that neither the manager's listing
+# nor a user's glob for "*.pt" mistakes a crash leftover for a checkpoint.
+TMP_MARKER = ".ckptools-tmp-"
+
+
+class Location:
+    """A path or URL resolved once: what was given, its filesystem, and the path inside it.
+
+    Every function here takes a `Location` as readily as a string, and uses its filesystem
+    instead of parsing the string again, the way httpx parses a URL once; ``str()`` and
+    ``os.fspath()`` give back the path as the user wrote it, so messages name it unchanged.
+
+    Examples:
+        >>> loc = resolve("memory://ckpts/step-5.pt")
+        >>> loc.url, loc.path, loc.local, loc.name
+        ('memory://ckpts/step-5.pt', '/ckpts/step-5.pt', False, 'step-5.pt')
+    """
+
+    __slots__ = ("fs", "local", "path", "url")
+
+    def __init__(self, url: str, fs: fsspec.AbstractFileSystem, path: str) -> None:
+        self.url = url
+        self.fs = fs
+        self.path = path
+        self.local = is_local(fs)
+
+    @property
+    def name(self) -> str:
+        """The last part of the path (a file's name, a folder's name)."""
+        return os.path.basename(self.path.rstrip("/"))
+
+    def child(self, name: str) -> Location:
+        """``name`` inside this folder, on the same filesystem: nothing is parsed or resolved again.
+
+        Examples:
+            >>> resolve("memory://ckpts").child("step-5.pt").url
+            'memory://ckpts/step-5.pt'
+        """
+        return Location(join(self.url, name), self.fs, self.path.rstrip("/") + "/" + name)
+
+    @property
+    def absolute(self) -> Location:
+        """The same local place named by its absolute path (what messages about a folder's files
+        name); a remote location as it is.
+
+        Examples:
+            >>> import os
+            >>> resolve("ckpts").absolute.url == os.path.abspath("ckpts")
+            True
+        """
+        return Location(self.path, self.fs, self.path) if self.local else self
+
+    @property
+    def parent(self) -> Location:
+        """The folder this path is in (``"."`` for a bare local name), on the same filesystem.
+
+        Examples:
+            >>> resolve("memory://ckpts/model.safetensors.index.json").parent.path
+            '/ckpts'
+        """
+        url = self.url.rstrip("/")
+        return Location(url.rsplit("/", 1)[0] if "/" in url else ".", self.fs, os.path.dirname(self.path.rstrip("/")))
+
+    def __fspath__(self) -> str:
+        return self.url
+
+    def __str__(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"Location({self.url!r})"
+
+
+def resolve(path: PathLike) -> Location:
+    """Resolve a local path or an fsspec URL into a `Location`, once (a `Location` is returned as is).
+
+    A path whose write is in flight in this process (`ckptools.in_flight`) is resolved once that
+    write ended: every operation on it sees the file its caller already saved.
+    """
+    if isinstance(path, Location):
+        return path
+    url = fspath(path)
+    in_flight.wait_for(url)  # a background write of this path in this process ends first
+    fs, inner = fsspec.core.url_to_fs(url)
+    return Location(url, fs, str(inner))
+
+
+def fspath(path: PathLike) -> str:
+    """``path`` as a non-empty ``str`` (an ``os.PathLike`` is converted; a URL stays as written)."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str) or not path:
+        raise TypeError(f"expected a non-empty path or URL string, got {path!r}")
+    return path
+
+
+def get_filesystem(path: PathLike) -> tuple[fsspec.AbstractFileSystem, str]:
+    """Return ``(filesystem, path inside it)`` for a local path or any fsspec URL."""
+    location = resolve(path)
+    return location.fs, location.path
+
+
+def is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    """Whether ``fs`` is the local disk, where rename and fsync give atomic, durable writes."""
+    return isinstance(fs, LocalFileSystem)
+
+
+def join(directory: PathLike, name: str) -> str:
+    """Join a directory path or URL and a file name without mangling the URL."""
+    directory = fspath(directory)
+    return directory.rstrip("/") + "/" + name if "://" in directory else os.path.join(directory, name)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename in ``directory`` durable (fsync of the directory; skipped where refused)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # e.g. Windows cannot open directories; the rename is still atomic there
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some filesystems (certain FUSE/NFS mounts) refuse fsync on a directory
+    finally:
+        os.close(fd)
+
+
+# Object stores: one PUT (or one completed multipart upload) makes an object appear whole or
+# not at all, and they have no rename; every other fsspec filesystem gets temp name + move.
+_OBJECT_STORES = frozenset({"s3", "s3a", "gs", "gcs", "az", "abfs", "abfss", "adl", "oss", "r2", "tos", "cos"})
+
+
+def host() -> str:
+    """This machine's name as temporary names carry it (`tmp_name`)."""
+    # Only characters that survive in a file name on every filesystem and never split the name.
+    return re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname())[:64] or "host"
+
+
+def tmp_name(name: str) -> str:
+    """A unique temporary name for ``name`` in the same directory.
+
+    It names its writer (host and pid), so a later save can tell a dead writer's leftover from
+    the file a live writer is still filling (see `ckptools.leftovers.is_abandoned_tmp`).
+    """
+    return f".{name}{TMP_MARKER}{host()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def is_object_store(fs: fsspec.AbstractFileSystem) -> bool:
+    protocols = (fs.protocol,) if isinstance(fs.protocol, str) else tuple(fs.protocol)
+    return bool(_OBJECT_STORES.intersection(protocols))
+
+
+def list_files(directory: PathLike) -> list[str]:
+    """Names (not paths) of the files directly inside ``directory``; empty if it does not exist."""
+    fs, fpath = get_filesystem(directory)
+    if not is_local(fs):
+        # s3fs and friends cache listings; another process (the job's other writer, a restarted
+        # run) may have changed the directory since.
+        fs.invalidate_cache(fpath)
+    try:
+        entries = fs.ls(fpath, detail=True)
+    except FileNotFoundError:
+        return []
+    return sorted(os.path.basename(e["name"].rstrip("/")) for e in entries if e.get("type") == "file")
+
+
+def file_size(path: PathLike) -> int:
+    """Size in bytes of the file at ``path`` (a stat locally, one metadata request remotely)."""
+    fs, fpath = get_filesystem(path)
+    return os.path.getsize(fpath) if is_local(fs) else int(fs.size(fpath))
+
+
+def remove(path: PathLike) -> None:
+    """Delete one file (missing is fine: another process may have pruned it already)."""
+    fs, fpath = get_filesystem(path)
+    with contextlib.suppress(FileNotFoundError):
+        fs.rm_file(fpath)

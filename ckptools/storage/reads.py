@@ -1,0 +1,124 @@
+"""Reading: a file for torch.load, byte ranges copied or CRC-32-checked, the progress of long copies."""
+
+from __future__ import annotations
+
+import io
+import os
+import zlib
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import IO, Any
+
+from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
+from .paths import PathLike, fspath, get_filesystem, is_local
+
+__all__ = ["copy_range", "crc32_range", "open_for_read", "progress_hook", "report_progress"]
+
+_CHUNK = 64 << 20
+
+
+# Bytes processed by long copies, for the CLI's progress bar; None (the default) costs nothing.
+_PROGRESS: ContextVar[Callable[[int], None] | None] = ContextVar("ckptools_progress", default=None)
+
+
+def open_for_read(path: PathLike) -> tuple[Any, bool]:
+    """Return something ``torch.load`` can read and whether it is a local path.
+
+    Local files are passed as paths (so ``mmap=True`` works); remote files are read whole into
+    memory, which is far faster than the many small seeks ``torch.load`` would issue remotely.
+
+    Raises:
+        CheckpointNotFoundError: nothing exists at ``path``.
+        CheckpointFormatError: ``path`` is a local directory (readers of folders never get here:
+            `ckptools.layouts.detect` sends a folder to its layout).
+        CheckpointLayoutError: ``path`` is a remote directory (a valid thing of another kind).
+    """
+    fs, fpath = get_filesystem(path)
+    path = fspath(path)
+    if is_local(fs):
+        if not os.path.exists(fpath):
+            raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check the path")
+        if os.path.isdir(fpath):  # a caller that reads folders asks `layouts.detect` first
+            raise CheckpointFormatError(f"{path} is a directory, not a checkpoint file; name a file inside it")
+        return fpath, True
+    try:
+        data = fs.cat_file(fpath)
+    except FileNotFoundError as err:
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check the URL") from err
+    except IsADirectoryError as err:
+        raise CheckpointLayoutError(f"{path} is a directory, not a checkpoint file; name a file inside it") from err
+    return io.BytesIO(data), False
+
+
+@contextmanager
+def progress_hook(callback: Callable[[int], None]) -> Iterator[None]:
+    """Within the block, long copies and checks call ``callback(n_bytes)`` as they go."""
+    token = _PROGRESS.set(callback)
+    try:
+        yield
+    finally:
+        _PROGRESS.reset(token)
+
+
+def report_progress(n: int) -> None:
+    """Tell the current progress hook (if any) that ``n`` more bytes were processed."""
+    hook = _PROGRESS.get()
+    if hook is not None:
+        hook(n)
+
+
+def copy_range(src: IO[bytes], dst: IO[bytes], start: int, length: int) -> None:
+    """Append ``length`` bytes of ``src`` from ``start`` to ``dst``.
+
+    Between two local files the kernel copies them (``copy_file_range``): no byte passes through
+    Python. Otherwise (object stores, in-memory files, old kernels) through a buffer.
+
+    Raises:
+        CheckpointFormatError: ``src`` ends before ``start + length`` (a truncated file).
+    """
+    try:
+        in_fd, out_fd = src.fileno(), dst.fileno()
+        dst.flush()
+        while length:
+            sent = os.copy_file_range(in_fd, out_fd, min(length, _CHUNK), start)
+            if not sent:
+                raise CheckpointFormatError(f"{getattr(src, 'name', 'input')} ended early (truncated file)")
+            start += sent
+            length -= sent
+            report_progress(sent)
+    except (AttributeError, OSError, ValueError, NotImplementedError, io.UnsupportedOperation):
+        pass  # not two local files (or an old kernel): the rest goes through a buffer
+    finally:
+        if hasattr(dst, "seek"):
+            dst.seek(0, os.SEEK_END)  # the kernel moved the fd's offset behind Python's back
+    src.seek(start)
+    while length:
+        chunk = src.read(min(length, _CHUNK))
+        if not chunk:
+            raise CheckpointFormatError(f"{getattr(src, 'name', 'input')} ended early (truncated file)")
+        dst.write(chunk)
+        length -= len(chunk)
+        report_progress(len(chunk))
+
+
+def crc32_range(handle: IO[bytes], start: int, length: int, *, what: str, out: IO[bytes] | None = None) -> int:
+    """CRC-32 of ``length`` bytes of ``handle`` from ``start``, also written to ``out`` if given.
+
+    Raises:
+        CheckpointFormatError: the file ends first (``what`` names the record or tensor).
+    """
+    buffer = bytearray(min(length, _CHUNK) or 1)
+    view = memoryview(buffer)
+    handle.seek(start)
+    crc = 0
+    while length:
+        got = handle.readinto(view[: min(length, len(buffer))])  # type: ignore[attr-defined]  # a binary file
+        if not got:
+            raise CheckpointFormatError(f"{what} is cut short (truncated file)")
+        crc = zlib.crc32(view[:got], crc)
+        if out is not None:
+            out.write(view[:got])
+        length -= got
+        report_progress(got)
+    return crc
