@@ -33,13 +33,8 @@ from .errors import (
 
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .collective.arrival import barrier
-    from .collective.group import (
-        get_local_rank,
-        get_rank,
-        get_world_size,
-        init_distributed,
-        is_main_process,
-    )
+    from .collective.group import get_local_rank, get_rank, get_world_size, is_main_process
+    from .collective.launch import init_distributed
     from .converting import convert, convert_to_safetensors, export_huggingface
     from .devices import resolve_map_location, to_cpu
     from .inspection import diff, inspect, verify, verify_report
@@ -86,7 +81,7 @@ _LAZY = {
     "get_local_rank": ".collective.group",
     "get_rank": ".collective.group",
     "get_world_size": ".collective.group",
-    "init_distributed": ".collective.group",
+    "init_distributed": ".collective.launch",
     "is_main_process": ".collective.group",
     "load": ".loading",
     "load_state_dict": ".loading",

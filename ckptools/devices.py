@@ -8,7 +8,7 @@ from typing import Any, Union
 
 import torch
 
-from .collective.group import local_gpu
+from .collective.launch import local_gpu
 
 __all__ = ["resolve_map_location", "to_cpu"]
 

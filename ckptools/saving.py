@@ -18,7 +18,6 @@ from .collective import agree
 from .collective.arrival import checked_in
 from .collective.group import all_gather_object, get_rank
 from .devices import to_cpu
-from .errors import CheckpointError
 from .layouts import TORCH_FILE, writer_for
 from .lifecycle import finish_pending
 from .state_dict import strip_wrappers, unwrap_model
@@ -30,7 +29,6 @@ from .write import (
     checked_args,
     choose,
     compare_replicas,
-    first_error,
     opening,
     plan_shares,
     replica_digests,
@@ -237,13 +235,12 @@ def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any]
     path, user_meta = checked_args(path, state, metadata)
     # Each rank's ZeRO partition, described (metadata, never a tensor), rides the same exchange.
     gathered = all_gather_object(opening(state, digests=replica_digests(state) if verify else None))
-    problem = first_error(gathered, lambda reply: reply.problem)
-    if problem is not None:
-        raise CheckpointError(f"saving checkpoint {path} failed on {problem}; earlier checkpoints are untouched")
+    agreement = agree.saving(path)
+    agreement.raise_first(gathered, lambda reply: reply.problem)
     if verify:  # every rank has every rank's digests: the same verdict everywhere, no exchange
         failure = compare_replicas([reply.digests for reply in gathered])
         if failure is not None:
-            raise CheckpointError(f"saving checkpoint {path} failed: {failure}; earlier checkpoints are untouched")
+            raise agreement.failure(failure)
     saved = with_partitions(state, [reply.partitions for reply in gathered])
     return _Start(path, user_meta, [reply.part for reply in gathered], started, saved)
 

@@ -5,7 +5,9 @@ async save's ``wait``) ends the same way: whatever went wrong on some rank is ra
 rank at once, naming the operation and the rank, instead of one rank raising while the others
 wait in the next collective until the timeout. `Agreement` is that ending, in the shape of DCP's
 ``_DistWrapper``: run a step on rank 0 (`Agreement.on_rank0`) or look at every rank's error
-(`Agreement.on_every_rank`), and raise the same error everywhere.
+(`Agreement.on_every_rank`), and raise the same error everywhere. Where the ranks' problems
+arrive as text in replies an exchange already gathered (a save's opening, a write's report), the
+first one is raised the same way (`first_failure`, `Agreement.raise_first`), with no exchange more.
 
 An *outcome* is the small picklable value one collective carries: ``(kept, text)`` where
 ``text`` starts with ``rank N:`` and ``kept`` names the class of an error that is raised as
@@ -16,12 +18,12 @@ the state was refused; `NodeMemoryError`: the node-memory folder is too small), 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Literal, Optional, TypeVar
+from typing import Any, Literal, Optional, TypeVar
 
 from ..errors import CheckpointError, NodeMemoryError, UnsafeStateError
 from .group import all_gather_object, broadcast_object, get_rank
 
-__all__ = ["Agreement", "Outcome", "RankFailure", "outcome_of", "saving"]
+__all__ = ["Agreement", "Outcome", "RankFailure", "first_failure", "outcome_of", "saving"]
 
 T = TypeVar("T")
 Outcome = tuple[Optional[str], str]
@@ -50,12 +52,28 @@ def outcome_of(error: BaseException | None, rank: int = 0) -> Outcome | None:
     return (None, f"rank {rank}: {type(error).__name__}: {error}")
 
 
+def first_failure(gathered: list[Any], problem: Callable[[Any], str | None]) -> str | None:
+    """The first rank's ``problem`` among every rank's gathered replies, as ``rank N: text``; None
+    for none. Every rank holds the same list, so every rank finds the same one.
+
+    Examples:
+        >>> first_failure([{"p": None}, {"p": "OSError: disk full"}], lambda reply: reply["p"])
+        'rank 1: OSError: disk full'
+    """
+    for rank, reply in enumerate(gathered):
+        text = problem(reply)
+        if text:
+            return f"rank {rank}: {text}"
+    return None
+
+
 class Agreement:
     """How one collective operation fails: the same error on every rank.
 
     Args:
         what: the operation, as the message starts (``"saving checkpoint /ckpt/step_10.pt"``).
         tail: what the message ends with (``"; earlier checkpoints are untouched"``).
+        failed: what the operation did on the rank the message names (``"failed"``).
         own: how the rank where it happened raises: ``"chain"`` a `CheckpointError` with the
             message every other rank raises, from the original (saves: one message everywhere);
             ``"as_is"`` the original exception itself (loads: a `CheckpointNotFoundError` stays one).
@@ -67,13 +85,26 @@ class Agreement:
         'loading checkpoint /tmp/a.pt failed on rank 1: OSError: gone'
     """
 
-    def __init__(self, what: str, *, tail: str = "", own: Literal["chain", "as_is"] = "chain") -> None:
-        self.what, self.tail, self.own = what, tail, own
+    def __init__(
+        self, what: str, *, tail: str = "", own: Literal["chain", "as_is"] = "chain", failed: str = "failed"
+    ) -> None:
+        self.what, self.tail, self.own, self.failed = what, tail, own, failed
 
     def message(self, outcome: Outcome) -> str:
         """The text every rank raises for ``outcome``."""
         kept, text = outcome
-        return text if kept else f"{self.what} failed on {text}{self.tail}"
+        return text if kept else f"{self.what} {self.failed} on {text}{self.tail}"
+
+    def failure(self, verdict: str) -> CheckpointError:
+        """The error for a ``verdict`` every rank reached alike (no rank to name): raise it everywhere."""
+        return CheckpointError(f"{self.what} {self.failed}: {verdict}{self.tail}")
+
+    def raise_first(self, gathered: list[Any], problem: Callable[[Any], str | None]) -> None:
+        """Local, on replies every rank gathered: raise the first rank's ``problem`` (`first_failure`)
+        as this operation's error; the same one on every rank."""
+        text = first_failure(gathered, problem)
+        if text is not None:
+            raise CheckpointError(self.message((None, text)))
 
     def raise_outcome(self, outcome: Outcome | None, error: BaseException | None = None) -> None:
         """Raise ``outcome`` (nothing when None); ``error`` is this rank's own, if it had one."""

@@ -15,9 +15,9 @@ import zlib
 from collections.abc import Callable
 
 from .. import log
+from ..collective.agree import Agreement
 from ..collective.group import all_gather_object
-from ..errors import CheckpointError
-from ..write import Share, first_error
+from ..write import Share
 from .slots import MappedSlot
 
 __all__ = ["COMMITS", "Commits", "crc32s", "finish_snapshot", "said"]
@@ -106,11 +106,10 @@ def said(error: BaseException) -> str:
 def finish_snapshot(folder: str) -> None:
     """Collective: wait for the snapshot being committed in ``folder``; its failure, if any,
     raised on every rank as `CheckpointError`."""
-    failure = first_error(all_gather_object(COMMITS.join(folder)), lambda text: text)
-    if failure is not None:
-        raise CheckpointError(
-            f"the last snapshot in {folder} was not committed on {failure}; the one before it is whole"
-        )
+    agreement = Agreement(
+        f"the last snapshot in {folder}", failed="was not committed", tail="; the one before it is whole"
+    )
+    agreement.raise_first(all_gather_object(COMMITS.join(folder)), lambda text: text)
 
 
 def crc32s(mapped: MappedSlot, shares: list[Share]) -> dict[str, int]:

@@ -30,7 +30,7 @@ import torch
 
 from .. import log
 from ..collective import agree
-from ..collective.agree import RankFailure, outcome_of
+from ..collective.agree import Agreement, RankFailure, first_failure, outcome_of
 from ..collective.group import all_gather_object, broadcast_bytes, get_rank, launcher_gone
 from ..errors import CheckpointError
 from ..storage import resolve
@@ -43,7 +43,6 @@ from ..write import (
     collect_shares,
     commit_zip,
     copy_bytes,
-    first_error,
     locate,
     make_plan,
     opening,
@@ -103,15 +102,10 @@ def write_snapshot(
     if cadence:
         cadence[0] = gathered[0].cadence  # rank 0's: the same calls are skipped everywhere
     orphaned = [r for r, reply in enumerate(gathered) if reply.orphaned]
-    failed = first_error(gathered, lambda reply: reply.previous)
-    if failed is not None:
-        raise CheckpointError(
-            f"the snapshot before {path} was not committed on {failed}; the one before it is whole "
-            "(this snapshot was not taken)"
-        )
-    failed = first_error(gathered, lambda reply: reply.problem)
-    if failed is not None:
-        raise CheckpointError(f"the snapshot {path} was not taken: {failed}")
+    previous_commit = Agreement(f"the snapshot before {path}", failed="was not committed",
+                                tail="; the one before it is whole (this snapshot was not taken)")  # fmt: skip
+    previous_commit.raise_first(gathered, lambda reply: reply.previous)
+    Agreement(f"the snapshot {path}", failed="was not taken").raise_first(gathered, lambda reply: reply.problem)
     state = with_partitions(state, [reply.partitions for reply in gathered])
     split = writers != "rank0"
     if not split and len(gathered) > 1 and has_partitions(state):  # the same verdict on every rank
@@ -177,7 +171,7 @@ def write_snapshot(
             replies = [(None, crcs), *(collect_shares(plan, abandoned, members) if members else [])]
             if copy_error is not None:
                 raise copy_error
-            text = first_error(replies, lambda reply: reply[0])
+            text = first_failure(replies, lambda reply: reply[0])
             if text is not None:
                 raise RankFailure(text)
             commit_zip(plan, location, {k: v for reply in replies for k, v in reply[1].items()})

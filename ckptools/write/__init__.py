@@ -33,7 +33,6 @@ from .payload import Opening, build_payload, checked_args, opening, rank_part
 from .plan import Plan, Share, check_writers, choose, compare_replicas, make_plan, replica_digests
 from .shares import (
     collect_shares,
-    first_error,
     locate,
     plan_shares,
     report_share,
@@ -61,7 +60,6 @@ __all__ = [
     "compare_replicas",
     "copy_bytes",
     "finish_pending",
-    "first_error",
     "locate",
     "make_plan",
     "opening",

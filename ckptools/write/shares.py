@@ -19,7 +19,7 @@ import torch
 
 from .. import log
 from ..collective import agree
-from ..collective.agree import RankFailure
+from ..collective.agree import RankFailure, first_failure
 from ..collective.group import (
     all_gather_object,
     collective_timeout,
@@ -134,15 +134,6 @@ def collect_shares(
     return replies
 
 
-def first_error(gathered: list[Any], what: Callable[[Any], str | None]) -> str | None:
-    """The first rank's complaint among gathered replies, prefixed with its rank."""
-    for rank, reply in enumerate(gathered):
-        text = what(reply)
-        if text:
-            return f"rank {rank}: {text}"
-    return None
-
-
 # --- the collective steps ------------------------------------------------------------------------
 
 
@@ -178,7 +169,7 @@ def plan_shares(
     except CheckpointError as err:
         seen, storages, problem = False, [], str(err)
     replies = _gathered(plan, (seen, problem))
-    failure = first_error(replies, lambda reply: reply[1])
+    failure = first_failure(replies, lambda reply: reply[1])
     blind = [rank for rank, reply in enumerate(replies) if not reply[0] and reply[1] is None]
     if failure is None and blind and has_partitions(state):
         failure = refusal(
@@ -235,7 +226,7 @@ def commit_shares(location: Location, plan: Plan, error: BaseException | None, c
     failure: BaseException | None = None
     written = None
     if get_rank() == 0:
-        text = first_error(replies, lambda reply: reply[0])
+        text = first_failure(replies, lambda reply: reply[0])
         if text is not None:
             failure = RankFailure(text)
             zip_writer.discard(plan)
@@ -271,7 +262,7 @@ def write_share_in_background(location: Location, plan: Plan, pairs: list[Any], 
         replies = [(None, crcs), *collect_shares(plan, handle.abandoned)]
         if error is not None:
             raise error
-        failure = first_error(replies, lambda reply: reply[0])
+        failure = first_failure(replies, lambda reply: reply[0])
         if failure is not None:
             raise RankFailure(failure)
         return zip_writer.commit(plan, location, {k: v for reply in replies for k, v in reply[1].items()})
