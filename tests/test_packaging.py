@@ -40,7 +40,7 @@ def test_a_script_beside_the_clone_folder_imports_the_package(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr
     module, path = proc.stdout.split()
-    assert module == "ckptools.collective.group"
+    assert module == "ckptools.collective.launch"
     assert os.path.samefile(path, os.path.join(ROOT, "ckptools", "__init__.py"))
 
 
