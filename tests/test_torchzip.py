@@ -306,3 +306,39 @@ def test_a_zip_of_another_kind_is_named_not_called_damaged(tmp_path, write, mess
     proc = subprocess.run([sys.executable, "-m", "ckptools", "verify", str(path)], capture_output=True, text=True,
                           timeout=120, check=False)  # fmt: skip
     assert proc.returncode == 2 and "DAMAGED" not in proc.stderr, proc.stderr
+
+
+def test_a_verified_load_opens_the_file_once_before_torch_and_verify_twice(tmp_path, monkeypatch):
+    """Issue 45: a verified ck.load opened the file four times (a zip test, the CRC-32 pass, the
+    checks, torch.load), ck.verify six; now the checks and every CRC-32 share one open."""
+    import builtins
+
+    import torch
+
+    import ckptools as ck
+
+    path = str(tmp_path / "c.pt")
+    ck.save(path, {"model": torch.nn.Linear(4, 4), "step": 3})
+    opened: list[str] = []
+    real_open, real_load = builtins.open, torch.load
+
+    def counting_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) == path:
+            opened.append("ckptools")
+        return real_open(file, *args, **kwargs)
+
+    def counting_load(f, *args, **kwargs):
+        if isinstance(f, (str, os.PathLike)) and os.fspath(f) == path:
+            opened.append("torch.load")
+            with monkeypatch.context() as inside:  # torch's own open of the path is torch.load's
+                inside.setattr(builtins, "open", real_open)
+                return real_load(f, *args, **kwargs)
+        return real_load(f, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(torch, "load", counting_load)
+    ck.load(path, {"model": torch.nn.Linear(4, 4)}, verify=True)
+    assert opened == ["ckptools", "torch.load"]
+    opened.clear()
+    assert "every record's CRC-32 matches" in ck.verify(path)
+    assert opened == ["ckptools", "ckptools", "torch.load"]

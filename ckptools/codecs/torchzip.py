@@ -365,6 +365,25 @@ class _ZipWriter:
         self.out.write(central_directory(self.entries, self.offset, force_zip64=self.force))
 
 
+def read_local_zip(path: PathLike) -> tuple[TorchZip, bytes] | None:
+    """A local file read with one open: its parsed directory and ``data.pkl`` (CRC-32 checked), or
+    None when it does not start as a zip. Raises as `is_local_zip` and `TorchZip` do.
+
+    Examples:
+        >>> read_local_zip(__file__) is None  # a Python file: no zip
+        True
+    """
+    location = resolve(path)
+    if not location.local:
+        return None
+    source, _ = open_for_read(location)
+    with open(source, "rb") as f:
+        if f.read(4) != ZIP_MAGIC:
+            return None
+        archive = TorchZip(location.path, f)
+        return archive, archive.read_pickle(f)
+
+
 def is_local_zip(path: PathLike) -> bool:
     """Whether ``path`` is a local file that starts as a zip does (a remote one is not fetched to say).
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..codecs.pickle_writer import dumps
 from ..codecs.pickles import hostile, loads, loads_lenient
-from ..codecs.torchzip import TorchZip, is_local_zip
+from ..codecs.torchzip import TorchZip, is_local_zip, read_local_zip
 from ..codecs.trees import LIGHTNING_VERSION_KEY, entry_at, is_tensor, locate_weights, tensor_info
 from ..errors import CheckpointFormatError, CheckpointLayoutError, KeyMismatchError, UnsafeCheckpointError
 from ..storage import Location, atomic_write, file_size
@@ -39,13 +39,14 @@ class TorchFile(Layout):
 
     def open(self, location: Location, *, trust_code: bool) -> CheckpointView:
         # Remote files are taken as zip (the legacy format predates object stores), without a download.
-        zipped = not location.local or is_local_zip(location)
+        # One open: the directory and data.pkl (no torch import, no tensor read); a remote file is
+        # taken as zip (the legacy format predates object stores), without a download.
+        opened = read_local_zip(location) if location.local else None
+        zipped = opened is not None or not location.local
         skipped: list[str] = []
         parsed = None
-        if zipped and location.local:
-            # From data.pkl alone: no torch import, no tensor read.
-            archive = TorchZip(location.path)
-            data = archive.read_pickle()
+        if opened is not None:
+            archive, data = opened
             try:
                 parsed = loads(data, location.url, archive)
             except UnsafeCheckpointError as refusal:
@@ -96,15 +97,16 @@ class TorchFile(Layout):
     def verify(self, view: CheckpointView) -> Verification:
         location, zipped = view.location, view.state.zipped
         assert location is not None
-        if zipped:
-            verify_torch_file(location)
         if view.skipped:  # the strict load would refuse: read what can be read without code
+            if zipped:
+                verify_torch_file(location)
             n = len(torch_weights(location, None, "cpu", view.trust_code))
             return Verification(
                 f"torch zip, every record's CRC-32 matches, {plural(n, 'weight tensor')} read "
                 f"({plural(len(view.skipped), 'global')} skipped)"
             )
-        loaded = load_whole(location, view.trust_code, mmap=zipped and location.local)  # a remote file cannot be mapped
+        # Every CRC-32 in the pass that checks the file for torch (one open), then torch's load.
+        loaded = load_whole(location, view.trust_code, mmap=zipped and location.local, crc=zipped)
         n = len(walk_tree(loaded, loaded_tensor_info())[0])
         if zipped:
             return Verification(f"torch zip, every record's CRC-32 matches, {plural(n, 'tensor')} loaded")
@@ -141,20 +143,20 @@ class TorchFile(Layout):
         loader refuses (a Lightning checkpoint's ``pathlib.Path`` hyper-parameters) come back as
         inert placeholders, with a warning; otherwise they raise `UnsafeCheckpointError`.
         """
-        if verify:
-            verify_torch_file(location)
-        zipped = is_local_zip(location)
         try:
-            if zipped and mmap:
-                try:
-                    return load_file(location, map_location=map_location, weights_only=not trust_code, mmap=True)
+            if mmap and location.local:
+                try:  # one open for the checks (and CRC-32s), then torch's
+                    return load_file(location, map_location=map_location, weights_only=not trust_code, mmap=True,
+                                     crc=verify)  # fmt: skip
                 except CheckpointFormatError:
-                    pass  # a filesystem that cannot map files (some FUSE mounts): read it as usual
-            return load_file(location, map_location=map_location, weights_only=not trust_code)
+                    if verify:
+                        verify_torch_file(location)  # damage: raised as such, not read again without a map
+                    verify = False  # a filesystem that cannot map files (some FUSE mounts): read it as usual
+            return load_file(location, map_location=map_location, weights_only=not trust_code, crc=verify)
         except UnsafeCheckpointError as refusal:
             if trust_code or not placeholders:
                 raise
-            return load_without_code(location, map_location, refusal, mmap=zipped and mmap)[0]
+            return load_without_code(location, map_location, refusal, mmap=mmap)[0]
 
     def check(self, location: Location, *, records: bool = True) -> None:
         """Check every record's CRC-32 (`CheckpointFormatError` if one differs; a legacy file has none).
@@ -238,11 +240,14 @@ def load_torch(location: Location) -> Any:
     return load_file(location, map_location="cpu", mmap=is_local_zip(location))
 
 
-def load_whole(location: Location, trust_code: bool, *, mmap: bool, map_location: Any = "cpu") -> Any:
-    """The whole file through torch; a trusted whole pickled module (``torch.save(model)``) as its
-    ``state_dict()``, which is what a checkpoint of it would hold (never "0 tensors")."""
+def load_whole(
+    location: Location, trust_code: bool, *, mmap: bool, map_location: Any = "cpu", crc: bool = False
+) -> Any:
+    """The whole file through torch (``crc``: every record's CRC-32 checked first, in the same open);
+    a trusted whole pickled module (``torch.save(model)``) as its ``state_dict()``, which is what a
+    checkpoint of it would hold (never "0 tensors")."""
     try:
-        return load_file(location, map_location=map_location, weights_only=True, mmap=mmap)
+        return load_file(location, map_location=map_location, weights_only=True, mmap=mmap, crc=crc)
     except UnsafeCheckpointError:
         if not trust_code:
             raise

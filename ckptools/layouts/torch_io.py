@@ -76,11 +76,14 @@ def load_file(
     weights_only: bool = True,
     mmap: bool = False,
     pickle_module: Any = None,
+    crc: bool = False,
 ) -> Any:
     """``torch.load`` a local path or URL, turning failures into ckptools errors.
 
-    ``pickle_module`` (with ``weights_only=False``) is passed to ``torch.load``: the placeholder
-    reader of `ckptools.layouts.placeholders.load_without_code`.
+    The file is opened once for ckptools' checks (with ``crc``, every record's CRC-32 too, in the
+    same pass: `verify_torch_file`), and once more by torch. ``mmap`` maps a local zip (a legacy or
+    remote file is read). ``pickle_module`` (with ``weights_only=False``) is passed to
+    ``torch.load``: the placeholder reader of `ckptools.layouts.placeholders.load_without_code`.
 
     Raises:
         CheckpointNotFoundError: the file does not exist.
@@ -93,15 +96,19 @@ def load_file(
     # reading it: a 4 GiB claim in a 1 KiB file would be allocated. Claims are checked first.
     with _opened(source, local) as handle:
         head = handle.read(512)
-        if head[:4] == ZIP_MAGIC:
-            _scan_zip(path, handle, crc=False)
+        zipped = head[:4] == ZIP_MAGIC
+        if zipped:
+            _scan_zip(path, handle, crc=crc)
             kind = None
         else:
             kind = other_kind(head)
         if kind is not None:  # a valid file of another kind: said what it is, never "corrupt"
             raise CheckpointLayoutError(f"{path} is not a torch checkpoint: it is {kind}")
-        if head[:4] != ZIP_MAGIC and weights_only:  # a trusted file is left to torch entirely
+        if not zipped and crc:  # the legacy format has no checksums: refused as verify_torch_file does
+            _scan_zip(path, handle, crc=True)
+        if not zipped and weights_only:  # a trusted file is left to torch entirely
             check_non_zip(handle, handle.seek(0, 2), path)
+    mmap = mmap and local and zipped
     import torch  # only now: a file refused above is refused without it (a second saved for `ckpt`)
 
     try:
