@@ -8,6 +8,7 @@ on every rank. Files of every layout are read through `ckptools.layouts`.
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -57,7 +58,7 @@ def load(
     restore_rng: bool | None = None,
     verify: bool = False,
     broadcast: bool = False,
-    trust_code: bool = False,
+    trust_code: bool | None = None,
 ) -> dict[str, Any]:
     """Load a checkpoint and restore, in place, every object named in ``state``.
 
@@ -92,17 +93,16 @@ def load(
         strict: raise `KeyMismatchError` when a named entry is missing or a model's keys
             differ; with False, load what matches.
         weights_only: keep torch's safe unpickler; False runs arbitrary code from the file and
-            is for trusted files only. torch's own name for the opt-in; ``trust_code=True`` is
-            the same, spelled as every other ckptools reader and ``--trust-code`` spell it.
+            is for trusted files only (torch's own name for the opt-in).
         restore_rng: restore this rank's RNG states from the file: True, False, or None to
             decide by ``state`` as above.
-        verify: check every record's CRC-32 before loading (reads the file twice).
+        verify: check every record's CRC-32 before loading (in the pass that checks the file).
         broadcast: only rank 0 reads the file; every other rank receives what it read over the
             process group (GPU to GPU with nccl) in buckets of 64 MiB, and ends holding exactly
             what it would have read itself, its own RNG state included. For node-local disks
             where only rank 0's node has the file, and to read a file once instead of once per
             rank on a shared filesystem.
-        trust_code: the same as ``weights_only=False``.
+        trust_code: deprecated (goes in 0.5): ``trust_code=True`` is ``weights_only=False``.
 
     Returns:
         The whole checkpoint dict (entries on ``map_location``), including ``__ckptools__``.
@@ -123,7 +123,10 @@ def load(
     path = fspath(path)
     location = resolve(path)
     state = state or {}
-    weights_only = weights_only and not trust_code
+    if trust_code is not None:  # one switch: torch's (and the contract's) name for load
+        warnings.warn("ck.load(trust_code=...) is deprecated and goes in 0.5: pass weights_only=False for a file you "
+                      "trust (trust_code=True is the same)", DeprecationWarning, stacklevel=3)  # fmt: skip
+        weights_only = weights_only and not trust_code
     error: BaseException | None = None
     ckpt: dict[str, Any] = {}
     try:

@@ -69,3 +69,20 @@ def test_the_overview_names_every_public_name_and_dir_shows_only_them():
     shown = {n for n in dir(ck) if not n.startswith("__")}
     assert shown == set(ck.__all__), shown ^ set(ck.__all__)  # no Any, TYPE_CHECKING, importlib, ...
     assert "with no process group" in ck.save.__doc__.lower() and "folders are created" in ck.save.__doc__
+
+
+def test_load_has_one_switch_for_trusted_code_and_the_old_spelling_warns(tmp_path):
+    """Issue 45: ck.load took weights_only and trust_code for one switch; weights_only (torch's, the
+    contract's) is it, and trust_code=True still loads, with a DeprecationWarning, until 0.5."""
+    import pathlib
+
+    import pytest
+    import torch
+
+    path = tmp_path / "c.pt"
+    torch.save({"w": torch.ones(2), "where": pathlib.PurePosixPath("/data")}, path)  # needs a refused class
+    with pytest.raises(ck.UnsafeCheckpointError):
+        ck.load(path)
+    assert ck.load(path, weights_only=False)["where"] == pathlib.PurePosixPath("/data")
+    with pytest.warns(DeprecationWarning, match=r"trust_code=\.\.\.\) is deprecated .* weights_only=False"):
+        assert ck.load(path, trust_code=True)["where"] == pathlib.PurePosixPath("/data")
