@@ -62,25 +62,13 @@ def load(
 ) -> dict[str, Any]:
     """Load a checkpoint and restore, in place, every object named in ``state``.
 
-    Collective when a process group exists: every rank reads the file, and if any rank fails
-    every rank raises (so no rank runs ahead into a collective the others never reach).
-    A model loads whether it or the file carries ``module.``; whether to strip or add it is
-    decided against the model's own keys. Optimizer state lands on its parameters' device.
-    Plain ``torch.save`` dicts load too: entries are matched by name, and a lone model in
-    ``state`` also finds its weights in a bare state dict or under
-    ``state_dict``/``model``/``model_state_dict``/``module``, or in a ``.safetensors`` file.
-    Its keys may carry ``module.``, ``_orig_mod.`` (``torch.compile``) or a leading component
-    every key shares (a LightningModule's ``model.``): what to strip or add is decided
-    against the model's own keys.
-
-    Restoring RNG is part of resuming training, not of looking at a file. By default
-    (``restore_rng=None``) this rank's RNG states (python, numpy, torch, CUDA) are restored only
-    when ``state`` holds something that exists to continue training: an optimizer, an LR
-    scheduler, a GradScaler or a sampler. ``ck.load(path)`` or ``ck.load(path, {"model": m})``
-    in a notebook leaves the notebook's random streams alone (and says nothing about the world
-    size). `CheckpointManager.restore` always restores them. They are restored only when
-    the file was saved by ckptools with the same world size; otherwise the per-rank streams have
-    no meaningful mapping, so they are left alone and rank 0 warns.
+    Collective when a process group exists: if any rank fails, every rank raises. A model loads
+    whether it or the file carries ``module.``, ``_orig_mod.`` or a prefix every key shares
+    (decided against the model's own keys); plain ``torch.save`` dicts, bare state dicts and
+    ``.safetensors`` files load too. This rank's RNG states are restored when ``state`` holds
+    something that exists to continue training (an optimizer, a scheduler, a scaler, a sampler)
+    and the world size is the one saved: a look at a file in a notebook leaves its random streams
+    alone. How entries are matched, and why: docs/guides/resuming.md.
 
     Args:
         path: file path or fsspec URL.

@@ -58,44 +58,16 @@ def save(
 ) -> str:
     """Save a training checkpoint; collective: every rank calls it, and rank 0 or every rank writes.
 
-    With no process group (a notebook, a single process) it is a plain, atomic save: the same
-    call works before and after ``init_process_group``. Missing parent folders are created
-    (local paths; object stores have none).
-
-    Each entry of ``state`` is stored under its own name: a model (wrapped in DDP, DataParallel
-    or ``torch.compile`` or not) as its plain state dict without ``module.``; optimizers,
-    GradScalers, LR schedulers and anything with ``state_dict()`` as that; a
-    ``DistributedSampler`` as its epoch and seed (a `ResumableDistributedSampler` also
-    with its progress); tensors and plain values as they are. A ``__ckptools__`` entry adds the
-    format version, library versions, world size, every rank's RNG states and ``metadata``.
-
-    The model stays where it is (on its GPU, inside DDP); buffers are stored as rank 0 holds
-    them. The write is atomic (temporary name, fsync, rename; a multipart upload on S3) and every rank returns
-    only after the file is complete. If a writer fails, every rank raises
-    `CheckpointError` (rank 0 chains the original exception): no rank is left waiting in a
-    barrier, and an earlier file at ``path`` is untouched. No RNG is advanced. An
-    `async_save` still in flight is finished first (and its failure raised, on every rank).
-
-    Everything is checked before anything is written: an entry (or a value inside one, or
-    inside ``metadata``) that ``torch.load(weights_only=True)`` would refuse, such as an
-    ``argparse.Namespace``, a ``pathlib.Path`` or a numpy scalar, raises
-    `UnsafeStateError` on every rank, naming the entry and the fix (``vars(args)``,
-    ``str(path)``, ``x.item()``). Otherwise the run would only find out when it restarts.
-
-    Who writes (``writers``): with ``"rank0"`` global rank 0 writes the whole file. With
-    ``"all"`` every rank writes a balanced share of what DDP keeps equal on every rank (the
-    parameters of a ``DistributedDataParallel`` entry and an optimizer's state for them) into
-    the same one file, at offsets rank 0 planned; everything else (buffers, scaler, sampler,
-    RNG, plain values) comes from rank 0 as always, and the file loads bit-identical to the
-    ``"rank0"`` one (see `ckptools.write.plan`). It needs every rank to see the directory: if one
-    does not, ``"all"`` raises on every rank before writing, while ``"auto"`` (the default)
-    lets rank 0 write alone. Object stores, single processes and a ``state`` without a
-    ``DistributedDataParallel`` entry (nothing known to be replicated) get rank 0's writer.
-    ``verify_replicas=True`` first checks, whoever writes, that the replicated tensors really
-    agree (a CRC-32 of each, on every rank, compared in the exchange every save makes anyway;
-    a full read of them, copied to the CPU first on a GPU) and refuses to save on every rank,
-    naming the tensor, if they do not: a rank whose copy was changed outside the training step
-    would otherwise have its share stored as if it were everyone's.
+    Each entry of ``state`` is stored under its own name: a model (in DDP, DataParallel or
+    ``torch.compile`` or not) as its plain state dict, anything with ``state_dict()`` as that, a
+    sampler as its position, plain values as they are; ``__ckptools__`` adds the versions, the
+    world size, every rank's RNG states and ``metadata``. Everything is checked before anything
+    is written (a value ``torch.load(weights_only=True)`` would refuse raises `UnsafeStateError`,
+    naming the fix); the write is atomic, and every rank returns once the file is complete or
+    raises the same error. Without a process group it is a plain atomic save.
+    ``writers="all"`` has every rank write its share of what DDP keeps equal into the one file
+    (``"auto"``: where every rank sees the folder); ``verify_replicas=True`` checks that those
+    replicas agree first. What is stored, and why: docs/guarantees.md; who writes: docs/guides/writers.md.
 
     Args:
         path: file path or fsspec URL (``s3://bucket/run/step_100.pt``, ``memory://...``).
@@ -274,34 +246,12 @@ def async_save(
 ) -> AsyncSave:
     """Save like `save`, but return once the state is copied; the writers write in the background.
 
-    Collective: every rank calls it. It returns as soon as global rank 0 has copied ``state``
-    into host memory that training never touches, so the caller may step the optimizer the
-    moment it returns: the file holds the values as of the call, bit for bit. The file, its
-    checks (an unsafe value raises `UnsafeStateError` here, on every rank, before
-    anything is copied) and its atomic write are those of `save`; tensors are stored as
-    CPU tensors (``load`` puts them where ``map_location`` says, as always).
-
-    At most one save is in flight. A later ``save``, ``async_save``, ``load`` or
-    ``CheckpointManager`` call first waits for it, collectively; if rank 0's background write
-    failed, *that* call raises `CheckpointError` on every rank (naming the failed file)
-    before doing anything else. So a failure surfaces at ``handle.wait()`` or at the next
-    checkpoint call, whichever comes first, and it is also logged by rank 0 the moment it
-    happens. A process that ends with a save in flight finishes the write before it exits
-    (unless it leaves through ``os._exit``: then wait first).
-
-    The staged copy goes into buffers kept from the previous async save while sizes match (pinned
-    host memory for CUDA tensors, copied non-blocking, then one synchronize), so the steady
-    cost is one memory copy of the state; that memory (one state's size) stays held until
-    `ckptools.release_staging_buffers`. Only rank 0 copies anything.
-
-    With ``writers="all"`` (what ``"auto"`` becomes when every rank sees the directory; see
-    `save`) each rank copies only its own share, about 1/N of the state (rank 0 also what
-    only it writes), and writes it from its own background thread; the stall and the host
-    memory per rank drop to about 1/N. Each rank's writer thread reports its CRC-32s to rank
-    0's through the process group's store (no collective runs off the main thread), and rank
-    0's writer commits the file the moment the last share is on disk, as one writer would. A
-    writer's failure is raised on every rank by ``wait()`` or the next checkpoint call, naming
-    the rank.
+    Collective. The caller may step the optimizer the moment it returns: the file holds the
+    values as of the call, bit for bit, checked and written atomically as by `save`. The copy
+    goes into host buffers kept from the previous async save (pinned for CUDA tensors) until
+    `ckptools.release_staging_buffers`; with ``writers="all"`` each rank copies and writes only
+    its share. At most one save is in flight: the next checkpoint call (or ``wait()``) finishes
+    it, and raises a background failure on every rank. Why and how: docs/guides/preemption.md.
 
     Args:
         path: as for `save`.

@@ -52,30 +52,13 @@ class ResumableDataLoader(torch.utils.data.DataLoader[Any]):
     """A ``DataLoader`` whose ``state_dict()`` is its position in the epoch, for an exact resume
     of a loop you do not write yourself (Lightning, Fabric), or of your own.
 
-    It is the recipe of [resuming](../guides/resuming.md) in one object:
-
-    - it draws from a `ResumableDistributedSampler` (``shuffle``, ``seed``, ``drop_last``; the
-      number of ranks and this rank's index from the process group, or 1 and 0 without one), so
-      the order of every epoch depends on (seed, epoch, world size) alone;
-    - it wraps the dataset in `SeededDataset` (``seeded=True``), so random augmentation in
-      ``__getitem__`` is the same for a sample whichever worker fetches it, before or after a
-      resume, at any ``num_workers``;
-    - iterating it counts each batch as the loop receives it (workers fetch ahead of the loop)
-      and lends the DataLoader a generator of the epoch's own for its workers' base seed (the
-      global torch RNG is not drawn from), as `ResumableDistributedSampler.track` does;
-    - ``state_dict()`` / ``load_state_dict()`` carry the sampler's state and the batches of the
-      epoch consumed: ``ck.save``/``ck.load`` take it in ``state``, Lightning saves it with its
-      loops (a train loader with ``state_dict`` is resumable to Lightning), and Fabric's
-      ``fabric.save``/``fabric.load`` take it in theirs;
-    - ``len()`` is an epoch's batches at this world size, also after a resume (iterating then
-      yields only the rest), as Lightning counts them and torchdata's ``StatefulDataLoader``
-      reports them. Restored on another number of ranks, the batches already done are counted as
-      an epoch's less the rest dealt out to the new ranks (``state_dict()["batches"]``).
-
-    Every other argument is the ``DataLoader``'s (``num_workers``, ``collate_fn``,
-    ``pin_memory``, ``persistent_workers``, ``generator``, ...); ``sampler`` and
-    ``batch_sampler`` are its own. ``.dataset`` is the wrapped dataset (`SeededDataset`, whose
-    ``.dataset`` is yours).
+    It is the recipe of docs/guides/resuming.md in one object: it draws from a
+    `ResumableDistributedSampler` (the ranks from the process group), wraps the dataset in
+    `SeededDataset` (``seeded=True``), counts each batch as the loop receives it and lends its
+    workers a seed of the epoch's own; ``state_dict()`` is the sampler's state and the batches
+    consumed (``ck.save``, Lightning's loops and ``fabric.save`` take it); ``len()`` is an epoch's
+    batches at this world size. Every other argument is the ``DataLoader``'s; ``sampler`` and
+    ``batch_sampler`` are its own; ``.dataset`` is the `SeededDataset` (whose ``.dataset`` is yours).
 
     Args:
         dataset: a map-style dataset.

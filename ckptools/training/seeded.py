@@ -25,27 +25,13 @@ class SeededDataset(torch.utils.data.Dataset[T], Generic[T]):
     depend on (the sampler's seed, ``e``, ``i``) alone, in whatever process fetches it.
 
     Random augmentation in ``__getitem__`` (``torch.rand*``, ``random.*``, ``np.random.*``) then
-    resumes exactly at any point of an epoch, whatever the number of DataLoader workers, with
-    persistent workers, with the ``fork`` or ``spawn`` context, and on a different world size
-    (every sample gets the augmentation it gets in an uninterrupted run). Without it, each worker's
-    streams start at ``base_seed + worker_id`` and advance with every sample it fetched, so a run
-    resumed mid-epoch augments every following sample differently.
-
-    Before each item is fetched, python's ``random``, numpy's global RNG and torch's default CPU
-    generator are seeded from the triple (mixed by BLAKE2b); afterwards the fetching process's
-    own streams are put back, so in the main process (``num_workers=0``) dropout and everything
-    else draw exactly what they would draw without the wrapper. A batch is fetched item by item
-    (a wrapped dataset's own ``__getitems__`` is not used).
-
-    Use the sampler the DataLoader draws from: its indices carry the epoch to the workers.
-    Without one (a loop that brings its own sampler, such as the Hugging Face ``Trainer``), give
-    ``seed`` and call `set_epoch` before each epoch's DataLoader iterator is made: the workers
-    copy the epoch when they start, so this form needs workers that start again every epoch (not
-    ``persistent_workers``); ``ckptools.integrations.transformers.CkptoolsCallback`` calls it for
-    the Trainer's train dataset. A transform that owns a generator (a ``torch.Generator``,
-    ``np.random.default_rng()``) is not reseeded; create it inside ``__getitem__`` from
-    ``torch.initial_seed()``, which is the item's own seed there. ``len()`` and every attribute of
-    the wrapped dataset are forwarded; the wrapped dataset is ``.dataset``.
+    resumes exactly at any point of an epoch, at any number of workers and world size. Around each
+    item python's, numpy's and torch's CPU streams are seeded from the triple and then put back, so
+    with ``num_workers=0`` everything else draws what it would without the wrapper. Use the sampler
+    the DataLoader draws from (its indices carry the epoch to the workers); without one, give
+    ``seed`` and call `set_epoch` before each epoch's iterator is made (workers that start again
+    every epoch). A transform that owns its generator is not reseeded. How, and the limits:
+    docs/guides/resuming.md.
 
     Args:
         dataset: a map-style dataset (``__getitem__`` and ``__len__``).
