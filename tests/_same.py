@@ -66,5 +66,13 @@ def tiny_net(seed: int = 0) -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
+def filled_linear(size: int, value: float) -> torch.nn.Linear:
+    """A ``size`` x ``size`` Linear whose weight is ``value`` everywhere (which checkpoint loaded shows)."""
+    linear = torch.nn.Linear(size, size)
+    with torch.no_grad():
+        linear.weight.fill_(value)
+    return linear
+
+
 def _describe(t: Any) -> str:
     return f"{t.dtype} {tuple(t.shape)}" if isinstance(t, torch.Tensor) else type(t).__name__

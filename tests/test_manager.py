@@ -6,16 +6,14 @@ import pytest
 import torch
 from _corpus import tensor_record_offsets
 from _dist import run_ranks
+from _same import filled_linear
 
 import ckptools as ck
 from ckptools.storage import host as _host
 
 
 def _model(value: float) -> torch.nn.Module:
-    m = torch.nn.Linear(3, 3)
-    with torch.no_grad():
-        m.weight.fill_(value)
-    return m
+    return filled_linear(3, value)
 
 
 def _weight(path) -> float:

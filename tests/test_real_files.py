@@ -20,7 +20,7 @@ import _torch_can as torch_can
 import pytest
 import safetensors.torch
 import torch
-from _same import assert_same_tree
+from _same import assert_same_tree, tiny_net
 from omegaconf import OmegaConf
 from typer.testing import CliRunner
 
@@ -51,14 +51,10 @@ def _same(got, want) -> None:
     assert_same_tree(got, want, key_order=False)
 
 
-def _net() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
-
-
 def _hydra_ckpt(path) -> dict[str, torch.Tensor]:
     """A Lightning-layout checkpoint whose hyper-parameters are an OmegaConf DictConfig."""
     torch.manual_seed(0)
-    net = _net()
+    net = tiny_net()
     cfg = OmegaConf.create({"model": {"width": 16, "layers": [8, 16, 4]}, "lr": 0.1, "root": "/d", "x": "${root}/x"})
     weights = {f"model.{k}": v for k, v in net.state_dict().items()}
     torch.save({"state_dict": weights, "hyper_parameters": cfg, "epoch": 1, "global_step": 2}, path)
@@ -153,7 +149,7 @@ def test_golden_lightning_hydra_checkpoint():
     reference = safetensors.torch.load_file(os.path.join(GOLDEN, "reference", "lightning_hydra.safetensors"))
     with pytest.warns(ck.CheckpointWarning, match="omegaconf"):
         _same(ck.load_state_dict(path, strip="model."), reference)
-    net = _net()
+    net = tiny_net(1)  # other weights than the file's: the load must change them
     ckpt = ck.load(path, {"model": net})  # weights restored; hyper_parameters as placeholders
     _same(net.state_dict(), reference)
     report = ck.inspect(path)
@@ -340,11 +336,11 @@ def test_golden_transformers_tie_loads_into_the_real_model():
 def test_ck_load_restores_what_state_names_beside_placeholders(tmp_path):
     import pathlib
 
-    net = _net()
+    net = tiny_net()
     path = tmp_path / "lightning.ckpt"
     torch.save({"state_dict": {f"model.{k}": v for k, v in net.state_dict().items()}, "epoch": 4,
                 "hyper_parameters": {"root": pathlib.Path("/data"), "lr": 0.1}}, path)  # fmt: skip
-    fresh = _net()
+    fresh = tiny_net(1)
     with pytest.warns(ck.CheckpointWarning, match=r"pathlib\.PosixPath"):
         ckpt = ck.load(path, {"model": fresh})
     _same(fresh.state_dict(), net.state_dict())

@@ -22,6 +22,7 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed (it com
 from _dist import run_ranks
 from _killer import kill_loop
 from _s3 import BUCKET  # the bucket the s3_env fixture (conftest.py) makes
+from _same import filled_linear
 
 import ckptools as ck
 from ckptools.cli import app
@@ -38,10 +39,7 @@ def _objects(prefix: str) -> list[str]:
 
 
 def _model(value: float) -> torch.nn.Module:
-    m = torch.nn.Linear(4, 4)
-    with torch.no_grad():
-        m.weight.fill_(value)
-    return m
+    return filled_linear(4, value)
 
 
 def test_background_saves_to_s3(s3_env):

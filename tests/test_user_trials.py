@@ -18,6 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 from _dist import free_port
+from _same import tiny_net
 from typer.testing import CliRunner
 
 import ckptools as ck
@@ -30,10 +31,6 @@ HYDRA = os.path.join(GOLDEN, "lightning_hydra.ckpt")  # the same with Adam (its 
 
 def _run(*args: object):
     return CliRunner().invoke(app, [str(a) for a in args])
-
-
-def _net() -> torch.nn.Module:
-    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
 
 
 def _stored(path: str) -> dict:
@@ -101,13 +98,13 @@ def test_a_lightning_file_loads_into_the_plain_network_optimizer_and_scheduler()
     stored = _stored(HYDRA)
     weights = ck.load_state_dict(HYDRA)  # before: "model.0.weight", which the plain network does not have
     assert list(weights) == ["0.weight", "0.bias", "2.weight", "2.bias"]
-    net = _net()
+    net = tiny_net(1)
     net.load_state_dict(weights)
     assert all(torch.equal(net.state_dict()[k], stored["state_dict"][f"model.{k}"]) for k in weights)
     assert list(ck.load_state_dict(HYDRA, strip=None)) == [f"model.{k}" for k in weights]  # as stored
     # ck.load: the optimizer under any name takes optimizer_states[0], as configure_optimizers returned it
     for name in ("optimizer", "optimizer_states"):
-        net = _net()
+        net = tiny_net(1)
         opt = torch.optim.Adam(net.parameters(), lr=1.0)
         ck.load(HYDRA, {"model": net, name: opt})
         saved = stored["optimizer_states"][0]
@@ -116,7 +113,7 @@ def test_a_lightning_file_loads_into_the_plain_network_optimizer_and_scheduler()
             got = opt.state_dict()["state"][index]
             assert all(torch.equal(got[k], v) for k, v in state.items() if isinstance(v, torch.Tensor))
     # a scheduler with the file's empty lr_schedulers list: said exactly
-    net = _net()
+    net = tiny_net(1)
     opt = torch.optim.SGD(net.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.StepLR(opt, 1)
     with pytest.raises(ck.KeyMismatchError, match=r"0 scheduler state\(s\) in lr_schedulers.*pass as many"):
@@ -148,7 +145,7 @@ def test_strip_module_that_removes_nothing_names_the_prefix_the_keys_share(tmp_p
     )
     fixed = _run("strip-module", LIGHTNING, "-o", tmp_path / "plain.ckpt", "--prefix", "model.")
     assert fixed.exit_code == 0 and "removed from 4 keys" in fixed.stdout and fixed.stderr == ""
-    _net().load_state_dict(torch.load(tmp_path / "plain.ckpt", weights_only=False)["state_dict"])
+    tiny_net().load_state_dict(torch.load(tmp_path / "plain.ckpt", weights_only=False)["state_dict"])
 
 
 # --- 5. an HF Trainer folder's export brings its config --------------------------------------------
