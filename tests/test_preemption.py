@@ -170,7 +170,10 @@ def test_dataloader_workers_survive_a_signal_to_the_process_group(tmp_path, mode
         assert (tmp_path / "init0").exists() and (tmp_path / "init1").exists()
     else:  # what protect() prevents: the workers die and take the loop down before any save
         assert proc.returncode not in (0, 143)
-        assert "DataLoader worker" in err and "stopping after" not in out
+        # torch says so ("DataLoader worker (pid X) is killed by signal"), or, when a worker died in the
+        # middle of sending a batch, the loop's read of that worker's pipe fails (EOFError; torch 2.6 under load).
+        died = ("DataLoader worker", "EOFError", "ConnectionResetError")
+        assert any(s in err for s in died) and "stopping after" not in out, err
 
 
 _STUCK_SCRIPT = """
