@@ -64,7 +64,8 @@ def save(
     world size, every rank's RNG states and ``metadata``. Everything is checked before anything
     is written (a value ``torch.load(weights_only=True)`` would refuse raises `UnsafeStateError`,
     naming the fix); the write is atomic, and every rank returns once the file is complete or
-    raises the same error. Without a process group it is a plain atomic save.
+    raises the same error. With no process group it is a plain atomic save; missing parent
+    folders are created (local paths).
     ``writers="all"`` has every rank write its share of what DDP keeps equal into the one file
     (``"auto"``: where every rank sees the folder); ``verify_replicas=True`` checks that those
     replicas agree first. What is stored, and why: docs/guarantees.md; who writes: docs/guides/writers.md.
