@@ -7,6 +7,7 @@ on every rank. Files of every layout are read through `ckptools.layouts`.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Mapping
@@ -28,6 +29,7 @@ from .errors import (
 )
 from .layouts import is_lightning_checkpoint, read_checkpoint, read_weights
 from .lifecycle import finish_pending
+from .read_once import ReadAnotherWay, read_once
 from .restoring import restore_all, restore_rng_state
 from .state_dict import shared_prefix, strip_for_reading, strip_prefix
 from .storage import Location, PathLike, fspath, resolve
@@ -59,6 +61,7 @@ def load(
     verify: bool = False,
     broadcast: bool = False,
     trust_code: bool | None = None,
+    read: str = "auto",
 ) -> dict[str, Any]:
     """Load a checkpoint and restore, in place, every object named in ``state``.
 
@@ -91,6 +94,10 @@ def load(
             where only rank 0's node has the file, and to read a file once instead of once per
             rank on a shared filesystem.
         trust_code: deprecated (goes in 0.5): ``trust_code=True`` is ``weights_only=False``.
+        read: who reads the file: ``"each"`` rank the whole file; ``"rank0"`` (as ``broadcast=True``);
+            ``"once"``: each rank about 1/N of a local file the ranks share, the rest received
+            (bytes read from storage: 1.0x the file; a remote file: as ``"rank0"``); ``"auto"``:
+            ``"once"`` where the ranks span several nodes and the file is local, else ``"each"``.
 
     Returns:
         The whole checkpoint dict (entries on ``map_location``), including ``__ckptools__``.
@@ -117,13 +124,22 @@ def load(
         weights_only = weights_only and not trust_code
     error: BaseException | None = None
     ckpt: dict[str, Any] = {}
+    how = "rank0" if broadcast else read
     try:
         target = resolve_map_location(map_location)
         if has_partitions(state) and isinstance(target, torch.device) and target.type != "cpu":
             target = _partitions_stay_on_cpu(target)
-        if broadcast and get_world_size() > 1:
-            loaded: Any = _read_on_rank0(location, target, weights_only=weights_only, verify=verify, state=state)
-        else:
+        how = _who_reads(read, broadcast, location, target)
+        loaded: Any = None
+        if how == "once":
+            try:
+                loaded = read_once(location, target, lambda: _read(location, "cpu", weights_only=weights_only,
+                                   verify=False, state=state), verify=verify)  # fmt: skip
+            except ReadAnotherWay as other:  # every rank alike
+                how = other.how
+        if how == "rank0":
+            loaded = _read_on_rank0(location, target, weights_only=weights_only, verify=verify, state=state)
+        elif how == "each":
             loaded = _read(location, target, weights_only=weights_only, verify=verify, state=state)
         if isinstance(loaded, torch.nn.Module):  # a trusted torch.save(model): its weights, as a checkpoint holds them
             loaded = dict(loaded.state_dict())
@@ -145,7 +161,7 @@ def load(
 
     def amend(err: BaseException, outcomes: list[Any]) -> BaseException | None:
         # A file rank 0 read and this rank cannot find: a node-local disk.
-        if isinstance(err, CheckpointNotFoundError) and not broadcast and outcomes[0] is None:
+        if isinstance(err, CheckpointNotFoundError) and how != "rank0" and outcomes[0] is None:
             hint = "pass broadcast=True to ck.load / manager.restore to send it from rank 0"
             return CheckpointNotFoundError(f"{err}, but rank 0 read it: {hint}")
         return None
@@ -153,6 +169,29 @@ def load(
     Agreement(f"loading checkpoint {path}", own="as_is").on_every_rank(error, amend=amend)
     log.report("loaded", location, started)
     return ckpt
+
+
+_READS = ("auto", "each", "rank0", "once")
+
+
+def _who_reads(read: str, broadcast: bool, location: Location, target: Any) -> str:
+    """``"each"``, ``"rank0"`` or ``"once"``: the same on every rank (from the arguments and the
+    environment alone; see `load`'s ``read``)."""
+    if read not in _READS:
+        raise ValueError(f"read must be one of {', '.join(map(repr, _READS))}, got {read!r}")
+    if broadcast and read not in ("auto", "rank0"):
+        raise ValueError(f"broadcast=True is read='rank0'; it contradicts read={read!r}")
+    world = get_world_size()
+    if world == 1:
+        return "each"
+    if broadcast or read == "rank0":
+        return "rank0"
+    if read == "auto":
+        nodes_share = world > int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+        read = "once" if nodes_share and location.local else "each"
+    if read == "once" and not isinstance(target, torch.device):  # a per-storage map_location: each rank maps
+        return "each"
+    return read
 
 
 def _partitions_stay_on_cpu(device: torch.device) -> Any:

@@ -1,4 +1,6 @@
-"""Sending a loaded checkpoint from rank 0 to every rank: ``ck.load(..., broadcast=True)``.
+"""Sending a loaded checkpoint's storages between ranks: from rank 0 to every rank
+(``ck.load(..., broadcast=True)``, `broadcast_tree`), or each storage from the rank that read it
+(a read-once restore, `share_storages`).
 
 Rank 0 reads the file; every other rank receives the same tree over the process group. The tree
 minus its tensors (a skeleton) goes as one object broadcast; the tensors' *storages* follow as
@@ -17,7 +19,7 @@ import torch.distributed as dist
 
 from .group import broadcast_object, get_rank, peer_error, run_collective
 
-__all__ = ["broadcast_tree"]
+__all__ = ["Skeleton", "broadcast_tree", "owners_of", "share_storages"]
 
 BUCKET_BYTES = 64 << 20
 
@@ -128,3 +130,75 @@ def broadcast_tree(
     except RuntimeError as err:  # DistBackendError and friends: a peer died mid-transfer
         raise peer_error(err) from err
     return tree if rank == 0 else _rebuild(skeleton, storages, device)
+
+
+class Skeleton:
+    """A loaded tree taken apart: its structure (every rank builds the same from the same file) and
+    its storages, each listed once (tied tensors share one), in the tree's order.
+
+    Examples:
+        >>> import torch
+        >>> w = torch.arange(4.0)
+        >>> parts = Skeleton({"w": w, "v": w[:2]})
+        >>> [s.nbytes() for s in parts.storages]  # one storage for the tensor and its view
+        [16]
+        >>> parts.rebuilt(parts.storages, torch.device("cpu"))["v"].tolist()
+        [0.0, 1.0]
+    """
+
+    def __init__(self, tree: Any) -> None:
+        self.storages: list[Any] = []
+        self.structure = _skeleton(tree, self.storages, {})
+
+    def sizes(self) -> list[int]:
+        """Each storage's bytes."""
+        return [int(s.nbytes()) for s in self.storages]
+
+    def rebuilt(self, storages: list[Any], device: torch.device) -> Any:
+        """The tree again, over ``storages`` (one per listed storage, as large)."""
+        return _rebuild(self.structure, storages, device)
+
+
+def owners_of(sizes: list[int], world: int) -> list[int]:
+    """Which rank reads each storage: the largest first, each to the rank with the fewest bytes so far
+    (the lowest such rank), so every rank reads about 1/``world`` of the bytes; the same on every rank.
+
+    Examples:
+        >>> owners_of([40, 10, 30, 20], 2)
+        [0, 0, 1, 1]
+    """
+    load = [0] * world
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        rank = min(range(world), key=lambda r: (load[r], r))
+        owners[i] = rank
+        load[rank] += sizes[i]
+    return owners
+
+
+def share_storages(
+    storages: list[Any], owners: list[int], *, comm_device: torch.device, bucket_bytes: int = BUCKET_BYTES
+) -> None:
+    """Collective: each storage's bytes from the rank that ``owners`` names into every other rank's
+    storage at that place (allocated by the caller, as large), in buckets of ``bucket_bytes``; with
+    nccl the buckets travel on ``comm_device`` (a GPU), with gloo through host memory."""
+    rank, world = get_rank(), max(owners, default=0) + 1
+    sizes = [int(s.nbytes()) for s in storages]
+    views = [_bytes_of(s) for s in storages]
+    bucket = torch.empty(min(bucket_bytes, max(max(sizes, default=1), 1)), dtype=torch.uint8, device=comm_device)
+    try:
+        for src in range(world):
+            mine = [i for i, owner in enumerate(owners) if owner == src]
+            for window in _windows([sizes[i] for i in mine], bucket.numel()):
+                for j, start, length, at in window:
+                    if rank == src:
+                        bucket[at : at + length].copy_(views[mine[j]][start : start + length], non_blocking=True)
+                used = max(at + length for _, _, length, at in window)
+                run_collective(dist.broadcast, bucket[:used], src=src)
+                if rank != src:
+                    for j, start, length, at in window:
+                        views[mine[j]][start : start + length].copy_(bucket[at : at + length], non_blocking=True)
+        if comm_device.type == "cuda":
+            torch.cuda.synchronize(comm_device)
+    except RuntimeError as err:  # a peer died mid-transfer
+        raise peer_error(err) from err

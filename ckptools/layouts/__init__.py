@@ -38,7 +38,7 @@ from .hf_folder import HUGGING_FACE_FOLDER
 from .named import writer_for
 from .safetensors_file import SAFETENSORS_FILE
 from .sharded import weights_layout
-from .torch_file import TORCH_FILE
+from .torch_file import TORCH_FILE, check_records, damaged_record, zip_records
 from .torch_io import verify_torch_file
 
 __all__ = [
@@ -53,6 +53,8 @@ __all__ = [
     "TensorInfo",
     "Transform",
     "check_folder",
+    "check_records",
+    "damaged_record",
     "detect",
     "is_lightning_checkpoint",
     "open_checkpoint",
@@ -62,6 +64,7 @@ __all__ = [
     "verify_torch_file",
     "write_manifest",
     "writer_for",
+    "zip_records",
 ]
 
 

@@ -1,0 +1,140 @@
+"""A restore that reads each byte of the file once between the ranks: ``ck.load(..., read="once")``.
+
+Every rank maps the file (a local torch zip on a filesystem the ranks share: ``data.pkl`` is read,
+no storage), reads about 1/N of the storages' bytes (its own, the largest first to the rank with
+the fewest), and receives every other storage from the rank that read it over the process group.
+With ``verify`` each rank checks the CRC-32 of the records it read (rank 0 those no tensor holds).
+Bytes read from storage: 1.0x the file, at any world size. Why and when: docs/guides/node-local-disks.md.
+
+Examples:
+    >>> plan_reads([40, 10, 30, 20], 2)  # the bytes each rank reads
+    [50, 50]
+"""
+
+from __future__ import annotations
+
+import os
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import log
+from .collective.agree import Agreement
+from .collective.group import all_gather_object, get_rank, get_world_size
+from .collective.tree import Skeleton, owners_of, share_storages
+from .layouts import check_records, damaged_record, zip_records
+from .storage import Location
+
+__all__ = ["ReadAnotherWay", "plan_reads", "read_once"]
+
+
+class ReadAnotherWay(Exception):
+    """Raised on every rank alike when the file cannot be read once between the ranks: ``how``
+    (``"rank0"``: rank 0 reads and sends, a remote or legacy file; ``"each"``: each rank reads its own)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(how)
+        self.how = how
+
+
+def plan_reads(sizes: list[int], world: int) -> list[int]:
+    """The bytes each of ``world`` ranks reads of storages of ``sizes`` (see `owners_of`)."""
+    owners = owners_of(sizes, world)
+    return [sum(size for size, owner in zip(sizes, owners) if owner == rank) for rank in range(world)]
+
+
+def read_once(location: Location, device: torch.device, read: Callable[[], Any], *, verify: bool) -> Any:
+    """Collective: the tree ``read()`` gives (torch's load of the mapped file, on the CPU), its
+    storages read once between the ranks, on ``device``. `ReadAnotherWay` on every rank when the
+    file cannot be read so (remote, legacy, or not the same file on every rank).
+
+    ``read`` must map the file (nothing but ``data.pkl`` read); a failure is raised on every rank.
+    """
+    rank, world = get_rank(), get_world_size()
+    agreement = Agreement(f"loading checkpoint {location.url}", own="as_is")
+    error: BaseException | None = None
+    parts: Skeleton | None = None
+    records: dict[int, tuple[str, int, int]] | None = None
+    try:
+        records = zip_records(location)
+        if records is not None:
+            parts = Skeleton(read())
+    except Exception as err:  # noqa: BLE001 - raised on every rank below
+        error = err
+    # The same local zip on every rank (a filesystem they share); else every rank reads another way
+    # (a rank that failed: each rank reads as before, and the error comes with what to do about it).
+    shapes = all_gather_object("failed" if error else None if parts is None else (sorted(records or {}), parts.sizes()))
+    if "failed" in shapes:
+        raise ReadAnotherWay("each")
+    if any(shape is None for shape in shapes):
+        raise ReadAnotherWay("rank0")  # remote or legacy: rank 0 reads it once and sends it
+    if any(shape != shapes[0] for shape in shapes):
+        if rank == 0:
+            log.warn(f"{location.url} differs between ranks (node-local copies?): each rank reads its own file")
+        raise ReadAnotherWay("each")
+    assert parts is not None
+    sizes = parts.sizes()
+    owners = owners_of(sizes, world)
+    error = None
+    storages: list[Any] = []
+    try:
+        storages = _read_owned(location, parts, owners, records or {}, verify=verify)
+    except Exception as err:  # noqa: BLE001 - raised on every rank below
+        error = err
+    agreement.on_every_rank(error)
+    nccl = torch.distributed.get_backend() == "nccl"
+    comm = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    share_storages(storages, owners, comm_device=comm)
+    if device.type != "cpu":
+        storages = [storage.to(device=device) for storage in storages]
+    return parts.rebuilt(storages, device)
+
+
+def _read_owned(
+    location: Location, parts: Skeleton, owners: list[int], records: dict[int, tuple[str, int, int]], *, verify: bool
+) -> list[Any]:
+    """Every storage of the tree: this rank's own read from the file (``pread``, no readahead into
+    the others' bytes; with ``verify`` their CRC-32s checked), the others allocated to receive.
+
+    A storage torch mapped lies at its record's offset in the file; where that cannot be told (not
+    mapped as torch maps a file), the owner's storages are read through the mapping instead."""
+    rank = get_rank()
+    pointers = [int(s.data_ptr()) for s in parts.storages]
+    low = min(pointers, default=0)
+    base = next((low - start for start in sorted(records) if all(p - (low - start) in records for p in pointers)), None)
+    out: list[Any] = []
+    with open(location.path, "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # read what is asked, nothing around it
+        for storage, owner, pointer in zip(parts.storages, owners, pointers):
+            size = int(storage.nbytes())
+            if owner != rank:
+                out.append(torch.UntypedStorage(size))  # type: ignore[no-untyped-call]
+                continue
+            if base is None:
+                out.append(storage)
+                continue
+            name, _, crc = records[pointer - base]
+            fresh = torch.UntypedStorage(size)  # type: ignore[no-untyped-call]
+            view = memoryview(_bytes(fresh).numpy())  # type: ignore[arg-type]
+            f.seek(pointer - base)
+            done = 0
+            while done < size:
+                got = f.readinto(view[done:])
+                if not got:
+                    raise damaged_record(location.url, name)
+                done += got
+            if verify and zlib.crc32(view) != crc:
+                raise damaged_record(location.url, name)
+            out.append(fresh)
+    if verify and base is None:
+        check_records(location, [s for i, s in enumerate(sorted(records)) if i % get_world_size() == rank])
+    elif verify and rank == 0:  # the records no tensor holds (data.pkl was checked as it was read)
+        held = {pointer - base for pointer in pointers}  # type: ignore[operator]
+        check_records(location, [start for start in sorted(records) if start not in held])
+    return out
+
+
+def _bytes(storage: Any) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
