@@ -107,29 +107,12 @@ def broadcast_tree(
     nccl, the CPU with gloo. Returns rank 0's own ``tree`` on rank 0.
     """
     rank = get_rank()
-    storages: list[Any] = []
-    skeleton = _skeleton(tree, storages, {}) if rank == 0 else None
-    sizes = [s.nbytes() for s in storages] if rank == 0 else None
-    skeleton, sizes = broadcast_object((skeleton, sizes))
-    if rank != 0:
-        storages = [torch.UntypedStorage(n, device=device) for n in sizes]  # type: ignore[no-untyped-call]
-    total = sum(sizes)
-    bucket = torch.empty(min(bucket_bytes, max(total, 1)), dtype=torch.uint8, device=comm_device)
-    views = [_bytes_of(s) for s in storages]
-    try:
-        for window in _windows(sizes, bucket.numel()):
-            if rank == 0:
-                for i, start, length, at in window:
-                    bucket[at : at + length].copy_(views[i][start : start + length], non_blocking=True)
-            run_collective(dist.broadcast, bucket, src=0)
-            if rank != 0:
-                for i, start, length, at in window:
-                    views[i][start : start + length].copy_(bucket[at : at + length], non_blocking=True)
-        if comm_device.type == "cuda":
-            torch.cuda.synchronize(comm_device)  # the copies out of the last bucket are done
-    except RuntimeError as err:  # DistBackendError and friends: a peer died mid-transfer
-        raise peer_error(err) from err
-    return tree if rank == 0 else _rebuild(skeleton, storages, device)
+    parts = Skeleton(tree) if rank == 0 else None
+    structure, sizes = broadcast_object((parts.structure, parts.sizes()) if parts is not None else None)
+    new = torch.UntypedStorage
+    storages = parts.storages if parts is not None else [new(n, device=device) for n in sizes]  # type: ignore[no-untyped-call]
+    share_storages(storages, [0] * len(sizes), comm_device=comm_device, bucket_bytes=bucket_bytes)
+    return tree if rank == 0 else _rebuild(structure, storages, device)
 
 
 class Skeleton:
