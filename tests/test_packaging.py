@@ -269,3 +269,12 @@ def test_the_package_map_names_every_module():
     packages = {p.name for p in (root / "ckptools").iterdir() if (p / "__init__.py").exists()}
     assert modules | packages <= named | {"py.typed"}, sorted((modules | packages) - named)
     assert named - {"__init__.py"} <= modules | packages, sorted(named - modules - packages - {"__init__.py"})
+
+
+def test_no_module_is_over_450_lines():
+    """Issue 45's bound: a module over 450 lines holds more than one job (`python docs/tools/house_figures.py`)."""
+    import pathlib
+
+    long = {str(p.relative_to(ROOT)): n for p in pathlib.Path(ROOT, "ckptools").rglob("*.py")
+            if (n := len(p.read_text(encoding="utf-8").splitlines())) > 450}  # fmt: skip
+    assert long == {}, long
