@@ -194,6 +194,42 @@ def test_cli_on_s3_urls(s3_env):
     assert _objects("cli") == ["clean.pt", "ddp.pt", "model.safetensors"]
 
 
+def test_verify_and_load_of_a_large_object_read_it_in_parallel_ranged_gets(s3_env, monkeypatch):
+    """Issue 46: ckpt verify (and a load) of an s3:// file read it as one stream; now as ranged GETs
+    of 16 MiB, 8 at a time, the bytes put back in order."""
+    import asyncio
+
+    import s3fs
+
+    from ckptools.storage import reads
+
+    url = f"s3://{BUCKET}/ranged/big.pt"
+    state = {"w": torch.arange(10 << 20, dtype=torch.float32), "step": 5}  # 40 MiB
+    ck.save(url, state)
+    ranges, active, most = [], [0], [0]
+    real = s3fs.S3FileSystem._cat_file
+
+    async def counting(self, path, version_id=None, start=None, end=None):
+        ranges.append((start, end))
+        active[0] += 1
+        most[0] = max(most[0], active[0])
+        try:
+            await asyncio.sleep(0.05)  # long enough for the others in the batch to be under way
+            return await real(self, path, version_id=version_id, start=start, end=end)
+        finally:
+            active[0] -= 1
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "_cat_file", counting)
+    checked = CliRunner().invoke(app, ["verify", url])
+    assert checked.exit_code == 0 and "every record's CRC-32 matches" in checked.stdout, checked.stderr
+    size = s3fs.S3FileSystem().size(url)
+    expected = [(s, min(s + reads.RANGE_BYTES, size)) for s in range(0, size, reads.RANGE_BYTES)]
+    assert ranges[: len(expected)] == expected and len(expected) == 3, ranges
+    assert most[0] == len(expected)  # all at once (at most RANGES_AT_ONCE)
+    ranges.clear()
+    assert torch.equal(ck.load(url)["w"], state["w"]) and len(ranges) == 3, ranges
+
+
 @pytest.mark.slow  # ~20 s: make interop runs it (make stress with more kills), keeping make test within 5 minutes
 def test_writer_killed_mid_upload_leaves_previous_intact(s3_env):
     kills = int(os.environ.get("CKPTOOLS_S3_KILLS", "3"))
