@@ -80,23 +80,27 @@ def read_once(location: Location, device: torch.device, read: Callable[[], Any],
     error = None
     storages: list[Any] = []
     try:
-        storages = _read_owned(location, parts, owners, records or {}, verify=verify)
+        storages = _read_owned(location, parts, owners, records or {}, verify=verify, device=device)
     except Exception as err:  # noqa: BLE001 - raised on every rank below
         error = err
     agreement.on_every_rank(error)
     nccl = torch.distributed.get_backend() == "nccl"
     comm = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    share_storages(storages, owners, comm_device=comm)
-    if device.type != "cpu":
-        storages = [storage.to(device=device) for storage in storages]
+    share_storages(storages, owners, comm_device=comm)  # on the GPU with nccl: straight into each rank's own
     return parts.rebuilt(storages, device)
 
 
 def _read_owned(
-    location: Location, parts: Skeleton, owners: list[int], records: dict[int, tuple[str, int, int]], *, verify: bool
+    location: Location,
+    parts: Skeleton,
+    owners: list[int],
+    records: dict[int, tuple[str, int, int]],
+    *,
+    verify: bool,
+    device: torch.device,
 ) -> list[Any]:
-    """Every storage of the tree: this rank's own read from the file (``pread``, no readahead into
-    the others' bytes; with ``verify`` their CRC-32s checked), the others allocated to receive.
+    """Every storage of the tree on ``device``: this rank's own read from the file (``pread``, no
+    readahead into the others' bytes; with ``verify`` their CRC-32s checked), the others allocated to receive.
 
     A storage torch mapped lies at its record's offset in the file; where that cannot be told (not
     mapped as torch maps a file), the owner's storages are read through the mapping instead."""
@@ -110,10 +114,10 @@ def _read_owned(
         for storage, owner, pointer in zip(parts.storages, owners, pointers):
             size = int(storage.nbytes())
             if owner != rank:
-                out.append(torch.UntypedStorage(size))  # type: ignore[no-untyped-call]
+                out.append(torch.UntypedStorage(size, device=device))  # type: ignore[no-untyped-call]
                 continue
             if base is None:
-                out.append(storage)
+                out.append(storage.to(device=device))
                 continue
             name, _, crc = records[pointer - base]
             fresh = torch.UntypedStorage(size)  # type: ignore[no-untyped-call]
@@ -127,7 +131,7 @@ def _read_owned(
                 done += got
             if verify and zlib.crc32(view) != crc:
                 raise damaged_record(location.url, name)
-            out.append(fresh)
+            out.append(fresh.to(device=device))
     if verify and base is None:
         check_records(location, [s for i, s in enumerate(sorted(records)) if i % get_world_size() == rank])
     elif verify and rank == 0:  # the records no tensor holds (data.pkl was checked as it was read)

@@ -161,6 +161,26 @@ def test_broadcast_buckets_on_the_gpu():
     assert run_ranks(_broadcast_on_one_gpu, 2) == [True, True]
 
 
+def _read_once_onto_one_gpu(rank: int, world: int, path: str) -> bool:
+    import ckptools as ck
+
+    tree = {"w": torch.arange(1 << 16, dtype=torch.float32), "h": torch.ones(77).half()}
+    tree["v"] = tree["w"][3:9]
+    if rank == 0:
+        ck.save(path, tree)
+    ck.barrier()
+    got = ck.load(path, read="once", verify=True, map_location="cuda:0")
+    same = all(got[k].device.type == "cuda" and torch.equal(got[k].cpu(), tree[k]) for k in tree)
+    return same and got["v"].untyped_storage().data_ptr() == got["w"].untyped_storage().data_ptr()
+
+
+@cuda_only
+def test_read_once_lands_each_storage_on_the_gpu(tmp_path):
+    # Issue 46: each rank reads its share, the rest arrives into storages allocated on the GPU (over
+    # gloo here: nccl refuses two ranks on one GPU); views come out sharing their storage.
+    assert run_ranks(_read_once_onto_one_gpu, 2, str(tmp_path / "c.pt")) == [True, True]
+
+
 # --- node-memory snapshots of CUDA state -------------------------------------------------------------
 
 
