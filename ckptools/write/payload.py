@@ -140,17 +140,27 @@ def _small(value: Any, budget: int = _DIGEST_MAX, visits: int = 10_000) -> bool:
     return True
 
 
+def _comparable(value: Any) -> Any:
+    """``value`` with each tensor as its dtype, shape and bytes: a tensor's own pickle names its
+    storage by address (torch's legacy format inside it), which differs on every rank."""
+    if isinstance(value, torch.Tensor):
+        if value.is_quantized:
+            raise TypeError("a quantized tensor is not compared")
+        flat = value.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
+        return (str(value.dtype), tuple(value.shape), flat.view(torch.uint8).numpy().tobytes())
+    if isinstance(value, Mapping):
+        return (type(value).__name__, [(k, _comparable(v)) for k, v in value.items()])
+    if isinstance(value, (list, tuple)):
+        return (type(value).__name__, [_comparable(v) for v in value])
+    return value
+
+
 def _digest(value: Any) -> int | None:
     """A CRC-32 of ``value`` (None when it is large, or cannot be pickled: not compared)."""
     try:
         if not _small(value):  # a large or non-strided tensor too
             return None
-        if isinstance(value, torch.Tensor):
-            if value.is_quantized:
-                return None
-            flat = value.detach().cpu().resolve_conj().resolve_neg().contiguous().reshape(-1)
-            value = (str(value.dtype), tuple(value.shape), flat.view(torch.uint8).numpy().tobytes())
-        data = pickle.dumps(value, protocol=4)
+        data = pickle.dumps(_comparable(value), protocol=4)
     except Exception:  # noqa: BLE001 - not comparable (an odd tensor, an object); check_loadable judges it
         return None
     return zlib.crc32(data) if len(data) <= _DIGEST_MAX else None
