@@ -50,7 +50,8 @@ def read_once(location: Location, device: torch.device, read: Callable[[], Any],
     storages read once between the ranks, on ``device``. `ReadAnotherWay` on every rank when the
     file cannot be read so (remote, legacy, or not the same file on every rank).
 
-    ``read`` must map the file (nothing but ``data.pkl`` read); a failure is raised on every rank.
+    ``read`` must map the file (nothing but ``data.pkl`` read). A rank that cannot (a file only some
+    nodes have) makes every rank read its own (``"each"``), where the error says what to do.
     """
     rank, world = get_rank(), get_world_size()
     agreement = Agreement(f"loading checkpoint {location.url}", own="as_is")
@@ -63,9 +64,11 @@ def read_once(location: Location, device: torch.device, read: Callable[[], Any],
             parts = Skeleton(read())
     except Exception as err:  # noqa: BLE001 - raised on every rank below
         error = err
-    # The same local zip on every rank (a filesystem they share); else every rank reads another way
-    # (a rank that failed: each rank reads as before, and the error comes with what to do about it).
-    shapes = all_gather_object("failed" if error else None if parts is None else (sorted(records or {}), parts.sizes()))
+    # The same local zip on every rank (a filesystem they share: the same records, sizes and CRC-32s
+    # in its directory); else every rank reads another way (a rank that failed: each rank reads as
+    # before, and the error comes with what to do about it).
+    shape = None if parts is None else (sorted((records or {}).items()), parts.sizes())
+    shapes = all_gather_object("failed" if error else shape)
     if "failed" in shapes:
         raise ReadAnotherWay("each")
     if any(shape is None for shape in shapes):

@@ -173,3 +173,17 @@ def test_a_file_only_one_node_has_says_how_to_send_it(tmp_path):
     results = run_ranks(_node_local, 2, str(tmp_path))
     assert results[1].startswith("CheckpointNotFoundError") and "but rank 0 read it: pass broadcast=True" in results[1]
     assert results[0].startswith("CheckpointError") and "failed on rank 1" in results[0], results
+
+
+def _own_copies(rank: int, world: int, root: str) -> float:
+    node = os.path.join(root, f"node{rank}")  # node-local copies of two different checkpoints, one layout
+    os.makedirs(node, exist_ok=True)
+    os.chdir(node)
+    torch.save({"w": torch.full((1 << 16,), float(rank))}, "c.pt")
+    ck.barrier()
+    return float(ck.load("c.pt", read="once")["w"].sum())
+
+
+def test_node_local_copies_that_differ_are_never_mixed(tmp_path):
+    # Same records and sizes, other bytes (their CRC-32s differ): each rank reads its own file whole.
+    assert run_ranks(_own_copies, 2, str(tmp_path)) == [0.0, float(1 << 16)]
