@@ -73,7 +73,16 @@ def _once(rank: int, world: int, root: str, saved_world: int) -> dict:
         "tied": a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr(),
         "sizes": Skeleton(reference).sizes() if rank == 0 else None,
         "file": os.path.getsize(path),
+        "direct": _direct_io(path),
     }  # fmt: skip
+
+
+def _direct_io(path: str) -> bool:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+    except OSError:
+        return False
+    return True
 
 
 def _check(results: list[dict], world: int) -> None:
@@ -88,7 +97,10 @@ def _check(results: list[dict], world: int) -> None:
     for got, share in zip(asked, plan):
         assert share <= got <= share + MIB, (asked, plan, size)
     assert max(plan) <= size / world + 2 * MIB, plan
-    assert sum(r["disk"] for r in results) <= size + 2 * MIB, ([r["disk"] for r in results], size)
+    disk = [r["disk"] for r in results]
+    assert sum(disk) <= size + 2 * MIB, (disk, size)
+    if results[0]["direct"]:  # O_DIRECT reads: no readahead into another rank's share
+        assert all(got <= share + MIB for got, share in zip(disk, plan)), (disk, plan)
 
 
 # tmp_path must be on a disk, not a tmpfs: its pages can be dropped from the cache there, and
@@ -187,3 +199,22 @@ def _own_copies(rank: int, world: int, root: str) -> float:
 def test_node_local_copies_that_differ_are_never_mixed(tmp_path):
     # Same records and sizes, other bytes (their CRC-32s differ): each rank reads its own file whole.
     assert run_ranks(_own_copies, 2, str(tmp_path)) == [0.0, float(1 << 16)]
+
+
+def test_the_reader_reads_any_range_exactly(tmp_path, monkeypatch):
+    """O_DIRECT reads whole blocks, in chunks: the bytes asked for come back, at any offset and length."""
+    from ckptools import read_once
+
+    data = os.urandom(50_000)
+    path = tmp_path / "bytes"
+    path.write_bytes(data)
+    monkeypatch.setattr(read_once._Reader, "CHUNK", 8192)  # several chunks per range
+    for direct in (True, False):  # O_DIRECT where the filesystem allows it, else plain reads
+        with read_once._Reader(str(path)) as reader:
+            if not direct and reader.direct >= 0:
+                os.close(reader.direct)
+                reader.direct = -1
+            for offset, length in [(0, 1), (4095, 2), (123, 20_000), (49_000, 1000), (8192, 8192)]:
+                out = bytearray(length)
+                assert reader.read_into(memoryview(out), offset) and bytes(out) == data[offset : offset + length]
+            assert not reader.read_into(memoryview(bytearray(10)), 49_995)  # the file ends first
