@@ -38,8 +38,8 @@ from .hf_folder import HUGGING_FACE_FOLDER
 from .named import writer_for
 from .safetensors_file import SAFETENSORS_FILE
 from .sharded import weights_layout
-from .torch_file import TORCH_FILE, check_records, damaged_record, zip_records
-from .torch_io import verify_torch_file
+from .torch_file import TORCH_FILE, zip_records
+from .torch_io import check_records, damaged_record, verify_torch_file
 
 __all__ = [
     "LIGHTNING_VERSION_KEY",

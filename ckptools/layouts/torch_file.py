@@ -18,7 +18,7 @@ from ..codecs.pickles import hostile, loads, loads_lenient
 from ..codecs.torchzip import TorchZip, is_local_zip, read_local_zip
 from ..codecs.trees import LIGHTNING_VERSION_KEY, entry_at, is_tensor, locate_weights, tensor_info
 from ..errors import CheckpointFormatError, CheckpointLayoutError, KeyMismatchError, UnsafeCheckpointError
-from ..storage import Location, atomic_write, crc32_range, file_size
+from ..storage import Location, atomic_write, file_size
 from ..text import plural
 from ..view import CheckpointView, Verification
 from .base import Layout, Transform, walk_tree
@@ -314,26 +314,9 @@ def _sparse_parts(tensor: Any) -> list[Any]:
 
 def zip_records(location: Location) -> dict[int, tuple[str, int, int]] | None:
     """A local torch zip's records by where their data starts: ``(name, bytes, CRC-32)``, from its
-    directory alone (one open, no record read); None for a remote or legacy file."""
-    if not location.local or not is_local_zip(location):
+    directory and data.pkl (one open, no other record read); None for a remote or legacy file."""
+    opened = read_local_zip(location) if location.local else None
+    if opened is None:
         return None
-    archive = TorchZip(location.path)
+    archive = opened[0]
     return {start: (info.filename, info.file_size, info.CRC) for info, start in zip(archive.infos, archive.starts)}
-
-
-def check_records(location: Location, starts: list[int]) -> None:
-    """Check the CRC-32 of the records of a local torch zip whose data begins at ``starts`` (one open)."""
-    archive = TorchZip(location.path)
-    wanted = set(starts)
-    with open(location.path, "rb") as handle:
-        for info, start in zip(archive.infos, archive.starts):
-            if start in wanted and crc32_range(handle, start, info.file_size, what=f"{location.url}: record "
-                                               f"{info.filename}") != info.CRC:  # fmt: skip
-                raise damaged_record(location.url, info.filename)
-
-
-def damaged_record(path: str, name: str) -> CheckpointFormatError:
-    """The error of a record whose bytes do not match its CRC-32."""
-    return CheckpointFormatError(
-        f"{path}: record {name} is damaged (CRC-32 mismatch: bit rot or a partial write); pick an earlier checkpoint"
-    )

@@ -27,7 +27,7 @@ from ..errors import (
     MissingClassError,
     UnsafeCheckpointError,
 )
-from ..storage import PathLike, atomic_write, crc32_range, fspath, open_for_read
+from ..storage import Location, PathLike, atomic_write, crc32_range, fspath, open_for_read
 
 GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -209,14 +209,7 @@ def _scan_zip(path: str, handle: IO[bytes], *, crc: bool) -> None:
     try:
         archive = TorchZip(path, handle)
         if crc:
-            for info, start in zip(archive.infos, archive.starts):
-                # torch stores every record uncompressed, so its CRC-32 can be checked straight from
-                # the file in large reads (zipfile's own reader checks it too, but ~4x slower).
-                if crc32_range(handle, start, info.file_size, what=f"{path}: record {info.filename}") != info.CRC:
-                    raise CheckpointFormatError(
-                        f"{path}: record {info.filename} is damaged (CRC-32 mismatch: bit rot or a partial write); "
-                        "pick an earlier checkpoint"
-                    )
+            _check_crcs(path, handle, archive)
         # A refused class: torch's own loader decides (an allowlisted class, or a trusted file).
         with contextlib.suppress(UnsafeCheckpointError):
             loads(archive.read_pickle(handle), path, archive)
@@ -224,3 +217,27 @@ def _scan_zip(path: str, handle: IO[bytes], *, crc: bool) -> None:
         if isinstance(err, CheckpointError):
             raise
         raise CheckpointFormatError(f"{path} is damaged ({first_line(err)}); pick an earlier checkpoint") from err
+
+
+def _check_crcs(path: str, handle: IO[bytes], archive: TorchZip, starts: set[int] | None = None) -> None:
+    """Each record's CRC-32 (those whose data begins at ``starts``, or all), read from ``handle``."""
+    for info, start in zip(archive.infos, archive.starts):
+        # torch stores every record uncompressed, so its CRC-32 can be checked straight from the
+        # file in large reads (zipfile's own reader checks it too, but ~4x slower).
+        if starts is not None and start not in starts:
+            continue
+        if crc32_range(handle, start, info.file_size, what=f"{path}: record {info.filename}") != info.CRC:
+            raise damaged_record(path, info.filename)
+
+
+def check_records(location: Location, starts: list[int]) -> None:
+    """Check the CRC-32 of the records of a local torch zip whose data begins at ``starts`` (one open)."""
+    with open(location.path, "rb") as handle:
+        _check_crcs(location.url, handle, TorchZip(location.url, handle), set(starts))
+
+
+def damaged_record(path: str, name: str) -> CheckpointFormatError:
+    """The error of a record whose bytes do not match its CRC-32."""
+    return CheckpointFormatError(
+        f"{path}: record {name} is damaged (CRC-32 mismatch: bit rot or a partial write); pick an earlier checkpoint"
+    )
