@@ -7,7 +7,6 @@ on every rank. Files of every layout are read through `ckptools.layouts`.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections.abc import Mapping
@@ -19,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 from . import log
 from .collective.agree import Agreement
 from .collective.arrival import checked_in
-from .collective.group import get_world_size
+from .collective.group import get_world_size, local_world_size
 from .collective.tree import broadcast_tree
 from .devices import MapLocation, resolve_map_location
 from .errors import (
@@ -187,7 +186,7 @@ def _who_reads(read: str, broadcast: bool, location: Location, target: Any) -> s
     if broadcast or read == "rank0":
         return "rank0"
     if read == "auto":
-        nodes_share = world > int(os.environ.get("LOCAL_WORLD_SIZE", world) or world)
+        nodes_share = world > local_world_size(world)
         read = "once" if nodes_share and location.local else "each"
     if read == "once" and not isinstance(target, torch.device):  # a per-storage map_location: each rank maps
         return "each"

@@ -21,7 +21,16 @@ import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["barrier", "dist_ready", "get_local_rank", "get_rank", "get_world_size", "is_main_process", "set_timeout"]
+__all__ = [
+    "barrier",
+    "dist_ready",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
+    "is_main_process",
+    "local_world_size",
+    "set_timeout",
+]
 
 # torchrun's agent: the parent that started this process (None when torchrun did not). Read once, at
 # import, by the process itself: once the agent is gone, getppid() names whoever adopted the process
@@ -94,6 +103,21 @@ def get_local_rank() -> int:
         return int(value)
     except ValueError as err:
         raise ValueError(f"LOCAL_RANK={value!r} is not an integer; unset it or let torchrun set it") from err
+
+
+def local_world_size(default: int) -> int:
+    """How many ranks run on this node: torchrun's ``LOCAL_WORLD_SIZE``, else ``default`` (unset, or
+    not an integer).
+
+    Examples:
+        >>> import os
+        >>> local_world_size(3) if "LOCAL_WORLD_SIZE" not in os.environ else 3
+        3
+    """
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", ""))
+    except ValueError:
+        return default
 
 
 def is_main_process() -> bool:

@@ -11,7 +11,7 @@ import torch
 
 from .. import log
 from ..errors import CheckpointError
-from .group import dist_ready, get_local_rank, set_timeout, settle_at_exit
+from .group import dist_ready, get_local_rank, local_world_size, set_timeout, settle_at_exit
 
 __all__ = ["gpu_of", "init_distributed", "local_gpu"]
 
@@ -83,7 +83,7 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
     local_rank = get_local_rank()
     shared = False
     if cuda:
-        index, shared = gpu_of(local_rank, _local_world_size(local_rank), torch.cuda.device_count())
+        index, shared = gpu_of(local_rank, local_world_size(local_rank + 1), torch.cuda.device_count())
         device = torch.device("cuda", index)
         # Before any CUDA work: otherwise every rank's context lands on GPU 0.
         torch.cuda.set_device(device)
@@ -119,13 +119,13 @@ def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta 
     if shared:
         if backend == "nccl":
             raise ValueError(
-                f"{_local_world_size(local_rank)} processes on this node share {torch.cuda.device_count()} GPU(s), "
+                f"{local_world_size(local_rank + 1)} processes on this node share {torch.cuda.device_count()} GPU(s), "
                 "and nccl refuses two ranks on one GPU: pass backend='gloo' (or None), or launch at most one "
                 "process per GPU (torchrun --nproc-per-node)"
             )
         if backend is None and local_rank == 0:
             log.warn(
-                f"{_local_world_size(local_rank)} processes on this node share {torch.cuda.device_count()} GPU(s): "
+                f"{local_world_size(local_rank + 1)} processes on this node share {torch.cuda.device_count()} GPU(s): "
                 f"rank {rank} uses {device}, and the process group is gloo (nccl refuses two ranks on one GPU; "
                 "gloo moves CUDA tensors through host memory). Right for debugging and tests, slow for training",
                 once="shared-gpu",
@@ -175,11 +175,3 @@ def gpu_of(local_rank: int, local_world: int, gpus: int) -> tuple[int, bool]:
         ((1, False), (0, True), (1, True))
     """
     return local_rank % gpus, local_world > gpus
-
-
-def _local_world_size(local_rank: int) -> int:
-    """How many ranks run on this node: torchrun's ``LOCAL_WORLD_SIZE``, else at least this rank's."""
-    try:
-        return int(os.environ.get("LOCAL_WORLD_SIZE", ""))
-    except ValueError:
-        return local_rank + 1
