@@ -114,3 +114,62 @@ def test_relaunched_it_resumes_at_most_one_step_behind_bit_identical(tmp_path, m
     preempted = re.findall(r"preempted at step (\d+)", out)
     assert resumed >= (int(preempted[0]) if preempted else last - 1), (topology, last, resumed, again[-3000:])
     assert_bit_identical(reference, run)
+
+
+def test_the_agent_dies_while_a_snapshot_commits_and_the_next_snapshot_is_still_the_jobs_last(tmp_path, monkeypatch):
+    """The race behind `agent alone`, made deterministic: the store goes (torchrun's agent held it)
+    while step 2's snapshot commits, so that commit fails; then the agent is gone. Step 3's snapshot
+    is committed without the store, the ranks leave with exit code 129, and the keeper brings step 3
+    into the run folder. (It raised "the snapshot before ... was not committed" instead, and the
+    job's newest step, 3, was lost: CI, stop 51.)"""
+    import subprocess
+    import sys
+
+    from _dist import free_port
+
+    monkeypatch.setenv("CKPTOOLS_KEEPER_GRACE", str(GRACE))
+    script = os.path.join(os.path.dirname(__file__), "_orphan_job.py")
+    port, run, flags = free_port(), tmp_path / "run", tmp_path / "flags"
+    flags.mkdir()
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    held = subprocess.Popen([sys.executable, script, "store", str(port)], stdout=subprocess.PIPE, text=True, env=env)
+    assert held.stdout is not None and held.stdout.readline().strip() == "store up"
+    out = tmp_path / "out.txt"
+    with open(out, "w") as sink:
+        agent = subprocess.Popen([sys.executable, script, "agent", str(port), str(run), str(flags)], stdout=sink,
+                                 stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    job = job_processes(agent.pid)
+
+    def step_done(step: int) -> None:
+        deadline = time.monotonic() + 120
+        while not all((flags / f"done-{step}-{r}").exists() for r in range(2)):
+            assert agent.poll() is None and time.monotonic() < deadline, out.read_text()[-3000:]
+            time.sleep(0.05)
+
+    try:
+        step_done(1)
+        job = sorted(set(job) | set(job_processes(agent.pid)))
+        held.kill()  # the store goes ...
+        held.wait()
+        (flags / "go-2").touch()
+        step_done(2)  # ... during step 2's snapshot, whose commit then fails
+        agent.kill()  # and then the agent
+        agent.wait()
+        (flags / "go-3").touch()
+        deadline = time.monotonic() + 90
+        while any(_alive(p) for p in job) and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        _kill([p for p in job if _alive(p)], signal.SIGKILL)
+        held.kill()
+    said = out.read_text()
+    assert "step 2 snapshot returned" in said and "not committed" in said, said[-3000:]  # the race took place
+    assert "step 3 raised" not in said and "the snapshot" in said and "is committed" in said, said[-3000:]
+    memory = ck.CheckpointManager(run).snapshot_dir
+    deadline = time.monotonic() + GRACE + 30
+    while os.path.exists(memory) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [s for s, _ in ck.CheckpointManager(run).checkpoints()] == [3], said[-3000:]
+    loaded = ck.load(ck.CheckpointManager(run).checkpoints()[-1][1])
+    assert loaded["step"] == 3 and bool((loaded["w"] == 3.0).all())
+    assert keepers_left(memory) == []

@@ -104,7 +104,10 @@ def write_snapshot(
     orphaned = [r for r, reply in enumerate(gathered) if reply.orphaned]
     previous_commit = Agreement(f"the snapshot before {path}", failed="was not committed",
                                 tail="; the one before it is whole (this snapshot was not taken)")  # fmt: skip
-    previous_commit.raise_first(gathered, lambda reply: reply.previous)
+    # Orphaned, this snapshot is committed without the store (below): the previous one's commit may
+    # have failed for want of it (the agent died during it), and does not stop the job's last snapshot.
+    if not orphaned:
+        previous_commit.raise_first(gathered, lambda reply: reply.previous)
     Agreement(f"the snapshot {path}", failed="was not taken").raise_first(gathered, lambda reply: reply.problem)
     state = with_partitions(state, [reply.partitions for reply in gathered])
     split = writers != "rank0"
