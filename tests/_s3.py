@@ -5,9 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 
 import pytest
 from _dist import free_port
@@ -19,10 +21,13 @@ BUCKET = "ckpt-test"
 def s3_env() -> Iterator[dict[str, str]]:
     """A moto S3 server on a random loopback port, and the environment that points clients at it."""
     port = free_port()
+    handle, recording = tempfile.mkstemp(prefix="moto-recording-")  # see `recorded`
+    os.close(handle)
     server = subprocess.Popen(
         [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env=dict(os.environ, MOTO_RECORDER_FILEPATH=recording),
     )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -40,6 +45,7 @@ def s3_env() -> Iterator[dict[str, str]]:
         "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1",
         "AWS_ENDPOINT_URL_S3": endpoint,
+        "CKPTOOLS_TEST_MOTO_RECORDING": recording,
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -58,3 +64,26 @@ def s3_env() -> Iterator[dict[str, str]]:
                 os.environ[k] = v
         server.kill()
         server.wait()
+        os.unlink(recording)
+
+
+@contextmanager
+def recorded() -> Iterator[list[dict]]:
+    """The requests the server received within the block, as moto's recorder writes them (method,
+    url, headers), to tell from the server's side which client sent what: a rank names itself in
+    its User-Agent with ``AWS_SDK_UA_APP_ID=rankN`` (botocore adds ``app/rankN``)."""
+    import json
+
+    endpoint, path = os.environ["AWS_ENDPOINT_URL_S3"], os.environ["CKPTOOLS_TEST_MOTO_RECORDING"]
+    for call in ("reset-recording", "start-recording"):
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/recorder/{call}", method="POST"))
+    requests: list[dict] = []
+    try:
+        yield requests
+    finally:
+        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/recorder/stop-recording", method="POST"))
+        with open(path) as f:
+            for line in f:
+                entry = json.loads(line)
+                entry.pop("body", None)
+                requests.append(entry)

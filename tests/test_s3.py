@@ -133,19 +133,27 @@ def test_collective_save_and_restore_two_ranks(s3_env):
     assert _objects("ddp") == ["ckpt-0000000007.pt"]
 
 
-def _every_rank_asked_to_write_on_s3(rank: int, world: int, url: str) -> list[str]:
+def _big_ddp() -> torch.nn.Module:
+    """Three 6 MiB weights (each over S3's 5 MiB smallest part), the same on every rank."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(1536, 1024), torch.nn.Linear(1024, 1536), torch.nn.Linear(1536, 1024))
+
+
+def _every_rank_uploads(rank: int, world: int, url: str) -> list[str]:
     import warnings
 
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(64, 64))
+    import s3fs
+
+    os.environ["AWS_SDK_UA_APP_ID"] = f"rank{rank}"  # the server's record names who sent each part
+    s3fs.S3FileSystem.clear_instance_cache()
+    model = torch.nn.parallel.DistributedDataParallel(_big_ddp())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        ck.save(f"{url}/sync.pt", {"model": model}, writers="all", verify_replicas=True)
-        ck.async_save(f"{url}/async.pt", {"model": model}, writers="all").wait()
-        ck.save(f"{url}/auto.pt", {"model": model}, verify_replicas=True)  # "auto": rank 0, without a word
+        ck.save(f"{url}/sync.pt", {"model": model, "step": 3}, verify_replicas=True)  # "auto"
+        ck.async_save(f"{url}/async.pt", {"model": model, "step": 3}, writers="all").wait()
         if rank == 1:
             with torch.no_grad():
-                model.module.weight[0, 0] += 1
+                model.module[0].weight[0, 0] += 1
         try:
             ck.save(f"{url}/never.pt", {"model": model}, verify_replicas=True)
         except ck.CheckpointError as err:  # whoever writes: the replicas are checked
@@ -153,18 +161,80 @@ def _every_rank_asked_to_write_on_s3(rank: int, world: int, url: str) -> list[st
     return [str(w.message) for w in caught]
 
 
-def test_every_rank_writing_falls_back_to_rank0_on_s3(s3_env):
-    said = run_ranks(_every_rank_asked_to_write_on_s3, 2, f"s3://{BUCKET}/writers")
-    # An object store has no shared file to write at offsets: rank 0 uploads, and says so once.
-    assert len(said[0]) == 2 and "writers='all' writes local files only" in said[0][0], said
-    assert all("state['model']['weight'] differs between rank 0 and rank 1" in s[-1] for s in said), said
-    assert len(said[1]) == 1
-    assert _objects("writers") == ["async.pt", "auto.pt", "sync.pt"]  # no temporary object left
-    torch.manual_seed(0)
-    expected = torch.nn.Linear(64, 64).state_dict()
-    for name in ("async.pt", "auto.pt", "sync.pt"):
-        got = ck.load_state_dict(f"s3://{BUCKET}/writers/{name}")
-        assert all(torch.equal(got[k], expected[k]) for k in expected), name
+def _parts_by_rank(requests: list[dict], key: str) -> dict[int, list[int]]:
+    """From the server's record: the part numbers each rank uploaded into ``key``'s uploads."""
+    import re
+
+    found: dict[int, list[int]] = {}
+    for entry in requests:
+        url = entry["url"]
+        if entry["method"] == "PUT" and f"/{key}?" in url and "partNumber=" in url:
+            agent = {k.lower(): v for k, v in entry["headers"].items()}["user-agent"]
+            rank = int(re.search(r"app/rank(\d+)", agent).group(1))
+            found.setdefault(rank, []).append(int(re.search(r"partNumber=(\d+)", url).group(1)))
+    return {rank: sorted(numbers) for rank, numbers in sorted(found.items())}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_rank_uploads_its_share_as_parts_of_one_upload(s3_env, world):
+    import s3fs
+    from _s3 import recorded
+
+    folder = f"writers{world}"
+    with recorded() as requests:
+        said = run_ranks(_every_rank_uploads, world, f"s3://{BUCKET}/{folder}")
+    # Counted by the server: every rank sent parts of each object (sync and async), rank 0 the last.
+    for name in ("sync.pt", "async.pt"):
+        parts = _parts_by_rank(requests, f"{folder}/{name}")
+        assert sorted(parts) == list(range(world)), (name, parts)
+        numbers = sorted(n for ns in parts.values() for n in ns)
+        assert numbers == list(range(1, len(numbers) + 1)) and parts[0][-1] == numbers[-1], parts
+    assert all("differs between rank 0 and rank 1" in s[-1] for s in said), said
+    assert all(len(s) == 1 for s in said), said  # no other warning (no fallback to rank 0)
+    assert _objects(folder) == ["async.pt", "sync.pt"]  # nothing of the refused save
+    fs = s3fs.S3FileSystem()
+    assert fs.call_s3("list_multipart_uploads", Bucket=BUCKET, Prefix=folder).get("Uploads", []) == []
+    expected = _big_ddp().state_dict()
+    for name in ("sync.pt", "async.pt"):
+        with fs.open(f"{BUCKET}/{folder}/{name}", "rb") as f:
+            got = torch.load(f, weights_only=True)  # an ordinary torch file
+        assert got["step"] == 3 and all(torch.equal(got["model"][k], expected[k]) for k in expected), name
+        assert "CRC-32 matches, 6 tensors loaded" in ck.verify(f"s3://{BUCKET}/{folder}/{name}"), name
+
+
+def _a_rank_dies_mid_upload(rank: int, world: int, url: str) -> str | None:
+    from ckptools.write import upload
+
+    model = torch.nn.parallel.DistributedDataParallel(_big_ddp())
+    ck.save(url, {"model": model, "step": 1})
+    with torch.no_grad():
+        model.module[0].weight.fill_(2.0)
+    if rank == 1:
+        send = upload._send
+
+        def dies(location, plan, parts, pieces):  # after its first part went out
+            send(location, plan, parts[:1], pieces)
+            os._exit(9)
+
+        upload._send = dies
+    try:
+        ck.save(url, {"model": model, "step": 2})
+    except ck.CheckpointError as err:
+        return str(err)
+    return None
+
+
+def test_a_rank_killed_mid_upload_leaves_the_previous_object_and_no_upload(s3_env):
+    import s3fs
+
+    url = f"s3://{BUCKET}/died/ckpt.pt"
+    said = run_ranks(_a_rank_dies_mid_upload, 3, url, may_die=frozenset({1}), pg_timeout=20)
+    assert said[0] is not None and "collective with the other ranks failed" in said[0], said
+    fs = s3fs.S3FileSystem()
+    assert fs.call_s3("list_multipart_uploads", Bucket=BUCKET, Prefix="died").get("Uploads", []) == []  # aborted
+    fs.invalidate_cache()
+    got = ck.load(url)
+    assert got["step"] == 1 and torch.equal(got["model"]["0.weight"], _big_ddp().state_dict()["0.weight"])
 
 
 def test_cli_on_s3_urls(s3_env):

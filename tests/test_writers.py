@@ -301,3 +301,34 @@ def test_an_async_writer_that_dies_or_fails_leaves_the_previous_checkpoint(tmp_p
     params = {k: v for k, v in survivors[0][1].items() if "running" not in k and "batches" not in k}
     _assert_same(params, {k: loaded["model"][k] for k in params})
     assert [n for n in os.listdir(tmp_path) if TMP_MARKER in n] == [], "rank 0 removed its temporary file"
+
+
+def test_an_upload_plan_gives_each_rank_whole_parts_of_at_least_5_mib_in_file_order(monkeypatch):
+    """S3's rules, for the plan of every rank uploading (ckptools.write.upload): a rank other than 0
+    writes 5 MiB or nothing, each rank's records are one range, cut into parts numbered in file
+    order, every part but the file's last at least 5 MiB (rank 0's range comes last)."""
+    from ckptools.codecs.torchzip import ZipPlan
+    from ckptools.write import upload
+    from ckptools.write.plan import MIN_PART, PREFIX, Plan, Share, _for_upload
+
+    mib = 1 << 20
+    storages = {str(i): torch.empty(n, dtype=torch.uint8).untyped_storage() for i, n in enumerate(
+        [40 * mib, 9 * mib, 6 * mib, 3 * mib, 1 * mib])}  # fmt: skip
+    where = {s._cdata: ("model", k) for k, s in storages.items()}
+    writer = _for_upload(storages, where, [0, 1, 2, 3])
+    load = {r: sum(storages[k].nbytes() for k, w in writer.items() if w == r) for r in range(4)}
+    assert all(load[r] == 0 or load[r] >= MIN_PART for r in (1, 2, 3)), load
+    assert sum(1 for r in (1, 2, 3) if load[r]) == 2, load  # 59 MiB over 4 ranks: one had too little and left
+    order = sorted(storages, key=lambda k: (writer[k] == 0, writer[k]))
+    records = [(f"{PREFIX}data/{k}", storages[k].nbytes()) for k in order] + [(f"{PREFIX}version", 2)]
+    zplan = ZipPlan(records)
+    shares = [Share(k, storages[k].nbytes(), 0, writer[k], None) for k in storages]
+    plan = Plan("", b"", records, shares, size=zplan.size)
+    monkeypatch.setattr(upload, "PART_BYTES", 8 * mib)
+    parts = upload.part_ranges(plan, zplan, 4)
+    assert [p[0] for p in parts] == list(range(1, len(parts) + 1))  # numbered in file order
+    assert parts[0][1] == 0 and parts[-1][2] == zplan.size and parts[-1][3] == 0
+    assert all(a[2] == b[1] for a, b in zip(parts, parts[1:]))  # no gap, no overlap
+    assert all(end - start >= MIN_PART for _, start, end, _ in parts[:-1]), parts
+    ranks = [p[3] for p in parts]
+    assert ranks == sorted(ranks, key=lambda r: (r == 0, r)), ranks  # each rank's parts together

@@ -34,9 +34,9 @@ from .paths import (
     tmp_name,
 )
 from .reads import copy_range, crc32_range, open_for_read, progress_hook, report_progress
-from .writes import UPLOAD_PART, atomic_write, local_target, publish
+from .writes import UPLOAD_PART, atomic_write, local_target, publish, streams_multipart
 
 __all__ = ["TMP_MARKER", "UPLOAD_PART", "Location", "PathLike", "atomic_write", "copy_range", "crc32_range",
            "file_size", "fspath", "fsync_dir", "get_filesystem", "host", "is_local", "is_object_store", "join",
            "list_files", "local_target", "open_for_read", "progress_hook", "publish", "remove", "report_progress",
-           "resolve", "tmp_name"]  # fmt: skip
+           "resolve", "streams_multipart", "tmp_name"]  # fmt: skip

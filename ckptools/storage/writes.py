@@ -13,7 +13,7 @@ import fsspec
 
 from .paths import PathLike, fspath, fsync_dir, get_filesystem, is_local, is_object_store, tmp_name
 
-__all__ = ["UPLOAD_PART", "atomic_write", "local_target", "publish"]
+__all__ = ["UPLOAD_PART", "atomic_write", "local_target", "publish", "streams_multipart"]
 
 
 def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any], *, streamable: bool = False) -> str:
@@ -121,9 +121,9 @@ class _WriteRecorder:
 UPLOAD_PART = 32 << 20
 
 
-def _streams_multipart(fs: fsspec.AbstractFileSystem) -> bool:
+def streams_multipart(fs: fsspec.AbstractFileSystem) -> bool:
     """Whether writes to ``fs`` go through a multipart upload that is completed only on close()
-    and can be aborted with discard(): S3 (s3fs)."""
+    and can be aborted with discard(), and whose parts any client may upload: S3 (s3fs)."""
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
     return any(p in ("s3", "s3a") for p in protocols)
 
@@ -165,7 +165,7 @@ class _PartSized:
 def _remote_write(
     fs: fsspec.AbstractFileSystem, fpath: str, write: Callable[[IO[bytes]], Any], *, streamable: bool
 ) -> None:
-    if streamable and _streams_multipart(fs):
+    if streamable and streams_multipart(fs):
         _stream_upload(fs, fpath, write)
         return
     # Other stores: the payload is built in memory and sent in one complete write.

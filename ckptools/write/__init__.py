@@ -5,10 +5,12 @@ module               what it holds
 ===================  ==========================================================================
 payload.py           what a save puts into the file (each entry's state, ckptools' metadata) and
                      the check that it all loads back with ``weights_only=True``
-plan.py              ``writers="all"``'s plan: the pickle, the records at planned offsets, who
-                     writes which storage, what is replicated
+pickling.py          ``data.pkl`` as ``torch.save`` pickles it, its storages named in order
+plan.py              ``writers="all"``'s plan: the records at planned offsets, who writes which
+                     storage, what is replicated
 zip_writer.py        the temporary file, each storage's ``pwrite``, the commit; rank 0 alone
                      (`write_alone`) or every rank its share
+upload.py            the same on S3: every rank's share as parts of one multipart upload
 shares.py            the collective steps of ``writers="all"`` (plan, check, write, commit) and
                      the async variant's reports through the process group's store
 staging.py           `StagingBuffers`: an async save's copy of the state in reused host buffers

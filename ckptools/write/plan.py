@@ -26,10 +26,10 @@ with ``writers="rank0"`` (``torch.load`` reads it; it loads bit-identical to tha
    death anywhere before the rename leaves only the temporary file (removed by rank 0, or by a
    later `CheckpointManager` save once its writer is gone) and the previous checkpoint intact.
 
-Local filesystems only: an object store has no shared file to write at offsets; its multipart
-upload could take parts from several ranks, but every part but the last must be at least
-5 MiB and the parts are fixed before the sizes of the ranks' shares are known, so rank 0
-writes there (``"auto"`` and ``"all"`` alike; `choose` says so once).
+On S3 there is no shared file to write at offsets: the same plan, its records grouped by
+writer, becomes the parts of one multipart upload (`ckptools.write.upload`), uploaded by every
+rank and completed by rank 0. Other object stores have no such upload: rank 0 writes there
+(``"auto"`` and ``"all"`` alike; `choose` says so once).
 
 The asynchronous variant (`ckptools.async_save`) snapshots each rank's own share only and
 writes it from each rank's background thread. A background thread may do file I/O but never a
@@ -40,7 +40,6 @@ them, commits or discards, and ``wait()`` shares the outcome as with one writer.
 
 from __future__ import annotations
 
-import pickle
 import secrets
 import sys
 import zlib
@@ -56,9 +55,10 @@ from ..codecs.torchzip import ZipPlan
 from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointError
 from ..state_dict import unwrap_model
-from ..storage import Location
+from ..storage import Location, streams_multipart
 from ..zero import has_partitions, is_zero, owned_tensors, refusal
 from .payload import state_entry
+from .pickling import pickle_payload
 
 __all__ = ["WRITERS", "Plan", "choose", "make_plan"]
 
@@ -77,12 +77,13 @@ def choose(writers: str, location: Location, state: Mapping[str, Any]) -> str:
     """``"rank0"`` or ``"all"``: what this save can do, decided alike on every rank (no exchange).
 
     A single process, a state without a ``DistributedDataParallel`` model or a ZeRO optimizer
-    (nothing in it is known to be replicated or partitioned) and an object store get rank 0's
-    writer; ``"auto"`` and ``"all"`` both get the planned writer otherwise (whether every rank
-    sees the directory is checked once the plan exists). A ZeRO optimizer's partitions are
-    written by their own ranks or not at all: with ``"rank0"`` or an object store the save is
-    refused (`CheckpointError`, on every rank), since rank 0 alone would have to receive every
-    partition (torch's ``consolidate_state_dict``).
+    (nothing in it is known to be replicated or partitioned) and an object store other than S3
+    get rank 0's writer; ``"auto"`` and ``"all"`` both get the planned writer otherwise (whether
+    every rank sees the directory is checked once the plan exists; on S3 every rank uploads parts
+    of one multipart upload). A ZeRO optimizer's partitions are written by their own ranks or not
+    at all: with ``"rank0"`` or an object store the save is refused (`CheckpointError`, on every
+    rank), since rank 0 alone would have to receive every partition (torch's
+    ``consolidate_state_dict``).
     """
     if get_world_size() == 1:
         return "rank0"
@@ -98,11 +99,11 @@ def choose(writers: str, location: Location, state: Mapping[str, Any]) -> str:
         return "rank0"
     if not partitioned and not any(isinstance(obj, DistributedDataParallel) for obj in state.values()):
         return "rank0"
-    if not location.local:
+    if not location.local and not streams_multipart(location.fs):
         if writers == "all":
             log.warn(
-                f"writers='all' writes local files only; rank 0 writes {location} (an object store has no "
-                "shared file to write at offsets)",
+                f"writers='all' writes local files and S3 only; rank 0 writes {location} (this store has no "
+                "shared file to write at offsets, nor an upload that takes parts from every rank)",
                 once="writers-remote",
             )
         return "rank0"
@@ -132,12 +133,16 @@ class Plan:
     shares: list[Share]
     force_zip64: bool = False
     size: int = 0  # of the whole file
+    # An S3 multipart upload (`ckptools.write.upload`): its id, and its parts as (number, start, end, rank).
+    upload: str = ""
+    parts: list[tuple[int, int, int, int]] = field(default_factory=list)
     # Rank 0 only, never sent: the pickle, the other small records and the storages by key.
     small: dict[int, bytes] = field(default_factory=dict, repr=False)
     storages: dict[str, torch.UntypedStorage] = field(default_factory=dict, repr=False)
+    held: Any = field(default=None, repr=False)  # rank 0, an upload: what its last part is built from
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "small": {}, "storages": {}}
+        return {**self.__dict__, "small": {}, "storages": {}, "held": None}
 
     def mine(self) -> list[Share]:
         rank = get_rank()
@@ -150,97 +155,6 @@ def describe(where: tuple[Any, ...]) -> str:
 
 
 # --- rank 0: the plan -----------------------------------------------------------------------------
-
-
-_PLAIN = frozenset((int, float, str, bool, type(None), tuple, list, dict, bytes, torch.dtype, torch.device, torch.Size))
-
-
-def pickle_payload(
-    payload: Any, *, on_cpu: bool = False, cpu: frozenset[int] = frozenset()
-) -> tuple[bytes, dict[str, torch.UntypedStorage]]:
-    """``data.pkl`` as ``torch.save`` writes it, and its storages by record key, in order.
-
-    The storage naming is torch.serialization._save's: storages by reference, keys in order of
-    first appearance, the storage type and ``location_tag`` of each (``"cpu"`` for all with
-    ``on_cpu``: an async save stores the CPU snapshot, as with ``writers="rank0"``; and for the
-    storages in ``cpu``, by ``_cdata``: a ZeRO partition, as torch's consolidation stores it); views of one
-    storage with different dtypes are refused as torch refuses them.
-    """
-    from torch.serialization import location_tag, normalize_storage_type
-
-    storages: dict[str, torch.UntypedStorage] = {}
-    keys: dict[int, str] = {}
-    dtypes: dict[int, torch.dtype] = {}
-
-    def persistent_id(obj: Any) -> Any:
-        if not (isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj)):
-            return None
-        if isinstance(obj, torch.storage.TypedStorage):
-            storage, dtype = obj._untyped_storage, obj.dtype
-            storage_type = getattr(torch, obj._pickle_storage_type())  # type: ignore[no-untyped-call]
-            numel = obj._size()  # type: ignore[no-untyped-call]
-        else:
-            storage, dtype = obj, torch.uint8
-            storage_type = normalize_storage_type(type(obj))  # type: ignore[no-untyped-call]
-            numel = storage.nbytes()
-        allocated = str(storage.device) != "meta" and storage.data_ptr() != 0
-        if allocated and dtypes.setdefault(storage.data_ptr(), dtype) != dtype:
-            raise RuntimeError("Cannot save multiple tensors or storages that view the same data as different types")
-        key = keys.setdefault(storage._cdata, str(len(keys)))
-        storages[key] = storage
-        fake = getattr(obj, "_fake_device", None)
-        if on_cpu or storage._cdata in cpu:
-            location = "cpu"
-        else:
-            location = str(fake) if fake is not None else location_tag(storage)
-        return ("storage", storage_type, key, location, numel)
-
-    class _Pickler(pickle.Pickler):
-        def persistent_id(self, obj: Any) -> Any:
-            # Called for every object pickled: the plain ones (most of them) leave at once.
-            return None if type(obj) in _PLAIN else persistent_id(obj)
-
-    class _PlaceholderPickler(_Pickler):
-        def reducer_override(self, obj: Any) -> Any:
-            # Another rank's ZeRO tensor, a meta placeholder here: reduced as torch reduces the CPU
-            # tensor it stands for (torch reduces a meta tensor without its storage).
-            if type(obj) is torch.Tensor and obj.device.type == "meta" and obj.untyped_storage()._cdata in cpu:
-                return _reduce_as_stored(obj)
-            return NotImplemented
-
-    import io
-
-    buffer = io.BytesIO()
-    # torch.save's default protocol; the override (a Python call per object) only when needed.
-    (_PlaceholderPickler if cpu else _Pickler)(buffer, protocol=2).dump(payload)
-    return buffer.getvalue(), storages
-
-
-def _reduce_as_stored(tensor: torch.Tensor) -> tuple[Any, tuple[Any, ...]]:
-    """``Tensor._reduce_ex_internal``'s reduction of a dense tensor with its storage (torch 2.x),
-    for a tensor whose storage is not here."""
-    from collections import OrderedDict
-
-    storage: Any
-    if tensor.dtype in torch.storage._new_dtypes():
-        rebuild: Any = torch._utils._rebuild_tensor_v3
-        storage = tensor.untyped_storage()
-    else:
-        rebuild = torch._utils._rebuild_tensor_v2
-        storage = torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
-            wrap_storage=tensor.untyped_storage(), dtype=tensor.dtype, _internal=True
-        )
-    args: tuple[Any, ...] = (
-        storage,
-        tensor.storage_offset(),
-        tuple(tensor.size()),
-        tensor.stride(),
-        tensor.requires_grad,
-        OrderedDict(),
-    )
-    if isinstance(storage, torch.UntypedStorage):
-        args += (tensor.dtype,)
-    return rebuild, args
 
 
 def replicated_tensors(state: Mapping[str, Any], entries: Mapping[str, Any]) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -341,6 +255,7 @@ def make_plan(
     on_cpu: bool = False,
     alone: bool = False,
     nodes: list[list[int]] | None = None,
+    upload: bool = False,
 ) -> Plan:
     """Rank 0: pickle ``payload``, assign every storage to a writer (all to rank 0 when
     ``alone``) and lay out the file (no file is touched: `ckptools.write.zip_writer.create_tmp` makes it).
@@ -348,7 +263,11 @@ def make_plan(
     With ``nodes`` (each node's ranks, lowest first; a node snapshot) every node writes a whole
     copy of the file: each storage gets one share per node, the replicated ones spread over that
     node's ranks, the others on its lowest rank (which, on a node without rank 0, receives them
-    from rank 0: their ``where`` is None, like rank 0's own)."""
+    from rank 0: their ``where`` is None, like rank 0's own).
+
+    With ``upload`` (an S3 multipart upload, `ckptools.write.upload`) each writing rank's records
+    sit together, rank 0's last (with the small records and the central directory), and a rank
+    other than 0 writes at least `MIN_PART` bytes or nothing: its bytes are parts of their own."""
     owned = {} if alone else owned_tensors(state, payload)
     data_pkl, storages = pickle_payload(payload, on_cpu=on_cpu, cpu=frozenset(owned))
     where = {} if alone else replicated(state, payload)
@@ -362,16 +281,23 @@ def make_plan(
         "byteorder": sys.byteorder.encode(),
     }
     tail = {"version": b"3\n", ".data/serialization_id": serial.encode()}
-    records = [(PREFIX + n, len(b)) for n, b in small.items()]
-    records += [(f"{PREFIX}data/{k}", s.nbytes()) for k, s in storages.items()]
-    records += [(PREFIX + n, len(b)) for n, b in tail.items()]
+    owners = [_owners(storages, owned, ranks) for ranks in nodes]
+    spread = _for_upload if upload else _spread
+    writers = [spread(storages, where, ranks, fixed) for ranks, fixed in zip(nodes, owners)]
+    order = list(storages)
+    if upload:  # rank 1's records, rank 2's, ..., then rank 0's: each rank's bytes are one range
+        order.sort(key=lambda k: (writers[0][k] == 0, writers[0][k]))
+    heads = [(PREFIX + n, b) for n, b in small.items()]
+    stored: list[tuple[str, Any]] = [(f"{PREFIX}data/{k}", storages[k].nbytes()) for k in order]
+    # The small records open the file (torch.save's order); in an upload, rank 0's part of it.
+    at = next((i for i, k in enumerate(order) if writers[0][k] == 0), len(order)) if upload else 0
+    named = stored[:at] + heads + stored[at:] + [(PREFIX + n, b) for n, b in tail.items()]
+    records = [(name, len(b) if isinstance(b, bytes) else b) for name, b in named]
     zplan = ZipPlan(records)
-    first = len(small)
-    offsets = {k: zplan.data_offsets[first + i] for i, k in enumerate(storages)}
+    index = {name: i for i, (name, _) in enumerate(records)}
+    offsets = {k: zplan.data_offsets[index[f"{PREFIX}data/{k}"]] for k in storages}
     shares = []
-    for ranks in nodes:
-        fixed = _owners(storages, owned, ranks)
-        writer = _spread(storages, where, ranks, fixed)
+    for fixed, writer in zip(owners, writers):
         for key, storage in storages.items():
             # Rank 0 writes from its payload; another node's leader what only rank 0 holds, received;
             # a ZeRO partition its owner, from its own tensors.
@@ -381,8 +307,7 @@ def make_plan(
                 located = writer[key] != 0 and _spreadable(storage, where)
                 place = where.get(storage._cdata) if located else None
             shares.append(Share(key, storage.nbytes(), offsets[key], writer[key], place))
-    content = {i: b for i, b in enumerate(small.values())}
-    content.update({len(records) - len(tail) + i: b for i, b in enumerate(tail.values())})
+    content = {index[name]: b for name, b in named if isinstance(b, bytes)}
     return Plan("", b"", records, shares, small=content, storages=storages, size=zplan.size)
 
 
@@ -407,6 +332,29 @@ def _owners(
                 raise CheckpointError(refusal(obstacle, fix))
             fixed[key] = owner
     return fixed
+
+
+# S3's smallest part but the last: in an upload, a rank other than 0 writes this much or nothing.
+MIN_PART = 5 << 20
+
+
+def _for_upload(
+    storages: Mapping[str, torch.UntypedStorage],
+    where: Mapping[int, Any],
+    ranks: list[int],
+    fixed: Mapping[str, int] | None = None,
+) -> dict[str, int]:
+    """`_spread` for an S3 upload: a rank other than the lowest whose share would be smaller than
+    `MIN_PART` writes nothing (the least loaded such rank leaves, and the rest are spread again)."""
+    while True:
+        writer = _spread(storages, where, ranks, fixed)
+        load = dict.fromkeys(ranks, 0)
+        for key, rank in writer.items():
+            load[rank] += storages[key].nbytes()
+        short = [r for r in ranks[1:] if 0 < load[r] < MIN_PART and not (fixed and r in fixed.values())]
+        if not short:
+            return writer
+        ranks = [r for r in ranks if r != min(short, key=lambda r: (load[r], r))]
 
 
 def _spread(

@@ -30,7 +30,7 @@ from ..collective.group import (
 from ..errors import CheckpointError
 from ..storage import Location
 from ..zero import has_partitions, refusal
-from . import zip_writer
+from . import upload, zip_writer
 from .async_save import AsyncSave
 from .payload import state_entry
 from .plan import TOKEN_BYTES, Plan, Share, describe, make_plan
@@ -50,7 +50,9 @@ def adopt(plan: Plan, location: Location) -> Plan:
 
 
 def sees(plan: Plan) -> bool:
-    """Whether this rank sees rank 0's temporary file (the same directory)."""
+    """Whether this rank sees rank 0's temporary file (the same directory); an upload, every rank."""
+    if plan.upload:
+        return True
     try:
         with open(plan.tmp, "rb") as f:
             return f.read(TOKEN_BYTES) == plan.token
@@ -159,11 +161,13 @@ def plan_shares(
         payload = build_payload()
         if before_write is not None:
             before_write()
+        if not location.local:  # S3 (`choose`): one multipart upload
+            return upload.create(location, make_plan(location, state, payload, on_cpu=on_cpu, upload=True))
         return zip_writer.create_tmp(location, make_plan(location, state, payload, on_cpu=on_cpu))
 
     sent = agree.saving(path).on_rank0(planned, send=True)
     assert sent is not None  # on_rank0 raised otherwise
-    plan = sent if get_rank() == 0 else adopt(sent, location)
+    plan = sent if get_rank() == 0 or sent.upload else adopt(sent, location)
     try:
         seen, storages, problem = sees(plan), locate(plan, state, plan.mine()), None
     except CheckpointError as err:

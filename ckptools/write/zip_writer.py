@@ -22,6 +22,7 @@ import torch
 from ..codecs.torchzip import ZipPlan
 from ..layouts.torch_io import save_file
 from ..storage import Location, local_target, publish, tmp_name
+from . import upload
 from .plan import PREFIX, TOKEN_BYTES, Plan, Share, host_bytes, make_plan
 
 __all__ = ["commit", "create_tmp", "discard", "write_alone", "write_shares"]
@@ -54,6 +55,8 @@ def write_shares(plan: Plan, chunks: list[tuple[Share, torch.UntypedStorage]]) -
     it is the save's own staged copy), so the checksums hide behind the disk's flush instead of
     adding to it; the figures, and the two designs that were slower, are in docs/benchmarks.md.
     """
+    if plan.upload:  # S3: this rank's parts of the multipart upload
+        return upload.write_parts(plan, chunks)
     crcs: dict[str, int] = {}
     views: list[tuple[Share, memoryview]] = []
     fd = os.open(plan.tmp, os.O_WRONLY)
@@ -103,8 +106,10 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
 def commit(plan: Plan, location: Location, crcs: dict[str, int]) -> int:
     """Rank 0: headers, small records and central directory, fsync, rename, fsync the directory.
 
-    Returns the file's size.
+    Returns the file's size. S3: the upload's last part and its completion (`ckptools.write.upload`).
     """
+    if plan.upload:
+        return upload.commit(plan, location, crcs)
     zplan = ZipPlan(plan.records, force_zip64=plan.force_zip64)
     by_key = {f"{PREFIX}data/{k}": c for k, c in crcs.items()}
     all_crcs = []
@@ -146,7 +151,9 @@ def write_alone(location: Location, payload: Mapping[str, Any]) -> int:
 
 
 def discard(plan: Plan | None) -> None:
-    """Rank 0: remove the temporary file of a save that failed."""
-    if plan is not None:
+    """Rank 0: remove the temporary file of a save that failed (S3: abort the upload)."""
+    if plan is not None and plan.upload:
+        upload.discard(plan)
+    elif plan is not None:
         with contextlib.suppress(OSError):
             os.unlink(plan.tmp)
