@@ -40,6 +40,10 @@ stress: $(STAMP)
 	CKPTOOLS_SNAPSHOT_KILLS=$${SNAPSHOT_KILLS:-50} \
 		$(PY) -m pytest -q -s -p no:cacheprovider --timeout=7200 tests/test_crash.py tests/test_bitrot.py \
 		tests/test_s3.py::test_writer_killed_mid_upload_leaves_previous_intact \
+		'tests/test_s3.py::test_every_rank_uploads_its_share_as_parts_of_one_upload[3]' \
+		tests/test_s3.py::test_a_rank_killed_mid_upload_leaves_the_previous_object_and_no_upload \
+		'tests/test_s3.py::test_a_restore_from_s3_reads_each_byte_once_between_the_ranks[2]' \
+		tests/test_s3.py::test_a_flipped_byte_in_an_object_read_once_is_one_clear_error_on_every_rank \
 		tests/test_train_ddp_e2e.py::test_kill_9_at_random_moments_never_tears_a_snapshot_and_every_relaunch_is_bit_exact
 
 # fuzz: EXAMPLES (default 3000) mutated files per fuzz test, and generated state dicts per
@@ -96,6 +100,10 @@ interop: $(INTEROP_STAMP) lightning-suite
 		tests/test_docs.py::test_every_python_snippet_runs \
 		tests/test_snapshot.py tests/test_s3.py::test_a_dead_jobs_snapshot_is_persisted_to_s3_by_the_keeper \
 		tests/test_s3.py::test_writer_killed_mid_upload_leaves_previous_intact \
+		'tests/test_s3.py::test_every_rank_uploads_its_share_as_parts_of_one_upload[3]' \
+		tests/test_s3.py::test_a_rank_killed_mid_upload_leaves_the_previous_object_and_no_upload \
+		'tests/test_s3.py::test_a_restore_from_s3_reads_each_byte_once_between_the_ranks[2]' \
+		tests/test_s3.py::test_a_flipped_byte_in_an_object_read_once_is_one_clear_error_on_every_rank \
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind \
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_not_relaunched_leaves_the_newest_step_in_the_folder \
 		tests/test_train_ddp_e2e.py::test_three_processes_resumed_on_three_or_on_two_cover_the_data_exactly_once \

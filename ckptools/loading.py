@@ -29,6 +29,7 @@ from .errors import (
 from .layouts import is_lightning_checkpoint, read_checkpoint, read_weights
 from .lifecycle import finish_pending
 from .read_once import ReadAnotherWay, read_once
+from .remote_zip import reads_in_ranges
 from .restoring import restore_all, restore_rng_state
 from .state_dict import shared_prefix, strip_for_reading, strip_prefix
 from .storage import Location, PathLike, fspath, resolve
@@ -94,9 +95,10 @@ def load(
             rank on a shared filesystem.
         trust_code: deprecated (goes in 0.5): ``trust_code=True`` is ``weights_only=False``.
         read: who reads the file: ``"each"`` rank the whole file; ``"rank0"`` (as ``broadcast=True``);
-            ``"once"``: each rank about 1/N of a local file the ranks share, the rest received
-            (bytes read from storage: 1.0x the file; a remote file: as ``"rank0"``); ``"auto"``:
-            ``"once"`` where the ranks span several nodes and the file is local, else ``"each"``.
+            ``"once"``: each rank about 1/N of a local file the ranks share or of an object (S3 and
+            other stores with ranged reads), the rest received (bytes read from storage: 1.0x the
+            file; another remote file: as ``"rank0"``); ``"auto"``: ``"once"`` where the ranks span
+            several nodes and the file is local, and for an object in S3 (or gcs, azure, http), else ``"each"``.
 
     Returns:
         The whole checkpoint dict (entries on ``map_location``), including ``__ckptools__``.
@@ -132,7 +134,7 @@ def load(
         loaded: Any = None
         if how == "once":
             try:
-                loaded = read_once(location, target, lambda: _read(location, "cpu", weights_only=weights_only,
+                loaded = read_once(location, target, lambda where: _read(where, "cpu", weights_only=weights_only,
                                    verify=False, state=state), verify=verify)  # fmt: skip
             except ReadAnotherWay as other:  # every rank alike
                 how = other.how
@@ -186,8 +188,9 @@ def _who_reads(read: str, broadcast: bool, location: Location, target: Any) -> s
     if broadcast or read == "rank0":
         return "rank0"
     if read == "auto":
+        # Once: where the ranks span nodes (a shared filesystem), and from an object store (ranged GETs).
         nodes_share = world > local_world_size(world)
-        read = "once" if nodes_share and location.local else "each"
+        read = "once" if (nodes_share and location.local) or reads_in_ranges(location) else "each"
     if read == "once" and not isinstance(target, torch.device):  # a per-storage map_location: each rank maps
         return "each"
     return read

@@ -1,10 +1,13 @@
 """A restore that reads each byte of the file once between the ranks: ``ck.load(..., read="once")``.
 
 Every rank maps the file (a local torch zip on a filesystem the ranks share: ``data.pkl`` is read,
-no storage), reads about 1/N of the storages' bytes (its own, the largest first to the rank with
-the fewest), and receives every other storage from the rank that read it over the process group.
-With ``verify`` each rank checks the CRC-32 of the records it read (rank 0 those no tensor holds).
-Bytes read from storage: 1.0x the file, at any world size. Why and when: docs/guides/node-local-disks.md.
+no storage; an object in S3 or another store with ranged reads: a local stand-in of it,
+`ckptools.remote_zip`), reads about 1/N of the storages' bytes (its own, the largest first to the
+rank with the fewest; ``pread`` from a file, ranged GETs from an object), and receives every other
+storage from the rank that read it over the process group. With ``verify`` each rank checks the
+CRC-32 of the records it read (rank 0 those no tensor holds). Bytes read from storage: 1.0x the
+file, at any world size (an object: plus its directory and small records, read by every rank). Why
+and when: docs/guides/node-local-disks.md.
 
 Examples:
     >>> plan_reads([40, 10, 30, 20], 2)  # the bytes each rank reads
@@ -26,7 +29,9 @@ from . import log
 from .collective.agree import Agreement
 from .collective.group import all_gather_object, get_rank, get_world_size
 from .collective.tree import Skeleton, owners_of, share_storages
+from .errors import CheckpointFormatError
 from .layouts import check_records, damaged_record, zip_records
+from .remote_zip import RemoteZip, Unranged, reads_in_ranges
 from .storage import Location
 
 __all__ = ["ReadAnotherWay", "plan_reads", "read_once"]
@@ -47,23 +52,32 @@ def plan_reads(sizes: list[int], world: int) -> list[int]:
     return [sum(size for size, owner in zip(sizes, owners) if owner == rank) for rank in range(world)]
 
 
-def read_once(location: Location, device: torch.device, read: Callable[[], Any], *, verify: bool) -> Any:
-    """Collective: the tree ``read()`` gives (torch's load of the mapped file, on the CPU), its
-    storages read once between the ranks, on ``device``. `ReadAnotherWay` on every rank when the
-    file cannot be read so (remote, legacy, or not the same file on every rank).
+def read_once(location: Location, device: torch.device, read: Callable[[Location], Any], *, verify: bool) -> Any:
+    """Collective: the tree ``read(location)`` gives (torch's load of the mapped file, on the CPU),
+    its storages read once between the ranks, on ``device``. `ReadAnotherWay` on every rank when the
+    file cannot be read so (remote without ranged reads, legacy, or not the same file on every rank).
 
-    ``read`` must map the file (nothing but ``data.pkl`` read). A rank that cannot (a file only some
-    nodes have) makes every rank read its own (``"each"``), where the error says what to do.
+    ``read`` must map the file it is given (nothing but ``data.pkl`` read; an object's stand-in). A
+    rank that cannot (a file only some nodes have) makes every rank read its own (``"each"``), where
+    the error says what to do.
     """
     rank, world = get_rank(), get_world_size()
     agreement = Agreement(f"loading checkpoint {location.url}", own="as_is")
     error: BaseException | None = None
     parts: Skeleton | None = None
     records: dict[int, tuple[str, int, int]] | None = None
+    remote: RemoteZip | None = None
     try:
-        records = zip_records(location)
-        if records is not None:
-            parts = Skeleton(read())
+        if reads_in_ranges(location):  # an object store: its stand-in is mapped (ckptools.remote_zip)
+            with contextlib.suppress(Unranged):  # records is None: rank 0 reads it
+                remote = RemoteZip(location, verify=verify)
+                with remote.stand_in() as stand_in:
+                    records = zip_records(stand_in)
+                    parts = Skeleton(read(stand_in))
+        else:
+            records = zip_records(location)
+            if records is not None:
+                parts = Skeleton(read(location))
     except Exception as err:  # noqa: BLE001 - raised on every rank below
         error = err
     # The same local zip on every rank (a filesystem they share: the same records, sizes and CRC-32s
@@ -85,7 +99,7 @@ def read_once(location: Location, device: torch.device, read: Callable[[], Any],
     error = None
     storages: list[Any] = []
     try:
-        storages = _read_owned(location, parts, owners, records or {}, verify=verify, device=device)
+        storages = _read_owned(location, parts, owners, records or {}, verify=verify, device=device, remote=remote)
     except Exception as err:  # noqa: BLE001 - raised on every rank below
         error = err
     agreement.on_every_rank(error)
@@ -103,37 +117,50 @@ def _read_owned(
     *,
     verify: bool,
     device: torch.device,
+    remote: RemoteZip | None = None,
 ) -> list[Any]:
     """Every storage of the tree on ``device``: this rank's own read from the file (``pread``, no
-    readahead into the others' bytes; with ``verify`` their CRC-32s checked), the others allocated to receive.
+    readahead into the others' bytes; from an object store, ranged GETs: ``remote``; with ``verify``
+    their CRC-32s checked), the others allocated to receive.
 
     A storage torch mapped lies at its record's offset in the file; where that cannot be told (not
-    mapped as torch maps a file), the owner's storages are read through the mapping instead."""
+    mapped as torch maps a file), the owner's storages are read through the mapping instead (never
+    from an object store: its stand-in holds no storage's bytes)."""
     rank = get_rank()
     pointers = [int(s.data_ptr()) for s in parts.storages]
     low = min(pointers, default=0)
     base = next((low - start for start in sorted(records) if all(p - (low - start) in records for p in pointers)), None)
+    if base is None and remote is not None:
+        raise CheckpointFormatError(f"{location.url}: its storages are not where its records are; load it with "
+                                    "read='rank0'")  # fmt: skip
     out: list[Any] = []
-    with _Reader(location.path) as reader:
-        for storage, owner, pointer in zip(parts.storages, owners, pointers):
-            size = int(storage.nbytes())
-            if owner != rank:
-                out.append(torch.UntypedStorage(size, device=device))  # type: ignore[no-untyped-call]
-                continue
-            if base is None:
-                out.append(storage.to(device=device))
-                continue
+    mine: list[tuple[int, str, int, int, memoryview]] = []  # (index in out, record, its start, CRC-32, where it goes)
+    for storage, owner, pointer in zip(parts.storages, owners, pointers):
+        size = int(storage.nbytes())
+        if owner != rank:
+            out.append(torch.UntypedStorage(size, device=device))  # type: ignore[no-untyped-call]
+        elif base is None:
+            out.append(storage.to(device=device))
+        else:
             name, _, crc = records[pointer - base]
             fresh = torch.UntypedStorage(size)  # type: ignore[no-untyped-call]
             view = memoryview(_bytes(fresh).numpy())  # type: ignore[arg-type]
-            if not reader.read_into(view, pointer - base):
-                raise damaged_record(location.url, name)
-            if verify and zlib.crc32(view) != crc:
-                raise damaged_record(location.url, name)
-            out.append(fresh.to(device=device))
+            mine.append((len(out), name, pointer - base, crc, view))
+            out.append(fresh)
+    if remote is not None:
+        remote.read_into([(name, view) for _, name, _, _, view in mine])
+    else:
+        with _Reader(location.path) as reader:
+            for _, name, start, _, view in mine:
+                if not reader.read_into(view, start):
+                    raise damaged_record(location.url, name)
+    for index, name, _, crc, view in mine:
+        if verify and zlib.crc32(view) != crc:
+            raise damaged_record(location.url, name)
+        out[index] = out[index].to(device=device)
     if verify and base is None:
         check_records(location, [s for i, s in enumerate(sorted(records)) if i % get_world_size() == rank])
-    elif verify and rank == 0:  # the records no tensor holds (data.pkl was checked as it was read)
+    elif verify and rank == 0 and remote is None:  # the records no tensor holds (data.pkl was checked as it was read)
         held = {pointer - base for pointer in pointers}  # type: ignore[operator]
         check_records(location, [start for start in sorted(records) if start not in held])
     return out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -21,13 +22,11 @@ BUCKET = "ckpt-test"
 def s3_env() -> Iterator[dict[str, str]]:
     """A moto S3 server on a random loopback port, and the environment that points clients at it."""
     port = free_port()
-    handle, recording = tempfile.mkstemp(prefix="moto-recording-")  # see `recorded`
-    os.close(handle)
+    recording = os.path.join(tempfile.mkdtemp(prefix="moto-requests-"), "requests.jsonl")  # see `recorded`
     server = subprocess.Popen(
-        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        [sys.executable, os.path.join(os.path.dirname(__file__), "_moto_logged.py"), "127.0.0.1", str(port), recording],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
-        env=dict(os.environ, MOTO_RECORDER_FILEPATH=recording),
     )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -64,26 +63,23 @@ def s3_env() -> Iterator[dict[str, str]]:
                 os.environ[k] = v
         server.kill()
         server.wait()
-        os.unlink(recording)
+        shutil.rmtree(os.path.dirname(recording), ignore_errors=True)
 
 
 @contextmanager
 def recorded() -> Iterator[list[dict]]:
-    """The requests the server received within the block, as moto's recorder writes them (method,
-    url, headers), to tell from the server's side which client sent what: a rank names itself in
-    its User-Agent with ``AWS_SDK_UA_APP_ID=rankN`` (botocore adds ``app/rankN``)."""
+    """The requests the server received within the block (method, url, User-Agent and Range
+    headers; tests/_moto_logged.py), to tell from the server's side which client sent what: a rank
+    names itself in its User-Agent with ``AWS_SDK_UA_APP_ID=rankN`` (botocore adds ``app/rankN``)."""
     import json
 
-    endpoint, path = os.environ["AWS_ENDPOINT_URL_S3"], os.environ["CKPTOOLS_TEST_MOTO_RECORDING"]
-    for call in ("reset-recording", "start-recording"):
-        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/recorder/{call}", method="POST"))
+    path = os.environ["CKPTOOLS_TEST_MOTO_RECORDING"]
+    open(path, "w").close()  # the server writes while the file exists
     requests: list[dict] = []
     try:
         yield requests
     finally:
-        urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/recorder/stop-recording", method="POST"))
-        with open(path) as f:
-            for line in f:
-                entry = json.loads(line)
-                entry.pop("body", None)
-                requests.append(entry)
+        os.rename(path, path + ".done")
+        with open(path + ".done") as f:
+            requests += [json.loads(line) for line in f]
+        os.unlink(path + ".done")

@@ -153,13 +153,16 @@ def test_who_reads_is_decided_alike_on_every_rank(monkeypatch):
     from ckptools.storage import resolve
 
     local, remote, cpu = resolve("/data/c.pt"), resolve("s3://b/c.pt"), torch.device("cpu")
+    memory = resolve("memory://b/c.pt")  # remote, without ranged reads
     monkeypatch.setattr(loading, "get_world_size", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # two nodes
     assert _who_reads("auto", False, local, cpu) == "once"
-    assert _who_reads("auto", False, remote, cpu) == "each"
+    assert _who_reads("auto", False, remote, cpu) == "once"  # ranged GETs, each rank its share
+    assert _who_reads("auto", False, memory, cpu) == "each"
     assert _who_reads("auto", True, local, cpu) == "rank0"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one node: its ranks share the page cache
     assert _who_reads("auto", False, local, cpu) == "each"
+    assert _who_reads("auto", False, remote, cpu) == "once"  # but not an object store's bytes
     with pytest.raises(ValueError, match="contradicts"):
         _who_reads("once", True, local, cpu)
     with pytest.raises(ValueError, match="read must be one of"):

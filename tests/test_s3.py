@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 import torch
@@ -21,7 +22,7 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed (it com
 
 from _dist import run_ranks
 from _killer import kill_loop
-from _s3 import BUCKET  # the bucket the s3_env fixture (conftest.py) makes
+from _s3 import BUCKET, recorded  # the bucket the s3_env fixture (conftest.py) makes
 from _same import filled_linear
 
 import ckptools as ck
@@ -175,10 +176,9 @@ def _parts_by_rank(requests: list[dict], key: str) -> dict[int, list[int]]:
     return {rank: sorted(numbers) for rank, numbers in sorted(found.items())}
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])  # 3: make interop
 def test_every_rank_uploads_its_share_as_parts_of_one_upload(s3_env, world):
     import s3fs
-    from _s3 import recorded
 
     folder = f"writers{world}"
     with recorded() as requests:
@@ -224,6 +224,7 @@ def _a_rank_dies_mid_upload(rank: int, world: int, url: str) -> str | None:
     return None
 
 
+@pytest.mark.slow  # make interop: make test stays within its 5 minutes
 def test_a_rank_killed_mid_upload_leaves_the_previous_object_and_no_upload(s3_env):
     import s3fs
 
@@ -340,3 +341,69 @@ def test_a_dead_jobs_snapshot_is_persisted_to_s3_by_the_keeper(s3_env, tmp_path)
     assert _objects("keeper-run") == ["ckpt-0000000005.pt", "ckpt-0000000007.pt"]
     restored = ck.CheckpointManager(run).restore({})
     assert restored["__ckptools__"]["metadata"]["step"] == 7 and restored["w"].tolist() == [1.0] * 4
+
+
+def _saves_on_s3(rank: int, world: int, url: str) -> None:
+    ck.save(url, {"model": torch.nn.parallel.DistributedDataParallel(_big_ddp()), "step": 5})
+
+
+def _restores_from_s3(rank: int, world: int, url: str, verify: bool) -> Any:
+    import s3fs
+
+    os.environ["AWS_SDK_UA_APP_ID"] = f"rank{rank}"  # the server's record names who read what
+    s3fs.S3FileSystem.clear_instance_cache()
+    model = _big_ddp()
+    for p in model.parameters():
+        p.data.zero_()
+    try:
+        ckpt = ck.load(url, {"model": model}, verify=verify)  # read="auto": once, from S3
+    except ck.CheckpointError as err:
+        return str(err)
+    expected = _big_ddp().state_dict()
+    return ckpt["step"], all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+def _bytes_read_by_rank(requests: list[dict], key: str) -> dict[int, int]:
+    """From the server's record: the bytes of ``key`` each rank's GETs asked for."""
+    import re
+
+    read: dict[int, int] = {}
+    for entry in requests:
+        headers = {k.lower(): v for k, v in entry["headers"].items()}
+        if entry["method"] == "GET" and entry["url"].split("?")[0].endswith(f"/{key}") and "range" in headers:
+            rank = int(re.search(r"app/rank(\d+)", headers["user-agent"]).group(1))
+            first, last = map(int, re.match(r"bytes=(\d+)-(\d+)", headers["range"]).groups())
+            read[rank] = read.get(rank, 0) + last - first + 1
+    return read
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])  # 2: make interop
+def test_a_restore_from_s3_reads_each_byte_once_between_the_ranks(s3_env, world):
+    import s3fs
+
+    key = f"once{world}/ckpt.pt"
+    run_ranks(_saves_on_s3, 2, f"s3://{BUCKET}/{key}")  # saved on 2 ranks, every rank uploading
+    size = s3fs.S3FileSystem().size(f"{BUCKET}/{key}")
+    with recorded() as requests:
+        got = run_ranks(_restores_from_s3, world, f"s3://{BUCKET}/{key}", True)
+    assert got == [(5, True)] * world, got  # bit-exact on every rank
+    read = _bytes_read_by_rank(requests, key)
+    # Each rank: its share of the storages (3 weights of 6 MiB: one each at 3 ranks), plus the directory
+    # and the small records every rank reads (under 1 MiB).
+    assert sorted(read) == list(range(world)) and sum(read.values()) <= size + world * (1 << 20), (read, size)
+    assert sum(read.values()) >= size - (1 << 20) and max(read.values()) <= size * 2 / world + (1 << 20), read
+
+
+@pytest.mark.slow  # make interop
+def test_a_flipped_byte_in_an_object_read_once_is_one_clear_error_on_every_rank(s3_env):
+    import s3fs
+
+    url = f"s3://{BUCKET}/flipped/ckpt.pt"
+    run_ranks(_saves_on_s3, 2, url)
+    fs = s3fs.S3FileSystem()
+    data = bytearray(fs.cat_file(url))
+    data[len(data) // 2] ^= 0x10  # inside a weight's record
+    fs.pipe_file(url, bytes(data))
+    said = run_ranks(_restores_from_s3, 2, url, True)
+    damage = f"{url}: record archive/data/4 is damaged (CRC-32 mismatch"
+    assert all(damage in text for text in said), said  # the rank that read it says so; the other names it
