@@ -18,7 +18,7 @@ from torch.utils.data.distributed import DistributedSampler
 from . import log
 from .collective.agree import Agreement
 from .collective.arrival import checked_in
-from .collective.group import get_world_size, local_world_size
+from .collective.group import get_world_size
 from .collective.tree import broadcast_tree
 from .devices import MapLocation, resolve_map_location
 from .errors import (
@@ -28,8 +28,7 @@ from .errors import (
 )
 from .layouts import is_lightning_checkpoint, read_checkpoint, read_weights
 from .lifecycle import finish_pending
-from .read_once import ReadAnotherWay, read_once
-from .remote_zip import reads_in_ranges
+from .read_once import ReadAnotherWay, once_pays, read_once
 from .restoring import restore_all, restore_rng_state
 from .state_dict import shared_prefix, strip_for_reading, strip_prefix
 from .storage import Location, PathLike, fspath, resolve
@@ -188,9 +187,7 @@ def _who_reads(read: str, broadcast: bool, location: Location, target: Any) -> s
     if broadcast or read == "rank0":
         return "rank0"
     if read == "auto":
-        # Once: where the ranks span nodes (a shared filesystem), and from an object store (ranged GETs).
-        nodes_share = world > local_world_size(world)
-        read = "once" if (nodes_share and location.local) or reads_in_ranges(location) else "each"
+        read = "once" if once_pays(location, world) else "each"
     if read == "once" and not isinstance(target, torch.device):  # a per-storage map_location: each rank maps
         return "each"
     return read

@@ -27,14 +27,14 @@ import torch
 
 from . import log
 from .collective.agree import Agreement
-from .collective.group import all_gather_object, get_rank, get_world_size
+from .collective.group import all_gather_object, get_rank, get_world_size, local_world_size
 from .collective.tree import Skeleton, owners_of, share_storages
 from .errors import CheckpointFormatError
 from .layouts import check_records, damaged_record, zip_records
 from .remote_zip import RemoteZip, Unranged, reads_in_ranges
 from .storage import Location
 
-__all__ = ["ReadAnotherWay", "plan_reads", "read_once"]
+__all__ = ["ReadAnotherWay", "once_pays", "plan_reads", "read_once"]
 
 
 class ReadAnotherWay(Exception):
@@ -44,6 +44,19 @@ class ReadAnotherWay(Exception):
     def __init__(self, how: str) -> None:
         super().__init__(how)
         self.how = how
+
+
+def once_pays(location: Location, world: int) -> bool:
+    """``read="auto"``'s rule for ``world`` ranks (more than one): read once where the ranks span
+    several nodes and share the file's filesystem (one node's ranks share its page cache), and from
+    an object store with ranged reads (each rank's GETs are its share of the bytes, not all of them).
+
+    Examples:
+        >>> from ckptools.storage import resolve
+        >>> once_pays(resolve("s3://bucket/ckpt.pt"), 8), once_pays(resolve("/tmp/ckpt.pt"), 1)
+        (True, False)
+    """
+    return (world > local_world_size(world) and location.local) or reads_in_ranges(location)
 
 
 def plan_reads(sizes: list[int], world: int) -> list[int]:

@@ -590,3 +590,34 @@ def test_s3_urls_save_load_and_remove_through_the_plugin(s3_env, plugin):
     fs = s3fs.S3FileSystem()
     fs.invalidate_cache()
     assert [p.rsplit("/", 1)[1] for p in fs.ls(folder)] == ["epoch=1.ckpt"]
+
+
+def _plugin_loads(rank: int, world: int, path: str, read: str) -> dict:
+    def asked() -> int:
+        with open("/proc/self/io") as f:
+            return int(next(line for line in f if line.startswith("rchar")).split(":")[1])
+
+    io = CkptoolsCheckpointIO(read=read)
+    before = asked()
+    got = io.load_checkpoint(path)
+    read_bytes = asked() - before
+    reference = torch.load(path, weights_only=True)
+    same = got.keys() == reference.keys() and got["epoch"] == reference["epoch"]
+    same = same and all(torch.equal(got["state_dict"][k], v) for k, v in reference["state_dict"].items())
+    return {"asked": read_bytes, "same": same}
+
+
+def test_the_plugin_reads_a_checkpoint_every_rank_loads_once_between_them(tmp_path):
+    """Lightning loads a resume's checkpoint on every rank: with read="once" (what "auto" is on several
+    nodes sharing a filesystem, or for an object in S3) each rank reads about half of it."""
+    from _dist import run_ranks
+
+    weights = {f"layer{i}.weight": torch.full((512, 1024), float(i)) for i in range(4)}  # 2 MiB each
+    path = str(tmp_path / "last.ckpt")
+    CkptoolsCheckpointIO().save_checkpoint({"state_dict": weights, "epoch": 3, "global_step": 30}, path)
+    size = os.path.getsize(path)
+    once = run_ranks(_plugin_loads, 2, path, "once")
+    assert all(r["same"] for r in once), once
+    assert all(r["asked"] <= size / 2 + (1 << 20) for r in once) and sum(r["asked"] for r in once) >= size, once
+    each = run_ranks(_plugin_loads, 2, path, "auto")  # one node, a local file: every rank reads it (page cache)
+    assert all(r["same"] and r["asked"] >= size for r in each), (each, size)

@@ -21,6 +21,7 @@ package (the plugin is registered as a ``CheckpointIO`` of each one installed).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -28,10 +29,15 @@ import threading
 import time
 from typing import Any
 
+import torch
+
 from .. import in_flight, log
+from ..collective.arrival import arrive
+from ..collective.group import get_world_size
 from ..errors import CheckpointError, UnsafeCheckpointError
 from ..layouts import TORCH_FILE
 from ..leftovers import abandoned_tmps
+from ..read_once import ReadAnotherWay, once_pays, read_once
 from ..storage import TMP_MARKER, Location, remove, resolve
 from ..write import BackgroundWriter, StagingBuffers, write_file
 from .lightning_resume import ExactResume
@@ -58,6 +64,12 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         trust_code: load every checkpoint as ``weights_only=False`` (it may run the file's code):
             for checkpoints you wrote yourself, where Lightning (before 2.6) has no
             ``trainer.fit(..., weights_only=False)`` to say it per call.
+        read: who reads a checkpoint Lightning loads on every rank (a resume, ``fabric.load``):
+            ``"auto"`` reads it once between the ranks where that pays (as `ckptools.load`'s
+            ``read="auto"``: ranks on several nodes sharing a filesystem, or an object in S3), each
+            rank about 1/N, the rest received; ``"once"`` always with a process group; ``"each"``
+            every rank the whole file (Lightning's way). Reading once is collective: a load Lightning
+            makes on rank 0 alone is not read once (it would raise after ``CKPTOOLS_ARRIVAL_TIMEOUT``).
 
     Examples:
         >>> from ckptools.integrations.lightning import CkptoolsCheckpointIO  # doctest: +SKIP
@@ -65,11 +77,14 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         >>> trainer.fit(model, ckpt_path="last")  # doctest: +SKIP
     """
 
-    def __init__(self, *, verify: bool = True, mmap: bool = True, trust_code: bool = False) -> None:
+    def __init__(self, *, verify: bool = True, mmap: bool = True, trust_code: bool = False, read: str = "auto") -> None:
         super().__init__()
+        if read not in ("auto", "once", "each"):
+            raise ValueError(f"read must be 'auto', 'once' or 'each', got {read!r}")
         self.verify = verify
         self.mmap = mmap
         self.trust_code = trust_code
+        self.read = read
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Write ``checkpoint`` to ``path`` atomically (global rank 0 only, as Lightning calls it).
@@ -94,19 +109,35 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         it needs and the fix: ``trainer.fit(model, ckpt_path=..., weights_only=False)`` for a file
         you trust.
         """
-        try:
-            loaded = TORCH_FILE.read_tree(
-                resolve(path),
-                map_location=map_location if map_location is not None else "cpu",
-                trust_code=weights_only is False or self.trust_code,
-                verify=self.verify,
-                mmap=self.mmap,
-            )
-        except UnsafeCheckpointError as refusal:  # e.g. save_hyperparameters() of a Path or a Namespace
-            raise UnsafeCheckpointError(f"{refusal}. {_trusting()}") from refusal
+        location = resolve(path)
+        trust = weights_only is False or self.trust_code
+
+        def read(where: Location, target: Any, *, verify: bool, mmap: bool) -> Any:
+            try:
+                return TORCH_FILE.read_tree(where, map_location=target, trust_code=trust, verify=verify, mmap=mmap)
+            except UnsafeCheckpointError as refusal:  # e.g. save_hyperparameters() of a Path or a Namespace
+                raise UnsafeCheckpointError(f"{refusal}. {_trusting()}") from refusal
+
+        loaded: Any = None
+        device = _device(map_location)
+        if device is not None and self._reads_once(location):
+            arrive("CkptoolsCheckpointIO.load_checkpoint")  # every rank, or a clear error on those that came
+            with contextlib.suppress(ReadAnotherWay):  # a legacy file, a store without ranged reads: each reads
+                loaded = read_once(location, device, lambda where: read(where, "cpu", verify=False, mmap=True),
+                                   verify=self.verify)  # fmt: skip
+        if loaded is None:
+            target = map_location if map_location is not None else "cpu"
+            loaded = read(location, target, verify=self.verify, mmap=self.mmap)
         if not isinstance(loaded, dict):
             raise CheckpointError(f"{path} holds a {type(loaded).__name__}, not a Lightning checkpoint (a dict)")
         return loaded
+
+    def _reads_once(self, location: Location) -> bool:
+        """Whether this load reads ``location`` once between the ranks (the same on every rank)."""
+        world = get_world_size()
+        if self.read == "each" or world == 1:
+            return False
+        return self.read == "once" or once_pays(location, world)
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove a checkpoint, unless it is the newest of its folder (then it is kept, with a warning).
@@ -330,3 +361,13 @@ def _trusting() -> str:
                 "weights_only=False)")  # fmt: skip
     return ("In Lightning before 2.6 (no weights_only in trainer.fit), for checkpoints you wrote yourself: "
             "Trainer(plugins=[CkptoolsCheckpointIO(trust_code=True)])")  # fmt: skip
+
+
+def _device(map_location: Any) -> torch.device | None:
+    """The one device ``map_location`` names (None: the CPU), or None where it is a function or a
+    mapping (every rank then reads as torch maps it)."""
+    if map_location is None:
+        return torch.device("cpu")
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    return None
