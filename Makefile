@@ -155,6 +155,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_seeded.py
 	$(PY) benchmarks/bench_snapshot.py --gib 1 --repeat 7 --ranks 2 --loop
 	$(PY) benchmarks/bench_zero.py --gib 0.5 --repeat 5 --ranks 2 4
+	$(PY) benchmarks/bench_scale.py --mib 128 --rate-mib 8 --ranks 1 2 4 --repeat 3
 
 # gpu: on a machine with CUDA, every CUDA test (tests/test_gpu.py) and the GPU benchmarks in one call (<= 8 min),
 # one report (Markdown + JSON) in $GPU_REPORT_DIR (default gpu-report/). Without CUDA: one line, exit 0.

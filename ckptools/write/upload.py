@@ -10,8 +10,8 @@ the last at least 5 MiB, at most 10,000 parts), numbered in file order.
 1. Rank 0 creates the upload (`create`); the plan carries its id to every rank.
 2. Every rank computes the CRC-32 of each of its records (its local headers hold them), then
    uploads its parts, `PARTS_AT_ONCE` at a time, each built from the tensors' memory when its turn
-   comes (`write_parts`). Rank 0 holds back its last part: the central directory in it needs every
-   rank's CRC-32s.
+   comes (`write_parts`). Rank 0 holds back the file's last part (the records after the last
+   storage and the central directory, a few KiB): the directory needs every rank's CRC-32s.
 3. The CRC-32s reach rank 0 as for a local file (an all-gather, or the store for an async save);
    rank 0 uploads the last part, checks with ListParts that every planned part is there at its
    planned size, and completes the upload (`commit`): the object appears whole, at once. Any
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from ..codecs.torchzip import ZipPlan
-from ..collective.group import get_rank
+from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointError
 from ..storage import Location, resolve
 from .plan import MIN_PART, Plan, Share, host_bytes
@@ -49,28 +49,43 @@ PARTS_AT_ONCE = 4
 def part_ranges(plan: Plan, zplan: ZipPlan, world: int) -> list[tuple[int, int, int, int]]:
     """``(number, start, end, rank)`` of every part, in file order: each writing rank's range cut
     into parts of at least `PART_BYTES` (the last of a range takes the rest: never under
-    `MIN_PART` but for the file's last part, rank 0's)."""
+    `MIN_PART`), and the file's last part, rank 0's: the records after the last storage and the
+    central directory (the one part that waits for every rank's CRC-32s; with rank 0's records when
+    those are under `MIN_PART`)."""
     first: dict[int, int] = {}  # rank -> where its range starts
     writers = {share.key: share.writer for share in plan.shares}
+    last_storage = -1
     for index, (name, _) in enumerate(plan.records):
-        rank = writers.get(name.rsplit("/", 1)[1], 0) if "/data/" in name else 0
+        stored = _storage_key(name)
+        rank = writers.get(stored, 0) if stored is not None else 0
         first.setdefault(rank, zplan.header_offsets[index])
-    starts = sorted((start, rank) for rank, start in first.items())
-    size = max(PART_BYTES, math.ceil(plan.size / (MAX_PARTS - world)))
+        if stored is not None:
+            last_storage = index
+    tail = max(first[0], zplan.header_offsets[last_storage + 1])
+    ranges = sorted((start, rank) for rank, start in first.items())
+    ends = [start for start, _ in ranges[1:]] + [tail]
+    size = max(PART_BYTES, math.ceil(plan.size / (MAX_PARTS - world - 1)))
     parts: list[tuple[int, int, int, int]] = []
-    for (start, rank), (end, _) in zip(starts, [*starts[1:], (plan.size, -1)]):
-        count = max(1, (end - start) // size)
-        if rank != 0 and end - start < MIN_PART:
+    for (start, rank), end in zip(ranges, ends):
+        if rank == 0 and end - start < MIN_PART:
+            tail = start  # too little for a part of its own: it waits in the last part
+            continue
+        if end - start < MIN_PART:
             raise CheckpointError(f"internal: rank {rank}'s part of the upload is {end - start} bytes")
+        count = max(1, (end - start) // size)
         cuts = [start + (end - start) * i // count for i in range(count)] + [end]
         parts += [(len(parts) + 1 + i, a, b, rank) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
-    return parts
+    return [*parts, (len(parts) + 1, tail, plan.size, 0)]
+
+
+def _storage_key(name: str) -> str | None:
+    """A storage record's key (``archive/data/3``: ``"3"``), else None."""
+    folder, _, key = name.rpartition("/")
+    return key if folder.endswith("/data") and folder.count("/") == 1 and key.isdigit() else None
 
 
 def create(location: Location, plan: Plan) -> Plan:
     """Rank 0: start the multipart upload of ``location``; ``plan`` with its id and parts."""
-    from ..collective.group import get_world_size
-
     fs = location.fs
     bucket, key, _ = fs.split_path(location.path)
     plan.tmp = location.url
