@@ -13,7 +13,8 @@ from typing import Any
 
 # Argv: ROOT MODE DEVICES fresh|resume EPOCHS EVERY WORKERS SAMPLES DROPOUT SHUFFLE AUGMENT.
 # MODE: "lightning" (Lightning alone), "plugin" (its CheckpointIO is ckptools'), "exact" (the recipe:
-# ExactResume + ck.ResumableDataLoader, and the plugin), "exact-no-cuda-stream" (the recipe, with the
+# ExactResume + ck.ResumableDataLoader, and the plugin), "snapshots" (the recipe and NodeSnapshots, resumed
+# with ckpt_path="last"), "exact-no-cuda-stream" (the recipe, with the
 # CUDA stream left out of what ExactResume puts back: a control for the GPU test). The accelerator is
 # FIT_ACCELERATOR's (default "cpu"); FIT_SCHEDULE=onecycle: OneCycleLR per step, sized with
 # trainer.estimated_stepping_batches in configure_optimizers (Lightning's recipe), instead of StepLR per
@@ -26,7 +27,7 @@ from typing import Any
 FIT = """
 import json, os, sys, torch, pytorch_lightning as pl
 import ckptools as ck
-from ckptools.integrations.lightning import CkptoolsCheckpointIO, ExactResume
+from ckptools.integrations.lightning import CkptoolsCheckpointIO, ExactResume, NodeSnapshots
 
 root, mode, devices, resume = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4] == "resume"
 epochs, every, workers, samples, dropout, shuffle, augment = (int(a) for a in sys.argv[5:12])
@@ -82,7 +83,7 @@ class Net(pl.LightningModule):
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)]
 
     def train_dataloader(self):
-        if mode.startswith("exact"):
+        if mode.startswith("exact") or mode == "snapshots":
             return ck.ResumableDataLoader(Data(samples), batch_size=8, shuffle=bool(shuffle), seed=5,
                                           num_workers=workers)
         return torch.utils.data.DataLoader(Data(samples), batch_size=8, shuffle=bool(shuffle), num_workers=workers)
@@ -99,8 +100,10 @@ pl.seed_everything(3)
 model = Net()
 when = dict(every_n_train_steps=every) if every else dict(every_n_epochs=1)
 callbacks = [pl.callbacks.ModelCheckpoint(dirpath=root, save_last=True, **when)]
-if mode.startswith("exact"):
-    callbacks.insert(0, ExactResume() if mode == "exact" else NoCudaStream())
+if mode.startswith("exact") or mode == "snapshots":
+    callbacks.insert(0, NoCudaStream() if mode == "exact-no-cuda-stream" else ExactResume())
+if mode == "snapshots":  # the recipe, and a snapshot in node memory after every step (no budget: every one)
+    callbacks.append(NodeSnapshots(root, budget=None))
 trainer = pl.Trainer(
     default_root_dir=root, max_epochs=epochs, accelerator=os.environ.get("FIT_ACCELERATOR", "cpu"), devices=devices,
     strategy="ddp" if devices > 1 else "auto", plugins=[] if mode == "lightning" else [CkptoolsCheckpointIO()],
@@ -108,7 +111,10 @@ trainer = pl.Trainer(
     num_sanity_val_steps=1,
 )
 last = os.path.join(root, "last.ckpt")
-trainer.fit(model, ckpt_path=last if resume and os.path.exists(last) else None)
+if mode == "snapshots":  # the newest of the files and node memory
+    trainer.fit(model, ckpt_path="last" if resume else None)
+else:
+    trainer.fit(model, ckpt_path=last if resume and os.path.exists(last) else None)
 if trainer.global_rank == 0:
     torch.save(model.state_dict(), os.path.join(root, "final.pt"))
 """
@@ -125,11 +131,12 @@ def run_killed(
     final_devices: int | None = None,
     checkpoint: str = "last.ckpt",
     require_checkpoint: bool = False,
-) -> dict[str, Any]:
+    to_the_end: bool = True,
+) -> dict[str, Any] | None:
     """``script`` launched and SIGKILLed (every process of the launch, workers included) as rank 0
     reports each step of ``kills``, relaunched with ``resume`` whenever ``root/checkpoint`` exists,
-    then once more to the end (on ``final_devices`` processes if given); the final weights. What
-    launch N logged is moved to ``root/launch-N``.
+    then once more to the end (on ``final_devices`` processes if given; not with ``to_the_end=False``,
+    which returns None); the final weights. What launch N logged is moved to ``root/launch-N``.
 
     Raises:
         RuntimeError: a launch ended otherwise than killed (or, the last one, with 0), or, with
@@ -139,7 +146,7 @@ def run_killed(
 
     root = os.fspath(root)
     os.makedirs(root, exist_ok=True)
-    for n, kill in enumerate([*kills, None]):
+    for n, kill in enumerate([*kills, None] if to_the_end else kills):
         resume = os.path.exists(os.path.join(root, checkpoint))
         with open(os.path.join(root, "stderr.txt"), "a") as err:
             command = [sys.executable, os.fspath(script), root, mode,
@@ -163,7 +170,7 @@ def run_killed(
         for name in os.listdir(root):
             if name.endswith(".jsonl"):
                 os.rename(os.path.join(root, name), os.path.join(root, f"launch-{n}", name))
-    return torch.load(os.path.join(root, "final.pt"), weights_only=True)
+    return torch.load(os.path.join(root, "final.pt"), weights_only=True) if to_the_end else None
 
 
 def logged(root: Any, launch: int, name: str) -> list[Any]:

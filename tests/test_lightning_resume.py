@@ -277,3 +277,66 @@ def test_the_checkpoint_holds_every_ranks_streams_as_weights_only_types(tmp_path
     assert state["world_size"] == 1 and set(state["rng"][0]) >= {"python", "torch", "numpy"}
     (loader,) = saved["loops"]["fit_loop"]["state_dict"]["combined_loader"]
     assert loader["batches"] == 4 and loader["sampler"]["progress"] == 16
+
+
+# NodeSnapshots (issue 47): a snapshot in node memory after every step; ModelCheckpoint at each epoch's
+# end only (every=0), so a kill mid-epoch has no file newer than the epoch's start.
+_SNAPSHOTS = (3, 0, 0, 96, 1, 1, 0)
+
+
+@pytest.mark.slow  # Lightning launches: `make interop`
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("devices", [1, 2])
+def test_node_snapshots_resume_a_killed_fit_at_most_one_step_behind_bit_identical(tmp_path, devices):
+    """Killed (SIGKILL of the whole launch) right after a random mid-epoch step, relaunched with
+    ckpt_path="last": Lightning picks the newest snapshot in node memory over the epoch's last.ckpt,
+    resumes at most one step behind and ends bit-identical to an uninterrupted run."""
+    script = tmp_path / "fit.py"
+    script.write_text(FIT)
+    rng = random.Random(_seed())
+    per_epoch = 12 // devices  # 96 samples, batches of 8 on each rank
+    kill = rng.choice([s for s in range(per_epoch + 2, 3 * per_epoch - 1) if s % per_epoch not in (0, 1)])  # mid-epoch
+    straight = run_killed(script, tmp_path / "straight", "snapshots", devices, _SNAPSHOTS)
+    resumed = run_killed(script, tmp_path / "resumed", "snapshots", devices, _SNAPSHOTS, [kill], checkpoint=".")
+    assert same_tree(straight, resumed, key_order=False), f"killed at step {kill}"
+    first = logged(tmp_path / "resumed", 1, "seen")[0][0]  # the global step the relaunch trained first
+    assert kill - 1 <= first <= kill, (kill, first)
+
+
+@pytest.mark.slow  # make interop
+@pytest.mark.timeout(300)
+def test_node_snapshots_of_a_killed_fit_nobody_relaunches_become_a_checkpoint_load_from_checkpoint_reads(
+    tmp_path, monkeypatch
+):
+    """Killed mid-epoch and not relaunched: within the keeper's grace + 30 s the newest step is a file in
+    the ModelCheckpoint's folder, an ordinary Lightning checkpoint (load_from_checkpoint reads it), newer
+    than the epoch's last.ckpt, which is left as it was; node memory is released."""
+    import time
+
+    from ckptools.integrations.lightning_snapshots import PREFIX
+
+    monkeypatch.setenv("CKPTOOLS_KEEPER_GRACE", "2")
+    script, root = tmp_path / "fit.py", tmp_path / "run"
+    script.write_text(FIT)
+    kill = 17  # epoch 1's fifth step: last.ckpt holds step 12
+    run_killed(script, root, "snapshots", 1, _SNAPSHOTS, [kill], checkpoint=".", to_the_end=False)
+    last_ckpt = torch.load(root / "last.ckpt", weights_only=True)
+    memory = ck.CheckpointManager(root, prefix=PREFIX).snapshot_dir
+    deadline = time.monotonic() + 32
+    while os.path.exists(memory) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(memory), "node memory still held 32 s after the job was gone"
+    persisted = sorted(p.name for p in root.iterdir() if p.name.startswith(PREFIX))
+    assert len(persisted) == 1 and int(persisted[0][len(PREFIX) + 1 : -3]) in (kill - 1, kill), persisted
+
+    class Net(pl.LightningModule):  # the script's module, as a user would import it
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                           torch.nn.Linear(64, 2))  # fmt: skip
+
+    model = Net.load_from_checkpoint(root / persisted[0])
+    checkpoint = torch.load(root / persisted[0], weights_only=True)
+    assert checkpoint["global_step"] in (kill - 1, kill) and checkpoint["global_step"] > last_ckpt["global_step"]
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in checkpoint["state_dict"].items())
+    assert torch.load(root / "last.ckpt", weights_only=True)["global_step"] == last_ckpt["global_step"] == 12

@@ -41,8 +41,9 @@ from ..read_once import ReadAnotherWay, once_pays, read_once
 from ..storage import TMP_MARKER, Location, remove, resolve
 from ..write import BackgroundWriter, StagingBuffers, write_file
 from .lightning_resume import ExactResume
+from .lightning_snapshots import NodeSnapshots
 
-__all__ = ["AsyncCkptoolsCheckpointIO", "CkptoolsCheckpointIO", "ExactResume"]
+__all__ = ["AsyncCkptoolsCheckpointIO", "CkptoolsCheckpointIO", "ExactResume", "NodeSnapshots"]
 
 _BASES = []
 for _module in ("lightning_fabric.plugins.io.checkpoint_io", "lightning.fabric.plugins.io.checkpoint_io"):
