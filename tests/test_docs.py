@@ -95,6 +95,7 @@ def test_every_docstring_example_runs(tmp_path, monkeypatch, name):
         framework = {
             "ckptools.integrations.lightning": "pytorch_lightning",
             "ckptools.integrations.lightning_resume": "pytorch_lightning",
+            "ckptools.integrations.lightning_snapshots": "pytorch_lightning",
             "ckptools.integrations.transformers": "transformers",
         }[name]
         if importlib.util.find_spec(framework) is None:
