@@ -127,15 +127,15 @@ def test_the_api_reference_documents_every_public_name():
         assert f"::: {getattr(ck, name).__module__}.{name}\n" in text, name
     # The other public modules, the integrations: every name of their __all__ (read from the source,
     # so without their frameworks installed too), under the module users import it from.
-    # lightning_resume's names are imported from lightning (which re-exports them).
+    # lightning_resume's and lightning_snapshots' names are imported from lightning (which re-exports them).
     integrations = sorted((ROOT / "ckptools" / "integrations").glob("[a-z]*.py"))
-    assert [p.stem for p in integrations] == ["lightning", "lightning_resume", "transformers"]
+    assert [p.stem for p in integrations] == ["lightning", "lightning_resume", "lightning_snapshots", "transformers"]
     for source in integrations:
         tree = ast.parse(source.read_text(encoding="utf-8"))
         names = next(ast.literal_eval(node.value) for node in tree.body
                      if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "__all__")  # fmt: skip
         assert names, source
-        where = "lightning" if source.stem == "lightning_resume" else source.stem
+        where = "lightning" if source.stem in ("lightning_resume", "lightning_snapshots") else source.stem
         for name in names:
             assert f"::: ckptools.integrations.{where}.{name}\n" in text, (source.stem, name)
 

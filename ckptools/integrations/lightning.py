@@ -176,8 +176,8 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
         >>> trainer = Trainer(plugins=[AsyncCkptoolsCheckpointIO()])  # doctest: +SKIP
     """
 
-    def __init__(self, *, verify: bool = True, mmap: bool = True, trust_code: bool = False) -> None:
-        super().__init__(verify=verify, mmap=mmap, trust_code=trust_code)
+    def __init__(self, *, verify: bool = True, mmap: bool = True, trust_code: bool = False, read: str = "auto") -> None:
+        super().__init__(verify=verify, mmap=mmap, trust_code=trust_code, read=read)
         self._buffers = StagingBuffers()
         self._writer = BackgroundWriter("ckptools-lightning-save")
         _teach_lightning()

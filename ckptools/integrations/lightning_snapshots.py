@@ -23,7 +23,7 @@ from typing import Any
 from ..manager import CheckpointManager
 from ..node import watch
 
-__all__ = ["PREFIX", "NodeSnapshots"]
+__all__ = ["NodeSnapshots"]
 
 PREFIX = "last-snapshot"  # its snapshots' and persisted files' names: last-snapshot-0000000123.pt
 
