@@ -300,8 +300,11 @@ def test_node_snapshots_resume_a_killed_fit_at_most_one_step_behind_bit_identica
     straight = run_killed(script, tmp_path / "straight", "snapshots", devices, _SNAPSHOTS)
     resumed = run_killed(script, tmp_path / "resumed", "snapshots", devices, _SNAPSHOTS, [kill], checkpoint=".")
     assert same_tree(straight, resumed, key_order=False), f"killed at step {kill}"
-    first = logged(tmp_path / "resumed", 1, "seen")[0][0]  # the global step the relaunch trained first
-    assert kill - 1 <= first <= kill, (kill, first)
+    # At most one step behind the last step the killed launch trained (under load it may run a few steps
+    # past the one whose line made this process send the kill).
+    trained = max(row[0] for row in logged(tmp_path / "resumed", 0, "seen")) + 1
+    first = min(row[0] for row in logged(tmp_path / "resumed", 1, "seen"))  # the relaunch's first step
+    assert kill <= trained and trained - 2 <= first <= trained, (kill, trained, first)
 
 
 @pytest.mark.slow  # make interop
@@ -411,4 +414,6 @@ def test_a_fabric_loop_with_node_snapshots_resumes_at_most_one_step_behind_bit_i
     assert same_tree(straight, resumed, key_order=False), f"killed at step {kill}"
     said = (tmp_path / "resumed" / "stderr.txt").read_text()
     resumed_at = [int(n) for n in re.findall(r"resumed from step (\d+)", said)]
-    assert len(resumed_at) == 1 and kill - 1 <= resumed_at[0] <= kill, (kill, resumed_at, said[-2000:])
+    # The snapshot of the step before the kill's was committed before that step's line (the next snapshot
+    # waits for it); under load the launch may have run on past it, never resumed from before it.
+    assert len(resumed_at) == 1 and kill - 1 <= resumed_at[0], (kill, resumed_at, said[-2000:])
