@@ -25,7 +25,7 @@ from typing import Any
 # seen-RANK.jsonl and [step, epoch, lr] of every validation to validated-RANK.jsonl; rank 0 saves
 # the final weights to final.pt.
 FIT = """
-import json, os, sys, torch, pytorch_lightning as pl
+import json, os, sys, time, torch, pytorch_lightning as pl
 import ckptools as ck
 from ckptools.integrations.lightning import CkptoolsCheckpointIO, ExactResume, NodeSnapshots
 
@@ -94,6 +94,12 @@ class Net(pl.LightningModule):
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_rank == 0:
             print("step", self.global_step, flush=True)
+            # FIT_PAUSE_AT=K: the first launch to reach step K waits there to be killed (a kill exactly
+            # after step K, whatever the harness's lag in reading this output under load).
+            marker = os.path.join(root, "paused")
+            if self.global_step == int(os.environ.get("FIT_PAUSE_AT", "0")) and not os.path.exists(marker):
+                open(marker, "w").close()
+                time.sleep(600)
 
 
 pl.seed_everything(3)
