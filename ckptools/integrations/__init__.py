@@ -7,9 +7,30 @@
 
 from __future__ import annotations
 
+import importlib
 import re
+from typing import Any
 
-__all__ = ["installed", "release_numbers"]
+__all__ = ["NEEDS_LIGHTNING", "installed", "lightning_classes", "release_numbers"]
+
+NEEDS_LIGHTNING = "ckptools.integrations.lightning needs Lightning: pip install pytorch-lightning (or lightning)"
+
+
+def lightning_classes(name: str, *modules: str) -> list[Any]:
+    """The class ``name`` of each of ``modules`` that imports: one per Lightning installed (the
+    standalone packages, the unified ``lightning``), the first the base of ckptools' own.
+
+    Examples:
+        >>> lightning_classes("Callback", "no_such_lightning.callbacks")
+        []
+    """
+    found = []
+    for module in modules:
+        try:
+            found.append(getattr(importlib.import_module(module), name))
+        except ImportError:
+            continue
+    return found
 
 
 def release_numbers(version: str) -> tuple[int, ...]:

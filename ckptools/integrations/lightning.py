@@ -40,19 +40,17 @@ from ..leftovers import abandoned_tmps
 from ..read_once import ReadAnotherWay, once_pays, read_once
 from ..storage import TMP_MARKER, Location, remove, resolve
 from ..write import BackgroundWriter, StagingBuffers, write_file
+from . import NEEDS_LIGHTNING, lightning_classes
 from .lightning_resume import ExactResume
 from .lightning_snapshots import NodeSnapshots
 
 __all__ = ["AsyncCkptoolsCheckpointIO", "CkptoolsCheckpointIO", "ExactResume", "NodeSnapshots"]
 
-_BASES = []
-for _module in ("lightning_fabric.plugins.io.checkpoint_io", "lightning.fabric.plugins.io.checkpoint_io"):
-    try:
-        _BASES.append(importlib.import_module(_module).CheckpointIO)
-    except ImportError:
-        continue
+_BASES = lightning_classes(
+    "CheckpointIO", "lightning_fabric.plugins.io.checkpoint_io", "lightning.fabric.plugins.io.checkpoint_io"
+)
 if not _BASES:
-    raise ImportError("ckptools.integrations.lightning needs Lightning: pip install pytorch-lightning (or lightning)")
+    raise ImportError(NEEDS_LIGHTNING)
 
 
 class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  # an ABC from a list: Any to mypy

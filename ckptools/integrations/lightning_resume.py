@@ -37,21 +37,16 @@ from ..collective.group import all_gather_object, get_world_size
 from ..errors import CheckpointError
 from ..restoring import restore_rank_rng
 from ..training.loader import ResumableDataLoader
-from . import installed, release_numbers
+from . import NEEDS_LIGHTNING, installed, lightning_classes, release_numbers
 
 __all__ = ["ExactResume"]
 
-_CALLBACKS: list[type] = []
-for _module in ("pytorch_lightning.callbacks", "lightning.pytorch.callbacks"):
-    try:
-        _CALLBACKS.append(importlib.import_module(_module).Callback)
-    except ImportError:
-        continue
+_CALLBACKS = lightning_classes("Callback", "pytorch_lightning.callbacks", "lightning.pytorch.callbacks")
 # Fabric alone (lightning_fabric without the Trainer) needs no base: fabric.save and fabric.load
 # take any object with state_dict and load_state_dict.
 _BASE: type = _CALLBACKS[0] if _CALLBACKS else object
 if not _CALLBACKS and not any(importlib.util.find_spec(name) for name in ("lightning_fabric", "lightning")):
-    raise ImportError("ckptools.integrations.lightning needs Lightning: pip install pytorch-lightning (or lightning)")
+    raise ImportError(NEEDS_LIGHTNING)
 
 # The oldest Lightning whose resumes ExactResume makes exact, measured: with 2.4.0 the killed-and-
 # resumed fits of tests/test_lightning_resume.py end with other weights than the uninterrupted one;

@@ -16,25 +16,20 @@ an exception (the newest snapshot is a step old at most) and removes nothing at 
 
 from __future__ import annotations
 
-import importlib
 import os
 from typing import Any
 
 from ..manager import CheckpointManager
 from ..node import watch
+from . import NEEDS_LIGHTNING, lightning_classes
 
 __all__ = ["NodeSnapshots"]
 
 PREFIX = "last-snapshot"  # its snapshots' and persisted files' names: last-snapshot-0000000123.pt
 
-_BASES = []
-for _module in ("pytorch_lightning.callbacks", "lightning.pytorch.callbacks"):
-    try:
-        _BASES.append(importlib.import_module(_module).OnExceptionCheckpoint)
-    except ImportError:
-        continue
+_BASES = lightning_classes("OnExceptionCheckpoint", "pytorch_lightning.callbacks", "lightning.pytorch.callbacks")
 if not _BASES:
-    raise ImportError("ckptools.integrations.lightning needs Lightning: pip install pytorch-lightning (or lightning)")
+    raise ImportError(NEEDS_LIGHTNING)
 
 
 class NodeSnapshots(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  # a class from a list: Any to mypy
