@@ -29,26 +29,21 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .codecs.torchzip import ZipPlan
+from .codecs.torchzip import ZipPlan, storage_key
 from .errors import CheckpointFormatError
 from .layouts import damaged_record
-from .storage import Location, report_progress, resolve
+from .storage import RANGE_BYTES, RANGES_AT_ONCE, Location, ranged_reads, report_progress, resolve
 
-__all__ = ["RANGES_AT_ONCE", "RemoteZip", "Unranged", "reads_in_ranges"]
+__all__ = ["RemoteZip", "Unranged", "reads_in_ranges"]
 
-# Ranged GETs of at most 16 MiB, 8 in flight per rank (an object store serves each connection a
-# fraction of what it serves to several).
-RANGE_BYTES = 16 << 20
-RANGES_AT_ONCE = 8
+# Ranged GETs of at most RANGE_BYTES, RANGES_AT_ONCE in flight per rank: storage's, as for every remote read.
 _TAIL = 1 << 16  # the end of the object read first: the end record and, mostly, the directory
 
 
 def reads_in_ranges(location: Location) -> bool:
     """Whether ``location`` is a remote file on a filesystem that makes ranged reads concurrently
     (fsspec's async ones: s3fs, gcsfs, adlfs, HTTP)."""
-    from fsspec.asyn import AsyncFileSystem
-
-    return not location.local and isinstance(location.fs, AsyncFileSystem)
+    return not location.local and ranged_reads(location.fs)
 
 
 class _Ranges(io.RawIOBase):
@@ -112,7 +107,7 @@ class RemoteZip:
         self.records: dict[str, tuple[int, int, int, int]] = {}
         for info, end in zip(infos, ends):
             self.records[info.filename] = (info.header_offset, end - info.file_size, info.file_size, info.CRC)
-        names = [name for name in self.records if "/data/" not in name or not name.rsplit("/", 1)[1].isdigit()]
+        names = [name for name in self.records if storage_key(name) is None]
         try:
             self.small = dict(zip(names, self._fetch(names)))
         except CheckpointFormatError as err:  # a header elsewhere than where the layout puts it

@@ -261,6 +261,17 @@ ALIGN = 64  # torch aligns every record's data on 64 bytes (mmap needs it)
 _LIMIT = 0xFFFFFFFF
 
 
+def storage_key(name: str) -> str | None:
+    """The key of a storage's record (``archive/data/3``: ``"3"``), or None for any other record.
+
+    Examples:
+        >>> [storage_key(n) for n in ("archive/data/3", "archive/.data/serialization_id", "archive/data.pkl")]
+        ['3', None, None]
+    """
+    folder, _, key = name.rpartition("/")
+    return key if folder.endswith("/data") and folder.count("/") == 1 and key.isdigit() else None
+
+
 def local_header(name: str, size: int, crc: int, offset: int, *, force_zip64: bool = False) -> bytes:
     """The local header of a stored record that starts at ``offset``, padded so that its data
     starts on a 64-byte boundary; its length does not depend on ``crc`` (planned layouts)."""

@@ -13,7 +13,8 @@ from typing import IO, Any
 from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
 from .paths import PathLike, fspath, get_filesystem, is_local
 
-__all__ = ["copy_range", "crc32_range", "open_for_read", "progress_hook", "report_progress"]
+__all__ = ["RANGES_AT_ONCE", "RANGE_BYTES", "copy_range", "crc32_range", "open_for_read", "progress_hook",
+           "ranged_reads", "report_progress"]  # fmt: skip
 
 _CHUNK = 64 << 20
 
@@ -57,12 +58,18 @@ RANGE_BYTES = 16 << 20
 RANGES_AT_ONCE = 8
 
 
-def _fetch(fs: Any, fpath: str) -> bytes:
-    """A remote file's bytes: one GET, or parallel ranged GETs where the filesystem makes them
-    concurrently (fsspec's async filesystems: s3fs, gcsfs, adlfs, HTTP)."""
+def ranged_reads(fs: Any) -> bool:
+    """Whether ``fs`` makes ranged reads concurrently (fsspec's async filesystems: s3fs, gcsfs,
+    adlfs, HTTP)."""
     from fsspec.asyn import AsyncFileSystem
 
-    if not isinstance(fs, AsyncFileSystem):
+    return isinstance(fs, AsyncFileSystem)
+
+
+def _fetch(fs: Any, fpath: str) -> bytes:
+    """A remote file's bytes: one GET, or parallel ranged GETs where the filesystem makes them
+    concurrently (`ranged_reads`)."""
+    if not ranged_reads(fs):
         return fs.cat_file(fpath)  # type: ignore[no-any-return]
     size = int(fs.size(fpath))
     if size <= RANGE_BYTES:

@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from ..codecs.torchzip import ZipPlan
+from ..codecs.torchzip import ZipPlan, storage_key
 from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointError
 from ..storage import Location, resolve
-from .plan import MIN_PART, Plan, Share, host_bytes
+from .plan import MIN_PART, PREFIX, Plan, Share, host_bytes
 
 __all__ = ["PARTS_AT_ONCE", "commit", "create", "discard", "part_ranges", "write_parts"]
 
@@ -56,7 +56,7 @@ def part_ranges(plan: Plan, zplan: ZipPlan, world: int) -> list[tuple[int, int, 
     writers = {share.key: share.writer for share in plan.shares}
     last_storage = -1
     for index, (name, _) in enumerate(plan.records):
-        stored = _storage_key(name)
+        stored = storage_key(name)
         rank = writers.get(stored, 0) if stored is not None else 0
         first.setdefault(rank, zplan.header_offsets[index])
         if stored is not None:
@@ -76,12 +76,6 @@ def part_ranges(plan: Plan, zplan: ZipPlan, world: int) -> list[tuple[int, int, 
         cuts = [start + (end - start) * i // count for i in range(count)] + [end]
         parts += [(len(parts) + 1 + i, a, b, rank) for i, (a, b) in enumerate(zip(cuts, cuts[1:]))]
     return [*parts, (len(parts) + 1, tail, plan.size, 0)]
-
-
-def _storage_key(name: str) -> str | None:
-    """A storage record's key (``archive/data/3``: ``"3"``), else None."""
-    folder, _, key = name.rpartition("/")
-    return key if folder.endswith("/data") and folder.count("/") == 1 and key.isdigit() else None
 
 
 def create(location: Location, plan: Plan) -> Plan:
@@ -122,22 +116,23 @@ class _Pieces:
 
 def _pieces(
     plan: Plan, zplan: ZipPlan, chunks: list[tuple[Share, torch.UntypedStorage]]
-) -> tuple[_Pieces, dict[str, int]]:
-    """This rank's records as pieces, and the CRC-32 of each of its storages by key."""
+) -> tuple[_Pieces, dict[str, int], dict[int, int]]:
+    """This rank's records as pieces, the CRC-32 of each of its storages by key, and of each of its
+    small records (rank 0's) by record."""
     index = {name: i for i, (name, _) in enumerate(plan.records)}
     crcs: dict[str, int] = {}
     found: list[tuple[int, Any, int]] = []  # (record, data, crc)
     for share, storage in chunks:
         data = host_bytes(storage)  # a GPU storage: its host copy, held until the parts are sent
         crcs[share.key] = zlib.crc32(data)
-        found.append((index[f"archive/data/{share.key}"], data, crcs[share.key]))
-    for record, small in plan.small.items():
-        found.append((record, small, zlib.crc32(small)))
+        found.append((index[f"{PREFIX}data/{share.key}"], data, crcs[share.key]))
+    small_crcs = {record: zlib.crc32(small) for record, small in plan.small.items()}
+    found += [(record, small, small_crcs[record]) for record, small in plan.small.items()]
     pieces = _Pieces()
     for record, data, crc in sorted(found, key=lambda item: item[0]):
         pieces.add(zplan.header_offsets[record], zplan.header(record, crc))
         pieces.add(zplan.data_offsets[record], data)
-    return pieces, crcs
+    return pieces, crcs, small_crcs
 
 
 def _send(location: Location, plan: Plan, parts: list[tuple[int, int, int, int]], pieces: _Pieces) -> None:
@@ -166,11 +161,11 @@ def write_parts(plan: Plan, chunks: list[tuple[Share, torch.UntypedStorage]]) ->
     location = resolve(plan.tmp)
     zplan = ZipPlan(plan.records, force_zip64=plan.force_zip64)
     rank = get_rank()
-    pieces, crcs = _pieces(plan, zplan, chunks)
+    pieces, crcs, small_crcs = _pieces(plan, zplan, chunks)
     mine = [part for part in plan.parts if part[3] == rank and part[0] != len(plan.parts)]
     _send(location, plan, mine, pieces)
     if rank == 0:
-        plan.held = pieces  # the commit sends the last part from them
+        plan.held = (pieces, small_crcs)  # the commit sends the last part from them
     return crcs
 
 
@@ -178,9 +173,9 @@ def commit(plan: Plan, location: Location, crcs: dict[str, int]) -> int:
     """Rank 0, after `write_parts`: upload the last part (rank 0's last records and the central
     directory), check that every planned part is there, complete the upload. Returns the size."""
     zplan = ZipPlan(plan.records, force_zip64=plan.force_zip64)
-    by_key = {f"archive/data/{k}": c for k, c in crcs.items()}
-    every = [zlib.crc32(plan.small[i]) if i in plan.small else by_key[name] for i, (name, _) in enumerate(plan.records)]
-    pieces = plan.held  # rank 0's records as write_parts sent them (an async save's staged copies)
+    pieces, small_crcs = plan.held  # rank 0's records as write_parts sent them (an async save's staged copies)
+    by_key = {f"{PREFIX}data/{k}": c for k, c in crcs.items()}
+    every = [small_crcs[i] if i in plan.small else by_key[name] for i, (name, _) in enumerate(plan.records)]
     pieces.add(zplan.directory_offset, zplan.directory(every))
     _send(location, plan, plan.parts[-1:], pieces)
     fs = location.fs
