@@ -8,7 +8,8 @@ rank that writes the snapshots, and its torchrun agent when there is one). While
 lives (or a relaunch registers new ones), it does nothing. Once all are gone for ``--grace``
 seconds (a torchrun restart re-registers well within it), it:
 
-1. takes the newest snapshot whose every record's CRC-32 matches;
+1. takes the newest snapshot whose every record's CRC-32 matches (one whose every rank had copied
+   it whole when the job died, but whose commit had not run yet, is sealed first: `ckptools.sealing`);
 2. copies it into the manager's folder under the name `save` would have given it (atomically:
    a temporary name and a rename, or one multipart upload on S3), when it is newer than every
    checkpoint there; then prunes to ``keep_last`` as the manager would;
@@ -30,6 +31,7 @@ import sys
 import time
 from typing import IO
 
+from . import sealing
 from .errors import CheckpointError
 from .layouts import verify_torch_file
 from .leftovers import pid_alive
@@ -63,6 +65,7 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
               f"{folder} are released", file=sys.stderr, flush=True)  # fmt: skip
         return None
     pattern = checkpoint_names(prefix)
+    sealing.seal(folder, pattern, warn=lambda text: print(f"ckptools keeper: {text}", file=sys.stderr, flush=True))
     snapshots = sorted((int(m.group(1)), n) for n in os.listdir(folder) if (m := pattern.fullmatch(n)))
     durable = sorted((int(m.group(1)), n) for n in list_files(directory) if (m := pattern.fullmatch(n)))
     newest = durable[-1][0] if durable else -1

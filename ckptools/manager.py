@@ -425,7 +425,7 @@ class CheckpointManager:
             found = memory._committed_snapshot()
             return None if found is None else self._step_of(found)
 
-        nodes = survey_nodes(self.snapshot_dir, newest_snapshot)
+        nodes = survey_nodes(self.snapshot_dir, newest_snapshot, self._pattern)
         chosen = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(
             lambda: self._choose_unless_removed(nodes.newest), send=True
         )

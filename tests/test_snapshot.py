@@ -133,6 +133,51 @@ def test_a_snapshot_that_fails_midway_leaves_the_previous_one_whole(tmp_path, mo
     assert _files(manager.snapshot_dir) == ["ckpt-0000000005.pt"]
 
 
+def test_a_whole_copy_whose_commit_failed_is_sealed_at_restore_and_a_partial_one_never(tmp_path, monkeypatch):
+    """Every rank's copy is whole and the commit did not happen (a kill, or here a failure, during
+    its CRC-32s): the restore seals that step and resumes from it. A copy some rank did not finish,
+    or a damaged slot, is never sealed: the committed snapshot before it is taken (ckptools.sealing)."""
+    from ckptools import sealing
+    from ckptools.node import finish_snapshot, settle
+
+    manager = _manager(tmp_path)
+    manager.snapshot({**_state(5.0), "step": 5}, 5, blocking=True)
+
+    def fails(*_):
+        raise OSError("killed during the CRC-32s")
+
+    monkeypatch.setattr(node_snapshot, "crc32s", fails)
+    copied = _state(6.0)
+    manager.snapshot({**copied, "step": 6}, 6)  # copied whole; its commit fails in the background
+    settle(manager.snapshot_dir)  # the commit thread ran (and failed) before the CRC-32s come back
+    monkeypatch.undo()
+    with pytest.raises(ck.CheckpointError, match="not committed.*killed during the CRC-32s"):
+        finish_snapshot(manager.snapshot_dir)  # the failure is said first, on every rank
+    memory = manager.snapshot_dir
+    (record,) = [n for n in os.listdir(memory) if n.endswith(sealing.COPIES)]
+    slot = os.path.join(memory, record[: -len(sealing.COPIES)])
+    with open(slot, "rb") as f:
+        before = f.read()
+    names = ck.keeper.checkpoint_names("ckpt")
+    with open(slot + sealing.COPIES, "r+b") as f:
+        f.write(b"\x00")  # as if rank 0 had not finished its copy
+    assert sealing.seal(memory, names) is None
+    with open(slot + sealing.COPIES, "r+b") as f:
+        f.write(b"\x01")
+    with open(slot, "r+b") as f:
+        f.truncate(len(before) - 10)  # the end records cut: not a container any more
+    said = []
+    assert sealing.seal(memory, names, warn=said.append) is None
+    assert "ckpt-0000000006.pt" in said[0] and "could not be sealed" in said[0], said
+    with open(slot, "wb") as f:
+        f.write(before)
+    target = _state(0.0)
+    assert manager.restore(target)["step"] == 6  # sealed first
+    assert torch.equal(target["model"].weight, copied["model"].weight)
+    assert "every record" in ck.verify(os.path.join(memory, "ckpt-0000000006.pt"))  # every CRC-32 right
+    assert not any(n.endswith(sealing.COPIES) for n in os.listdir(memory))
+
+
 def test_too_small_a_memory_folder_is_a_clear_error_before_anything_is_written(tmp_path):
     folder = tmp_path / "small-shm"
     folder.mkdir()

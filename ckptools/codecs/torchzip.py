@@ -67,7 +67,7 @@ class TorchZip:
         f.seek(0)
         with zipfile.ZipFile(f) as archive:
             self.infos = archive.infolist()
-            directory_at = archive.start_dir
+            directory_at = self.directory_at = archive.start_dir
         names = [info.filename for info in self.infos]
         if any(name.endswith("/constants.pkl") for name in names):  # torch's own test for TorchScript
             raise CheckpointLayoutError(

@@ -19,7 +19,7 @@ from collections import OrderedDict
 
 import torch
 
-from .. import log
+from .. import log, sealing
 from ..errors import CheckpointError, NodeMemoryError
 from ..keeper import checkpoint_names
 from ..storage import tmp_name
@@ -125,6 +125,7 @@ class Slots:
                 self.spares[folder] = spare  # still this node's spare: a later, smaller state reuses it
             raise
         path = spare or os.path.join(folder, tmp_name(f"{prefix}-{SLOT}"))
+        sealing.forget(path)  # what it held is overwritten now: never sealed again
         _allocate(path, size, folder)
         self.ours.add(_inode(path))
         return path
@@ -151,6 +152,7 @@ class Slots:
             self.mapped.pop(key).close()
         spare = self.spares.pop(folder, None)
         if spare is not None:
+            sealing.forget(spare)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(spare)
 

@@ -13,8 +13,9 @@ a relaunch finds one on every node that survived:
   from rank 0 (one broadcast on the CPU-side group, usually small).
 - **The stall is the copy** into the spare slot (`ckptools.node.slots`): `write_snapshot` returns
   once this rank's copy is whole. **The commit follows** in the background
-  (`ckptools.node.commits`); the snapshot counts from its rename, and a kill before it leaves the
-  previous snapshot whole.
+  (`ckptools.node.commits`). The step counts once every rank's copy is whole: a kill before the
+  commit leaves the copy to be sealed by the relaunch's restore or the keeper (`ckptools.sealing`),
+  and a kill during a copy leaves the previous snapshot whole.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .. import log
+from .. import log, sealing
 from ..collective import agree
 from ..collective.agree import Agreement, RankFailure, first_failure, outcome_of
 from ..collective.group import all_gather_object, broadcast_bytes, get_rank, launcher_gone
@@ -48,6 +49,7 @@ from ..write import (
     opening,
     report_share,
     whole_storage,
+    write_directory,
 )
 from ..zero import has_partitions, refusal, with_partitions
 from .commits import COMMITS, crc32s, finish_snapshot
@@ -140,6 +142,7 @@ def write_snapshot(
             if prepare is not None:
                 prepare()
             slot = SLOTS.prepare(folder, prefix, plan.size)
+            sealing.begin(slot, name, len(node))  # before any copy into it
         storages = locate(plan, state, plan.mine())
     except Exception as err:  # noqa: BLE001 - raised on every rank below
         error = err
@@ -156,6 +159,9 @@ def write_snapshot(
     copy_error: BaseException | None = None
     try:
         _copy(mapped, mine, storages)
+        if rank == leader:  # the container, CRC-32s of storages as 0: a kill before the commit leaves it sealable
+            write_directory(plan, None)
+        sealing.copied(plan.tmp, node.index(rank))  # from here this step survives a kill (ckptools.sealing)
     except Exception as err:  # noqa: BLE001 - reported to the leader: the snapshot does not count
         copy_error = err
     if orphaned:  # the job's last snapshot: committed here, without the store, then every rank leaves
@@ -178,6 +184,7 @@ def write_snapshot(
             if text is not None:
                 raise RankFailure(text)
             commit_zip(plan, location, {k: v for reply in replies for k, v in reply[1].items()})
+            sealing.forget(plan.tmp)
         except BaseException:
             SLOTS.keep_spare(folder, plan.tmp)  # not committed: still this node's spare slot
             raise
@@ -215,6 +222,7 @@ def _commit_orphaned(
             if failed:
                 raise RankFailure(failed[0][1])
             commit_zip(plan, location, crc32s(mapped, plan.shares))
+            sealing.forget(plan.tmp)
             SLOTS.recycle(folder, prefix, path)
         except Exception as err:  # noqa: BLE001 - raised on every rank below, in Orphaned's words
             error = err

@@ -4,11 +4,12 @@ brought to the nodes that lack it (`transfer.send_file`)."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import log
+from .. import log, sealing
 from ..collective.group import all_gather_object, get_rank
 from .folder import group_nodes, node_token, register, watch
 from .transfer import send_file
@@ -45,9 +46,10 @@ class Survey:
             send_file(path, source, get_rank() in lacking)
 
 
-def survey_nodes(folder: str, newest_step: Callable[[], int | None]) -> Survey:
+def survey_nodes(folder: str, newest_step: Callable[[], int | None], names: re.Pattern[str]) -> Survey:
     """Collective: the nodes (ranks sharing ``folder``) and each one's newest snapshot, as its
-    lowest rank finds it with ``newest_step``."""
+    lowest rank finds it with ``newest_step`` once it sealed a snapshot copied whole whose commit a
+    kill cut short (`ckptools.sealing`; ``names``: the snapshots' file names)."""
     rank = get_rank()
     # Whether this node had a folder before anything here made one: asked of every rank before
     # any rank makes it (for the node token), or a rank could see its peer's.
@@ -56,6 +58,8 @@ def survey_nodes(folder: str, newest_step: Callable[[], int | None]) -> Survey:
         watch(folder)  # first: the keeper of a job that died must not release it now
     nodes = group_nodes(all_gather_object(node_token(folder)))
     leaders = [ranks[0] for ranks in nodes]
+    if rank in leaders:
+        sealing.seal(folder, names, warn=lambda text: log.warn(text, all_ranks=True))
     steps = all_gather_object(newest_step() if rank in leaders else None)
     node = next(ranks for ranks in nodes if rank in ranks)
     return Survey(folder, nodes, [steps[leader] for leader in leaders], not any(existed[r] for r in node))

@@ -44,7 +44,7 @@ from .shares import (
 from .staging import StagingBuffers, copy_bytes, whole_storage
 from .writer_thread import BackgroundWriter
 from .zip_writer import commit as commit_zip
-from .zip_writer import write_alone
+from .zip_writer import write_alone, write_directory
 
 __all__ = [
     "AsyncSave",
@@ -76,6 +76,7 @@ __all__ = [
     "whole_storage",
     "write_alone",
     "write_and_commit",
+    "write_directory",
     "write_file",
     "write_share_in_background",
 ]

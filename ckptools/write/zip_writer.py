@@ -2,9 +2,10 @@
 
 `create_tmp` makes the temporary file at its full size (a token at its start, for the other
 ranks to check they see it); `write_shares` puts storages' bytes at their offsets with one
-``pwrite`` each and fsyncs; `commit` writes the headers, small records and central directory and
-publishes the file (`ckptools.storage.publish`). `write_alone` is all of it on one rank: the
-file ``torch.save`` would write, each storage written straight from the tensor's memory.
+``pwrite`` each and fsyncs; `commit` writes the headers, small records and central directory
+(`write_directory`) and publishes the file (`ckptools.storage.publish`). `write_alone` is all of
+it on one rank: the file ``torch.save`` would write, each storage written straight from the
+tensor's memory.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ..storage import Location, local_target, publish, tmp_name
 from . import upload
 from .plan import PREFIX, TOKEN_BYTES, Plan, Share, host_bytes, make_plan
 
-__all__ = ["commit", "create_tmp", "discard", "write_alone", "write_shares"]
+__all__ = ["commit", "create_tmp", "discard", "write_alone", "write_directory", "write_shares"]
 
 
 def create_tmp(location: Location, plan: Plan) -> Plan:
@@ -110,24 +111,33 @@ def commit(plan: Plan, location: Location, crcs: dict[str, int]) -> int:
     """
     if plan.upload:
         return upload.commit(plan, location, crcs)
+    size = write_directory(plan, crcs, sync=True)
+    # The temporary file already sits in the target directory: nothing is resolved again.
+    publish(plan.tmp, os.path.dirname(plan.tmp), location.name)
+    return size
+
+
+def write_directory(plan: Plan, crcs: Mapping[str, int] | None, *, sync: bool = False) -> int:
+    """Write the local headers, small records and central directory into ``plan.tmp`` (a local
+    file); the file's size. ``crcs``: each storage's CRC-32 by key, or None to write them as 0 (a
+    snapshot's slot, sealed later: `ckptools.sealing`). ``sync``: fsync the file."""
     zplan = ZipPlan(plan.records, force_zip64=plan.force_zip64)
-    by_key = {f"{PREFIX}data/{k}": c for k, c in crcs.items()}
+    by_key = {f"{PREFIX}data/{k}": c for k, c in (crcs or {}).items()}
     all_crcs = []
     fd = os.open(plan.tmp, os.O_WRONLY)
     try:
         for index, (name, _) in enumerate(plan.records):
             data = plan.small.get(index)
-            crc = zlib.crc32(data) if data is not None else by_key[name]
+            crc = zlib.crc32(data) if data is not None else by_key[name] if crcs is not None else 0
             all_crcs.append(crc)
             _pwrite_all(fd, memoryview(zplan.header(index, crc)), zplan.header_offsets[index])
             if data is not None:
                 _pwrite_all(fd, memoryview(data), zplan.data_offsets[index])
         _pwrite_all(fd, memoryview(zplan.directory(all_crcs)), zplan.directory_offset)
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
-    # The temporary file already sits in the target directory: nothing is resolved again.
-    publish(plan.tmp, os.path.dirname(plan.tmp), location.name)
     return zplan.size
 
 
