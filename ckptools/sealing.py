@@ -80,17 +80,18 @@ def seal(folder: str, names: re.Pattern[str], warn: Callable[[str], None] | None
     and left as it is (the committed snapshot before it stays the newest).
     """
     for _, slot, name in sealable(folder, names):
+        target = os.path.join(folder, name)
         try:
             _fill_crcs(slot)
-            os.rename(slot, os.path.join(folder, name))
-        except FileNotFoundError:  # sealed meanwhile by another (a relaunch, or the keeper)
-            pass
+            os.rename(slot, target)
         except (CheckpointError, OSError, ValueError, struct.error) as err:
-            if warn is not None:
-                warn(f"the snapshot {name} in {folder} was copied whole but could not be sealed: {err}")
-            continue
+            # Sealed meanwhile by another (a relaunch's other local rank, or the keeper): the same bytes.
+            if not (os.path.exists(target) and not os.path.exists(slot)):
+                if warn is not None:
+                    warn(f"the snapshot {name} in {folder} was copied whole but could not be sealed: {err}")
+                continue
         forget(slot)
-        return os.path.join(folder, name)
+        return target
     return None
 
 

@@ -621,3 +621,32 @@ def test_the_plugin_reads_a_checkpoint_every_rank_loads_once_between_them(tmp_pa
     assert all(r["asked"] <= size / 2 + (1 << 20) for r in once) and sum(r["asked"] for r in once) >= size, once
     each = run_ranks(_plugin_loads, 2, path, "auto")  # one node, a local file: every rank reads it (page cache)
     assert all(r["same"] and r["asked"] >= size for r in each), (each, size)
+
+
+def test_node_snapshots_offer_a_copy_whose_commit_a_kill_cut_short(tmp_path, monkeypatch):
+    """A snapshot every rank copied whole, its commit cut short (here: failed in its CRC-32s; a kill -9
+    at that moment leaves the same): ckpt_path="last" is that step, sealed, and torch reads it."""
+    from ckptools.integrations.lightning import NodeSnapshots
+    from ckptools.node import finish_snapshot, settle
+    from ckptools.node import snapshot as node_snapshot
+
+    snapshots = NodeSnapshots(tmp_path / "run", budget=None)
+    memory = snapshots.manager.snapshot_dir
+    try:
+        snapshots.manager.snapshot({"state_dict": {"w": torch.full((4,), 3.0)}, "global_step": 3}, 3, blocking=True)
+
+        def fails(*_):
+            raise OSError("killed during the CRC-32s")
+
+        monkeypatch.setattr(node_snapshot, "crc32s", fails)
+        snapshots.manager.snapshot({"state_dict": {"w": torch.full((4,), 4.0)}, "global_step": 4}, 4)
+        settle(memory)
+        monkeypatch.undo()
+        with pytest.raises(ck.CheckpointError, match="killed during the CRC-32s"):
+            finish_snapshot(memory)
+        assert os.path.basename(snapshots.ckpt_path) == "last-snapshot-0000000004.pt"
+        assert torch.load(snapshots.ckpt_path, weights_only=True)["global_step"] == 4
+        assert "every record" in ck.verify(snapshots.ckpt_path)
+    finally:
+        snapshots.manager.close()
+        shutil.rmtree(memory, ignore_errors=True)

@@ -6,12 +6,13 @@ stall, the commit in the background, the keeper), and offers the newest one to
 How a relaunch finds it: Lightning resolves ``ckpt_path="last"`` to the newest (by modification time)
 of every ``ModelCheckpoint``'s ``last*.ckpt`` and every ``OnExceptionCheckpoint``'s ``ckpt_path``,
 before any hook runs. `NodeSnapshots` is an ``OnExceptionCheckpoint`` whose ``ckpt_path`` is the
-newest committed snapshot in this node's memory, or, once the keeper persisted it (the job died and
-nobody relaunched within its grace), the file it wrote into ``dirpath``
-(``last-snapshot-0000000123.pt``: an ordinary Lightning checkpoint that ``load_from_checkpoint``
-reads). Like every ``OnExceptionCheckpoint``, it makes ``trainer.fit(model)`` without ``ckpt_path``
-resume from ``"last"`` too (Lightning's rule for fault-tolerant checkpoints). It writes nothing on
-an exception (the newest snapshot is a step old at most) and removes nothing at teardown.
+newest snapshot in this node's memory (committed, or copied whole by every rank and then sealed:
+`ckptools.sealing`), or, once the keeper persisted it (the job died and nobody relaunched within its
+grace), the file it wrote into ``dirpath`` (``last-snapshot-0000000123.pt``: an ordinary Lightning
+checkpoint that ``load_from_checkpoint`` reads). Like every ``OnExceptionCheckpoint``, it makes
+``trainer.fit(model)`` without ``ckpt_path`` resume from ``"last"`` too (Lightning's rule for
+fault-tolerant checkpoints). It writes nothing on an exception (the newest snapshot is a step old at
+most) and removes nothing at teardown.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from .. import sealing
+from ..keeper import checkpoint_names
 from ..manager import CheckpointManager
 from ..node import watch
 from . import NEEDS_LIGHTNING, lightning_classes
@@ -65,6 +68,8 @@ class NodeSnapshots(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  
         """The newest of this node's committed snapshots and the snapshots persisted into ``dirpath``
         (what ``ckpt_path="last"`` weighs against the ``ModelCheckpoint``'s files); a path that does
         not exist when there is none."""
+        # A copy every rank finished whose commit a kill cut short counts: sealed first (ckptools.sealing).
+        sealing.seal(self.manager.snapshot_dir, checkpoint_names(PREFIX))
         found = [*self.manager.checkpoints(), *self.manager.snapshots()]
         if not found:
             return os.path.join(self.dirpath, f"{PREFIX}-none.pt")
