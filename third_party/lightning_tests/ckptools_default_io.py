@@ -38,6 +38,10 @@ if _KIND == "async":
     LIGHTNING_INTERNALS["tests_pytorch/checkpointing/test_model_checkpoint.py::test_none_monitor_not_alternating"] = (
         "lists the folder during fit, where a background write's temporary file is, by design, until it is renamed"
     )
+    LIGHTNING_INTERNALS["tests_pytorch/checkpointing/test_model_checkpoint.py::test_none_monitor_saves_correct_best_model_path"] = (
+        "saves with no trainer teardown, then lists the folder and loads the file at once: the background write "
+        "may still run then, and its thread outlive the test (a 'zombie thread' in make interop, stop 52's CI)"
+    )
 
 
 def pytest_collection_modifyitems(config, items):
