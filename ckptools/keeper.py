@@ -12,7 +12,9 @@ seconds (a torchrun restart re-registers well within it), it:
    it whole when the job died, but whose commit had not run yet, is sealed first: `ckptools.sealing`);
 2. copies it into the manager's folder under the name `save` would have given it (atomically:
    a temporary name and a rename, or one multipart upload on S3), when it is newer than every
-   checkpoint there; then prunes to ``keep_last`` as the manager would;
+   checkpoint there; then prunes to ``keep_last`` as the manager would. The HF Trainer's snapshots
+   (prefix ``trainer-snapshot``) are written out instead as the ``checkpoint-N/`` folder the Trainer
+   resumes from, when no folder of that step or a newer one is there (the only time torch is imported);
 3. removes the node-memory folder (unless a relaunch registered meanwhile) and exits. No process
    of ckptools remains. If the copy fails (the store unreachable), the snapshot stays in node
    memory for a relaunch, and the keeper says so and exits.
@@ -25,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import sys
 import time
@@ -35,18 +36,13 @@ from . import sealing
 from .errors import CheckpointError
 from .layouts import verify_torch_file
 from .leftovers import pid_alive
+from .snapshot_names import TRAINER_PREFIX, checkpoint_names
 from .storage import atomic_write, join, list_files, remove
 
-__all__ = ["PIDS", "checkpoint_names", "main", "persist"]
+__all__ = ["PIDS", "main", "persist"]
 
 PIDS = ".pids"  # one empty file per watched process, named by its pid
 LOCK = ".keeper"  # the keeper's own pid: one keeper per folder
-
-
-def checkpoint_names(prefix: str) -> re.Pattern[str]:
-    """The file names `CheckpointManager` gives its checkpoints and snapshots (``ckpt-0000000300.pt``),
-    the step in group 1: the one pattern the manager and the keeper both list by."""
-    return re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
 
 
 def _watched(folder: str) -> list[int]:
@@ -67,7 +63,9 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
     pattern = checkpoint_names(prefix)
     sealing.seal(folder, pattern, warn=lambda text: print(f"ckptools keeper: {text}", file=sys.stderr, flush=True))
     snapshots = sorted((int(m.group(1)), n) for n in os.listdir(folder) if (m := pattern.fullmatch(n)))
-    durable = sorted((int(m.group(1)), n) for n in list_files(directory) if (m := pattern.fullmatch(n)))
+    trainer = prefix == TRAINER_PREFIX
+    listed = [] if trainer else list_files(directory)  # the Trainer's folders: snapshot_to_folder compares
+    durable = sorted((int(m.group(1)), n) for n in listed if (m := pattern.fullmatch(n)))
     newest = durable[-1][0] if durable else -1
     for step, name in reversed(snapshots):
         if step <= newest:
@@ -78,6 +76,10 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
         except CheckpointError as err:
             print(f"ckptools keeper: skipping damaged snapshot {source}: {err}", file=sys.stderr, flush=True)
             continue
+        if trainer:  # written out as the Trainer's checkpoint-N/ folder (torch is imported only now)
+            from .integrations.trainer_snapshots import snapshot_to_folder
+
+            return snapshot_to_folder(source, directory)
         target = join(directory, name)
 
         def copy(out: IO[bytes], source: str = source) -> None:

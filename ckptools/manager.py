@@ -14,7 +14,6 @@ from .collective.agree import Agreement
 from .collective.arrival import arrive, checked_in
 from .collective.group import get_rank
 from .errors import CheckpointError
-from .keeper import checkpoint_names
 from .layouts import TORCH_FILE
 from .leftovers import abandoned_tmps
 from .lifecycle import finish_pending
@@ -33,6 +32,7 @@ from .node import (
     write_snapshot,
 )
 from .saving import async_save_with_hooks, save_with_hooks
+from .snapshot_names import checkpoint_names
 from .storage import PathLike, fspath, join, list_files, remove, resolve
 from .training.process import ORPHANED_EXIT, leave
 from .write import AsyncSave, pending, release_staging_buffers

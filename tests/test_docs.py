@@ -97,6 +97,7 @@ def test_every_docstring_example_runs(tmp_path, monkeypatch, name):
             "ckptools.integrations.lightning_resume": "pytorch_lightning",
             "ckptools.integrations.lightning_snapshots": "pytorch_lightning",
             "ckptools.integrations.transformers": "transformers",
+            "ckptools.integrations.trainer_snapshots": "torch",  # needs no transformers (the keeper imports it)
         }[name]
         if importlib.util.find_spec(framework) is None:
             with pytest.raises(ImportError, match="pip install"):
@@ -127,15 +128,23 @@ def test_the_api_reference_documents_every_public_name():
         assert f"::: {getattr(ck, name).__module__}.{name}\n" in text, name
     # The other public modules, the integrations: every name of their __all__ (read from the source,
     # so without their frameworks installed too), under the module users import it from.
-    # lightning_resume's and lightning_snapshots' names are imported from lightning (which re-exports them).
+    # lightning_resume's and lightning_snapshots' names are imported from lightning (which re-exports them),
+    # trainer_snapshots' from transformers.
     integrations = sorted((ROOT / "ckptools" / "integrations").glob("[a-z]*.py"))
-    assert [p.stem for p in integrations] == ["lightning", "lightning_resume", "lightning_snapshots", "transformers"]
+    assert [p.stem for p in integrations] == [
+        "lightning",
+        "lightning_resume",
+        "lightning_snapshots",
+        "trainer_snapshots",
+        "transformers",
+    ]
     for source in integrations:
         tree = ast.parse(source.read_text(encoding="utf-8"))
         names = next(ast.literal_eval(node.value) for node in tree.body
                      if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "__all__")  # fmt: skip
         assert names, source
-        where = "lightning" if source.stem in ("lightning_resume", "lightning_snapshots") else source.stem
+        where = {"lightning_resume": "lightning", "lightning_snapshots": "lightning",
+                 "trainer_snapshots": "transformers"}.get(source.stem, source.stem)  # fmt: skip
         for name in names:
             assert f"::: ckptools.integrations.{where}.{name}\n" in text, (source.stem, name)
 

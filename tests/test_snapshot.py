@@ -139,6 +139,7 @@ def test_a_whole_copy_whose_commit_failed_is_sealed_at_restore_and_a_partial_one
     or a damaged slot, is never sealed: the committed snapshot before it is taken (ckptools.sealing)."""
     from ckptools import sealing
     from ckptools.node import finish_snapshot, settle
+    from ckptools.snapshot_names import checkpoint_names
 
     manager = _manager(tmp_path)
     manager.snapshot({**_state(5.0), "step": 5}, 5, blocking=True)
@@ -158,7 +159,7 @@ def test_a_whole_copy_whose_commit_failed_is_sealed_at_restore_and_a_partial_one
     slot = os.path.join(memory, record[: -len(sealing.COPIES)])
     with open(slot, "rb") as f:
         before = f.read()
-    names = ck.keeper.checkpoint_names("ckpt")
+    names = checkpoint_names("ckpt")
     with open(slot + sealing.COPIES, "r+b") as f:
         f.write(b"\x00")  # as if rank 0 had not finished its copy
     assert sealing.seal(memory, names) is None

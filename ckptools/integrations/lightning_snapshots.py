@@ -21,9 +21,9 @@ import os
 from typing import Any
 
 from .. import sealing
-from ..keeper import checkpoint_names
 from ..manager import CheckpointManager
 from ..node import watch
+from ..snapshot_names import checkpoint_names
 from . import NEEDS_LIGHTNING, lightning_classes
 
 __all__ = ["NodeSnapshots"]

@@ -26,21 +26,27 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 from typing import Any
 
 from .. import log
+from ..collective.group import get_rank
 from ..layouts import MANIFEST, check_folder, write_manifest
+from ..manager import CheckpointManager
+from ..node import watch
 from ..training.seeded import SeededDataset
-from . import installed, release_numbers
+from . import installed, release_numbers, trainer_snapshots
+from .trainer_snapshots import snapshot_to_folder
 
 try:
     from transformers import TrainerCallback
 except ImportError as err:
     raise ImportError("ckptools.integrations.transformers needs transformers: pip install transformers") from err
 
-__all__ = ["MANIFEST", "CkptoolsCallback", "latest_complete_checkpoint", "write_manifest"]
+__all__ = ["MANIFEST", "CkptoolsCallback", "latest_complete_checkpoint", "snapshot_to_folder", "write_manifest"]
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+_WAIT_FOR_FOLDER = 600.0  # seconds a node's other ranks wait for its local rank 0 to write a snapshot out
 
 # The oldest releases whose Trainer resumes mid-epoch bit-identically (tests/test_transformers.py,
 # `make compat`): with accelerate 1.6 the skipped batches of the resumed epoch come from another
@@ -84,6 +90,13 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
         >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[CkptoolsCallback()])  # doctest: +SKIP
     """
 
+    def __init__(self, *, snapshot_every: int | None = None, budget: float | None = 0.02) -> None:
+        if snapshot_every is not None and snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be at least 1 (or None: no snapshots), got {snapshot_every}")
+        self.snapshot_every = snapshot_every
+        self.budget = budget
+        self._manager: CheckpointManager | None = None
+
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         old = _inexact_releases()
         if old:
@@ -105,6 +118,26 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
         if seeded is not None:
             # state.epoch is epoch + (step / steps in the epoch): restored mid-epoch, that epoch.
             seeded.set_epoch(math.floor(float(state.epoch or 0) + 1e-9))
+        return control
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        every = self.snapshot_every
+        if every is None or state.global_step % every:
+            return control
+        if self._manager is None:
+            self._manager = CheckpointManager(args.output_dir, prefix=trainer_snapshots.PREFIX)
+        taken = trainer_snapshots.capture(
+            args, state, control, kwargs["model"], kwargs["optimizer"], kwargs["lr_scheduler"]
+        )
+        self._manager.snapshot(taken, state.global_step, budget=self.budget)
+        return control
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        """The training ended (every rank): the snapshot being committed is finished; the newest stays
+        in node memory until the job ends (`ckptools.exit_process`) or, the job gone, the keeper writes it
+        out as a ``checkpoint-N/`` folder when that is newer than every folder."""
+        if self._manager is not None:
+            self._manager.close()
         return control
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -131,6 +164,10 @@ def latest_complete_checkpoint(output_dir: str, *, verify: bool = True) -> str |
     `ckptools.layouts.folder_check.check_folder`, the one ``ckpt verify FOLDER`` makes too.
     Folders that are not are skipped with a `ckptools.CheckpointWarning` saying why.
 
+    With ``CkptoolsCallback(snapshot_every=...)``, a snapshot in this node's memory newer than every
+    folder is written out first as ``checkpoint-N/`` (by each node's local rank 0; the others wait for
+    it) and returned: a relaunch after kill -9 resumes at most one step behind.
+
     Examples:
         >>> from ckptools.integrations.transformers import latest_complete_checkpoint
         >>> latest_complete_checkpoint("/tmp/no-such-run") is None
@@ -141,15 +178,45 @@ def latest_complete_checkpoint(output_dir: str, *, verify: bool = True) -> str |
     except FileNotFoundError:
         return None
     steps = sorted(((int(m.group(1)), name) for name in names if (m := _CHECKPOINT.match(name))), reverse=True)
-    for _, name in steps:
+    on_disk: tuple[int, str] | None = None
+    for step, name in steps:
         folder = os.path.join(output_dir, name)
         if not os.path.isdir(folder):
             continue
         problem = _incomplete(folder, verify)
         if problem is None:
-            return folder
+            on_disk = (step, folder)
+            break
         log.warn(f"skipped {folder}: {problem}", all_ranks=True)
-    return None
+    from_memory = _from_node_memory(output_dir, on_disk[0] if on_disk else -1)
+    return from_memory if from_memory is not None else on_disk[1] if on_disk else None
+
+
+def _from_node_memory(output_dir: str, newer_than: int) -> str | None:
+    """The ``checkpoint-N/`` folder written from this node's newest snapshot of ``output_dir``'s run when
+    it is newer than step ``newer_than``, or None."""
+    memory = CheckpointManager(output_dir, prefix=trainer_snapshots.PREFIX).snapshot_dir
+    if not os.path.isdir(memory):
+        return None
+    watch(memory)  # first: the keeper of a job that died must not release it while this process reads it
+    found = trainer_snapshots.newest_snapshot(memory)
+    if found is None or found[0] <= newer_than:
+        return None
+    step, path = found
+    folder = os.path.join(output_dir, f"checkpoint-{step}")
+    if os.environ.get("LOCAL_RANK", "0") != "0":  # the node's local rank 0 writes it: wait for it
+        deadline = time.monotonic() + _WAIT_FOR_FOLDER
+        while time.monotonic() < deadline and not trainer_snapshots.whole(folder):
+            time.sleep(0.1)
+    if not os.path.isdir(folder):
+        trainer_snapshots.snapshot_to_folder(path, output_dir)
+    if not trainer_snapshots.whole(folder):  # a folder of that step was there before, not whole
+        log.warn(f"the snapshot of step {step} in node memory was not written out: {folder} exists and is not "
+                 "complete; remove it to resume from the snapshot", all_ranks=True)  # fmt: skip
+        return None
+    if get_rank() == 0:
+        log.logger.info("wrote the snapshot of step %d in node memory out as %s", step, folder)
+    return folder
 
 
 def _incomplete(folder: str, verify: bool) -> str | None:

@@ -21,7 +21,7 @@ import torch
 
 from .. import log, sealing
 from ..errors import CheckpointError, NodeMemoryError
-from ..keeper import checkpoint_names
+from ..snapshot_names import checkpoint_names
 from ..storage import tmp_name
 from ..text import human_size
 from .folder import FIXES, check_space

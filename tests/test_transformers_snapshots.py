@@ -1,0 +1,220 @@
+"""The HF Trainer with `CkptoolsCallback(snapshot_every=1)`: a step in node memory, written out as the
+Trainer's own ``checkpoint-N/`` folder (issue 47; real transformers, real SIGKILL of the whole launch).
+
+Whole Trainer launches, each importing transformers: `make interop` runs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the interop extra (transformers) is not installed")
+
+from _torchrun import computed_once, job_processes, keepers_left
+
+import ckptools as ck
+from ckptools.integrations.trainer_snapshots import PREFIX
+from ckptools.layouts import check_folder
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+# Dropout, the Trainer's shuffled order, augmentation through ck.SeededDataset, AdamW with a warm-up
+# schedule: every stream a resume must put back. 96 samples, batches of 8 per process; a durable
+# checkpoint every 10 steps, a snapshot after every step. PAUSE_AT=N: rank 0 waits once step N's
+# snapshot returned (the callback after CkptoolsCallback), so that a kill lands exactly there.
+_SCRIPT = """
+import os, sys, time, torch
+import ckptools as ck
+from transformers import Trainer, TrainerCallback, TrainingArguments
+from ckptools.integrations.transformers import CkptoolsCallback, latest_complete_checkpoint
+
+out, mode, max_steps, save_steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+pause_at = int(os.environ.get("PAUSE_AT", "0"))
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 96
+
+    def __getitem__(self, i):
+        x = torch.randn(8, generator=torch.Generator().manual_seed(i))
+        return {"x": x + 0.1 * torch.randn(8), "labels": (x.sum() > 0).long()}
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.ReLU(), torch.nn.Dropout(0.2),
+                                       torch.nn.Linear(64, 2))
+
+    def forward(self, x, labels=None):
+        logits = self.net(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+
+class Pause(TrainerCallback):
+    def on_step_end(self, args, state, control, **kwargs):
+        if args.process_index == 0:
+            print("step", state.global_step, flush=True)
+            if state.global_step == pause_at:
+                print("paused", flush=True)
+                time.sleep(600)
+
+
+torch.manual_seed(3)
+args = TrainingArguments(out, max_steps=max_steps, per_device_train_batch_size=8, save_steps=save_steps, seed=3,
+                         report_to=[], logging_strategy="no", use_cpu=True, learning_rate=0.01, warmup_steps=5,
+                         optim="adamw_torch", disable_tqdm=True)
+callback = CkptoolsCallback(snapshot_every=1, budget=None)
+trainer = Trainer(Net(), args, train_dataset=ck.SeededDataset(Data(), seed=args.seed),
+                  callbacks=[callback, Pause()])
+resume = latest_complete_checkpoint(out) if mode == "resume" else None
+print("resuming from", resume, flush=True)
+trainer.train(resume_from_checkpoint=resume)
+if args.process_index == 0:
+    torch.save(trainer.model.state_dict(), os.path.join(out, "final.pt"))
+if mode == "materialise":  # the newest snapshot written out beside the Trainer's own folder of that step
+    from ckptools.integrations import trainer_snapshots
+    step, path = trainer_snapshots.newest_snapshot(callback._manager.snapshot_dir)
+    if args.local_process_index == 0:
+        print("materialised", trainer_snapshots.snapshot_to_folder(path, os.path.join(out, "from-memory")), flush=True)
+ck.exit_process(0)
+"""
+
+
+def _launch(script: Path, out: Path, mode: str, procs: int, steps: int, save_steps: int, pause_at: int = 0):
+    """The script on ``procs`` processes (1: plain python, as most Trainer users run it; 2: torchrun)."""
+    runner = [sys.executable] if procs == 1 else [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                                  f"--nproc-per-node={procs}"]  # fmt: skip
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PAUSE_AT=str(pause_at))
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    command = [*runner, str(script), str(out), mode, str(steps), str(save_steps)]
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+
+
+def _finished(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-5000:]
+    return out
+
+
+def _killed_at_pause(proc: subprocess.Popen) -> str:
+    """Read until rank 0 pauses, then SIGKILL every process of the launch; what it printed."""
+    said = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        said.append(line)
+        if line.strip() == "paused":
+            for pid in job_processes(proc.pid):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            break
+    proc.wait(timeout=60)
+    assert "paused\n" in said, "".join(said)[-5000:]
+    return "".join(said)
+
+
+def _script(tmp_path: Path) -> Path:
+    script = tmp_path / "train.py"
+    script.write_text(_SCRIPT)
+    return script
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return a.dtype == b.dtype and bool((a == b).all())
+    if isinstance(a, dict):
+        return set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_a_folder_written_from_node_memory_is_the_trainers_own_at_that_step(tmp_path, procs):
+    """Step 4's snapshot, written out, against the folder the Trainer itself saved at step 4: the same
+    files (all but training_args.bin, a pickled TrainingArguments no resume reads), each equal: weights,
+    optimizer, scheduler, every process's random streams, trainer_state.json."""
+    from safetensors.torch import load_file
+    from transformers.trainer_pt_utils import safe_globals
+
+    out = tmp_path / "run"
+    said = _finished(_launch(_script(tmp_path), out, "materialise", procs, 4, 4))
+    own, made = out / "checkpoint-4", out / "from-memory" / "checkpoint-4"
+    assert f"materialised {made}" in said, said[-3000:]
+    files = sorted(p.name for p in own.iterdir() if p.name != "training_args.bin")
+    assert sorted(p.name for p in made.iterdir()) == files
+    assert [f for f in files if f.startswith("rng_state")] == (
+        ["rng_state.pth"] if procs == 1 else ["rng_state_0.pth", "rng_state_1.pth"]
+    )
+    assert _same(load_file(own / "model.safetensors"), load_file(made / "model.safetensors"))
+    for name in [f for f in files if f.endswith((".pt", ".pth"))]:
+        with safe_globals():  # what the Trainer's own resume reads them with
+            theirs, ours = (torch.load(f / name, weights_only=True) for f in (own, made))
+        assert _same(theirs, ours), name
+    assert json.loads((own / "trainer_state.json").read_text()) == json.loads((made / "trainer_state.json").read_text())
+    assert check_folder(str(made), verify=True).problem is None
+
+
+def _straight(tmp_path_factory, procs: int) -> dict:
+    def run(folder: Path) -> None:
+        _finished(_launch(_script(folder), folder / "run", "fresh", procs, 24, 10))
+
+    folder = computed_once(tmp_path_factory, f"hf-snapshots-straight-{procs}", run)
+    return torch.load(folder / "run" / "final.pt", weights_only=True)
+
+
+@pytest.mark.parametrize("procs", [1, 2])
+def test_killed_and_relaunched_the_run_resumes_from_the_step_it_died_at_bit_identical(tmp_path_factory, tmp_path,
+                                                                                     procs):  # fmt: skip
+    """SIGKILL of the whole launch after a random step (not a checkpoint step, after one): the relaunch's
+    latest_complete_checkpoint writes that step's snapshot out as checkpoint-N/, the Trainer resumes from
+    it, and the run ends with the weights of a run never killed, bit for bit. Without snapshots it
+    would resume from checkpoint-10 or -20, up to 9 steps behind."""
+    kill = random.Random(int(os.environ.get("CKPTOOLS_KILL_SEED", "0")) or None).choice(
+        [s for s in range(11, 24) if s % 10]
+    )
+    script, out = _script(tmp_path), tmp_path / "run"
+    _killed_at_pause(_launch(script, out, "fresh", procs, 24, 10, pause_at=kill))
+    assert os.path.isdir(out / f"checkpoint-{10 if kill < 20 else 20}") and not os.path.exists(
+        out / f"checkpoint-{kill}"
+    )
+    said = _finished(_launch(script, out, "resume", procs, 24, 10))
+    assert f"resuming from {out / f'checkpoint-{kill}'}" in said, (kill, said[-3000:])
+    assert _same(_straight(tmp_path_factory, procs), torch.load(out / "final.pt", weights_only=True)), kill
+
+
+def test_killed_and_never_relaunched_the_keeper_writes_the_step_out_as_the_trainers_folder(tmp_path_factory, tmp_path,
+                                                                                          monkeypatch):  # fmt: skip
+    """Nobody relaunches: within the keeper's grace + 30 s, checkpoint-N/ of the step the job died at is in
+    the output folder, complete (every file's CRC-32), node memory is released and no keeper is left; a
+    later run resumes from it (plain resume_from_checkpoint) and ends bit-identical."""
+    monkeypatch.setenv("CKPTOOLS_KEEPER_GRACE", "2")
+    script, out, kill = _script(tmp_path), tmp_path / "run", 17
+    _killed_at_pause(_launch(script, out, "fresh", 1, 24, 10, pause_at=kill))
+    memory = ck.CheckpointManager(out, prefix=PREFIX).snapshot_dir
+    deadline = time.monotonic() + 32
+    while os.path.exists(memory) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not os.path.exists(memory), "node memory still held 32 s after the job was gone"
+    assert keepers_left(memory) == []
+    folder = out / f"checkpoint-{kill}"
+    assert check_folder(str(folder), verify=True).problem is None, sorted(os.listdir(out))
+    said = _finished(_launch(script, out, "resume", 1, 24, 10))
+    assert f"resuming from {folder}" in said, said[-3000:]
+    assert _same(_straight(tmp_path_factory, 1), torch.load(out / "final.pt", weights_only=True))
