@@ -207,7 +207,7 @@ def test_latest_complete_checkpoint_skips_what_is_not_whole(tmp_path, caplog):
 # random augmentation in __getitem__ fetched by 2 DataLoader workers (or none), checkpoints every
 # 4 steps (12 an epoch, 3 epochs), CkptoolsCallback. "seeded" wraps the dataset in ck.SeededDataset.
 _EXACT = """
-import os, sys, torch
+import os, sys, time, torch
 import ckptools as ck
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from ckptools.integrations.transformers import CkptoolsCallback, latest_complete_checkpoint
@@ -239,6 +239,8 @@ class Net(torch.nn.Module):
 class Say(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         print("step", state.global_step, flush=True)
+        if state.global_step == int(os.environ.get("PAUSE_AT", "0")):
+            time.sleep(600)  # the kill lands right here, however late the test reads the line
 
 
 torch.manual_seed(3)
@@ -254,16 +256,19 @@ torch.save(trainer.model.state_dict(), os.path.join(out, "final.pt"))
 
 def _trainer_run(script, out, workers: int, dataset: str, kills=()) -> dict:
     """Straight, or SIGKILLed as each step of ``kills`` ends and resumed from the newest complete
-    checkpoint each time; the final weights."""
+    checkpoint each time; the final weights. Each killed launch waits after its step (PAUSE_AT), so the
+    kill lands there: under load the test read "step 10" after the run had saved step 12, and the
+    resume from an epoch's end was exact with augmentation too (make interop, this stop)."""
     import signal
 
     out.mkdir()
     for kill in [*kills, None]:
         resume = latest_complete_checkpoint(str(out)) is not None
+        env = dict(os.environ, PAUSE_AT=str(kill or 0))  # the run waits after that step: killed exactly there
         with open(out / "stderr.txt", "a") as err:
             proc = subprocess.Popen([sys.executable, str(script), str(out), "resume" if resume else "fresh",
                                      str(workers), dataset], stdout=subprocess.PIPE, stderr=err, text=True,
-                                    start_new_session=True)  # fmt: skip
+                                    start_new_session=True, env=env)  # fmt: skip
         assert proc.stdout is not None
         for line in proc.stdout:
             if kill is not None and line.strip() == f"step {kill}":
