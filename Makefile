@@ -154,6 +154,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/bench_resume.py --gib 1 4
 	$(PY) benchmarks/bench_seeded.py
 	$(PY) benchmarks/bench_snapshot.py --gib 1 --repeat 7 --ranks 2 --loop
+	$(PY) benchmarks/bench_frameworks.py --rounds 3 --big-gib 1
 	$(PY) benchmarks/bench_zero.py --gib 0.5 --repeat 5 --ranks 2 4
 	$(PY) benchmarks/bench_scale.py --mib 128 --rate-mib 8 --ranks 1 2 4 --repeat 3
 
