@@ -218,3 +218,48 @@ def test_killed_and_never_relaunched_the_keeper_writes_the_step_out_as_the_train
     said = _finished(_launch(script, out, "resume", 1, 24, 10))
     assert f"resuming from {folder}" in said, said[-3000:]
     assert _same(_straight(tmp_path_factory, 1), torch.load(out / "final.pt", weights_only=True))
+
+
+def test_a_tiny_models_snapshots_keep_within_the_budget_by_skipping_steps(tmp_path, monkeypatch, caplog):
+    """The default budget (2 % of the loop's time) with a model whose step is a few ms, about as long as a
+    snapshot's fixed cost: most steps are skipped, alike on every rank, and the log says the cadence."""
+    import logging
+
+    from transformers import Trainer, TrainingArguments
+
+    from ckptools.integrations.transformers import CkptoolsCallback
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 2)
+
+        def forward(self, x, labels=None):
+            logits = self.lin(x)
+            return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
+
+    taken, real = [], ck.CheckpointManager.snapshot
+
+    def counted(self, *args, **kwargs):
+        path = real(self, *args, **kwargs)
+        taken.append(path is not None)
+        return path
+
+    monkeypatch.setattr(ck.CheckpointManager, "snapshot", counted)
+    data = [{"x": torch.randn(4), "labels": i % 2} for i in range(64)]
+    args = TrainingArguments(str(tmp_path / "run"), max_steps=120, per_device_train_batch_size=8, report_to=[],
+                             save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True)  # fmt: skip
+    callback = CkptoolsCallback(snapshot_every=1)  # budget=0.02, the default
+    try:
+        with caplog.at_level(logging.INFO, logger="ckptools"):
+            Trainer(Tiny(), args, train_dataset=data, callbacks=[callback]).train()
+    finally:
+        if callback._manager is not None:
+            memory = callback._manager.snapshot_dir
+            callback._manager.close()
+            import shutil
+
+            shutil.rmtree(memory, ignore_errors=True)
+    print(f"{sum(taken)} of {len(taken)} steps snapshotted")
+    assert len(taken) == 120 and 2 <= sum(taken) <= 40, (sum(taken), taken)
+    assert "snapshots: one call in" in caplog.text, caplog.text[-2000:]
