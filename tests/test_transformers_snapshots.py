@@ -151,7 +151,11 @@ def test_a_folder_written_from_node_memory_is_the_trainers_own_at_that_step(tmp_
     files (all but training_args.bin, a pickled TrainingArguments no resume reads), each equal: weights,
     optimizer, scheduler, every process's random streams, trainer_state.json."""
     from safetensors.torch import load_file
-    from transformers.trainer_pt_utils import safe_globals
+
+    try:
+        from transformers.trainer_pt_utils import safe_globals  # what the Trainer's own resume reads them with
+    except ImportError:  # older releases: torch's allowlist for numpy's random state
+        safe_globals = _numpy_globals
 
     out = tmp_path / "run"
     said = _finished(_launch(_script(tmp_path), out, "materialise", procs, 4, 4))
@@ -164,11 +168,19 @@ def test_a_folder_written_from_node_memory_is_the_trainers_own_at_that_step(tmp_
     )
     assert _same(load_file(own / "model.safetensors"), load_file(made / "model.safetensors"))
     for name in [f for f in files if f.endswith((".pt", ".pth"))]:
-        with safe_globals():  # what the Trainer's own resume reads them with
+        with safe_globals():
             theirs, ours = (torch.load(f / name, weights_only=True) for f in (own, made))
         assert _same(theirs, ours), name
     assert json.loads((own / "trainer_state.json").read_text()) == json.loads((made / "trainer_state.json").read_text())
     assert check_folder(str(made), verify=True).problem is None
+
+
+def _numpy_globals():
+    """The numpy globals a pickled random state needs, allowed for torch.load(weights_only=True)."""
+    import numpy
+
+    allowed = [numpy.ndarray, numpy.dtype, numpy.core.multiarray._reconstruct, type(numpy.dtype(numpy.uint32))]
+    return torch.serialization.safe_globals(allowed)
 
 
 def _straight(tmp_path_factory, procs: int) -> dict:
@@ -179,6 +191,17 @@ def _straight(tmp_path_factory, procs: int) -> dict:
     return torch.load(folder / "run" / "final.pt", weights_only=True)
 
 
+def _resumes_on_several_cpu_processes() -> bool:
+    """Whether this transformers' Trainer can resume a CPU run of several processes from any folder: older
+    releases (5.0.0) load the optimizer with map_location=args.device, "cpu:0", which torch refuses
+    ("don't know how to restore data location ... cpu:0"), for the Trainer's own folders as for ours."""
+    import inspect
+
+    from transformers import Trainer
+
+    return 'device.type != "cpu"' in inspect.getsource(Trainer._load_optimizer_and_scheduler)
+
+
 @pytest.mark.parametrize("procs", [1, 2])
 def test_killed_and_relaunched_the_run_resumes_from_the_step_it_died_at_bit_identical(tmp_path_factory, tmp_path,
                                                                                      procs):  # fmt: skip
@@ -186,6 +209,9 @@ def test_killed_and_relaunched_the_run_resumes_from_the_step_it_died_at_bit_iden
     latest_complete_checkpoint writes that step's snapshot out as checkpoint-N/, the Trainer resumes from
     it, and the run ends with the weights of a run never killed, bit for bit. Without snapshots it
     would resume from checkpoint-10 or -20, up to 9 steps behind."""
+    if procs > 1 and not _resumes_on_several_cpu_processes():
+        pytest.skip("this transformers cannot resume a CPU run of several processes from any folder (map_location "
+                    "'cpu:0', which torch refuses), the Trainer's own included")  # fmt: skip
     kill = random.Random(int(os.environ.get("CKPTOOLS_KILL_SEED", "0")) or None).choice(
         [s for s in range(11, 24) if s % 10]
     )

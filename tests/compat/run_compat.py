@@ -41,6 +41,7 @@ SLOW = [
     "tests/test_lightning.py",
     "tests/test_lightning_resume.py",
     "tests/test_transformers.py",
+    "tests/test_transformers_snapshots.py",
     "tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind",
     "tests/test_zero.py::test_saved_on_four_ranks_resumed_on_two",
 ]
