@@ -287,5 +287,5 @@ def test_a_tiny_models_snapshots_keep_within_the_budget_by_skipping_steps(tmp_pa
 
             shutil.rmtree(memory, ignore_errors=True)
     print(f"{sum(taken)} of {len(taken)} steps snapshotted")
-    assert len(taken) == 120 and 2 <= sum(taken) <= 40, (sum(taken), taken)
+    assert len(taken) == 120 and 2 <= sum(taken) <= 60, (sum(taken), taken)  # most are skipped
     assert "snapshots: one call in" in caplog.text, caplog.text[-2000:]
