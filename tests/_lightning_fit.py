@@ -93,12 +93,15 @@ class Net(pl.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx):
         if self.global_rank == 0:
-            print("step", self.global_step, flush=True)
             # FIT_PAUSE_AT=K: the first launch to reach step K waits there to be killed (a kill exactly
-            # after step K, whatever the harness's lag in reading this output under load).
+            # after step K, whatever the harness's lag in reading this output under load). The marker is
+            # made before the line the harness kills at, or a relaunch that replays step K waits too.
             marker = os.path.join(root, "paused")
-            if self.global_step == int(os.environ.get("FIT_PAUSE_AT", "0")) and not os.path.exists(marker):
+            pause = self.global_step == int(os.environ.get("FIT_PAUSE_AT", "0")) and not os.path.exists(marker)
+            if pause:
                 open(marker, "w").close()
+            print("step", self.global_step, flush=True)
+            if pause:
                 time.sleep(600)
 
 

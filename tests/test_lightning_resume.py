@@ -393,10 +393,12 @@ for epoch in range(state["epoch"], 3):
         else:
             manager.snapshot(state, state["step"])  # the documented call per step
         if fabric.global_rank == 0:
-            print("step", state["step"], flush=True)
             marker = os.path.join(root, "paused")  # FIT_PAUSE_AT: the first launch waits there to be killed
-            if state["step"] == int(os.environ.get("FIT_PAUSE_AT", "0")) and not os.path.exists(marker):
+            pause = state["step"] == int(os.environ.get("FIT_PAUSE_AT", "0")) and not os.path.exists(marker)
+            if pause:  # made before the line the harness kills at: a relaunch replaying the step goes on
                 open(marker, "w").close()
+            print("step", state["step"], flush=True)
+            if pause:
                 time.sleep(600)
 if fabric.global_rank == 0:
     torch.save(model.state_dict(), os.path.join(root, "final.pt"))
