@@ -33,7 +33,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # Dropout, the Trainer's shuffled order, augmentation through ck.SeededDataset, AdamW with a warm-up
 # schedule: every stream a resume must put back. 96 samples, batches of 8 per process; a durable
 # checkpoint every 10 steps, a snapshot after every step. PAUSE_AT=N: rank 0 waits once step N's
-# snapshot returned (the callback after CkptoolsCallback), so that a kill lands exactly there.
+# snapshot returned on every rank (the callback after CkptoolsCallback, a barrier), so that a kill lands
+# exactly there.
 _SCRIPT = """
 import os, sys, time, torch
 import ckptools as ck
@@ -68,7 +69,10 @@ class Pause(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if args.process_index == 0:
             print("step", state.global_step, flush=True)
-            if state.global_step == pause_at:
+        if state.global_step == pause_at:
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()  # every rank's snapshot of this step has returned: its copy is whole
+            if args.process_index == 0:
                 print("paused", flush=True)
                 time.sleep(600)
 
