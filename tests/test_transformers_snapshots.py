@@ -91,7 +91,8 @@ if args.process_index == 0:
     torch.save(trainer.model.state_dict(), os.path.join(out, "final.pt"))
 if mode == "materialise":  # the newest snapshot written out beside the Trainer's own folder of that step
     from ckptools.integrations import trainer_snapshots
-    step, path = trainer_snapshots.newest_snapshot(callback._manager.snapshot_dir)
+    from ckptools.integrations.transformers import newest_snapshot
+    step, path = newest_snapshot(callback._manager)
     if args.local_process_index == 0:
         print("materialised", trainer_snapshots.snapshot_to_folder(path, os.path.join(out, "from-memory")), flush=True)
 ck.exit_process(0)

@@ -25,7 +25,6 @@ last log (``total_flos``, a reported figure): those two are as of the Trainer's 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -34,15 +33,14 @@ from typing import Any
 
 import torch
 
-from .. import sealing
-from ..layouts import check_folder, write_manifest
-from ..snapshot_names import TRAINER_PREFIX, checkpoint_names
-from ..storage import tmp_name
+from ..layouts import write_manifest
+from ..snapshot_names import TRAINER_PREFIX
+from ..storage import fsync_dir, tmp_name
 
 __all__ = ["snapshot_to_folder"]
 
 PREFIX = TRAINER_PREFIX  # trainer-snapshot-0000000123.pt; the keeper persists these as checkpoint-123/
-_FOLDER = re.compile(r"^checkpoint-(\d+)$")
+CHECKPOINT_FOLDER = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's folders, the step in group 1
 
 
 def capture(args: Any, state: Any, control: Any, model: Any, optimizer: Any, lr_scheduler: Any) -> dict[str, Any]:
@@ -81,19 +79,7 @@ def newest_folder_step(output_dir: str) -> int:
         names = os.listdir(output_dir)
     except FileNotFoundError:
         return -1
-    return max((int(m.group(1)) for n in names if (m := _FOLDER.match(n))), default=-1)
-
-
-def newest_snapshot(memory: str) -> tuple[int, str] | None:
-    """``(step, path)`` of the newest snapshot in the node-memory folder ``memory`` (a copy every rank
-    finished whose commit a kill cut short is sealed first), or None."""
-    names = checkpoint_names(PREFIX)
-    sealing.seal(memory, names)
-    try:
-        found = [(int(m.group(1)), os.path.join(memory, n)) for n in os.listdir(memory) if (m := names.fullmatch(n))]
-    except FileNotFoundError:
-        return None
-    return max(found, default=None)
+    return max((int(m.group(1)) for n in names if (m := CHECKPOINT_FOLDER.match(n))), default=-1)
 
 
 def snapshot_to_folder(snapshot: str, output_dir: str) -> str | None:
@@ -126,7 +112,7 @@ def snapshot_to_folder(snapshot: str, output_dir: str) -> str | None:
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync_dir(output_dir)
+    fsync_dir(output_dir)
     return os.path.join(output_dir, name)
 
 
@@ -196,17 +182,3 @@ def _write_text(path: str, text: str) -> None:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def whole(folder: str) -> bool:
-    """Whether ``folder`` is a complete checkpoint folder (its manifest's sizes)."""
-    return check_folder(folder, verify=False).problem is None

@@ -25,18 +25,18 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 from typing import Any
 
-from .. import log
+from .. import log, sealing
 from ..collective.group import get_rank
 from ..layouts import MANIFEST, check_folder, write_manifest
 from ..manager import CheckpointManager
 from ..node import watch
+from ..snapshot_names import checkpoint_names
 from ..training.seeded import SeededDataset
 from . import installed, release_numbers, trainer_snapshots
-from .trainer_snapshots import snapshot_to_folder
+from .trainer_snapshots import CHECKPOINT_FOLDER, snapshot_to_folder
 
 try:
     from transformers import TrainerCallback
@@ -45,7 +45,6 @@ except ImportError as err:
 
 __all__ = ["MANIFEST", "CkptoolsCallback", "latest_complete_checkpoint", "snapshot_to_folder", "write_manifest"]
 
-_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 _WAIT_FOR_FOLDER = 600.0  # seconds a node's other ranks wait for its local rank 0 to write a snapshot out
 
 # The oldest releases whose Trainer resumes mid-epoch bit-identically (tests/test_transformers.py,
@@ -177,7 +176,7 @@ def latest_complete_checkpoint(output_dir: str, *, verify: bool = True) -> str |
         names = os.listdir(output_dir)
     except FileNotFoundError:
         return None
-    steps = sorted(((int(m.group(1)), name) for name in names if (m := _CHECKPOINT.match(name))), reverse=True)
+    steps = sorted(((int(m.group(1)), name) for name in names if (m := CHECKPOINT_FOLDER.match(name))), reverse=True)
     on_disk: tuple[int, str] | None = None
     for step, name in steps:
         folder = os.path.join(output_dir, name)
@@ -195,28 +194,36 @@ def latest_complete_checkpoint(output_dir: str, *, verify: bool = True) -> str |
 def _from_node_memory(output_dir: str, newer_than: int) -> str | None:
     """The ``checkpoint-N/`` folder written from this node's newest snapshot of ``output_dir``'s run when
     it is newer than step ``newer_than``, or None."""
-    memory = CheckpointManager(output_dir, prefix=trainer_snapshots.PREFIX).snapshot_dir
-    if not os.path.isdir(memory):
+    manager = CheckpointManager(output_dir, prefix=trainer_snapshots.PREFIX)
+    if not os.path.isdir(manager.snapshot_dir):
         return None
-    watch(memory)  # first: the keeper of a job that died must not release it while this process reads it
-    found = trainer_snapshots.newest_snapshot(memory)
+    watch(manager.snapshot_dir)  # first: the keeper of a job that died must not release it while this process reads it
+    found = newest_snapshot(manager)
     if found is None or found[0] <= newer_than:
         return None
     step, path = found
     folder = os.path.join(output_dir, f"checkpoint-{step}")
     if os.environ.get("LOCAL_RANK", "0") != "0":  # the node's local rank 0 writes it: wait for it
         deadline = time.monotonic() + _WAIT_FOR_FOLDER
-        while time.monotonic() < deadline and not trainer_snapshots.whole(folder):
+        while time.monotonic() < deadline and _incomplete(folder, verify=False) is not None:
             time.sleep(0.1)
     if not os.path.isdir(folder):
         trainer_snapshots.snapshot_to_folder(path, output_dir)
-    if not trainer_snapshots.whole(folder):  # a folder of that step was there before, not whole
+    if _incomplete(folder, verify=False) is not None:  # a folder of that step was there before, not whole
         log.warn(f"the snapshot of step {step} in node memory was not written out: {folder} exists and is not "
                  "complete; remove it to resume from the snapshot", all_ranks=True)  # fmt: skip
         return None
     if get_rank() == 0:
         log.logger.info("wrote the snapshot of step %d in node memory out as %s", step, folder)
     return folder
+
+
+def newest_snapshot(manager: CheckpointManager) -> tuple[int, str] | None:
+    """``(step, path)`` of the newest of ``manager``'s snapshots in this node's memory (a copy every rank
+    finished whose commit a kill cut short is sealed first), or None."""
+    sealing.seal(manager.snapshot_dir, checkpoint_names(manager.prefix))
+    found = manager.snapshots()
+    return found[-1] if found else None
 
 
 def _incomplete(folder: str, verify: bool) -> str | None:
