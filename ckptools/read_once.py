@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import zlib
 from collections.abc import Callable
 from typing import Any
 
@@ -32,7 +31,7 @@ from .collective.tree import Skeleton, owners_of, share_storages
 from .errors import CheckpointFormatError
 from .layouts import check_records, damaged_record, zip_records
 from .remote_zip import RemoteZip, Unranged, reads_in_ranges
-from .storage import Location
+from .storage import Location, crc32
 
 __all__ = ["ReadAnotherWay", "once_pays", "plan_reads", "read_once"]
 
@@ -168,7 +167,7 @@ def _read_owned(
                 if not reader.read_into(view, start):
                     raise damaged_record(location.url, name)
     for index, name, _, crc, view in mine:
-        if verify and zlib.crc32(view) != crc:
+        if verify and crc32(view) != crc:
             raise damaged_record(location.url, name)
         out[index] = out[index].to(device=device)
     if verify and base is None:

@@ -24,7 +24,6 @@ import os
 import struct
 import tempfile
 import zipfile
-import zlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -32,7 +31,7 @@ from typing import Any
 from .codecs.torchzip import ZipPlan, storage_key
 from .errors import CheckpointFormatError
 from .layouts import damaged_record
-from .storage import RANGE_BYTES, RANGES_AT_ONCE, Location, ranged_reads, report_progress, resolve
+from .storage import RANGE_BYTES, RANGES_AT_ONCE, Location, crc32, ranged_reads, report_progress, resolve
 
 __all__ = ["RemoteZip", "Unranged", "reads_in_ranges"]
 
@@ -113,7 +112,7 @@ class RemoteZip:
         except CheckpointFormatError as err:  # a header elsewhere than where the layout puts it
             raise Unranged(str(err)) from err
         for name, data in self.small.items():
-            if verify and zlib.crc32(data) != self.records[name][3]:
+            if verify and crc32(data) != self.records[name][3]:
                 raise damaged_record(location.url, name)
 
     def _fetch(self, names: list[str]) -> list[bytes]:

@@ -23,11 +23,11 @@ import mmap
 import os
 import re
 import struct
-import zlib
 from collections.abc import Callable
 
 from .codecs.torchzip import TorchZip
 from .errors import CheckpointError
+from .storage import crc32
 
 __all__ = ["COPIES", "begin", "copied", "forget", "seal", "sealable"]
 
@@ -127,7 +127,7 @@ def _fill_crcs(slot: str) -> None:
             for info, start in zip(archive.infos, archive.starts):
                 crc = 0
                 for at in range(start, start + info.file_size, _CHUNK):
-                    crc = zlib.crc32(view[at : min(at + _CHUNK, start + info.file_size)], crc)
+                    crc = crc32(view[at : min(at + _CHUNK, start + info.file_size)], crc)
                 crcs.append(crc)
         for info, crc in zip(archive.infos, crcs):
             struct.pack_into("<I", mapped, info.header_offset + 14, crc)

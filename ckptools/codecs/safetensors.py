@@ -12,12 +12,21 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from collections.abc import Callable, Mapping
 from typing import IO, Any
 
 from ..errors import CheckpointFormatError
-from ..storage import PathLike, atomic_write, copy_range, crc32_range, fspath, open_for_read, report_progress, resolve
+from ..storage import (
+    PathLike,
+    atomic_write,
+    copy_range,
+    crc32,
+    crc32_range,
+    fspath,
+    open_for_read,
+    report_progress,
+    resolve,
+)
 from .dtypes import ITEMSIZE
 
 # Metadata keys ckptools adds to the files it writes.
@@ -107,7 +116,7 @@ def write_chunks(f: IO[bytes], view: memoryview) -> int:
     crc = 0
     for start in range(0, len(view), _CHUNK):
         chunk = view[start : start + _CHUNK]
-        crc = zlib.crc32(chunk, crc)
+        crc = crc32(chunk, crc)
         f.write(chunk)
         report_progress(len(chunk))
     return crc

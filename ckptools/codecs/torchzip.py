@@ -13,12 +13,11 @@ import contextlib
 import re
 import struct
 import zipfile
-import zlib
 from collections.abc import Iterable
 from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
-from ..storage import PathLike, copy_range, open_for_read, resolve
+from ..storage import PathLike, copy_range, crc32, open_for_read, resolve
 from .dtypes import STORAGE_ITEMSIZE
 
 if TYPE_CHECKING:
@@ -220,7 +219,7 @@ class TorchZip:
         with open(self.path, "rb") if handle is None else contextlib.nullcontext(handle) as f:
             f.seek(start)
             data = f.read(info.file_size)
-        if zlib.crc32(data) != info.CRC:
+        if crc32(data) != info.CRC:
             raise CheckpointFormatError(f"{self.path}: record {info.filename} is damaged (CRC-32 mismatch)")
         return data
 
@@ -230,9 +229,7 @@ class TorchZip:
         with open(self.path, "rb") as src:
             for index, (info, start) in enumerate(zip(self.infos, self.starts)):
                 if index == self.pkl_index:
-                    writer.add(
-                        info.filename, len(pickle_bytes), zlib.crc32(pickle_bytes), lambda: out.write(pickle_bytes)
-                    )
+                    writer.add(info.filename, len(pickle_bytes), crc32(pickle_bytes), lambda: out.write(pickle_bytes))
                 else:
                     writer.add(info.filename, info.file_size, info.CRC, _copier(src, out, start, info.file_size))
         writer.finish()

@@ -9,6 +9,7 @@ paths.py     a path or URL resolved once (`Location`), joins, listings, temporar
 writes.py    atomic writes: local (temporary file, fsync, rename, directory fsync), S3
              (a streamed multipart upload, completed last), other stores (one PUT or a move)
 reads.py     a file for ``torch.load``, byte ranges copied or CRC-32-checked, progress
+checksum.py  CRC-32, through ISA-L where installed (seven times zlib's speed)
 ===========  ==============================================================================
 
 Everything else imports from this package, never from its modules.
@@ -16,6 +17,7 @@ Everything else imports from this package, never from its modules.
 
 from __future__ import annotations
 
+from .checksum import FAST_CRC32, crc32
 from .paths import (
     TMP_MARKER,
     Location,
@@ -45,7 +47,8 @@ from .reads import (
 )
 from .writes import UPLOAD_PART, atomic_write, local_target, publish, streams_multipart
 
-__all__ = ["RANGES_AT_ONCE", "RANGE_BYTES", "TMP_MARKER", "UPLOAD_PART", "Location", "PathLike", "atomic_write",
-           "copy_range", "crc32_range", "file_size", "fspath", "fsync_dir", "get_filesystem", "host", "is_local",
-           "is_object_store", "join", "list_files", "local_target", "open_for_read", "progress_hook", "publish",
-           "ranged_reads", "remove", "report_progress", "resolve", "streams_multipart", "tmp_name"]  # fmt: skip
+__all__ = ["FAST_CRC32", "RANGES_AT_ONCE", "RANGE_BYTES", "TMP_MARKER", "UPLOAD_PART", "Location", "PathLike",
+           "atomic_write", "copy_range", "crc32", "crc32_range", "file_size", "fspath", "fsync_dir", "get_filesystem",
+           "host", "is_local", "is_object_store", "join", "list_files", "local_target", "open_for_read",
+           "progress_hook", "publish", "ranged_reads", "remove", "report_progress", "resolve", "streams_multipart",
+           "tmp_name"]  # fmt: skip

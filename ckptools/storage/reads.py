@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import io
 import os
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import IO, Any
 
 from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
+from .checksum import crc32
 from .paths import PathLike, fspath, get_filesystem, is_local
 
 __all__ = ["RANGES_AT_ONCE", "RANGE_BYTES", "copy_range", "crc32_range", "open_for_read", "progress_hook",
@@ -149,7 +149,7 @@ def crc32_range(handle: IO[bytes], start: int, length: int, *, what: str, out: I
         got = handle.readinto(view[: min(length, len(buffer))])  # type: ignore[attr-defined]  # a binary file
         if not got:
             raise CheckpointFormatError(f"{what} is cut short (truncated file)")
-        crc = zlib.crc32(view[:got], crc)
+        crc = crc32(view[:got], crc)
         if out is not None:
             out.write(view[:got])
         length -= got

@@ -15,7 +15,6 @@ import io
 import pickle
 import re
 import time
-import zlib
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import PurePath
@@ -32,7 +31,7 @@ from ..layouts import META_KEY
 from ..layouts.torch_io import GLOBAL_RE, first_line
 from ..per_rank import PER_RANK_KEY, PerRank
 from ..state_dict import unwrap_model
-from ..storage import PathLike, fspath
+from ..storage import PathLike, crc32, fspath
 from ..zero import describe_partitions
 
 __all__ = [
@@ -163,7 +162,7 @@ def _digest(value: Any) -> int | None:
         data = pickle.dumps(_comparable(value), protocol=4)
     except Exception:  # noqa: BLE001 - not comparable (an odd tensor, an object); check_loadable judges it
         return None
-    return zlib.crc32(data) if len(data) <= _DIGEST_MAX else None
+    return crc32(data) if len(data) <= _DIGEST_MAX else None
 
 
 def build_payload(state: Mapping[str, Any], user_meta: dict[str, Any], parts: list[dict[str, Any]]) -> dict[str, Any]:

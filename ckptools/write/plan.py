@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import secrets
 import sys
-import zlib
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +54,7 @@ from ..codecs.torchzip import ZipPlan
 from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointError
 from ..state_dict import unwrap_model
-from ..storage import Location, streams_multipart
+from ..storage import Location, crc32, streams_multipart
 from ..zero import has_partitions, is_zero, owned_tensors, refusal
 from .payload import state_entry
 from .pickling import pickle_payload
@@ -223,7 +222,7 @@ def replica_digests(state: Mapping[str, Any]) -> list[tuple[tuple[Any, ...], int
     found = []
     for where, tensor in replicated_tensors(state, entries):
         data = tensor.detach().contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0)
-        found.append((where, zlib.crc32(host_bytes(data.cpu().untyped_storage()))))
+        found.append((where, crc32(host_bytes(data.cpu().untyped_storage()))))
     return found
 
 

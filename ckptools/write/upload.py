@@ -26,7 +26,6 @@ import asyncio
 import bisect
 import contextlib
 import math
-import zlib
 from typing import Any
 
 import torch
@@ -34,7 +33,7 @@ import torch
 from ..codecs.torchzip import ZipPlan, storage_key
 from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointError
-from ..storage import Location, resolve
+from ..storage import Location, crc32, resolve
 from .plan import MIN_PART, PREFIX, Plan, Share, host_bytes
 
 __all__ = ["PARTS_AT_ONCE", "commit", "create", "discard", "part_ranges", "write_parts"]
@@ -124,9 +123,9 @@ def _pieces(
     found: list[tuple[int, Any, int]] = []  # (record, data, crc)
     for share, storage in chunks:
         data = host_bytes(storage)  # a GPU storage: its host copy, held until the parts are sent
-        crcs[share.key] = zlib.crc32(data)
+        crcs[share.key] = crc32(data)
         found.append((index[f"{PREFIX}data/{share.key}"], data, crcs[share.key]))
-    small_crcs = {record: zlib.crc32(small) for record, small in plan.small.items()}
+    small_crcs = {record: crc32(small) for record, small in plan.small.items()}
     found += [(record, small, small_crcs[record]) for record, small in plan.small.items()]
     pieces = _Pieces()
     for record, data, crc in sorted(found, key=lambda item: item[0]):

@@ -14,7 +14,6 @@ import contextlib
 import os
 import secrets
 import threading
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +21,7 @@ import torch
 
 from ..codecs.torchzip import ZipPlan
 from ..layouts.torch_io import save_file
-from ..storage import Location, local_target, publish, tmp_name
+from ..storage import Location, crc32, local_target, publish, tmp_name
 from . import upload
 from .plan import PREFIX, TOKEN_BYTES, Plan, Share, host_bytes, make_plan
 
@@ -67,7 +66,7 @@ def write_shares(plan: Plan, chunks: list[tuple[Share, torch.UntypedStorage]]) -
             if storage.device.type != "cpu":
                 # A host copy made for this write (a GPU tensor): checksummed now and let go,
                 # so that host memory holds one storage at a time, not the whole share.
-                crcs[share.key] = zlib.crc32(data)
+                crcs[share.key] = crc32(data)
             else:
                 views.append((share, data))
             _pwrite_all(fd, data, share.offset)
@@ -86,7 +85,7 @@ def write_shares(plan: Plan, chunks: list[tuple[Share, torch.UntypedStorage]]) -
         flusher = threading.Thread(target=flush, name="ckptools-fsync", daemon=True)
         flusher.start()
         try:
-            crcs.update((share.key, zlib.crc32(data)) for share, data in views)
+            crcs.update((share.key, crc32(data)) for share, data in views)
         finally:
             flusher.join()
         if failed:
@@ -128,7 +127,7 @@ def write_directory(plan: Plan, crcs: Mapping[str, int] | None, *, sync: bool = 
     try:
         for index, (name, _) in enumerate(plan.records):
             data = plan.small.get(index)
-            crc = zlib.crc32(data) if data is not None else by_key[name] if crcs is not None else 0
+            crc = crc32(data) if data is not None else by_key[name] if crcs is not None else 0
             all_crcs.append(crc)
             _pwrite_all(fd, memoryview(zplan.header(index, crc)), zplan.header_offsets[index])
             if data is not None:
