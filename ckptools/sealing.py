@@ -1,7 +1,7 @@
 """A snapshot copied but not yet committed, sealed after a kill: the step counts once its copy is whole.
 
 A snapshot's commit (CRC-32s, then the rename; `ckptools.node.commits`) runs in the background
-while training goes on, and takes about four times the copy. A kill -9 during it used to lose that
+while training goes on, and takes about half the copy (four times with zlib). A kill -9 during it lost that
 step as well as the one in progress: two steps, not one. So each node's slot being copied into
 carries a record beside it (``<slot>.copies``): the snapshot's name, then one byte per local rank,
 set by that rank once its copy is whole; the node's leader writes the zip's headers, small records

@@ -27,7 +27,7 @@ from ..errors import (
     MissingClassError,
     UnsafeCheckpointError,
 )
-from ..storage import Location, PathLike, atomic_write, crc32_range, fspath, open_for_read
+from ..storage import Location, PathLike, atomic_write, crc32_range, fspath, open_for_read, open_headers
 
 GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
 
@@ -168,7 +168,7 @@ def _cuda_error(path: str) -> CheckpointFormatError:
 def _opened(source: Any, local: bool) -> Iterator[IO[bytes]]:
     """A binary handle on what `open_for_read` returned: a path is opened and closed, an
     in-memory copy of a remote file is rewound for the reader that comes next."""
-    handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
+    handle: IO[bytes] = open_headers(source) if local else source
     try:
         handle.seek(0)
         yield handle

@@ -13,14 +13,27 @@ from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNot
 from .checksum import crc32
 from .paths import PathLike, fspath, get_filesystem, is_local
 
-__all__ = ["RANGES_AT_ONCE", "RANGE_BYTES", "copy_range", "crc32_range", "open_for_read", "progress_hook",
-           "ranged_reads", "report_progress"]  # fmt: skip
+__all__ = ["RANGES_AT_ONCE", "RANGE_BYTES", "READ_BUFFER", "copy_range", "crc32_range", "open_for_read", "open_headers",
+           "progress_hook", "ranged_reads", "report_progress"]  # fmt: skip
 
 _CHUNK = 64 << 20
+# The most a local file opened to read its headers buffers (`open_headers`).
+READ_BUFFER = 64 << 10
 
 
 # Bytes processed by long copies, for the CLI's progress bar; None (the default) costs nothing.
 _PROGRESS: ContextVar[Callable[[int], None] | None] = ContextVar("ckptools_progress", default=None)
+
+
+def open_headers(path: str) -> IO[bytes]:
+    """A local file opened to read its headers (a zip's records, a safetensors header), buffered as
+    Python does but by at most `READ_BUFFER`: Python buffers by the filesystem's block size, 2 MiB on
+    a tmpfs with huge pages and 4-16 MiB on Lustre or GPFS, and each small read after a seek would
+    fill all of it (a snapshot's 131 record headers on such a tmpfs: 262 MiB copied, 13 ms).
+
+    Example: ``with open_headers("/tmp/ckpt.pt") as f: magic = f.read(4)``
+    """
+    return open(path, "rb", buffering=max(512, min(os.stat(path).st_blksize, READ_BUFFER)))
 
 
 def open_for_read(path: PathLike) -> tuple[Any, bool]:
