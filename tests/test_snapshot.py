@@ -6,8 +6,10 @@ The kill -9 of a whole torchrun job is in test_train_ddp_e2e.py (slow: `make int
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 
@@ -438,3 +440,53 @@ def test_without_a_budget_every_call_is_taken(tmp_path):
     with pytest.raises(ValueError, match="budget must be a fraction"):
         manager.snapshot(_state(1.0), 6, budget=2.0)
     manager.close()
+
+
+def test_huge_pages_is_read_from_the_mount_the_folder_lives_on(tmp_path, monkeypatch):
+    """A restore from node memory is ~1.2x the copy with huge pages and ~1.6x without
+    (docs/guides/snapshots.md): which one a folder gets is told from its mount's options."""
+    from ckptools.node import folder as node_folder
+
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "proc /proc proc rw,nosuid 0 0\n"
+        "tmpfs /dev/shm tmpfs rw,relatime,size=24684084k 0 0\n"
+        "tmpfs /mnt/fast\\040mem tmpfs rw,relatime,size=4194304k,huge=within_size 0 0\n"
+        "tmpfs /mnt/advised tmpfs rw,huge=advise 0 0\n"
+        "/dev/sda1 / ext4 rw,relatime 0 0\n"
+    )
+    enabled = tmp_path / "shmem_enabled"
+    enabled.write_text("always within_size advise [never] deny force\n")
+    monkeypatch.setattr(node_folder, "_SHMEM_ENABLED", str(enabled))
+    huge = node_folder.huge_pages
+    assert huge("/dev/shm/ckptools-1", str(mounts)) is False
+    assert huge("/mnt/fast mem/ckptools-1", str(mounts)) is True
+    assert huge("/mnt/advised/x", str(mounts)) is False  # the restore's mapping does not ask for them
+    assert huge("/home/u/run", str(mounts)) is None  # not a tmpfs
+    assert huge("/dev/shm", str(tmp_path / "absent")) is None
+    enabled.write_text("always within_size advise never deny [force]\n")
+    assert huge("/dev/shm/ckptools-1", str(mounts)) is True
+    # This machine's own table is read too; its /dev/shm is a tmpfs (huge pages or not).
+    if os.path.isdir("/dev/shm") and sys.platform.startswith("linux"):
+        monkeypatch.undo()
+        assert huge("/dev/shm") in (True, False)
+
+
+def test_a_snapshot_into_a_tmpfs_without_huge_pages_says_so_once(tmp_path, caplog):
+    import logging
+
+    from ckptools.node.folder import huge_pages
+
+    if not os.path.isdir("/dev/shm") or huge_pages("/dev/shm") is not False:
+        pytest.skip("needs a /dev/shm without huge pages, as most hosts have")
+    memory = tempfile.mkdtemp(dir="/dev/shm", prefix="ckptools-test-pages-")
+    manager = ck.CheckpointManager(str(tmp_path / "run"), snapshot_dir=memory)
+    try:
+        with caplog.at_level(logging.INFO, logger="ckptools"):
+            for step in range(2):
+                manager.snapshot({"w": torch.ones(4)}, step)
+        said = [r.getMessage() for r in caplog.records if "huge pages" in r.getMessage()]
+        assert len(said) == 1 and memory in said[0] and "huge=within_size" in said[0], said
+    finally:
+        manager.close()
+        shutil.rmtree(memory, ignore_errors=True)

@@ -337,8 +337,11 @@ def test_a_verified_load_opens_the_file_once_before_torch_and_verify_twice(tmp_p
 
     monkeypatch.setattr(builtins, "open", counting_open)
     monkeypatch.setattr(torch, "load", counting_load)
+    # The last open is torch's zip reader's, on a file ckptools opens with a bounded buffer
+    # (torch_io._mapped_load); torch.load's own where torch lacks the pieces of it.
+    torch_reads = (["ckptools"], ["torch.load"])
     ck.load(path, {"model": torch.nn.Linear(4, 4)}, verify=True)
-    assert opened == ["ckptools", "torch.load"]
+    assert opened in [["ckptools", *last] for last in torch_reads]
     opened.clear()
     assert "every record's CRC-32 matches" in ck.verify(path)
-    assert opened == ["ckptools", "ckptools", "torch.load"]
+    assert opened in [["ckptools", "ckptools", *last] for last in torch_reads]

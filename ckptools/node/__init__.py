@@ -26,7 +26,16 @@ from __future__ import annotations
 
 from .cadence import Cadence
 from .commits import COMMITS, finish_snapshot
-from .folder import default_folder, group_nodes, node_token, register, release_folders, start_keeper, watch
+from .folder import (
+    default_folder,
+    group_nodes,
+    node_token,
+    note_pages,
+    register,
+    release_folders,
+    start_keeper,
+    watch,
+)
 from .slots import SLOTS
 from .snapshot import Orphaned, write_snapshot
 from .survey import Survey, survey_nodes
@@ -40,6 +49,7 @@ __all__ = [
     "finish_snapshot",
     "group_nodes",
     "node_token",
+    "note_pages",
     "register",
     "release",
     "settle",
