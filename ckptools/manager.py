@@ -24,7 +24,6 @@ from .node import (
     close_slots,
     default_folder,
     finish_snapshot,
-    note_pages,
     register,
     settle,
     start_keeper,
@@ -299,7 +298,6 @@ class CheckpointManager:
                 os.makedirs(self.directory, exist_ok=True)
             watch(memory.directory)
             start_keeper(memory.directory, self.directory, self.prefix, self.keep_last)
-            note_pages(memory.directory)
 
         try:
             path = write_snapshot(

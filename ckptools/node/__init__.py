@@ -26,16 +26,7 @@ from __future__ import annotations
 
 from .cadence import Cadence
 from .commits import COMMITS, finish_snapshot
-from .folder import (
-    default_folder,
-    group_nodes,
-    node_token,
-    note_pages,
-    register,
-    release_folders,
-    start_keeper,
-    watch,
-)
+from .folder import default_folder, group_nodes, node_token, register, release_folders, start_keeper, watch
 from .slots import SLOTS
 from .snapshot import Orphaned, write_snapshot
 from .survey import Survey, survey_nodes
@@ -49,7 +40,6 @@ __all__ = [
     "finish_snapshot",
     "group_nodes",
     "node_token",
-    "note_pages",
     "register",
     "release",
     "settle",

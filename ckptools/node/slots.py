@@ -24,7 +24,7 @@ from ..errors import CheckpointError, NodeMemoryError
 from ..snapshot_names import checkpoint_names
 from ..storage import tmp_name
 from ..text import human_size
-from .folder import FIXES, check_space
+from .folder import FIXES, check_space, note_pages
 
 __all__ = ["SLOTS", "MappedSlot", "Slots"]
 
@@ -118,6 +118,7 @@ class Slots:
         spare = self.spares.pop(folder, None)
         if spare is not None and not os.path.isfile(spare):
             spare = None
+        note_pages(folder)  # its restores' speed, said once
         try:
             check_space(folder, size, _allocated(newest) + _allocated(spare))
         except BaseException:
