@@ -11,7 +11,7 @@ from pathlib import Path
 import _torch_can as torch_can
 import pytest
 import torch
-from _dist import _exit_now, free_port
+from _dist import _exit_now, free_port, run_ranks
 
 import ckptools as ck
 
@@ -181,3 +181,25 @@ def test_a_script_ending_with_destroy_process_group_never_aborts_at_exit(tmp_pat
         if proc.returncode != 0 or "terminate called" in proc.stderr:
             failed.append((run, proc.returncode, proc.stderr[-1500:]))
     assert failed == [], f"{len(failed)} of 30 launches failed at exit; the first: {failed[0]}"
+
+
+def _hold_works(rank: int, world: int) -> tuple[int, int, int]:
+    from ckptools.collective import group
+
+    group._HELD.clear()
+    for _ in range(12):  # in a row: what the preemption check's all-reduces do each step
+        group.run_collective(torch.distributed.all_reduce, torch.ones(1))
+    quick = len(group._HELD)
+    time.sleep(group._HOLD_SECONDS + 0.2)
+    group.run_collective(torch.distributed.all_reduce, torch.ones(1))
+    return quick, len(group._HELD), group._HOLD_COUNT
+
+
+def test_a_collectives_work_is_held_until_the_gloo_thread_let_go_of_it_not_only_eight_more():
+    """A gloo thread descheduled on a loaded machine let go of a Work after eight newer collectives
+    had pushed it out of the held ones, and so took the GIL to release its tensors (make compat,
+    torch 2.6, the shim test above). Now every Work is held for a second after it finished, and
+    the last eight beyond that."""
+    for quick, later, count in run_ranks(_hold_works, 2):
+        assert quick == 12  # none let go within the second, however many
+        assert later == count  # then the older ones go, the last eight stay

@@ -191,10 +191,16 @@ def _object_group() -> Any:
 # CPython before 3.11.10 (gh-112275) a DataLoader worker forked at that moment inherits the lock held
 # and deadlocks for good in the fork's cleanup: seen as a launch hung at an epoch's start, right
 # after the exchange that chose the checkpoint to resume from. Held here, every collective's tensors
-# are released on this thread (which has the GIL anyway) when the eighth collective after it pushes
-# it out; by then the gloo thread has long let go. Memory held: those 8 collectives' tensors (a
-# broadcast load's bucket among them). DDP's own collectives still do it; ours no longer add to it.
-_HELD: collections.deque[Any] = collections.deque(maxlen=8)
+# are released on this thread (which has the GIL anyway) once it finished `_HOLD_SECONDS` ago and
+# `_HOLD_COUNT` newer ones exist; by then the gloo thread has long let go. A count alone was not
+# enough: eight collectives in a row (a broadcast load's buckets, the preemption check's 1-byte
+# all-reduces) can take less time than a gloo thread descheduled on a loaded machine takes to let go
+# (seen once in `make compat`, torch 2.6, tests/test_dist.py's shim). Memory held: the tensors of the
+# last second's collectives and of the last 8 (a broadcast load's buckets are views of one buffer).
+# DDP's own collectives still do it; ours no longer add to it.
+_HELD: collections.deque[list[Any]] = collections.deque()  # [finished at (monotonic; None while running), Work]
+_HOLD_COUNT = 8
+_HOLD_SECONDS = 1.0
 
 
 # A gloo worker thread releases a finished collective's Work a moment after its future completed; the
@@ -225,8 +231,12 @@ def run_collective(collective: Any, *args: Any, **kwargs: Any) -> None:
     """``collective(*args, **kwargs)`` to completion, its Work held (see ``_HELD``)."""
     settle_at_exit()
     work = collective(*args, async_op=True, **kwargs)
-    _HELD.append(work)
+    held = [None, work]
+    _HELD.append(held)
     work.wait()
+    held[0] = now = time.monotonic()
+    while len(_HELD) > _HOLD_COUNT and _HELD[0][0] is not None and now - _HELD[0][0] >= _HOLD_SECONDS:
+        _HELD.popleft()
 
 
 def default_store() -> Any:
