@@ -103,7 +103,7 @@ def check_space(folder: str, needed: int, held: int) -> None:
 
 
 HUGE_PAGES_HINT = (
-    "a restore from it maps 4 KiB pages (1.6x the copy's time on the CI machine, 1.2x with huge pages: "
+    "a restore from it maps 4 KiB pages (1.6x the copy's time on the CI machine, 1.2-1.3x with huge pages: "
     "docs/guides/snapshots.md); for huge pages mount a tmpfs with huge=within_size (or remount /dev/shm so) "
     f"and point snapshot_dir or ${ENV} there"
 )
@@ -124,15 +124,15 @@ def huge_pages(folder: str, mounts: str = "/proc/self/mounts") -> bool | None:
     except OSError:
         return None
     where = os.path.realpath(folder)
-    best: list[str] | None = None
-    for fields in table:  # the longest mount point above the folder is the one it lives on
+    best: tuple[str, str, str] | None = None  # (mount point, type, options)
+    for fields in table:  # the longest mount point above the folder is the one it lives on (the last, if shadowed)
         if len(fields) < 4:
             continue
         point = fields[1].replace("\\040", " ")
         inside = where == point or where.startswith(point.rstrip("/") + "/")
-        if inside and (best is None or len(point) >= len(best[1])):
-            best = fields
-    if best is None or best[2] != "tmpfs":
+        if inside and (best is None or len(point) >= len(best[0])):
+            best = (point, fields[2], fields[3])
+    if best is None or best[1] != "tmpfs":
         return None
     try:
         with open(_SHMEM_ENABLED) as f:
@@ -141,7 +141,7 @@ def huge_pages(folder: str, mounts: str = "/proc/self/mounts") -> bool | None:
         forced = ""
     if "[force]" in forced or "[deny]" in forced:  # the kernel's override of every tmpfs's own option
         return "[force]" in forced
-    options = dict(opt.partition("=")[::2] for opt in best[3].split(","))
+    options = dict(opt.partition("=")[::2] for opt in best[2].split(","))
     return options.get("huge", "never") in ("always", "within_size")
 
 
