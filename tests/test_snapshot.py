@@ -490,3 +490,19 @@ def test_a_snapshot_into_a_tmpfs_without_huge_pages_says_so_once(tmp_path, caplo
     finally:
         manager.close()
         shutil.rmtree(memory, ignore_errors=True)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_the_commit_runs_below_the_steps_priority(tmp_path):
+    """The commit (CRC-32s of the whole state) runs behind every step; at the step's priority it took
+    one of a 2-core machine's cores from it (docs/benchmarks.md): it runs 10 nicer than the process."""
+    import threading
+
+    manager = _manager(tmp_path)
+    manager.snapshot({"w": torch.ones(3)}, 1)
+    manager.wait()
+    threads = [t for t in threading.enumerate() if t.name == "ckptools-snapshot"]
+    assert threads
+    process = os.getpriority(os.PRIO_PROCESS, 0)
+    assert os.getpriority(os.PRIO_PROCESS, threads[0].native_id) == min(19, process + 10)
+    manager.close()

@@ -95,7 +95,8 @@ def _yield_to_the_step() -> None:
     whole (ckptools.sealing); only the next snapshot's wait for it could grow."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):  # raising one's own niceness is always allowed; a sandbox may say no
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMMIT_NICENESS)
+            me = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + COMMIT_NICENESS))
 
 
 def _commit_thread(commits: queue.SimpleQueue[_Commit]) -> None:
