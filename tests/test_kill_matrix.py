@@ -98,8 +98,12 @@ def test_nobody_relaunches_and_the_newest_step_reaches_the_run_folder(tmp_path, 
     newest = int(preempted[0]) if preempted else last - 1
     assert steps and steps[-1] >= newest, (topology, last, steps, out[-3000:])
     assert keepers_left(memory) == [], f"{topology}: the keeper did not exit within 10 s of releasing node memory"
-    if topology == "agent alone":  # the ranks left by themselves, the snapshot of that step committed
-        assert "is gone; the snapshot" in out and "exit code 129" in out, out[-3000:]
+    if topology == "agent alone":  # the ranks left by themselves, with that step kept
+        # Whichever noticed the agent gone first: the step's snapshot (committed without the store), or,
+        # the kill landing after the snapshot's check (a loaded machine relays the line late), the
+        # step's preemption check (saved that step). Both keep it: `steps` above.
+        noticed = "is gone; the snapshot" in out or re.search(r"preempted at step \d+ \(SIGHUP\)", out)
+        assert noticed and "exit code 129" in out, out[-3000:]
 
 
 @pytest.mark.slow
