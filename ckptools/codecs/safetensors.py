@@ -24,6 +24,7 @@ from ..storage import (
     crc32_range,
     fspath,
     open_for_read,
+    open_headers,
     report_progress,
     resolve,
 )
@@ -137,7 +138,7 @@ def read_safetensors_header(path: PathLike) -> tuple[dict[str, Any], dict[str, s
     """
     source, local = open_for_read(path)  # a Location is used as resolved, not parsed again
     path = fspath(path)
-    handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
+    handle: IO[bytes] = open_headers(source) if local else source
     try:
         size = os.fstat(handle.fileno()).st_size if local else len(source.getbuffer())
         head = handle.read(8)

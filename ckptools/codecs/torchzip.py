@@ -17,7 +17,7 @@ from collections.abc import Iterable
 from typing import IO, TYPE_CHECKING, Any
 
 from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
-from ..storage import PathLike, copy_range, crc32, open_for_read, resolve
+from ..storage import PathLike, copy_range, crc32, open_for_read, open_headers, resolve
 from .dtypes import STORAGE_ITEMSIZE
 
 if TYPE_CHECKING:
@@ -47,7 +47,7 @@ class TorchZip:
             if handle is not None:
                 self._scan(handle)
             else:
-                with open(path, "rb") as f:
+                with open_headers(path) as f:
                     self._scan(f)
         except CheckpointFormatError:
             raise
@@ -385,7 +385,7 @@ def read_local_zip(path: PathLike) -> tuple[TorchZip, bytes] | None:
     if not location.local:
         return None
     source, _ = open_for_read(location)
-    with open(source, "rb") as f:
+    with open_headers(source) as f:
         if f.read(4) != ZIP_MAGIC:
             return None
         archive = TorchZip(location.path, f)
@@ -401,5 +401,5 @@ def is_local_zip(path: PathLike) -> bool:
     if not location.local:
         return False
     source, _ = open_for_read(location)
-    with open(source, "rb") as f:
+    with open_headers(source) as f:
         return f.read(4) == ZIP_MAGIC

@@ -38,7 +38,6 @@ from .paths import (
 from .reads import (
     RANGE_BYTES,
     RANGES_AT_ONCE,
-    READ_BUFFER,
     copy_range,
     crc32_range,
     open_for_read,
@@ -49,7 +48,7 @@ from .reads import (
 )
 from .writes import UPLOAD_PART, atomic_write, local_target, publish, streams_multipart
 
-__all__ = ["FAST_CRC32", "RANGES_AT_ONCE", "RANGE_BYTES", "READ_BUFFER", "TMP_MARKER", "UPLOAD_PART", "Location",
+__all__ = ["FAST_CRC32", "RANGES_AT_ONCE", "RANGE_BYTES", "TMP_MARKER", "UPLOAD_PART", "Location",
            "PathLike", "atomic_write", "copy_range", "crc32", "crc32_range", "file_size", "fspath", "fsync_dir",
            "get_filesystem", "host", "is_local", "is_object_store", "join", "list_files", "local_target",
            "open_for_read", "open_headers", "progress_hook", "publish", "ranged_reads", "remove", "report_progress",

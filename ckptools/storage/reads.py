@@ -13,7 +13,7 @@ from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNot
 from .checksum import crc32
 from .paths import PathLike, fspath, get_filesystem, is_local
 
-__all__ = ["RANGES_AT_ONCE", "RANGE_BYTES", "READ_BUFFER", "copy_range", "crc32_range", "open_for_read", "open_headers",
+__all__ = ["RANGES_AT_ONCE", "RANGE_BYTES", "copy_range", "crc32_range", "open_for_read", "open_headers",
            "progress_hook", "ranged_reads", "report_progress"]  # fmt: skip
 
 _CHUNK = 64 << 20
