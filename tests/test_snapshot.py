@@ -506,3 +506,144 @@ def test_the_commit_runs_below_the_steps_priority(tmp_path):
     process = os.getpriority(os.PRIO_PROCESS, 0)
     assert os.getpriority(os.PRIO_PROCESS, threads[0].native_id) == min(19, process + 10)
     manager.close()
+
+
+def _reads(monkeypatch) -> list[str]:
+    """Which way each `load_file` read its file: "own" (the snapshot reader) or "checked"."""
+    from ckptools.layouts import torch_io
+
+    ways: list[str] = []
+    own, scan = torch_io._load_own, torch_io._scan_zip
+
+    def load_own(*args, **kwargs):
+        ways.append("own")
+        tree = own(*args, **kwargs)
+        if tree is torch_io._UNLISTED:
+            ways[-1] = "own, then checked"
+        return tree
+
+    def scan_zip(*args, **kwargs):
+        ways.append("checked")
+        return scan(*args, **kwargs)
+
+    monkeypatch.setattr(torch_io, "_load_own", load_own)
+    monkeypatch.setattr(torch_io, "_scan_zip", scan_zip)
+    return ways
+
+
+def test_a_snapshot_in_this_users_node_memory_is_read_once_and_bit_exact(tmp_path, monkeypatch):
+    """The restore from node memory reads the user's own snapshot with torch's allowlist on the C
+    unpickler, without ckptools' second parse (docs/guarantees.md): 13 ms of a 1 GiB restore's 80.
+    The same bytes in a folder others could write are read the checked way, and both give the same."""
+    ways = _reads(monkeypatch)
+    manager = _manager(tmp_path)
+    state = _state(3.0)
+    manager.snapshot({**state, "step": 3}, 3, blocking=True)
+    path = manager.snapshots()[-1][1]
+    fast = _state(0.0)
+    assert ck.load(path, fast)["step"] == 3
+    assert ways == ["own"]
+    os.chmod(manager.snapshot_dir, 0o777)  # anyone may write there now: the file is not trusted
+    checked = _state(0.0)
+    assert ck.load(path, checked)["step"] == 3
+    assert ways == ["own", "checked"]
+    for part in ("model", "optimizer"):
+        for a, b, c in zip(_tensors(fast[part]), _tensors(checked[part]), _tensors(state[part])):
+            assert a.numpy().tobytes() == b.numpy().tobytes() == c.numpy().tobytes()
+    os.chmod(manager.snapshot_dir, 0o755)
+    manager.close()
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    tree = obj.state_dict()
+    found: list[torch.Tensor] = []
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            found.append(v)
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(v[k])
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+
+    walk(tree)
+    assert found
+    return found
+
+
+def test_only_a_marked_node_memory_folder_only_this_user_can_write_is_trusted(tmp_path):
+    from ckptools.storage import NODE_MARK, own_node_memory
+
+    folder = tmp_path / "memory"
+    folder.mkdir(mode=0o755)
+    path = folder / "ckpt-0000000001.pt"
+    torch.save({"w": torch.ones(2)}, path)
+    assert not own_node_memory(str(path))  # no mark: any folder of this user's
+    (folder / NODE_MARK).write_text("token")
+    assert own_node_memory(str(path))
+    os.chmod(folder, 0o775)  # the group may write into it
+    assert not own_node_memory(str(path))
+    os.chmod(folder, 0o755)
+    os.chmod(path, 0o666)
+    assert not own_node_memory(str(path))
+    os.chmod(path, 0o644)
+    link = folder / "ckpt-0000000002.pt"
+    link.symlink_to(tmp_path / "elsewhere.pt")
+    torch.save({"w": torch.ones(2)}, tmp_path / "elsewhere.pt")
+    assert not own_node_memory(str(link))  # a link could point at anything
+    assert not own_node_memory(str(folder / "absent.pt"))
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # another user's file or folder (only root can make one)
+        os.chown(path, 4242, -1)
+        assert not own_node_memory(str(path))
+        os.chown(path, 0, -1)
+        os.chown(folder, 4242, -1)
+        assert not own_node_memory(str(path))
+        os.chown(folder, 0, -1)
+    assert own_node_memory(str(path))
+
+
+def test_an_own_snapshot_needing_a_global_outside_torchs_allowlist_is_refused_as_before(tmp_path, monkeypatch):
+    """The trusted reader keeps torch's allowlist: anything else goes the checked way, which refuses it
+    (or reads it, allowlisted by the user)."""
+    import pathlib
+
+    from ckptools.storage import NODE_MARK
+
+    ways = _reads(monkeypatch)
+    folder = tmp_path / "memory"
+    folder.mkdir(mode=0o755)
+    (folder / NODE_MARK).write_text("token")
+    path = folder / "ckpt-0000000001.pt"
+    torch.save({"w": torch.arange(4.0), "where": pathlib.PurePosixPath("/data")}, path)
+    with pytest.raises(ck.UnsafeCheckpointError, match="PurePosixPath"):
+        ck.load(str(path))
+    assert ways == ["own, then checked", "checked"]
+    with torch.serialization.safe_globals([pathlib.PurePosixPath]):
+        loaded = ck.load(str(path))
+    assert loaded["where"] == pathlib.PurePosixPath("/data") and torch.equal(loaded["w"], torch.arange(4.0))
+    assert ways[2:] == ["own"]
+
+
+def test_a_damaged_own_snapshot_is_a_format_error_naming_it(tmp_path, monkeypatch):
+    """What the trusted reader trips over is the same clear error as the checked path's: through
+    `ck.load` (its container check sees the CRC-32) and through the reader itself (which does not)."""
+    from ckptools.layouts.torch_io import load_file
+    from ckptools.storage import NODE_MARK
+
+    folder = tmp_path / "memory"
+    folder.mkdir(mode=0o755)
+    (folder / NODE_MARK).write_text("token")
+    path = folder / "ckpt-0000000001.pt"
+    torch.save({"w": torch.arange(1000.0)}, path)
+    data = bytearray(path.read_bytes())
+    at = data.index(b"_rebuild_tensor_v2")  # in data.pkl: the CRC-32 no longer matches
+    data[at] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ck.CheckpointFormatError, match="ckpt-0000000001.pt"):
+        ck.load(str(path))
+    ways = _reads(monkeypatch)
+    with pytest.raises(ck.CheckpointFormatError, match="ckpt-0000000001.pt is truncated, corrupt"):
+        load_file(str(path), mmap=True)
+    assert ways == ["own"]

@@ -40,6 +40,7 @@ from .. import log
 from ..collective.group import get_local_rank, launcher
 from ..errors import NodeMemoryError
 from ..keeper import PIDS
+from ..storage import NODE_MARK
 from ..text import human_size
 
 __all__ = [
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 ENV = "CKPTOOLS_NODE_MEMORY"
-NODE_FILE = ".node"  # the token that tells which ranks share this folder
+NODE_FILE = NODE_MARK  # the token that tells which ranks share this folder (and that it is node memory)
 # Seconds the keeper waits, once every process of the job is gone, for a relaunch (default 10).
 GRACE_ENV = "CKPTOOLS_KEEPER_GRACE"
 

@@ -36,20 +36,22 @@ from .paths import (
     tmp_name,
 )
 from .reads import (
+    NODE_MARK,
     RANGE_BYTES,
     RANGES_AT_ONCE,
     copy_range,
     crc32_range,
     open_for_read,
     open_headers,
+    own_node_memory,
     progress_hook,
     ranged_reads,
     report_progress,
 )
 from .writes import UPLOAD_PART, atomic_write, local_target, publish, streams_multipart
 
-__all__ = ["FAST_CRC32", "RANGES_AT_ONCE", "RANGE_BYTES", "TMP_MARKER", "UPLOAD_PART", "Location",
+__all__ = ["FAST_CRC32", "NODE_MARK", "RANGES_AT_ONCE", "RANGE_BYTES", "TMP_MARKER", "UPLOAD_PART", "Location",
            "PathLike", "atomic_write", "copy_range", "crc32", "crc32_range", "file_size", "fspath", "fsync_dir",
            "get_filesystem", "host", "is_local", "is_object_store", "join", "list_files", "local_target",
-           "open_for_read", "open_headers", "progress_hook", "publish", "ranged_reads", "remove", "report_progress",
-           "resolve", "streams_multipart", "tmp_name"]  # fmt: skip
+           "open_for_read", "open_headers", "own_node_memory", "progress_hook", "publish", "ranged_reads", "remove",
+           "report_progress", "resolve", "streams_multipart", "tmp_name"]  # fmt: skip

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import stat
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -13,13 +14,16 @@ from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNot
 from .checksum import crc32
 from .paths import PathLike, fspath, get_filesystem, is_local
 
-__all__ = ["RANGES_AT_ONCE", "RANGE_BYTES", "copy_range", "crc32_range", "open_for_read", "open_headers",
-           "progress_hook", "ranged_reads", "report_progress"]  # fmt: skip
+__all__ = ["NODE_MARK", "RANGES_AT_ONCE", "RANGE_BYTES", "copy_range", "crc32_range", "open_for_read", "open_headers",
+           "own_node_memory", "progress_hook", "ranged_reads", "report_progress"]  # fmt: skip
 
 _CHUNK = 64 << 20
 # The most a local file opened to read its headers buffers (`open_headers`).
 READ_BUFFER = 64 << 10
 
+
+# The file that makes a folder ckptools' node memory (`ckptools.node`: the token of the ranks that share it).
+NODE_MARK = ".node"
 
 # Bytes processed by long copies, for the CLI's progress bar; None (the default) costs nothing.
 _PROGRESS: ContextVar[Callable[[int], None] | None] = ContextVar("ckptools_progress", default=None)
@@ -34,6 +38,28 @@ def open_headers(path: str) -> IO[bytes]:
     Example: ``with open_headers("/tmp/ckpt.pt") as f: magic = f.read(4)``
     """
     return open(path, "rb", buffering=max(512, min(os.stat(path).st_blksize, READ_BUFFER)))
+
+
+def own_node_memory(path: str) -> bool:
+    """Whether ``path`` is a file in a ckptools node-memory folder that only this user can write:
+    the folder holds `NODE_MARK`, and it and the file belong to this user, writable by no group or
+    other user. Such a file was written by this user's job (a snapshot): its reader may trust it as
+    it trusts the process's own memory (`ckptools.layouts.torch_io.load_file`).
+
+    Example: ``own_node_memory("/dev/shm/ckptools-1a2b/ckpt-00000040.pt")``
+    """
+    if not hasattr(os, "geteuid"):
+        return False
+    me = os.geteuid()
+    folder = os.path.dirname(os.path.abspath(path))
+    try:
+        stats = (os.stat(folder), os.lstat(path), os.lstat(os.path.join(folder, NODE_MARK)))
+    except OSError:
+        return False
+    # lstat: a link in that folder could point anywhere; only the folder itself may be reached through one.
+    return all(s.st_uid == me and not s.st_mode & 0o022 for s in stats) and all(
+        stat.S_ISREG(s.st_mode) for s in stats[1:]
+    )
 
 
 def open_for_read(path: PathLike) -> tuple[Any, bool]:
