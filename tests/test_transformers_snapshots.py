@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -37,6 +38,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 # exactly there.
 _SCRIPT = """
 import os, sys, time, torch
+if os.environ.get("NODE_MEMORY_PER_RANK"):  # simulated nodes: each rank a node-memory folder of its own
+    os.environ["CKPTOOLS_NODE_MEMORY"] = os.path.join(os.environ["NODE_MEMORY_PER_RANK"], "node" + os.environ["RANK"])
 import ckptools as ck
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from ckptools.integrations.transformers import CkptoolsCallback, latest_complete_checkpoint
@@ -85,7 +88,11 @@ callback = CkptoolsCallback(snapshot_every=1, budget=None)
 trainer = Trainer(Net(), args, train_dataset=ck.SeededDataset(Data(), seed=args.seed),
                   callbacks=[callback, Pause()])
 resume = latest_complete_checkpoint(out) if mode == "resume" else None
-print("resuming from", resume, flush=True)
+print(f"rank {args.process_index} resuming from {resume}", flush=True)  # one write: ranks' lines do not mix
+if mode == "resume":
+    from ckptools.integrations.trainer_snapshots import PREFIX
+    memory = [step for step, _ in ck.CheckpointManager(out, prefix=PREFIX).snapshots()]
+    print(f"node memory of rank {args.process_index} holds {memory}", flush=True)
 trainer.train(resume_from_checkpoint=resume)
 if args.process_index == 0:
     torch.save(trainer.model.state_dict(), os.path.join(out, "final.pt"))
@@ -228,6 +235,30 @@ def test_killed_and_relaunched_the_run_resumes_from_the_step_it_died_at_bit_iden
     said = _finished(_launch(script, out, "resume", procs, 24, 10))
     assert f"resuming from {out / f'checkpoint-{kill}'}" in said, (kill, said[-3000:])
     assert _same(_straight(tmp_path_factory, procs), torch.load(out / "final.pt", weights_only=True)), kill
+
+
+def test_on_two_nodes_every_rank_resumes_from_one_step_and_a_replaced_node_receives_it(tmp_path_factory, tmp_path,
+                                                                                     monkeypatch):  # fmt: skip
+    """Two simulated nodes (each rank a node-memory folder of its own) killed after step 13, then one node
+    replaced (its memory gone). The relaunch's latest_complete_checkpoint agrees over the process group:
+    rank 0 chooses step 13, the replaced node receives that snapshot into its memory, every rank resumes
+    from checkpoint-13, and the run ends bit-identical. Before, each node decided from its own memory,
+    and the replaced one resumed from checkpoint-10 beside the other's 13."""
+    if not _resumes_on_several_cpu_processes():
+        pytest.skip("this transformers cannot resume a CPU run of several processes from any folder (map_location "
+                    "'cpu:0', which torch refuses), the Trainer's own included")  # fmt: skip
+    nodes = tmp_path / "nodes"
+    monkeypatch.setenv("NODE_MEMORY_PER_RANK", str(nodes))
+    script, out, kill = _script(tmp_path), tmp_path / "run", 13
+    _killed_at_pause(_launch(script, out, "fresh", 2, 24, 10, pause_at=kill))
+    assert sorted(os.listdir(nodes)) == ["node0", "node1"]
+    shutil.rmtree(nodes / "node1")  # node 1 was replaced: its memory is gone
+    said = _finished(_launch(script, out, "resume", 2, 24, 10))
+    for rank in (0, 1):
+        assert f"rank {rank} resuming from {out / f'checkpoint-{kill}'}" in said, said[-3000:]
+    assert "node memory of rank 1 holds [13]" in said, said[-3000:]  # received from node 0
+    assert "differs between ranks" not in said, said[-3000:]  # every rank's snapshot holds the same Trainer state
+    assert _same(_straight(tmp_path_factory, 2), torch.load(out / "final.pt", weights_only=True))
 
 
 def test_killed_and_never_relaunched_the_keeper_writes_the_step_out_as_the_trainers_folder(tmp_path_factory, tmp_path,

@@ -68,6 +68,9 @@ def _state_json(state: Any, control: Any) -> str:
     import dataclasses
 
     fields = dataclasses.asdict(state)
+    for rank_of_this_process in ("is_local_process_zero", "is_world_process_zero"):
+        if rank_of_this_process in fields:  # as process 0 writes them; the Trainer sets both anew at a resume
+            fields[rank_of_this_process] = True
     if hasattr(control, "state") and isinstance(fields.get("stateful_callbacks"), dict):
         fields["stateful_callbacks"]["TrainerControl"] = control.state()
     return json.dumps(fields, indent=2, sort_keys=True) + "\n"

@@ -29,10 +29,11 @@ import time
 from typing import Any
 
 from .. import log, sealing
-from ..collective.group import get_rank
+from ..collective.agree import Agreement
+from ..collective.group import all_gather_object, get_rank, get_world_size
 from ..layouts import MANIFEST, check_folder, write_manifest
 from ..manager import CheckpointManager
-from ..node import watch
+from ..node import survey_nodes, watch
 from ..snapshot_names import checkpoint_names
 from ..training.seeded import SeededDataset
 from . import installed, release_numbers, trainer_snapshots
@@ -163,37 +164,119 @@ def latest_complete_checkpoint(output_dir: str, *, verify: bool = True) -> str |
     `ckptools.layouts.folder_check.check_folder`, the one ``ckpt verify FOLDER`` makes too.
     Folders that are not are skipped with a `ckptools.CheckpointWarning` saying why.
 
-    With ``CkptoolsCallback(snapshot_every=...)``, a snapshot in this node's memory newer than every
-    folder is written out first as ``checkpoint-N/`` (by each node's local rank 0; the others wait for
-    it) and returned: a relaunch after kill -9 resumes at most one step behind.
+    With ``CkptoolsCallback(snapshot_every=...)``, a snapshot in node memory newer than every folder
+    is written out first as ``checkpoint-N/`` and returned: a relaunch after kill -9 resumes at most one
+    step behind. Collective where a process group exists (call it once the Trainer is made): every
+    rank returns the same folder, and a node without the chosen snapshot receives it first.
 
     Examples:
         >>> from ckptools.integrations.transformers import latest_complete_checkpoint
         >>> latest_complete_checkpoint("/tmp/no-such-run") is None
         True
     """
+    on_disk = _newest_complete_folder(output_dir, verify)
+    if get_world_size() > 1:  # a process group: every rank resumes from the same step
+        from_memory = _agreed_from_node_memory(output_dir, on_disk[0] if on_disk else -1)
+    elif not os.path.isdir(output_dir):
+        return None
+    else:
+        _warn_if_nodes_cannot_agree()
+        from_memory = _from_node_memory(output_dir, on_disk[0] if on_disk else -1)
+    return from_memory if from_memory is not None else on_disk[1] if on_disk else None
+
+
+def _newest_complete_folder(output_dir: str, verify: bool) -> tuple[int, str] | None:
+    """``(step, folder)`` of the newest complete ``checkpoint-N`` of ``output_dir`` (this rank's view), or None."""
     try:
         names = os.listdir(output_dir)
     except FileNotFoundError:
         return None
     steps = sorted(((int(m.group(1)), name) for name in names if (m := CHECKPOINT_FOLDER.match(name))), reverse=True)
-    on_disk: tuple[int, str] | None = None
     for step, name in steps:
         folder = os.path.join(output_dir, name)
         if not os.path.isdir(folder):
             continue
         problem = _incomplete(folder, verify)
         if problem is None:
-            on_disk = (step, folder)
-            break
+            return step, folder
         log.warn(f"skipped {folder}: {problem}", all_ranks=True)
-    from_memory = _from_node_memory(output_dir, on_disk[0] if on_disk else -1)
-    return from_memory if from_memory is not None else on_disk[1] if on_disk else None
+    return None
+
+
+def _warn_if_nodes_cannot_agree() -> None:
+    """Several nodes but no process group yet: each node can only decide from its own memory."""
+    try:
+        world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
+    except ValueError:
+        return
+    if 0 < local < world:
+        log.warn(
+            "latest_complete_checkpoint was called before the process group exists, on several nodes: each node "
+            "decides from its own node memory, and after a kill between two nodes' copies they could resume from "
+            "different steps. Call it once the Trainer is made (its TrainingArguments start the process group)",
+            once="hf_nodes_without_group",
+        )
+
+
+def _agreed_from_node_memory(output_dir: str, newer_than: int) -> str | None:
+    """Collective: the ``checkpoint-N/`` folder written from the newest snapshot of any node when it is
+    newer than every rank's newest complete folder (``newer_than``, this rank's), else None on every rank.
+
+    Rank 0 chooses, as `CheckpointManager.restore` does: a node without that snapshot (replaced, or
+    killed between another node's copy and its own) receives it first, so every rank resumes from the
+    same step. Rank 0 writes the folder out first (once, where the nodes share ``output_dir``), then each
+    other node's lowest rank where its ``output_dir`` does not show it (a node-local folder).
+    """
+    manager = CheckpointManager(output_dir, prefix=trainer_snapshots.PREFIX)
+    names = checkpoint_names(manager.prefix)
+
+    def newest_step() -> int | None:
+        found = manager.snapshots()  # sealed first by the survey
+        return found[-1][0] if found else None
+
+    nodes = survey_nodes(manager.snapshot_dir, newest_step, names)
+    disk = max(all_gather_object(newer_than))
+    snapshot = max((step for step in nodes.newest if step is not None), default=None)
+
+    def choose() -> int | None:
+        if snapshot is not None and not os.path.isdir(output_dir):  # the run's folder was removed: stale
+            log.warn(f"node memory holds snapshots of {output_dir} (up to step {snapshot}) but that folder is gone: "
+                     "they are not resumed from, and are released", once="hf_run_folder_removed")  # fmt: skip
+            return -1
+        return snapshot if snapshot is not None and snapshot > disk else None
+
+    chosen = Agreement(f"choosing a checkpoint in {output_dir}").on_rank0(choose, send=True)
+    nodes.release_unused(used=chosen != -1 and (not nodes.made_here or chosen is not None))
+    if chosen is None or chosen == -1:
+        return None
+    step, rank = chosen, get_rank()
+    # Named in node memory as in the run's folder: the same name on every node.
+    path = os.path.join(manager.snapshot_dir, os.path.basename(manager.path_for(step)))
+    nodes.bring(path, step)
+    folder = os.path.join(output_dir, f"checkpoint-{step}")
+    writing = Agreement(f"writing the snapshot of step {step} out as {folder}")
+    writing.on_rank0(lambda: trainer_snapshots.snapshot_to_folder(path, output_dir))
+    error: BaseException | None = None
+    if rank != 0 and rank == next(ranks for ranks in nodes.nodes if rank in ranks)[0]:
+        try:
+            if _incomplete(folder, verify=False) is not None:
+                trainer_snapshots.snapshot_to_folder(path, output_dir)
+        except Exception as err:  # noqa: BLE001 - raised on every rank by on_every_rank
+            error = err
+    writing.on_every_rank(error)
+    missing = [r for r, ok in enumerate(all_gather_object(_incomplete(folder, verify=False) is None)) if not ok]
+    if missing:  # a folder of that step was there before, not whole: every rank takes its newest folder
+        log.warn(f"the snapshot of step {step} in node memory was not written out: {folder} exists and is not "
+                 f"complete on rank(s) {missing}; remove it to resume from the snapshot")  # fmt: skip
+        return None
+    if rank == 0:
+        log.logger.info("wrote the snapshot of step %d in node memory out as %s", step, folder)
+    return folder
 
 
 def _from_node_memory(output_dir: str, newer_than: int) -> str | None:
     """The ``checkpoint-N/`` folder written from this node's newest snapshot of ``output_dir``'s run when
-    it is newer than step ``newer_than``, or None."""
+    it is newer than step ``newer_than``, or None (one process, or no process group yet)."""
     manager = CheckpointManager(output_dir, prefix=trainer_snapshots.PREFIX)
     if not os.path.isdir(manager.snapshot_dir):
         return None
