@@ -169,6 +169,20 @@ def test_killed_at_random_moments_of_saves_the_newest_whole_checkpoint_is_chosen
           f"does not load {theirs_torn} times; latest_complete_checkpoint never")  # fmt: skip
 
 
+def test_before_the_process_group_on_several_nodes_latest_complete_checkpoint_says_so(tmp_path, monkeypatch):
+    """Without a process group the nodes cannot agree on a step (docs/guides/transformers.md): said once."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.warns(ck.CheckpointWarning, match="before the process group exists, on several nodes"):
+        assert latest_complete_checkpoint(str(tmp_path)) is None
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # one node: nothing to agree on between nodes
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ck.CheckpointWarning)
+        assert latest_complete_checkpoint(str(tmp_path)) is None
+
+
 def test_latest_complete_checkpoint_skips_what_is_not_whole(tmp_path, caplog):
     def folder(step: int, state: bool = True) -> str:
         path = tmp_path / f"checkpoint-{step}"
