@@ -1,22 +1,33 @@
 """What a run folder holds: each `CheckpointManager` prefix's checkpoints and this node's snapshots
-(`ckpt info RUN_DIR`, `ckpt verify RUN_DIR`)."""
+(`ckpt info RUN_DIR`, `ckpt verify RUN_DIR`), the HF Trainer's and Lightning's snapshots included."""
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
 from .manager import CheckpointManager
+from .snapshot_names import LIGHTNING_PREFIX, TRAINER_PREFIX
 from .storage import PathLike, file_size, fspath, list_files
 
 __all__ = ["run_report"]
 
 _RUN_FILE = re.compile(r"([A-Za-z0-9_-]+)-(\d{10})\.pt")
+_TRAINER_FOLDER = re.compile(r"checkpoint-(\d+)")  # the HF Trainer's own checkpoints
+
+# The integrations whose snapshots in node memory belong to a folder that need not hold a numbered
+# file: the HF Trainer's output_dir (its checkpoints are checkpoint-N/ folders) and Lightning's dirpath
+# (the ModelCheckpoint's files; NodeSnapshots' own only once the keeper persisted one).
+_INTEGRATIONS = {TRAINER_PREFIX: "the HF Trainer (CkptoolsCallback)", LIGHTNING_PREFIX: "Lightning (NodeSnapshots)"}
 
 
 def run_report(directory: PathLike) -> dict[str, Any] | None:
     """What a `CheckpointManager`'s folder holds, or None when ``directory`` holds no numbered
-    checkpoint: for each prefix its checkpoints and this node's snapshots (`ckpt info RUN_DIR`).
+    checkpoint and no snapshot of it is in this node's memory: for each prefix its checkpoints and
+    this node's snapshots (`ckpt info RUN_DIR`). The snapshots of the HF Trainer's and Lightning's
+    integrations count too: their entry names the framework (``of``), and the HF Trainer's lists
+    its ``checkpoint-N/`` folders as its checkpoints.
 
     Local (reads listings and sizes only; nothing is verified).
 
@@ -27,20 +38,33 @@ def run_report(directory: PathLike) -> dict[str, Any] | None:
         1
     """
     directory = fspath(directory)
-    prefixes = sorted({m.group(1) for n in list_files(directory) if (m := _RUN_FILE.fullmatch(n))})
-    if not prefixes:
-        return None
+    prefixes = {m.group(1) for n in list_files(directory) if (m := _RUN_FILE.fullmatch(n))}
     runs = []
-    for prefix in prefixes:
+    for prefix in sorted(prefixes | set(_INTEGRATIONS)):
         manager = CheckpointManager(directory, prefix=prefix, keep_last=None)
+        snapshots = _described(manager.snapshots())
+        if prefix not in prefixes and not snapshots:
+            continue  # an integration with nothing of this folder's in node memory
+        entry: dict[str, Any] = {"prefix": prefix}
+        if prefix in _INTEGRATIONS:
+            entry["of"] = _INTEGRATIONS[prefix]
+        checkpoints = _trainer_folders(directory) if prefix == TRAINER_PREFIX else _described(manager.checkpoints())
+        runs.append({**entry, "checkpoints": checkpoints, "snapshot_dir": manager.snapshot_dir, "snapshots": snapshots})
+    return {"path": directory, "runs": runs} if runs else None
 
-        def described(found: list[tuple[int, str]]) -> list[dict[str, Any]]:
-            return [{"step": step, "path": path, "bytes": file_size(path)} for step, path in found]
 
-        runs.append({
-            "prefix": prefix,
-            "checkpoints": described(manager.checkpoints()),
-            "snapshot_dir": manager.snapshot_dir,
-            "snapshots": described(manager.snapshots()),
-        })  # fmt: skip
-    return {"path": directory, "runs": runs}
+def _described(found: list[tuple[int, str]]) -> list[dict[str, Any]]:
+    return [{"step": step, "path": path, "bytes": file_size(path)} for step, path in found]
+
+
+def _trainer_folders(directory: str) -> list[dict[str, Any]]:
+    """The HF Trainer's ``checkpoint-N/`` folders in ``directory`` (local), oldest first, with their files' bytes."""
+    if "://" in directory or not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        folder = os.path.join(directory, name)
+        if (m := _TRAINER_FOLDER.fullmatch(name)) and os.path.isdir(folder):
+            size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
+            found.append({"step": int(m.group(1)), "path": folder, "bytes": size})
+    return sorted(found, key=lambda c: c["step"])

@@ -357,6 +357,52 @@ def test_ckpt_info_of_a_run_folder_lists_its_checkpoints_and_this_nodes_snapshot
     assert refused.exit_code == 2 and "not a checkpoint layout" in refused.output
 
 
+def test_ckpt_info_and_verify_of_an_hf_trainer_or_lightning_folder_show_their_snapshots(tmp_path, monkeypatch):
+    """The HF Trainer's output_dir (checkpoint-N/ folders, no numbered file) and Lightning's dirpath (the
+    ModelCheckpoint's files) show what the integrations keep of them in this node's memory; `verify`
+    checks the Trainer's folders and the snapshots, each on a line of its own."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from ckptools.cli import app
+    from ckptools.snapshot_names import LIGHTNING_PREFIX, TRAINER_PREFIX
+
+    monkeypatch.setenv("CKPTOOLS_NODE_MEMORY", str(tmp_path / "shm"))
+    out = tmp_path / "hf"
+    folder = out / "checkpoint-10"
+    folder.mkdir(parents=True)
+    (folder / "trainer_state.json").write_text(json.dumps({"global_step": 10}))
+    torch.save({"state": {}}, folder / "optimizer.pt")
+    refused = CliRunner().invoke(app, ["info", str(out)])
+    assert refused.exit_code == 2 and "not a checkpoint layout" in refused.output  # nothing in memory yet
+    hf = ck.CheckpointManager(out, prefix=TRAINER_PREFIX)
+    hf.snapshot({"w": torch.ones(4)}, 13, blocking=True)
+    shown = CliRunner().invoke(app, ["info", str(out)])
+    assert shown.exit_code == 0, shown.output
+    text = " ".join(shown.output.split())
+    assert "the folder of a run of the HF Trainer (CkptoolsCallback)" in text, text
+    assert "checkpoint-10" in text and "trainer-snapshot-0000000013.pt" in text, text
+    assert "the snapshot of step 13 is newer than every checkpoint-N folder" in text, text
+    verified = CliRunner().invoke(app, ["verify", str(out)])
+    lines = verified.output.splitlines()
+    assert any(str(folder) in line for line in lines), verified.output  # the folder is judged, not passed over
+    assert any("trainer-snapshot-0000000013.pt" in line and line.split()[-1] != "DAMAGED" for line in lines)
+    pl = tmp_path / "pl"
+    pl.mkdir()
+    torch.save({"state_dict": {}}, pl / "last.ckpt")
+    lightning = ck.CheckpointManager(pl, prefix=LIGHTNING_PREFIX)
+    lightning.snapshot({"w": torch.ones(4)}, 5, blocking=True)
+    shown = CliRunner().invoke(app, ["info", str(pl), "--json"])
+    (entry,) = json.loads(shown.output)["runs"]
+    assert entry["of"] == "Lightning (NodeSnapshots)" and [s["step"] for s in entry["snapshots"]] == [5]
+    assert entry["checkpoints"] == []
+    text = " ".join(CliRunner().invoke(app, ["info", str(pl)]).output.split())
+    assert "0 checkpoints" not in text and "last-snapshot-0000000005.pt" in text, text
+    hf.close()
+    lightning.close()
+
+
 def test_a_snapshot_does_not_wait_for_an_async_save_in_flight(tmp_path, monkeypatch):
     """The durable async save is still writing (held here until released): the snapshot is taken
     and committed beside it; then both files are whole, and restore takes the newer snapshot."""

@@ -10,7 +10,7 @@ import typer
 
 from ..text import plural
 from .app import KEY_HELP, TRUST, about, one_line, progress, run
-from .render import err, out, render_diff, render_info, render_run
+from .render import err, out, render_diff, render_info, render_run, run_kind
 
 __all__ = ["diff", "info", "verify"]
 
@@ -25,7 +25,8 @@ def info(
 ) -> None:
     """Show format, entries, tensors (name, shape, dtype, bytes, saved device), totals and metadata.
 
-    A CheckpointManager's folder: its checkpoints and this node's snapshots in memory."""
+    A CheckpointManager's folder: its checkpoints and this node's snapshots in memory; an HF Trainer's
+    output_dir or a Lightning dirpath: the snapshots ckptools keeps of that run in this node's memory."""
 
     def body() -> None:
         from ..errors import CheckpointLayoutError
@@ -107,7 +108,8 @@ def verify(
     files named after 'data not checksummed' carry no checksum (safetensors from other tools,
     DCP, tokenizer files): only their structure was checked; --strict exits 1 for that. A folder
     is checked whole: every file in it, a ckptools manifest, the HF Trainer's expected files. A
-    CheckpointManager's folder: each of its checkpoints and each snapshot in this node's memory.
+    CheckpointManager's folder: each of its checkpoints and each snapshot in this node's memory (an HF
+    Trainer's output_dir with snapshots: each checkpoint-N folder and each snapshot).
     Several paths: a line each, on stdout (DAMAGED too); the exit status is the worst of them
     (a path that cannot be judged: its line on stderr, exit 2)."""
 
@@ -148,7 +150,7 @@ def verify(
             memory_note = " (a snapshot in this node's memory)"
             snapshots = [(c["path"], memory_note) for r in run["runs"] for c in r["snapshots"]]
             memory = ", ".join(r["snapshot_dir"] for r in run["runs"])
-            shown.append(f"{path}: a CheckpointManager's folder, {plural(len(files), 'checkpoint')}; "
+            shown.append(f"{path}: {run_kind(run)}, {plural(len(files), 'checkpoint')}; "
                          f"{plural(len(snapshots), 'snapshot')} in this node's memory ({memory})")  # fmt: skip
             for found, where in files + snapshots:
                 try:

@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from ..snapshot_names import LIGHTNING_PREFIX, TRAINER_PREFIX
 from ..text import human_size, plural
 
 
@@ -138,20 +139,41 @@ def render_diff(result: dict[str, Any], *, verbose: bool = False) -> None:
         out.print(f"[green]{compared} match[/]; the rest not compared", highlight=False, soft_wrap=True)
 
 
+def run_kind(run: dict[str, Any]) -> str:
+    """What a `ckptools.runs.run_report` folder is, in words: a CheckpointManager's, or a framework's run."""
+    frameworks = sorted({entry["of"] for entry in run["runs"] if entry.get("of")})
+    return "a CheckpointManager's folder" if not frameworks else f"the folder of a run of {' and '.join(frameworks)}"
+
+
+# What each integration resumes from, said under its snapshots when the newest is newer than every checkpoint.
+_RESUMES = {
+    TRAINER_PREFIX: "is newer than every checkpoint-N folder: latest_complete_checkpoint writes it out and "
+    "the Trainer resumes from it",
+    LIGHTNING_PREFIX: "is newer than every file NodeSnapshots persisted: trainer.fit(ckpt_path='last') weighs it "
+    "against the ModelCheckpoint's last.ckpt",
+}
+
+
 def render_run(run: dict[str, Any]) -> None:
-    """A CheckpointManager's folder: each prefix's checkpoints, and this node's snapshots."""
-    out.print(f"[bold]{escape(run['path'])}[/]  a CheckpointManager's folder")
+    """A CheckpointManager's folder (or an HF Trainer's or Lightning run's): each prefix's checkpoints,
+    and this node's snapshots."""
+    out.print(f"[bold]{escape(run['path'])}[/]  {escape(run_kind(run))}")
     for entry in run["runs"]:
         steps = entry["checkpoints"]
+        of = f" of {entry['of']}" if entry.get("of") else ""
         rows = [[os.path.basename(c["path"]), str(c["step"]), human_size(c["bytes"])] for c in steps]
-        out.print(names_table(["checkpoint", "step", "size"], rows, title=f"{plural(len(steps), 'checkpoint')}"))
+        if steps or not of:  # Lightning's own files are not listed: only what NodeSnapshots persisted
+            title = f"{plural(len(steps), 'checkpoint')}{of}"
+            out.print(names_table(["checkpoint", "step", "size"], rows, title=title))
         snaps = entry["snapshots"]
         where = escape(entry["snapshot_dir"])
         if not snaps:
             out.print(f"no snapshot in this node's memory ({where})")
             continue
         rows = [[os.path.basename(s["path"]), str(s["step"]), human_size(s["bytes"])] for s in snaps]
-        out.print(names_table(["snapshot", "step", "size"], rows, title=f"in this node's memory ({where})"))
+        title = f"snapshots{of} in this node's memory ({where})" if of else f"in this node's memory ({where})"
+        out.print(names_table(["snapshot", "step", "size"], rows, title=title))
         newest = max(s["step"] for s in snaps)
         if not steps or newest > max(c["step"] for c in steps):
-            out.print(f"the snapshot of step {newest} is newer than every checkpoint: a restore resumes from it")
+            resumes = _RESUMES.get(entry["prefix"], "is newer than every checkpoint: a restore resumes from it")
+            out.print(f"the snapshot of step {newest} {escape(resumes)}")

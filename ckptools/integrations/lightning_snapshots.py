@@ -23,12 +23,12 @@ from typing import Any
 from .. import sealing
 from ..manager import CheckpointManager
 from ..node import watch
-from ..snapshot_names import checkpoint_names
+from ..snapshot_names import LIGHTNING_PREFIX, checkpoint_names
 from . import NEEDS_LIGHTNING, lightning_classes
 
 __all__ = ["NodeSnapshots"]
 
-PREFIX = "last-snapshot"  # its snapshots' and persisted files' names: last-snapshot-0000000123.pt
+PREFIX = LIGHTNING_PREFIX  # its snapshots' and persisted files' names: last-snapshot-0000000123.pt
 
 _BASES = lightning_classes("OnExceptionCheckpoint", "pytorch_lightning.callbacks", "lightning.pytorch.callbacks")
 if not _BASES:
