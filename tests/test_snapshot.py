@@ -673,8 +673,8 @@ def test_an_own_snapshot_needing_a_global_outside_torchs_allowlist_is_refused_as
 
 
 def test_a_damaged_own_snapshot_is_a_format_error_naming_it(tmp_path, monkeypatch):
-    """What the trusted reader trips over is the same clear error as the checked path's: through
-    `ck.load` (its container check sees the CRC-32) and through the reader itself (which does not)."""
+    """What the trusted reader trips over is read again the checked way, which names the damage:
+    through `ck.load` (its container check sees the CRC-32 first) and through the reader itself."""
     from ckptools.layouts.torch_io import load_file
     from ckptools.storage import NODE_MARK
 
@@ -690,6 +690,9 @@ def test_a_damaged_own_snapshot_is_a_format_error_naming_it(tmp_path, monkeypatc
     with pytest.raises(ck.CheckpointFormatError, match="ckpt-0000000001.pt"):
         ck.load(str(path))
     ways = _reads(monkeypatch)
-    with pytest.raises(ck.CheckpointFormatError, match="ckpt-0000000001.pt is truncated, corrupt"):
+    with pytest.raises(ck.CheckpointFormatError, match="ckpt-0000000001.pt: record .*data.pkl is damaged"):
         load_file(str(path), mmap=True)
-    assert ways == ["own"]
+    assert ways == ["own", "checked"]
+    legacy = folder / "ckpt-0000000002.pt"  # a valid file of torch's legacy format there: read as anywhere
+    torch.save({"w": torch.arange(3.0)}, legacy, _use_new_zipfile_serialization=False)
+    assert torch.equal(ck.load(str(legacy))["w"], torch.arange(3.0))

@@ -105,10 +105,8 @@ def load_file(
     if mmap and local and weights_only and pickle_module is None and not crc and own_node_memory(source):
         try:  # this user's own snapshot: read as trusted as the process's memory (`_load_own`)
             tree = _load_own(source, map_location)
-        except CheckpointError:
-            raise
-        except Exception as err:
-            raise _failure(path, err, weights_only) from err
+        except Exception:  # noqa: BLE001 - damaged, or a valid file of another kind: the checked path says which
+            tree = _UNLISTED
         if tree is not _UNLISTED:
             return tree
     # torch allocates what a file claims (a zip record's size, a legacy storage's numel) before
@@ -192,7 +190,8 @@ def _load_own(path: str, map_location: Any) -> Any:
     guard against a file made to attack its reader (claims that allocate, a memo index that makes
     the C unpickler allocate gigabytes), and this file was written by this user's own job into a
     folder nobody else can write. The allowlist stays: a global outside it returns `_UNLISTED`, and
-    the caller reads the file the checked way (torch's refusal, or a global added by the user).
+    the caller reads the file the checked way (torch's refusal, or a global added by the user), as it
+    does a file this reader fails on (the checked path names the damage, or the file's other kind).
     """
     import torch
     import torch.serialization as ts
@@ -219,11 +218,13 @@ def _load_own(path: str, map_location: Any) -> Any:
             shared = os.name != "nt" and mmap_options() == map_shared
             overall = torch.UntypedStorage.from_file(path, shared, os.path.getsize(path))
             return load(reader, map_location, module, overall_storage=overall, encoding="utf-8")
-    except _Unlisted:
+    except BaseException as err:
         tls = getattr(ts, "_serialization_tls", None)
         if tls is not None:  # torch's _load left it set (it is reset only when a load succeeds)
             tls.map_location = None
-        return _UNLISTED
+        if isinstance(err, _Unlisted):
+            return _UNLISTED
+        raise
 
 
 def _mapped_load(path: str, map_location: Any, weights_only: bool, extra: dict[str, Any]) -> Any:
