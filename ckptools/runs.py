@@ -8,13 +8,12 @@ import re
 from typing import Any
 
 from .manager import CheckpointManager
-from .snapshot_names import LIGHTNING_PREFIX, TRAINER_PREFIX
+from .snapshot_names import LIGHTNING_PREFIX, TRAINER_FOLDER, TRAINER_PREFIX
 from .storage import PathLike, file_size, fspath, list_files
 
 __all__ = ["run_report"]
 
 _RUN_FILE = re.compile(r"([A-Za-z0-9_-]+)-(\d{10})\.pt")
-_TRAINER_FOLDER = re.compile(r"checkpoint-(\d+)")  # the HF Trainer's own checkpoints
 
 # The integrations whose snapshots in node memory belong to a folder that need not hold a numbered
 # file: the HF Trainer's output_dir (its checkpoints are checkpoint-N/ folders) and Lightning's dirpath
@@ -64,7 +63,7 @@ def _trainer_folders(directory: str) -> list[dict[str, Any]]:
     found = []
     for name in os.listdir(directory):
         folder = os.path.join(directory, name)
-        if (m := _TRAINER_FOLDER.fullmatch(name)) and os.path.isdir(folder):
+        if (m := TRAINER_FOLDER.fullmatch(name)) and os.path.isdir(folder):
             size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
             found.append({"step": int(m.group(1)), "path": folder, "bytes": size})
     return sorted(found, key=lambda c: c["step"])

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["LIGHTNING_PREFIX", "TRAINER_PREFIX", "checkpoint_names"]
+__all__ = ["LIGHTNING_PREFIX", "TRAINER_FOLDER", "TRAINER_PREFIX", "checkpoint_names"]
 
 # The HF Trainer's snapshots (ckptools.integrations.trainer_snapshots): the keeper writes them out as
 # checkpoint-N/ folders rather than copying the file.
 TRAINER_PREFIX = "trainer-snapshot"
+# The HF Trainer's own checkpoint folders (checkpoint-123/), the step in group 1.
+TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 # Lightning's NodeSnapshots (ckptools.integrations.lightning_snapshots): last-snapshot-0000000123.pt.
 LIGHTNING_PREFIX = "last-snapshot"
 

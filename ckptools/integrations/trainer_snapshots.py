@@ -27,20 +27,19 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
 from typing import Any
 
 import torch
 
 from ..layouts import write_manifest
-from ..snapshot_names import TRAINER_PREFIX
+from ..snapshot_names import TRAINER_FOLDER, TRAINER_PREFIX
 from ..storage import fsync_dir, tmp_name
 
 __all__ = ["snapshot_to_folder"]
 
 PREFIX = TRAINER_PREFIX  # trainer-snapshot-0000000123.pt; the keeper persists these as checkpoint-123/
-CHECKPOINT_FOLDER = re.compile(r"^checkpoint-(\d+)$")  # the Trainer's folders, the step in group 1
+CHECKPOINT_FOLDER = TRAINER_FOLDER  # the Trainer's folders, the step in group 1
 
 
 def capture(args: Any, state: Any, control: Any, model: Any, optimizer: Any, lr_scheduler: Any) -> dict[str, Any]:

@@ -193,15 +193,11 @@ def _load_own(path: str, map_location: Any) -> Any:
     the caller reads the file the checked way (torch's refusal, or a global added by the user), as it
     does a file this reader fails on (the checked path names the damage, or the file's other kind).
     """
-    import torch
     import torch.serialization as ts
 
-    lists = getattr(torch, "_weights_only_unpickler", None)
-    names = ("_open_zipfile_reader", "_load", "get_default_mmap_options", "MAP_SHARED")
-    parts: list[Any] = [getattr(ts, name, None) for name in names]
-    if lists is None or any(p is None for p in parts) or not hasattr(lists, "_get_user_allowed_globals"):
+    lists = getattr(ts, "_weights_only_unpickler", None)
+    if lists is None or not hasattr(lists, "_get_user_allowed_globals"):
         return _UNLISTED  # another torch's internals: the checked path
-    open_reader, load, mmap_options, map_shared = parts
     allowed = {**lists._get_allowed_globals(), **lists._get_user_allowed_globals()}
 
     class Unpickler(pickle.Unpickler):
@@ -214,10 +210,7 @@ def _load_own(path: str, map_location: Any) -> Any:
     module = type(pickle)("ckptools_allowlisted_pickle")
     module.Unpickler = Unpickler  # type: ignore[attr-defined]  # all torch's _load takes of a pickle_module
     try:
-        with open_headers(path) as handle, open_reader(handle) as reader:
-            shared = os.name != "nt" and mmap_options() == map_shared
-            overall = torch.UntypedStorage.from_file(path, shared, os.path.getsize(path))
-            return load(reader, map_location, module, overall_storage=overall, encoding="utf-8")
+        tree = _torchs_mmap_branch(path, map_location, module)
     except BaseException as err:
         tls = getattr(ts, "_serialization_tls", None)
         if tls is not None:  # torch's _load left it set (it is reset only when a load succeeds)
@@ -225,6 +218,7 @@ def _load_own(path: str, map_location: Any) -> Any:
         if isinstance(err, _Unlisted):
             return _UNLISTED
         raise
+    return _UNLISTED if tree is _TORCH_LOAD else tree
 
 
 def _mapped_load(path: str, map_location: Any, weights_only: bool, extra: dict[str, Any]) -> Any:
@@ -233,25 +227,42 @@ def _mapped_load(path: str, map_location: Any, weights_only: bool, extra: dict[s
     torch opens the file with Python's default buffer, the filesystem's block size, and reads each
     storage's local header after a seek: on a tmpfs with huge pages (2 MiB blocks) a restore of 131
     tensors from node memory spent 13 ms there, on Lustre or GPFS (4-16 MiB) it is worse. This is
-    torch.load's own mmap branch (torch 2.6 to 2.14) on a smaller buffer; where torch lacks a piece
-    of it, torch.load itself.
+    torch.load's own mmap branch (`_torchs_mmap_branch`) on a smaller buffer; where torch lacks a
+    piece of it, torch.load itself.
     """
     import torch
     import torch.serialization as ts
 
-    names = ("_open_zipfile_reader", "_is_torchscript_zip", "_load", "_weights_only_unpickler",
-             "get_default_mmap_options", "MAP_SHARED")  # fmt: skip
+    safe_unpickler = getattr(ts, "_weights_only_unpickler", None)
+    unpickler = safe_unpickler if weights_only else extra.get("pickle_module", pickle)
+    tree = _TORCH_LOAD if unpickler is None else _torchs_mmap_branch(path, map_location, unpickler)
+    if tree is _TORCH_LOAD:
+        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True, **extra)
+    return tree
+
+
+# What `_torchs_mmap_branch` returns where torch.load itself must read the file.
+_TORCH_LOAD = object()
+
+
+def _torchs_mmap_branch(path: str, map_location: Any, pickle_module: Any) -> Any:
+    """torch.load's own mmap branch (torch 2.6 to 2.14: its zip reader, the file mapped whole, its
+    ``_load`` with ``pickle_module``) on a file opened by `open_headers`; `_TORCH_LOAD` where this
+    torch lacks a piece of it, or for TorchScript (torch.load's own answer: a warning, or its refusal)."""
+    import torch
+    import torch.serialization as ts
+
+    names = ("_open_zipfile_reader", "_is_torchscript_zip", "_load", "get_default_mmap_options", "MAP_SHARED")
     parts: list[Any] = [getattr(ts, name, None) for name in names]
     if any(part is None for part in parts):  # another torch's internals: its own load, on its own buffer
-        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True, **extra)
-    open_reader, is_torchscript, load, safe_unpickler, mmap_options, map_shared = parts
+        return _TORCH_LOAD
+    open_reader, is_torchscript, load, mmap_options, map_shared = parts
     with open_headers(path) as handle, open_reader(handle) as reader:
-        if is_torchscript(reader):  # torch.load's own answer (a warning, or its refusal) for TorchScript
-            return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True, **extra)
+        if is_torchscript(reader):
+            return _TORCH_LOAD
         shared = os.name != "nt" and mmap_options() == map_shared
         overall = torch.UntypedStorage.from_file(path, shared, os.path.getsize(path))
-        unpickler = safe_unpickler if weights_only else extra.get("pickle_module", pickle)
-        return load(reader, map_location, unpickler, overall_storage=overall, encoding="utf-8")
+        return load(reader, map_location, pickle_module, overall_storage=overall, encoding="utf-8")
 
 
 def _cuda_without_cuda(err: BaseException) -> bool:
