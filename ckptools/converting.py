@@ -18,7 +18,7 @@ from . import log
 from .errors import CheckpointLayoutError, CheckpointNotFoundError
 from .layouts import SAFETENSORS_FILE, Planned, plan_safetensors, read_weights, writer_for
 from .state_dict import strip_for_reading
-from .storage import PathLike, atomic_write, fspath, resolve
+from .storage import PathLike, atomic_write, fspath, open_local, resolve
 
 __all__ = ["convert", "convert_to_safetensors", "export_huggingface", "parse_size"]
 
@@ -86,7 +86,8 @@ def convert_to_safetensors(
         export_huggingface(src, dst, key=key, strip=strip, max_shard_size=max_shard_size or "5GB", metadata=metadata,
                            trust_code=trust_code)  # fmt: skip
         return dst
-    return _plan(src, key, strip, trust_code).write(dst, metadata=metadata)
+    with _plan(src, key, strip, trust_code) as planned:
+        return planned.write(dst, metadata=metadata)
 
 
 def _plan(src: str, key: str | None, strip: str | None, trust_code: bool) -> Planned:
@@ -191,7 +192,14 @@ def export_huggingface(
         beside = _source_folder(src)
         extras = [] if beside is None else _config_files(beside, out, force=True)
         extras = [f for f in extras if force or not os.path.exists(os.path.join(out, os.path.basename(f)))]
-    planned = _plan(src, key, strip, trust_code)
+    with _plan(src, key, strip, trust_code) as planned:
+        return _write_folder(planned, out, limit, metadata, old, extras)
+
+
+def _write_folder(
+    planned: Planned, out: str, limit: int, metadata: Mapping[str, str] | None, old: list[str], extras: list[str]
+) -> list[str]:
+    """`export_huggingface`'s writes: the shards, the index, the config files; the files written."""
     meta = {**dict(metadata or {}), "format": "pt"}  # transformers refuses files without format=pt
     shards: list[list[str]] = [[]]
     filled = 0
@@ -249,7 +257,8 @@ def _source_folder(src: str) -> str | None:
 
 
 def _writer(source: str) -> Any:
-    payload = pathlib.Path(source).read_bytes()  # config and tokenizer files: small
+    with open_local(source) as f:  # config and tokenizer files: small (a named pipe is refused, never waited on)
+        payload = f.read()
 
     def write(f: IO[bytes]) -> None:
         f.write(payload)

@@ -35,21 +35,40 @@ from typing import IO
 from . import sealing
 from .errors import CheckpointError
 from .layouts import verify_torch_file
-from .leftovers import pid_alive
+from .processes import process_of_mine
 from .snapshot_names import TRAINER_PREFIX, checkpoint_names
-from .storage import atomic_write, join, list_files, remove
+from .storage import atomic_write, join, list_files, open_local, private_problem, remove, resolve
 
 __all__ = ["PIDS", "main", "persist"]
 
 PIDS = ".pids"  # one empty file per watched process, named by its pid
 LOCK = ".keeper"  # the keeper's own pid: one keeper per folder
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
 
-def _watched(folder: str) -> list[int]:
+def _watched(folder: str) -> list[tuple[int, str]]:
+    """The processes the job registered in ``folder`` (`ckptools.node.folder.watch`): pid and start time."""
     try:
-        return [int(name) for name in os.listdir(os.path.join(folder, PIDS)) if name.isdigit()]
+        names = [name for name in os.listdir(os.path.join(folder, PIDS)) if name.isdigit()]
     except FileNotFoundError:
         return []
+    found = []
+    for name in names:
+        try:
+            with open_local(os.path.join(folder, PIDS, name), links=False) as f:
+                found.append((int(name), f.read(64).decode("ascii", errors="replace").strip()))
+        except (CheckpointError, OSError):
+            continue  # gone meanwhile, or nothing ckptools wrote
+    return found
+
+
+def _job_alive(folder: str) -> bool:
+    """Whether a process the job registered still runs: this user's, and the very process registered
+    (its start time: a pid given since to another process is not it; ``?`` where the system does not
+    tell it). A registration without one was written by no ckptools and counts for nothing."""
+    return any(
+        started and process_of_mine(pid, None if started == "?" else started) for pid, started in _watched(folder)
+    )
 
 
 def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> str | None:
@@ -72,7 +91,7 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
             return None
         source = os.path.join(folder, name)
         try:
-            verify_torch_file(source)
+            verify_torch_file(resolve(source).without_links())
         except CheckpointError as err:
             print(f"ckptools keeper: skipping damaged snapshot {source}: {err}", file=sys.stderr, flush=True)
             continue
@@ -83,7 +102,7 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
         target = join(directory, name)
 
         def copy(out: IO[bytes], source: str = source) -> None:
-            with open(source, "rb") as f:
+            with open_local(source, links=False) as f:
                 shutil.copyfileobj(f, out, 16 << 20)
 
         atomic_write(target, copy, streamable=True)
@@ -105,24 +124,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace", type=float, default=10.0, help="seconds every watched process must stay gone")
     p.add_argument("--poll", type=float, default=0.2)
     args = p.parse_args(argv)
+    problem = private_problem(args.folder)
+    if problem is not None:  # never read, copied from or removed: what is in it may be anyone's
+        print(f"ckptools keeper: {args.folder} is not this user's alone ({problem}): nothing is persisted from it",
+              file=sys.stderr, flush=True)  # fmt: skip
+        return 1
     lock = os.path.join(args.folder, LOCK)
     try:
-        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
     except FileExistsError:
-        with open(lock) as f:
-            other = f.read().strip()
-        if other.isdigit() and pid_alive(int(other)) and int(other) != os.getpid():
+        try:
+            with open_local(lock, links=False) as f:
+                other = f.read(32).decode("ascii", errors="replace").strip()
+        except (CheckpointError, OSError):
+            other = ""
+        if other.isdigit() and process_of_mine(int(other)) and int(other) != os.getpid():
             return 0  # this folder has its keeper
-        with open(lock, "w") as f:
-            f.write(str(os.getpid()))
+        fd = os.open(lock, os.O_WRONLY | os.O_TRUNC | _NOFOLLOW)
     except FileNotFoundError:
         return 0  # released before the keeper started
-    else:
-        with os.fdopen(fd, "w") as f:
-            f.write(str(os.getpid()))
+    with os.fdopen(fd, "w") as f:
+        f.write(str(os.getpid()))
     gone_since: float | None = None
     while os.path.isdir(args.folder):
-        if any(pid_alive(pid) for pid in _watched(args.folder)):
+        if _job_alive(args.folder):
             gone_since = None
         elif gone_since is None:
             gone_since = time.monotonic()
@@ -135,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             if written is not None:
                 print(f"ckptools keeper: the job is gone; persisted {written}", file=sys.stderr, flush=True)
-            if not any(pid_alive(pid) for pid in _watched(args.folder)):  # no relaunch registered meanwhile
+            if not _job_alive(args.folder):  # no relaunch registered meanwhile
                 shutil.rmtree(args.folder, ignore_errors=True)
             return 0
         time.sleep(args.poll)

@@ -7,9 +7,9 @@ into one directory never delete each other's files.
 
 from __future__ import annotations
 
-import os
 import time
 
+from .processes import pid_alive
 from .storage import TMP_MARKER, PathLike, fspath, get_filesystem, host, join, list_files
 
 # A temporary file whose writer cannot be checked (another host) is treated as abandoned only
@@ -23,22 +23,6 @@ def _tmp_owner(name: str) -> tuple[str, int] | None:
     if len(parts) != 3 or not parts[1].isdigit():
         return None
     return parts[0], int(parts[1])
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this host (perhaps under another user); a zombie (exited,
-    not yet reaped by its parent) does not."""
-    try:
-        os.kill(pid, 0)
-    except PermissionError:
-        pass  # it exists, under another user
-    except (ProcessLookupError, OverflowError, ValueError):
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(") ", 1)[1][:1] != "Z"
-    except (OSError, IndexError):  # not Linux, or gone meanwhile: what kill said
-        return os.path.exists(f"/proc/{pid}") or not os.path.isdir("/proc")
 
 
 def is_abandoned_tmp(path: PathLike) -> bool:

@@ -24,6 +24,7 @@ from .node import (
     close_slots,
     default_folder,
     finish_snapshot,
+    readable,
     register,
     settle,
     start_keeper,
@@ -318,7 +319,7 @@ class CheckpointManager:
         """``(step, path)`` of this node's snapshots, oldest first (unverified; local: once this
         rank's part of a snapshot being committed is done)."""
         settle(self.snapshot_dir)
-        if not os.path.isdir(self.snapshot_dir):
+        if not readable(self.snapshot_dir):  # absent, or not this user's alone (said once): nothing of it is read
             return []
         return self._memory_manager().checkpoints()
 
@@ -375,12 +376,9 @@ class CheckpointManager:
         return self._newest_whole(records=True)
 
     def _committed_snapshot(self) -> str | None:
-        """This node-memory manager's newest snapshot whose container is whole, or None.
-
-        Not every record's CRC-32 (as `latest`): a snapshot exists under its name only once committed
-        with them, memory does not decay as a disk may, and reading it again would cost most of a
-        restore (docs/development.md). ``ckpt verify`` still checks every record.
-        """
+        """This node-memory manager's newest snapshot whose container is whole, or None. Not every record's
+        CRC-32 (as `latest`): a snapshot exists under its name only once committed with them, memory does
+        not decay as a disk may, and reading it again would cost most of a restore (docs/development.md)."""
         return self._newest_whole(records=False)
 
     def _newest_whole(self, *, records: bool) -> str | None:
@@ -447,4 +445,4 @@ class CheckpointManager:
             log.logger.info("restoring from the snapshot in node memory: %s", path)
         if not load_kwargs.get("broadcast"):  # every node reads its own memory: faster than any exchange
             load_kwargs.setdefault("read", "each")
-        return load(path, state, **load_kwargs)
+        return load(resolve(path).without_links(), state, **load_kwargs)  # a file of the job's own: no link followed

@@ -31,7 +31,7 @@ from .collective.tree import Skeleton, owners_of, share_storages
 from .errors import CheckpointFormatError
 from .layouts import check_records, damaged_record, zip_records
 from .remote_zip import RemoteZip, Unranged, reads_in_ranges
-from .storage import Location, crc32
+from .storage import Location, crc32, pinned
 
 __all__ = ["ReadAnotherWay", "once_pays", "plan_reads", "read_once"]
 
@@ -73,25 +73,41 @@ def read_once(location: Location, device: torch.device, read: Callable[[Location
     rank that cannot (a file only some nodes have) makes every rank read its own (``"each"``), where
     the error says what to do.
     """
-    rank, world = get_rank(), get_world_size()
-    agreement = Agreement(f"loading checkpoint {location.url}", own="as_is")
     error: BaseException | None = None
     parts: Skeleton | None = None
     records: dict[int, tuple[str, int, int]] | None = None
     remote: RemoteZip | None = None
-    try:
-        if reads_in_ranges(location):  # an object store: its stand-in is mapped (ckptools.remote_zip)
-            with contextlib.suppress(Unranged):  # records is None: rank 0 reads it
-                remote = RemoteZip(location, verify=verify)
-                with remote.stand_in() as stand_in:
-                    records = zip_records(stand_in)
-                    parts = Skeleton(read(stand_in))
-        else:
-            records = zip_records(location)
-            if records is not None:
-                parts = Skeleton(read(location))
-    except Exception as err:  # noqa: BLE001 - raised on every rank below
-        error = err
+    with contextlib.ExitStack() as stack:
+        try:
+            if reads_in_ranges(location):  # an object store: its stand-in is mapped (ckptools.remote_zip)
+                with contextlib.suppress(Unranged):  # records is None: rank 0 reads it
+                    remote = RemoteZip(location, verify=verify)
+                    with remote.stand_in() as stand_in:
+                        records = zip_records(stand_in)
+                        parts = Skeleton(read(stand_in))
+            else:  # opened once: its records, torch's read and this rank's own reads are of one file
+                location = stack.enter_context(pinned(location))
+                records = zip_records(location)
+                if records is not None:
+                    parts = Skeleton(read(location))
+        except Exception as err:  # noqa: BLE001 - raised on every rank below
+            error = err
+        return _read_once(location, device, parts, records, remote, error, verify=verify)
+
+
+def _read_once(
+    location: Location,
+    device: torch.device,
+    parts: Skeleton | None,
+    records: dict[int, tuple[str, int, int]] | None,
+    remote: RemoteZip | None,
+    error: BaseException | None,
+    *,
+    verify: bool,
+) -> Any:
+    """`read_once` from the exchange of what each rank found on: every rank's shape, then the reads."""
+    rank, world = get_rank(), get_world_size()
+    agreement = Agreement(f"loading checkpoint {location.url}", own="as_is")
     # The same local zip on every rank (a filesystem they share: the same records, sizes and CRC-32s
     # in its directory); else every rank reads another way (a rank that failed: each rank reads as
     # before, and the error comes with what to do about it).

@@ -27,7 +27,7 @@ from collections.abc import Callable
 
 from .codecs.torchzip import TorchZip
 from .errors import CheckpointError
-from .storage import crc32
+from .storage import crc32, private_problem
 
 __all__ = ["COPIES", "begin", "copied", "forget", "seal", "sealable"]
 
@@ -99,6 +99,8 @@ def sealable(folder: str, names: re.Pattern[str]) -> list[tuple[int, str, str]]:
     """``(step, slot, name)`` of each slot in ``folder`` that `seal` would seal, newest first: every
     local rank copied it whole, and its step is newer than every committed snapshot. Records of
     slots that are gone are removed."""
+    if private_problem(folder) is not None:  # not this user's alone: nothing in it is sealed (its readers say why)
+        return []
     try:
         listed = os.listdir(folder)
     except FileNotFoundError:

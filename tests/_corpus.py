@@ -15,8 +15,10 @@ import pickle
 import random
 import struct
 import zipfile
+from collections import Counter
 
 import torch
+import torch._utils
 
 CANARY = "CANARY"
 CANARY_MODULE = "ckptools_canary_mod"  # importing it (from the corpus directory) writes the canary
@@ -95,6 +97,31 @@ def _torch_save_calling(func: object, args: tuple) -> bytes:
 
     buffer = io.BytesIO()
     torch.save({"state_dict": {"w": torch.ones(3)}, "hyper_parameters": {"x": Call()}}, buffer)
+    return buffer.getvalue()
+
+
+def torch_save_building(target: object, slotstate: dict) -> bytes:
+    """``torch.save`` of real weights beside a pickle ``BUILD`` that sets ``slotstate`` onto the global
+    ``target`` itself (a class, a function): what a file made to change its reader's process holds.
+    ``pickle.Unpickler`` (the C one too) would run ``setattr(target, k, v)``; torch's weights-only
+    loader refuses it (issue 54: the own-snapshot reader did not)."""
+
+    class Build:
+        pass
+
+    class Pickler(pickle._Pickler):  # the pure-Python pickler: its save() can write any opcode
+        def save(self, obj: object, save_persistent_id: bool = True) -> None:
+            if isinstance(obj, Build):
+                super().save(target)  # GLOBAL (or the memo's copy of it)
+                super().save((None, slotstate))  # (state, slotstate): slotstate is set with setattr
+                self.write(pickle.BUILD)
+                return
+            super().save(obj, save_persistent_id)
+
+    module = type(pickle)("build_pickler")
+    module.Pickler = Pickler  # type: ignore[attr-defined]  # all torch.save takes of a pickle_module
+    buffer = io.BytesIO()
+    torch.save({"w": torch.arange(4.0), "x": Build()}, buffer, pickle_module=module)
     return buffer.getvalue()
 
 
@@ -222,6 +249,10 @@ def build(directory: str) -> dict[str, str]:
     for what, func, args in (("eval", eval, (touch,)), ("exec", exec, (touch,)), ("getattr", getattr, ("x", "upper")),
                              ("import", __import__, (CANARY_MODULE,))):  # fmt: skip
         add(f"evil_{what}_beside_weights.pt", _torch_save_calling(func, args), "unsafe")
+    # Globals torch's allowlist holds, their state set for the whole process (a BUILD onto them).
+    rebuild = torch._utils._rebuild_tensor_v2
+    add("evil_build_onto_rebuild_tensor.pt", torch_save_building(rebuild, {"__module__": "this"}), "unsafe")
+    add("evil_build_onto_counter.pt", torch_save_building(Counter, {"most_common": None}), "unsafe")
     for what, payload in payloads.items():
         add(f"evil_{what}.pt", _torch_zip_with(payload, pt), "unsafe")
         add(f"evil_{what}_legacy.pt", payload, "unsafe")

@@ -85,7 +85,9 @@ def test_library_readers_refuse_hostile_files_in_bounded_memory(corpus, tmp_path
         timeout=240,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    results = json.loads(proc.stdout)["results"]
+    report = json.loads(proc.stdout)
+    results = report["results"]
+    assert report["untouched"], "a file changed a global of the reading process (a pickle BUILD onto it)"
     wrong = [
         (name, reader, outcome)
         for name, reader, outcome, _, _ in results

@@ -52,7 +52,8 @@ def test_memory_filesystem_roundtrip_and_listing():
     url = "memory://storage-test/dir/f.bin"
     storage.atomic_write(url, lambda f: f.write(b"abc"))
     source, local = storage.open_for_read(url)
-    assert not local and source.read() == b"abc"
+    with source:
+        assert not local and source.read() == b"abc"
     assert storage.list_files("memory://storage-test/dir") == ["f.bin"]
     assert storage.list_files("memory://storage-test/none") == []
     storage.remove(url)

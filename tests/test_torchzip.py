@@ -18,7 +18,7 @@ from _same import assert_same_tree, same_tree
 import ckptools as ck
 from ckptools.codecs.pickle_writer import dumps
 from ckptools.codecs.pickles import loads
-from ckptools.codecs.torchzip import TorchZip
+from ckptools.codecs.torchzip import TorchZip, read_local_zip
 from ckptools.codecs.trees import tensor_info
 
 
@@ -39,12 +39,13 @@ def _checkpoint(path):
 
 
 def _rewrite(src, dst, transform=None, **kw):
-    archive = TorchZip(str(src))
-    tree = loads(archive.read_pickle(), str(src))
-    if transform:
-        tree = transform(tree)
-    with open(dst, "wb") as f:
-        archive.write_with_pickle(f, dumps(tree), **kw)
+    with open(src, "rb") as source:
+        archive = TorchZip(str(src), source)
+        tree = loads(archive.read_pickle(source), str(src))
+        if transform:
+            tree = transform(tree)
+        with open(dst, "wb") as f:
+            archive.write_with_pickle(source, f, dumps(tree), **kw)
     return archive
 
 
@@ -90,7 +91,7 @@ def test_strip_module_cli_keeps_everything_else(tmp_path):
 
 
 def test_tensor_info_without_torch_semantics(tmp_path, cuda_tagged_file):
-    tree = loads(TorchZip(str(cuda_tagged_file)).read_pickle())
+    tree = loads(read_local_zip(str(cuda_tagged_file))[1])
     info = tensor_info(tree["model"]["weight"])
     assert info["shape"] == [3, 3] and info["dtype"] == "float32" and info["bytes"] == 36 and info["device"] == "cuda:1"
     code = (
@@ -308,9 +309,12 @@ def test_a_zip_of_another_kind_is_named_not_called_damaged(tmp_path, write, mess
     assert proc.returncode == 2 and "DAMAGED" not in proc.stderr, proc.stderr
 
 
-def test_a_verified_load_opens_the_file_once_before_torch_and_verify_twice(tmp_path, monkeypatch):
+def test_a_verified_load_opens_the_file_once_and_verify_twice(tmp_path, monkeypatch):
     """Issue 45: a verified ck.load opened the file four times (a zip test, the CRC-32 pass, the
-    checks, torch.load), ck.verify six; now the checks and every CRC-32 share one open."""
+    checks, torch.load), ck.verify six. Issue 54: the checks, every CRC-32, torch's reader and the
+    mapping of the storages now share one open (the mapping by the open file's own name, never the
+    path): a file put at the path meanwhile is never half read. ck.verify opens it twice (the view,
+    then the load), each read whole from its own open."""
     import builtins
 
     import torch
@@ -320,28 +324,28 @@ def test_a_verified_load_opens_the_file_once_before_torch_and_verify_twice(tmp_p
     path = str(tmp_path / "c.pt")
     ck.save(path, {"model": torch.nn.Linear(4, 4), "step": 3})
     opened: list[str] = []
-    real_open, real_load = builtins.open, torch.load
+    real_open, real_os_open, real_load = builtins.open, os.open, torch.load
 
     def counting_open(file, *args, **kwargs):
         if isinstance(file, (str, os.PathLike)) and os.fspath(file) == path:
-            opened.append("ckptools")
+            opened.append("open")
         return real_open(file, *args, **kwargs)
 
+    def counting_os_open(file, *args, **kwargs):
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) == path:
+            opened.append("os.open")
+        return real_os_open(file, *args, **kwargs)
+
     def counting_load(f, *args, **kwargs):
-        if isinstance(f, (str, os.PathLike)) and os.fspath(f) == path:
-            opened.append("torch.load")
-            with monkeypatch.context() as inside:  # torch's own open of the path is torch.load's
-                inside.setattr(builtins, "open", real_open)
-                return real_load(f, *args, **kwargs)
+        if isinstance(f, (str, os.PathLike)):
+            opened.append("torch.load by name")
         return real_load(f, *args, **kwargs)
 
     monkeypatch.setattr(builtins, "open", counting_open)
+    monkeypatch.setattr(os, "open", counting_os_open)
     monkeypatch.setattr(torch, "load", counting_load)
-    # The last open is torch's zip reader's, on a file ckptools opens with a bounded buffer
-    # (torch_io._mapped_load); torch.load's own where torch lacks the pieces of it.
-    torch_reads = (["ckptools"], ["torch.load"])
     ck.load(path, {"model": torch.nn.Linear(4, 4)}, verify=True)
-    assert opened in [["ckptools", *last] for last in torch_reads]
+    assert opened == ["os.open"]
     opened.clear()
     assert "every record's CRC-32 matches" in ck.verify(path)
-    assert opened in [["ckptools", "ckptools", *last] for last in torch_reads]
+    assert opened == ["os.open", "os.open"]

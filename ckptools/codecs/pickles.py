@@ -154,6 +154,20 @@ class PickleReader(PyUnpickler):  # type: ignore[misc]  # subclassing Any: see a
         # One object per global, so the writer memoizes it exactly as the original did.
         return self._globals.setdefault((module, name), Global(module, name))
 
+    def load_build(self) -> None:
+        # BUILD sets the state of the object below it. On what the pickle built (a rebuilt tensor, an
+        # OrderedDict's _metadata, a placeholder) that is data; on a global itself (a class, a
+        # function: `collections.Counter`, `torch._utils._rebuild_tensor_v2`) it would change it for
+        # the whole process, which torch's weights-only loader refuses too.
+        target = self.stack[-2] if len(self.stack) > 1 else None
+        reached = isinstance(target, (Global, type)) or (callable(target) and not isinstance(target, (Call, Opaque)))
+        if reached:
+            raise UnsafeCheckpointError(build_refusal(self._path, repr(target) if target is not None else "nothing"))
+        super().load_build()
+
+    dispatch: ClassVar[dict[int, Any]] = dict(PyUnpickler.dispatch)
+    dispatch[pickle.BUILD[0]] = load_build
+
     def persistent_load(self, pid: Any) -> StorageRef:
         if (
             isinstance(pid, tuple)
@@ -168,6 +182,15 @@ class PickleReader(PyUnpickler):  # type: ignore[misc]  # subclassing Any: see a
             self.storages.append(ref)
             return ref
         raise CheckpointFormatError(f"{self._path}: unexpected persistent id {pid!r} in data.pkl")
+
+
+def build_refusal(path: str, target: str) -> str:
+    """The message for a pickle that sets the state of ``target``, a global (a pickle ``BUILD`` onto it)."""
+    return (
+        f"{path} sets the state of {target} while it loads (a pickle BUILD onto a global), which would change it "
+        "for the whole process: torch's weights-only loader refuses that, and only a file built to attack its "
+        "reader does it. It was refused; nothing was executed or changed"
+    )
 
 
 _STRING_OPS = frozenset(

@@ -24,7 +24,6 @@ from ..storage import (
     crc32_range,
     fspath,
     open_for_read,
-    open_headers,
     report_progress,
     resolve,
 )
@@ -136,23 +135,26 @@ def read_safetensors_header(path: PathLike) -> tuple[dict[str, Any], dict[str, s
             names, unknown dtype, offsets that overlap, leave gaps or run past the end, or
             shapes that do not match their byte ranges.
     """
-    source, local = open_for_read(path)  # a Location is used as resolved, not parsed again
-    path = fspath(path)
-    handle: IO[bytes] = open_headers(source) if local else source
-    try:
-        size = os.fstat(handle.fileno()).st_size if local else len(source.getbuffer())
-        head = handle.read(8)
-        if len(head) < 8:
-            raise CheckpointFormatError(f"{path} is too short to be a safetensors file ({size} bytes)")
-        n = int.from_bytes(head, "little")
-        if n > MAX_HEADER or n > size - 8:
-            raise CheckpointFormatError(
-                f"{path}: safetensors header claims {n} bytes but the file has {size - 8} after the length field "
-                "(truncated or not a safetensors file)"
-            )
-        raw = handle.read(n)
-    finally:
-        handle.close()
+    handle, _ = open_for_read(path)  # a Location is used as resolved, not parsed again
+    with handle:
+        return header_of(handle, fspath(path))
+
+
+def header_of(handle: IO[bytes], path: str) -> tuple[dict[str, Any], dict[str, str], int, int]:
+    """`read_safetensors_header` of a file already open (``handle``; ``path`` names it in messages):
+    for a reader that reads its tensors next, from the same open file."""
+    size = handle.seek(0, 2)
+    handle.seek(0)
+    head = handle.read(8)
+    if len(head) < 8:
+        raise CheckpointFormatError(f"{path} is too short to be a safetensors file ({size} bytes)")
+    n = int.from_bytes(head, "little")
+    if n > MAX_HEADER or n > size - 8:
+        raise CheckpointFormatError(
+            f"{path}: safetensors header claims {n} bytes but the file has {size - 8} after the length field "
+            "(truncated or not a safetensors file)"
+        )
+    raw = handle.read(n)
 
     def no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         out: dict[str, Any] = {}
@@ -233,18 +235,17 @@ def verify_safetensors(path: PathLike) -> int:
     """
     location = resolve(path)  # once: the reads below use it as resolved
     path = location.url
-    header, metadata, start, _ = read_safetensors_header(location)
-    if CRC_KEY not in metadata:
-        return 0
-    try:
-        expected = json.loads(metadata[CRC_KEY])
-    except json.JSONDecodeError as err:
-        raise CheckpointFormatError(f"{path}: {CRC_KEY} metadata is not valid JSON") from err
-    if not isinstance(expected, dict) or set(expected) != set(header):
-        raise CheckpointFormatError(f"{path}: {CRC_KEY} metadata does not list exactly the stored tensors")
-    source, local = open_for_read(location)
-    handle: IO[bytes] = open(source, "rb") if local else source  # noqa: SIM115 - closed below
-    try:
+    handle, _ = open_for_read(location)  # once: the header and the tensors checked are of one file
+    with handle:
+        header, metadata, start, _ = header_of(handle, path)
+        if CRC_KEY not in metadata:
+            return 0
+        try:
+            expected = json.loads(metadata[CRC_KEY])
+        except json.JSONDecodeError as err:
+            raise CheckpointFormatError(f"{path}: {CRC_KEY} metadata is not valid JSON") from err
+        if not isinstance(expected, dict) or set(expected) != set(header):
+            raise CheckpointFormatError(f"{path}: {CRC_KEY} metadata does not list exactly the stored tensors")
         for name, entry in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
             begin, end = entry["data_offsets"]
             crc = crc32_range(handle, start + begin, end - begin, what=f"{path}: tensor {name!r}")
@@ -252,8 +253,6 @@ def verify_safetensors(path: PathLike) -> int:
                 raise CheckpointFormatError(
                     f"{path}: tensor {name!r} fails its CRC-32 check (bit rot or a partial copy); the file is damaged"
                 )
-    finally:
-        handle.close()
     return len(header)
 
 
@@ -269,8 +268,13 @@ def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
         CheckpointFormatError: the file is invalid, or two names would become one.
     """
     location = resolve(src)
-    src, dst = location.url, fspath(dst)
-    header, metadata, start, size = read_safetensors_header(location)
+    handle, _ = open_for_read(location)  # once: the header read and the data copied are of one file
+    with handle:
+        return _rename(handle, location.url, fspath(dst), transform)
+
+
+def _rename(handle: IO[bytes], src: str, dst: str, transform: Any) -> int:
+    header, metadata, start, size = header_of(handle, src)
     renamed = transform({name: name for name in header})
     if len(renamed) != len(header):
         raise CheckpointFormatError(f"{src}: renaming would give two tensors the same name; nothing was written")
@@ -287,13 +291,11 @@ def rename_safetensors(src: PathLike, dst: PathLike, transform: Any) -> int:
     new_header: dict[str, Any] = {"__metadata__": meta} if meta else {}
     new_header.update({new_name[name]: entry for name, entry in entries})
     raw = _encode_header(new_header, f"{src} -> {dst}")
-    source, local = open_for_read(location)
 
     def write(f: IO[bytes]) -> None:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        with open(source, "rb") if local else source as handle:
-            copy_range(handle, f, start, size - start)
+        copy_range(handle, f, start, size - start)
 
     atomic_write(dst, write)
     return sum(1 for old, new in new_name.items() if old != new)

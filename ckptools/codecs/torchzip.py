@@ -9,15 +9,14 @@ tensor is decoded, memory stays flat, and ``import torch`` (over a second) is no
 
 from __future__ import annotations
 
-import contextlib
 import re
 import struct
 import zipfile
 from collections.abc import Iterable
 from typing import IO, TYPE_CHECKING, Any
 
-from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
-from ..storage import PathLike, copy_range, crc32, open_for_read, open_headers, resolve
+from ..errors import CheckpointError, CheckpointFormatError, CheckpointLayoutError
+from ..storage import PathLike, copy_range, crc32, open_for_read, open_local, resolve
 from .dtypes import STORAGE_ITEMSIZE
 
 if TYPE_CHECKING:
@@ -47,12 +46,10 @@ class TorchZip:
             if handle is not None:
                 self._scan(handle)
             else:
-                with open_headers(path) as f:
+                with open_local(path) as f:
                     self._scan(f)
-        except CheckpointFormatError:
+        except CheckpointError:  # not found, or no regular file (open_local)
             raise
-        except FileNotFoundError as err:
-            raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check the path") from err
         except (zipfile.BadZipFile, ValueError, EOFError, OSError, NotImplementedError, struct.error) as err:
             # zipfile raises more than BadZipFile on damaged directories (UnicodeDecodeError for
             # a mangled name, ValueError for negative seeks, EOFError for short reads).
@@ -213,25 +210,26 @@ class TorchZip:
                     f"{ref.numel * itemsize} (truncated or corrupt file)"
                 )
 
-    def read_pickle(self, handle: IO[bytes] | None = None) -> bytes:
-        """``data.pkl``, its CRC-32 checked; read from ``handle`` when given, else from ``path``."""
+    def read_pickle(self, handle: IO[bytes]) -> bytes:
+        """``data.pkl``, its CRC-32 checked, read from ``handle``: the file this archive was read from."""
         info, start = self.infos[self.pkl_index], self.starts[self.pkl_index]
-        with open(self.path, "rb") if handle is None else contextlib.nullcontext(handle) as f:
-            f.seek(start)
-            data = f.read(info.file_size)
+        handle.seek(start)
+        data = handle.read(info.file_size)
         if crc32(data) != info.CRC:
             raise CheckpointFormatError(f"{self.path}: record {info.filename} is damaged (CRC-32 mismatch)")
         return data
 
-    def write_with_pickle(self, out: IO[bytes], pickle_bytes: bytes, *, force_zip64: bool = False) -> None:
-        """Write this archive to ``out`` with ``data.pkl`` replaced; other records copied raw."""
+    def write_with_pickle(
+        self, src: IO[bytes], out: IO[bytes], pickle_bytes: bytes, *, force_zip64: bool = False
+    ) -> None:
+        """Write this archive to ``out`` with ``data.pkl`` replaced; other records copied raw from
+        ``src``, the file this archive was read from."""
         writer = _ZipWriter(out, force_zip64=force_zip64)
-        with open(self.path, "rb") as src:
-            for index, (info, start) in enumerate(zip(self.infos, self.starts)):
-                if index == self.pkl_index:
-                    writer.add(info.filename, len(pickle_bytes), crc32(pickle_bytes), lambda: out.write(pickle_bytes))
-                else:
-                    writer.add(info.filename, info.file_size, info.CRC, _copier(src, out, start, info.file_size))
+        for index, (info, start) in enumerate(zip(self.infos, self.starts)):
+            if index == self.pkl_index:
+                writer.add(info.filename, len(pickle_bytes), crc32(pickle_bytes), lambda: out.write(pickle_bytes))
+            else:
+                writer.add(info.filename, info.file_size, info.CRC, _copier(src, out, start, info.file_size))
         writer.finish()
 
 
@@ -381,15 +379,35 @@ def read_local_zip(path: PathLike) -> tuple[TorchZip, bytes] | None:
         >>> read_local_zip(__file__) is None  # a Python file: no zip
         True
     """
+    opened = open_local_zip(path)
+    if opened is None:
+        return None
+    archive, f = opened
+    with f:
+        return archive, archive.read_pickle(f)
+
+
+def open_local_zip(path: PathLike) -> tuple[TorchZip, IO[bytes]] | None:
+    """A local file opened once and its directory parsed: the archive and the open file every later
+    read of it goes through (the caller closes it); None for a remote file or one that does not start
+    as a zip. Raises as `is_local_zip` and `TorchZip` do.
+
+    Examples:
+        >>> open_local_zip(__file__) is None  # a Python file: no zip
+        True
+    """
     location = resolve(path)
     if not location.local:
         return None
-    source, _ = open_for_read(location)
-    with open_headers(source) as f:
+    f, _ = open_for_read(location)
+    try:
         if f.read(4) != ZIP_MAGIC:
+            f.close()
             return None
-        archive = TorchZip(location.path, f)
-        return archive, archive.read_pickle(f)
+        return TorchZip(location.url, f), f  # named as given (a `pinned` file's path names the descriptor)
+    except BaseException:
+        f.close()
+        raise
 
 
 def is_local_zip(path: PathLike) -> bool:
@@ -400,6 +418,6 @@ def is_local_zip(path: PathLike) -> bool:
     location = resolve(path)
     if not location.local:
         return False
-    source, _ = open_for_read(location)
-    with open_headers(source) as f:
+    f, _ = open_for_read(location)
+    with f:
         return f.read(4) == ZIP_MAGIC

@@ -32,9 +32,9 @@ from typing import Any
 
 import torch
 
-from ..layouts import write_manifest
+from ..layouts import load_file, write_manifest
 from ..snapshot_names import TRAINER_FOLDER, TRAINER_PREFIX
-from ..storage import fsync_dir, tmp_name
+from ..storage import fresh_tmp, fsync_dir, resolve
 
 __all__ = ["snapshot_to_folder"]
 
@@ -93,13 +93,14 @@ def snapshot_to_folder(snapshot: str, output_dir: str) -> str | None:
         >>> snapshot_to_folder("/dev/shm/ckptools-.../trainer-snapshot-0000000017.pt", "hf-run")  # doctest: +SKIP
         'hf-run/checkpoint-17'
     """
-    data = torch.load(snapshot, map_location="cpu", weights_only=True, mmap=True)
+    # ckptools' reader: one open, a link refused (the snapshot is a file of this job's own), torch's weights-only load.
+    data = load_file(resolve(snapshot).without_links(), map_location="cpu", mmap=True)
     step = int(data["__ckptools__"]["metadata"]["step"])
     if newest_folder_step(output_dir) >= step:
         return None
     os.makedirs(output_dir, exist_ok=True)
     name = f"checkpoint-{step}"
-    tmp = os.path.join(output_dir, tmp_name(name))
+    tmp = fresh_tmp(output_dir, name)  # a killed earlier write-out's folder goes first
     os.mkdir(tmp)
     try:
         _write_folder(tmp, data)

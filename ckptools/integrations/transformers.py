@@ -33,7 +33,7 @@ from ..collective.agree import Agreement
 from ..collective.group import all_gather_object, get_rank, get_world_size
 from ..layouts import MANIFEST, check_folder, write_manifest
 from ..manager import CheckpointManager
-from ..node import survey_nodes, watch
+from ..node import readable, survey_nodes, watch
 from ..snapshot_names import checkpoint_names
 from ..training.seeded import SeededDataset
 from . import installed, release_numbers, trainer_snapshots
@@ -278,7 +278,7 @@ def _from_node_memory(output_dir: str, newer_than: int) -> str | None:
     """The ``checkpoint-N/`` folder written from this node's newest snapshot of ``output_dir``'s run when
     it is newer than step ``newer_than``, or None (one process, or no process group yet)."""
     manager = CheckpointManager(output_dir, prefix=trainer_snapshots.PREFIX)
-    if not os.path.isdir(manager.snapshot_dir):
+    if not readable(manager.snapshot_dir):  # absent, or not this user's alone (said once)
         return None
     watch(manager.snapshot_dir)  # first: the keeper of a job that died must not release it while this process reads it
     found = newest_snapshot(manager)

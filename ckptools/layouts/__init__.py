@@ -39,7 +39,7 @@ from .named import writer_for
 from .safetensors_file import SAFETENSORS_FILE
 from .sharded import weights_layout
 from .torch_file import TORCH_FILE, zip_records
-from .torch_io import check_records, damaged_record, verify_torch_file
+from .torch_io import check_records, damaged_record, load_file, verify_torch_file
 
 __all__ = [
     "LIGHTNING_VERSION_KEY",
@@ -57,6 +57,7 @@ __all__ = [
     "damaged_record",
     "detect",
     "is_lightning_checkpoint",
+    "load_file",
     "open_checkpoint",
     "plan_safetensors",
     "read_checkpoint",

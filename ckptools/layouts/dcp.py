@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 from ..codecs.trees import locate_weights
 from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError, UnsafeCheckpointError
-from ..storage import Location
+from ..storage import Location, open_local
 from ..text import plural
 from ..view import CheckpointView, TensorInfo, Verification
 from .base import Layout, Transform
@@ -175,7 +175,7 @@ def _dcp_metadata(folder: str) -> Any:
     path = os.path.join(folder, ".metadata")
     if not os.path.exists(path):
         raise CheckpointNotFoundError(f"{path} does not exist")
-    with open(path, "rb") as f:
+    with open_local(path) as f:
         try:
             return _MetadataUnpickler(f).load()
         except UnsafeCheckpointError as err:

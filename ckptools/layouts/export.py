@@ -15,7 +15,7 @@ from typing import IO, Any
 from ..codecs.dtypes import ITEMSIZE, STORAGE_TO_SAFETENSORS
 from ..codecs.pickles import loads
 from ..codecs.safetensors import Spec, write_specs
-from ..codecs.torchzip import TorchZip, is_local_zip
+from ..codecs.torchzip import TorchZip, open_local_zip
 from ..codecs.trees import META_KEY, locate_weights, simple_tensor
 from ..errors import CheckpointFormatError, UnsafeCheckpointError
 from ..storage import Location, PathLike, crc32_range
@@ -34,6 +34,19 @@ class Planned:
     specs: dict[str, Spec]
     aliases: dict[str, str]
     metadata: dict[str, str]
+    # The local zip the specs copy from, open once (`close` closes it): its pickle was read from it.
+    source: IO[bytes] | None = None
+
+    def __enter__(self) -> Planned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Close the file the specs copy from (a local zip's; nothing for other sources)."""
+        if self.source is not None:
+            self.source.close()
 
     def nbytes(self, name: str) -> int:
         """The bytes of tensor ``name``'s data."""
@@ -56,20 +69,27 @@ def safetensors_plan(
     transformers expects) and metadata (``format: pt``, the top-level scalars of a torch file)."""
     src = location.url
     torch_file = layout is TORCH_FILE and not trust_code
-    if torch_file and is_local_zip(location):
-        # Fast path: tensors are copied straight out of their zip records, torch is not needed.
-        archive = TorchZip(location.path)
+    opened = open_local_zip(location) if torch_file else None
+    if opened is not None:
+        # Fast path: tensors are copied straight out of their zip records, torch is not needed. The
+        # file is opened once: the pickle read and every record copied come from the same file.
+        archive, handle = opened
         try:
-            tree = loads(archive.read_pickle(), src, archive)
-        except UnsafeCheckpointError:
-            tree = None  # other entries need refused classes: the lenient path below
-        if tree is not None:
-            _, _, parsed = locate_weights(tree, key=key, path=src)
-            weights = transform(parsed)
-            planned = _zip_specs(archive, weights)
-            if planned is not None:
-                meta = {"format": "pt", **(_scalars(tree) if isinstance(tree, Mapping) else {})}
-                return Planned(planned[0], planned[1], meta)
+            try:
+                tree = loads(archive.read_pickle(handle), src, archive)
+            except UnsafeCheckpointError:
+                tree = None  # other entries need refused classes: the lenient path below
+            if tree is not None:
+                _, _, parsed = locate_weights(tree, key=key, path=src)
+                weights = transform(parsed)
+                planned = _zip_specs(archive, handle, weights)
+                if planned is not None:
+                    meta = {"format": "pt", **(_scalars(tree) if isinstance(tree, Mapping) else {})}
+                    return Planned(planned[0], planned[1], meta, source=handle)
+        except BaseException:
+            handle.close()
+            raise
+        handle.close()
     meta = {"format": "pt"}
     tree = None
     if torch_file:
@@ -102,8 +122,11 @@ def _scalars(ckpt: Mapping[str, Any]) -> dict[str, str]:
     return out
 
 
-def _zip_specs(archive: TorchZip, weights: Mapping[str, Any]) -> tuple[dict[str, Spec], dict[str, str]] | None:
-    """Specs that copy each tensor's bytes straight out of its zip record, or None if one can't be.
+def _zip_specs(
+    archive: TorchZip, handle: IO[bytes], weights: Mapping[str, Any]
+) -> tuple[dict[str, Spec], dict[str, str]] | None:
+    """Specs that copy each tensor's bytes straight out of its zip record, read through ``handle``
+    (the file ``archive`` was read from), or None if one can't be.
 
     Of tied names the first in ``weights``' order is kept (see `tensor_specs`).
 
@@ -149,8 +172,7 @@ def _zip_specs(archive: TorchZip, weights: Mapping[str, Any]) -> tuple[dict[str,
         seen[identity] = name
 
         def write(f: IO[bytes], begin: int = begin, nbytes: int = nbytes, name: str = name) -> int:
-            with open(archive.path, "rb") as src:
-                return crc32_range(src, begin, nbytes, what=f"{archive.path}: tensor {name!r}", out=f)
+            return crc32_range(handle, begin, nbytes, what=f"{archive.path}: tensor {name!r}", out=f)
 
         specs[name] = Spec(dtype, list(shape), nbytes, write)
     return specs, aliases

@@ -30,7 +30,7 @@ from typing import IO
 
 from ..codecs.safetensors import verify_safetensors
 from ..errors import CheckpointError
-from ..storage import TMP_MARKER, atomic_write, crc32_range
+from ..storage import TMP_MARKER, atomic_write, crc32_range, open_local
 from ..text import plural
 from .named import writer_for
 from .safetensors_file import SAFETENSORS_FILE
@@ -84,8 +84,8 @@ def folder_files(folder: str) -> list[str]:
 
 def file_crc32(path: str) -> int:
     """The CRC-32 of a whole local file, as the manifest stores it."""
-    with open(path, "rb") as f:
-        return crc32_range(f, 0, os.path.getsize(path), what=path)
+    with open_local(path) as f:
+        return crc32_range(f, 0, os.fstat(f.fileno()).st_size, what=path)
 
 
 def write_manifest(folder: str) -> str:
@@ -172,10 +172,10 @@ def check_folder(folder: str, *, verify: bool = True, skip: Collection[str] = ()
 
 def _check_manifest(folder: str, verify: bool, found: FolderCheck) -> str | None:
     try:
-        with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
-            files = json.load(f)["files"]
+        with open_local(os.path.join(folder, MANIFEST)) as f:
+            files = json.loads(f.read().decode("utf-8"))["files"]
         entries = {str(name): (int(e["bytes"]), int(e["crc32"])) for name, e in files.items()}
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as err:
+    except (CheckpointError, OSError, ValueError, KeyError, TypeError, AttributeError) as err:
         return f"its {MANIFEST} is unreadable ({type(err).__name__}: {err})"
     for relative, (size, crc) in entries.items():
         path = os.path.join(folder, relative)
@@ -197,9 +197,9 @@ def _check_trainer_state(folder: str, names: Collection[str]) -> str | None:
     if TRAINER_STATE not in names:
         return f"no {MANIFEST}, and {TRAINER_STATE} (the Trainer's last file) is missing"
     try:
-        with open(os.path.join(folder, TRAINER_STATE), encoding="utf-8") as f:
-            json.load(f)
-    except (OSError, ValueError) as err:
+        with open_local(os.path.join(folder, TRAINER_STATE)) as f:
+            json.loads(f.read().decode("utf-8"))
+    except (CheckpointError, OSError, ValueError) as err:
         return f"no {MANIFEST}, and {TRAINER_STATE} (the Trainer's last file) does not read ({err})"
     return None
 
@@ -210,7 +210,7 @@ def _check_file(folder: str, name: str, found: FolderCheck, zips: list[str]) -> 
     try:
         writer = writer_for(name)  # the layout a weights file of this name is
         if writer is TORCH_FILE:
-            with open(path, "rb") as f:
+            with open_local(path) as f:
                 legacy = f.read(1) == _PICKLE
             if legacy:  # torch before 1.6 wrote a bare pickle stream: nothing to check it against
                 found.not_checksummed[name] = "torch's legacy format: no checksums"
@@ -224,8 +224,8 @@ def _check_file(folder: str, name: str, found: FolderCheck, zips: list[str]) -> 
             else:
                 found.not_checksummed[name] = "structure checked; no checksums stored"
         elif name.endswith(".json"):
-            with open(path, encoding="utf-8") as f:
-                json.load(f)
+            with open_local(path) as f:
+                json.loads(f.read().decode("utf-8"))
             found.not_checksummed[name] = "reads as JSON"
         else:
             found.not_checksummed[name] = "not read"

@@ -15,11 +15,11 @@ from typing import Any, ClassVar
 
 from .. import log
 from ..codecs.pickles import LenientReader, Opaque, PyUnpickler, canonical, hostile, loads_lenient
-from ..codecs.torchzip import TorchZip, is_local_zip
+from ..codecs.torchzip import open_local_zip
 from ..codecs.trees import locate_weights
 from ..errors import CheckpointFormatError, UnsafeCheckpointError
 from ..storage import Location
-from .torch_io import load_file
+from .torch_io import load_open
 
 
 def refuse_whole_object(tree: Any, path: str) -> None:
@@ -69,18 +69,22 @@ def load_without_code(
     """
 
     path = location.url
-    if not is_local_zip(location):
+    opened = open_local_zip(location)
+    if opened is None:
         raise refusal
-    archive = TorchZip(location.path)
-    # Our own torch-free reader vets the pickle first (structure, storage sizes, hostile names).
-    parsed, skipped = loads_lenient(archive.read_pickle(), path, archive)
-    if hostile(skipped):
-        raise refusal
-    refuse_whole_object(parsed, path)
-    if not isinstance(parsed, Mapping):
-        raise refusal
-    unpickler = placeholders(path)
-    tree = load_file(location, map_location=map_location, weights_only=False, mmap=mmap, pickle_module=unpickler)
+    archive, handle = opened
+    with handle:  # one open: the pickle vetted here is the one unpickled below
+        # Our own torch-free reader vets the pickle first (structure, storage sizes, hostile names).
+        parsed, skipped = loads_lenient(archive.read_pickle(handle), path, archive)
+        if hostile(skipped):
+            raise refusal
+        refuse_whole_object(parsed, path)
+        if not isinstance(parsed, Mapping):
+            raise refusal
+        unpickler = placeholders(path)
+        handle.seek(0)
+        tree = load_open(handle, path, local=True, map_location=map_location, weights_only=False, mmap=mmap,
+                         pickle_module=unpickler)  # fmt: skip
     log.warn(
         f"{path}: read without loading {', '.join(skipped)} (inert placeholders stand in for them; nothing was "
         "executed). To load the whole file, trust it and use torch.load(..., weights_only=False)",

@@ -14,6 +14,7 @@ from ..codecs.dtypes import TORCH_NAMES
 from ..codecs.safetensors import (
     ALIAS_KEY,
     Spec,
+    header_of,
     name_map,
     read_safetensors_header,
     rename_safetensors,
@@ -24,7 +25,7 @@ from ..codecs.safetensors import (
 from ..codecs.trees import locate_weights
 from ..errors import CheckpointFormatError, CheckpointLayoutError
 from ..state_dict import tensor_identity
-from ..storage import Location, PathLike, open_for_read, resolve
+from ..storage import Location, PathLike, mapped_path, open_for_read, resolve
 from ..text import plural
 from ..view import CheckpointView, TensorInfo, Verification
 from .base import Layout, Transform
@@ -192,12 +193,18 @@ def load_safetensors(path: PathLike) -> dict[str, Any]:
 
     location = resolve(path)
     path = location.url
-    _, metadata, _, _ = read_safetensors_header(location)  # strict checks first: clear errors, no huge allocations
-    source, local = open_for_read(location)
-    try:
-        tensors = safetensors.torch.load_file(source) if local else safetensors.torch.load(source.getvalue())
-    except (safetensors.SafetensorError, OSError, ValueError) as err:
-        raise CheckpointFormatError(f"{path} is not a valid safetensors file ({err})") from err
+    handle, local = open_for_read(location)  # once: the header checked and the tensors read are of one file
+    with handle:
+        _, metadata, _, _ = header_of(handle, path)  # strict checks first: clear errors, no huge allocations
+        mapped = mapped_path(handle) if local else None  # the open file, mapped by the official reader
+        try:
+            if mapped is not None:
+                tensors = safetensors.torch.load_file(mapped)
+            else:
+                handle.seek(0)
+                tensors = safetensors.torch.load(handle.read())
+        except (safetensors.SafetensorError, OSError, ValueError) as err:
+            raise CheckpointFormatError(f"{path} is not a valid safetensors file ({err})") from err
     # safetensors gives every zero-size tensor the same data pointer, whatever its dtype, and
     # torch.save then refuses them ("view the same data as different types"): give each its own.
     import torch

@@ -115,13 +115,10 @@ SHARDED_INDEX = ShardedIndex()
 
 
 def read_index(path: Location) -> tuple[dict[str, str], dict[str, Any]]:
-    source, local = open_for_read(path)
+    handle, _ = open_for_read(path)
     try:
-        if local:
-            with open(source, "rb") as f:
-                raw = f.read()
-        else:
-            raw = source.getvalue()
+        with handle:
+            raw = handle.read()
         index = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as err:
         raise CheckpointFormatError(f"{path} is not valid JSON ({err}); a sharded checkpoint's index is") from err

@@ -15,7 +15,7 @@ from typing import Any
 
 from ..codecs.pickle_writer import dumps
 from ..codecs.pickles import hostile, loads, loads_lenient
-from ..codecs.torchzip import TorchZip, is_local_zip, read_local_zip
+from ..codecs.torchzip import is_local_zip, open_local_zip, read_local_zip
 from ..codecs.trees import LIGHTNING_VERSION_KEY, entry_at, is_tensor, locate_weights, tensor_info
 from ..errors import CheckpointFormatError, CheckpointLayoutError, KeyMismatchError, UnsafeCheckpointError
 from ..storage import Location, atomic_write, file_size
@@ -165,10 +165,11 @@ class TorchFile(Layout):
         inside the file), reading no record: for files whose CRC-32s were just written from what was
         copied into memory (a node-memory snapshot's).
         """
-        if records or not is_local_zip(location):
+        opened = None if records else open_local_zip(location)  # the container read: the check
+        if opened is None:
             verify_torch_file(location)
         else:
-            TorchZip(location.path)
+            opened[1].close()
 
     def is_lightning(self, location: Location) -> bool:
         """Whether a local zip is a Lightning checkpoint (its top level holds Lightning's version);
@@ -186,16 +187,18 @@ class TorchFile(Layout):
         entries that need classes torch's safe loader refuses are kept as they were, never loaded
         (nothing runs). A legacy or remote file goes through torch's safe loader."""
         path = location.url
-        if is_local_zip(location):
-            archive = TorchZip(location.path)
-            data = archive.read_pickle()
-            try:
-                tree = loads(data, path, archive)
-            except UnsafeCheckpointError as refusal:
-                tree, _ = lenient_tree(data, path, refusal, archive)  # other entries are written back as read
-            tree, weights, renamed = _rename_in_tree(tree, locate_weights(tree, key=key, path=path), transform)
-            payload = dumps(tree)
-            atomic_write(dst, lambda f: archive.write_with_pickle(f, payload))
+        opened = open_local_zip(location)
+        if opened is not None:  # one open: the pickle and the records copied come from the same file
+            archive, src = opened
+            with src:
+                data = archive.read_pickle(src)
+                try:
+                    tree = loads(data, path, archive)
+                except UnsafeCheckpointError as refusal:
+                    tree, _ = lenient_tree(data, path, refusal, archive)  # other entries are written back as read
+                tree, weights, renamed = _rename_in_tree(tree, locate_weights(tree, key=key, path=path), transform)
+                payload = dumps(tree)
+                atomic_write(dst, lambda f: archive.write_with_pickle(src, f, payload))
         else:  # legacy (pre-1.6) format or a remote URL: through torch
             ckpt = load_torch(location)
             import torch  # loaded by now (a file refused above is refused without it)

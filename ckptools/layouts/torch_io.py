@@ -7,18 +7,15 @@ errors (RuntimeError from miniz, UnpicklingError, EOFError, ...) are turned into
 
 from __future__ import annotations
 
-import contextlib
 import os
 import pickle
 import re
 import struct
 import zlib
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import IO, Any
 
 from ..codecs.legacy import check_non_zip
-from ..codecs.pickles import loads
+from ..codecs.pickles import build_refusal, loads
 from ..codecs.sniff import other_kind
 from ..codecs.torchzip import ZIP_MAGIC, TorchZip
 from ..errors import (
@@ -34,9 +31,8 @@ from ..storage import (
     atomic_write,
     crc32_range,
     fspath,
+    mapped_path,
     open_for_read,
-    open_headers,
-    own_node_memory,
 )
 
 GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
@@ -90,53 +86,72 @@ def load_file(
 ) -> Any:
     """``torch.load`` a local path or URL, turning failures into ckptools errors.
 
-    The file is opened once for ckptools' checks (with ``crc``, every record's CRC-32 too, in the
-    same pass: `verify_torch_file`), and once more by torch. ``mmap`` maps a local zip (a legacy or
-    remote file is read). ``pickle_module`` (with ``weights_only=False``) is passed to
-    ``torch.load``: the placeholder reader of `ckptools.layouts.placeholders.load_without_code`.
+    The file is opened once (`ckptools.storage.open_for_read`): ckptools' checks (with ``crc``,
+    every record's CRC-32 too, in the same pass: `verify_torch_file`), torch's reader and the
+    mapping of its storages all read that one open file, so a file put at ``path`` meanwhile is
+    never half read. ``mmap`` maps a local zip (a legacy or remote file is read). ``pickle_module``
+    (with ``weights_only=False``) is passed to ``torch.load``: the placeholder reader of
+    `ckptools.layouts.placeholders.load_without_code`. With ``weights_only`` every file is read by
+    torch's own weights-only unpickler: there is no other way in.
 
     Raises:
         CheckpointNotFoundError: the file does not exist.
         UnsafeCheckpointError: ``weights_only=True`` and the file needs arbitrary globals.
         CheckpointFormatError: the file is empty, truncated, corrupt or not a torch file.
+        CheckpointLayoutError: a valid file of another kind, or no regular file (a named pipe).
     """
-    source, local = open_for_read(path)  # a Location is used as resolved, not parsed again
-    path = fspath(path)
-    if mmap and local and weights_only and pickle_module is None and not crc and own_node_memory(source):
-        try:  # this user's own snapshot: read as trusted as the process's memory (`_load_own`)
-            tree = _load_own(source, map_location)
-        except Exception:  # noqa: BLE001 - damaged, or a valid file of another kind: the checked path says which
-            tree = _UNLISTED
-        if tree is not _UNLISTED:
-            return tree
+    handle, local = open_for_read(path)  # a Location is used as resolved, not parsed again
+    with handle:
+        return load_open(
+            handle, fspath(path), local=local, map_location=map_location, weights_only=weights_only, mmap=mmap,
+            pickle_module=pickle_module, crc=crc,
+        )  # fmt: skip
+
+
+def load_open(
+    handle: IO[bytes],
+    path: str,
+    *,
+    local: bool,
+    map_location: Any = "cpu",
+    weights_only: bool = True,
+    mmap: bool = False,
+    pickle_module: Any = None,
+    crc: bool = False,
+) -> Any:
+    """`load_file` of a file already open (``handle``, from `ckptools.storage.open_for_read`; ``path``
+    names it in messages): for a reader that read part of it first, so that both reads are of one file."""
     # torch allocates what a file claims (a zip record's size, a legacy storage's numel) before
     # reading it: a 4 GiB claim in a 1 KiB file would be allocated. Claims are checked first.
-    with _opened(source, local) as handle:
-        head = handle.read(512)
-        zipped = head[:4] == ZIP_MAGIC
-        if zipped:
-            _scan_zip(path, handle, crc=crc)
-            kind = None
-        else:
-            kind = other_kind(head)
-        if kind is not None:  # a valid file of another kind: said what it is, never "corrupt"
-            raise CheckpointLayoutError(f"{path} is not a torch checkpoint: it is {kind}")
-        if not zipped and crc:  # the legacy format has no checksums: refused as verify_torch_file does
-            _scan_zip(path, handle, crc=True)
-        if not zipped and weights_only:  # a trusted file is left to torch entirely
-            check_non_zip(handle, handle.seek(0, 2), path)
-    mmap = mmap and local and zipped
+    head = handle.read(512)
+    zipped = head[:4] == ZIP_MAGIC
+    refusal = None
+    if zipped:
+        refusal = _scan_zip(path, handle, crc=crc)
+        kind = None
+    else:
+        kind = other_kind(head)
+    if kind is not None:  # a valid file of another kind: said what it is, never "corrupt"
+        raise CheckpointLayoutError(f"{path} is not a torch checkpoint: it is {kind}")
+    if not zipped and crc:  # the legacy format has no checksums: refused as verify_torch_file does
+        _scan_zip(path, handle, crc=True)
+    if not zipped and weights_only:  # a trusted file is left to torch entirely
+        check_non_zip(handle, handle.seek(0, 2), path)
+    handle.seek(0)
     import torch  # only now: a file refused above is refused without it (a second saved for `ckpt`)
 
     try:
         extra = {} if pickle_module is None else {"pickle_module": pickle_module}
-        if mmap:  # only for local zip files: storages are mapped, read when touched
-            return _mapped_load(source, map_location, weights_only, extra)
-        return torch.load(source, map_location=map_location, weights_only=weights_only, **extra)
+        if mmap and local and zipped:  # only for local zip files: storages are mapped, read when touched
+            return _mapped_load(handle, map_location, weights_only, extra)
+        return torch.load(handle, map_location=map_location, weights_only=weights_only, **extra)
     except CheckpointError:
         raise
     except Exception as err:
-        raise _failure(path, err, weights_only) from err
+        failure = _failure(path, err, weights_only)
+        if refusal is not None and type(failure) is UnsafeCheckpointError and "BUILD" in str(failure):
+            failure = refusal  # ckptools' reader names the global the file reached for
+        raise failure from err
 
 
 def _failure(path: str, err: Exception, weights_only: bool) -> CheckpointError:
@@ -144,6 +159,9 @@ def _failure(path: str, err: Exception, weights_only: bool) -> CheckpointError:
     if isinstance(err, pickle.UnpicklingError):
         if weights_only and "GLOBAL" in str(err):
             return _unsafe_error(path, err)
+        built = re.search(r"Can only build .*but got <class '([^']+)'>", str(err))
+        if weights_only and built:  # a BUILD onto a global (a class, a function): refused by torch's unpickler
+            return UnsafeCheckpointError(build_refusal(path, f"a {built.group(1)}"))
         if _cuda_without_cuda(err):  # torch < 2.6 wraps it in its weights-only loader's error
             return _cuda_error(path)
         return CheckpointFormatError(f"{path} is corrupt or not a torch checkpoint ({first_line(err)})")
@@ -173,71 +191,25 @@ def _failure(path: str, err: Exception, weights_only: bool) -> CheckpointError:
     )
 
 
-# What `_load_own` returns for a file that names a global outside torch's allowlist.
-_UNLISTED = object()
-
-
-class _Unlisted(Exception):
-    """A global outside torch's weights-only allowlist: `_load_own` leaves the file to the checked path."""
-
-
-def _load_own(path: str, map_location: Any) -> Any:
-    """A snapshot in this user's own node memory (`ckptools.storage.own_node_memory`), read with
-    torch's weights-only allowlist on the C unpickler, without ckptools' checks of its claims.
-
-    The checked path costs 13 ms for a snapshot of 131 tensors (ckptools' pickle scan 3.5 ms,
-    torch's pure-Python weights-only unpickler 9 ms), 20 % of a 1 GiB restore's copy: those checks
-    guard against a file made to attack its reader (claims that allocate, a memo index that makes
-    the C unpickler allocate gigabytes), and this file was written by this user's own job into a
-    folder nobody else can write. The allowlist stays: a global outside it returns `_UNLISTED`, and
-    the caller reads the file the checked way (torch's refusal, or a global added by the user), as it
-    does a file this reader fails on (the checked path names the damage, or the file's other kind).
-    """
-    import torch.serialization as ts
-
-    lists = getattr(ts, "_weights_only_unpickler", None)
-    if lists is None or not hasattr(lists, "_get_user_allowed_globals"):
-        return _UNLISTED  # another torch's internals: the checked path
-    allowed = {**lists._get_allowed_globals(), **lists._get_user_allowed_globals()}
-
-    class Unpickler(pickle.Unpickler):
-        def find_class(self, module: str, name: str) -> Any:
-            found = allowed.get(f"{module}.{name}")
-            if found is None:
-                raise _Unlisted(f"{module}.{name}")
-            return found
-
-    module = type(pickle)("ckptools_allowlisted_pickle")
-    module.Unpickler = Unpickler  # type: ignore[attr-defined]  # all torch's _load takes of a pickle_module
-    try:
-        tree = _torchs_mmap_branch(path, map_location, module)
-    except BaseException as err:
-        tls = getattr(ts, "_serialization_tls", None)
-        if tls is not None:  # torch's _load left it set (it is reset only when a load succeeds)
-            tls.map_location = None
-        if isinstance(err, _Unlisted):
-            return _UNLISTED
-        raise
-    return _UNLISTED if tree is _TORCH_LOAD else tree
-
-
-def _mapped_load(path: str, map_location: Any, weights_only: bool, extra: dict[str, Any]) -> Any:
-    """``torch.load(path, mmap=True)``, its zip reader on a file buffered by `open_headers`.
-
-    torch opens the file with Python's default buffer, the filesystem's block size, and reads each
-    storage's local header after a seek: on a tmpfs with huge pages (2 MiB blocks) a restore of 131
-    tensors from node memory spent 13 ms there, on Lustre or GPFS (4-16 MiB) it is worse. This is
-    torch.load's own mmap branch (`_torchs_mmap_branch`) on a smaller buffer; where torch lacks a
-    piece of it, torch.load itself.
+def _mapped_load(handle: IO[bytes], map_location: Any, weights_only: bool, extra: dict[str, Any]) -> Any:
+    """``torch.load(path, mmap=True)`` of the file ``handle`` holds open: torch's own mmap branch
+    (`_torchs_mmap_branch`), its zip reader on ``handle`` and the mapping made of that same open
+    file (`ckptools.storage.mapped_path`). ``handle`` is buffered by `ckptools.storage.open_local`:
+    torch opens a file with Python's default buffer, the filesystem's block size, and reads each
+    storage's local header after a seek (on a tmpfs with huge pages, 2 MiB blocks, a restore of 131
+    tensors from node memory spent 13 ms there; on Lustre or GPFS, 4-16 MiB, it is worse). Where
+    torch lacks a piece of that branch, or the system has no name for an open file, the file is read
+    through ``handle`` without a mapping.
     """
     import torch
     import torch.serialization as ts
 
     safe_unpickler = getattr(ts, "_weights_only_unpickler", None)
     unpickler = safe_unpickler if weights_only else extra.get("pickle_module", pickle)
-    tree = _TORCH_LOAD if unpickler is None else _torchs_mmap_branch(path, map_location, unpickler)
+    tree = _TORCH_LOAD if unpickler is None else _torchs_mmap_branch(handle, map_location, unpickler)
     if tree is _TORCH_LOAD:
-        return torch.load(path, map_location=map_location, weights_only=weights_only, mmap=True, **extra)
+        handle.seek(0)
+        return torch.load(handle, map_location=map_location, weights_only=weights_only, **extra)
     return tree
 
 
@@ -245,24 +217,33 @@ def _mapped_load(path: str, map_location: Any, weights_only: bool, extra: dict[s
 _TORCH_LOAD = object()
 
 
-def _torchs_mmap_branch(path: str, map_location: Any, pickle_module: Any) -> Any:
+def _torchs_mmap_branch(handle: IO[bytes], map_location: Any, pickle_module: Any) -> Any:
     """torch.load's own mmap branch (torch 2.6 to 2.14: its zip reader, the file mapped whole, its
-    ``_load`` with ``pickle_module``) on a file opened by `open_headers`; `_TORCH_LOAD` where this
-    torch lacks a piece of it, or for TorchScript (torch.load's own answer: a warning, or its refusal)."""
+    ``_load`` with ``pickle_module``) on the file ``handle`` holds open; `_TORCH_LOAD` where this
+    torch lacks a piece of it, where the open file has no name to map it by, or for TorchScript
+    (torch.load's own answer: a warning, or its refusal)."""
     import torch
     import torch.serialization as ts
 
     names = ("_open_zipfile_reader", "_is_torchscript_zip", "_load", "get_default_mmap_options", "MAP_SHARED")
     parts: list[Any] = [getattr(ts, name, None) for name in names]
-    if any(part is None for part in parts):  # another torch's internals: its own load, on its own buffer
+    mapped = mapped_path(handle)
+    if any(part is None for part in parts) or mapped is None:  # another torch's internals, or no /proc: no map
         return _TORCH_LOAD
     open_reader, is_torchscript, load, mmap_options, map_shared = parts
-    with open_headers(path) as handle, open_reader(handle) as reader:
+    handle.seek(0)
+    with open_reader(handle) as reader:
         if is_torchscript(reader):
             return _TORCH_LOAD
         shared = os.name != "nt" and mmap_options() == map_shared
-        overall = torch.UntypedStorage.from_file(path, shared, os.path.getsize(path))
-        return load(reader, map_location, pickle_module, overall_storage=overall, encoding="utf-8")
+        overall = torch.UntypedStorage.from_file(mapped, shared, os.fstat(handle.fileno()).st_size)
+        try:
+            return load(reader, map_location, pickle_module, overall_storage=overall, encoding="utf-8")
+        except BaseException:
+            tls = getattr(ts, "_serialization_tls", None)
+            if tls is not None:  # torch's _load leaves it set when a load fails (reset only on success)
+                tls.map_location = None
+            raise
 
 
 def _cuda_without_cuda(err: BaseException) -> bool:
@@ -275,21 +256,6 @@ def _cuda_error(path: str) -> CheckpointFormatError:
     return CheckpointFormatError(
         f"{path} holds CUDA tensors but CUDA is not available here; load it with map_location='cpu'"
     )
-
-
-@contextmanager
-def _opened(source: Any, local: bool) -> Iterator[IO[bytes]]:
-    """A binary handle on what `open_for_read` returned: a path is opened and closed, an
-    in-memory copy of a remote file is rewound for the reader that comes next."""
-    handle: IO[bytes] = open_headers(source) if local else source
-    try:
-        handle.seek(0)
-        yield handle
-    finally:
-        if local:
-            handle.close()
-        else:
-            handle.seek(0)
 
 
 def first_line(err: BaseException) -> str:
@@ -310,22 +276,26 @@ def verify_torch_file(path: PathLike) -> None:
         CheckpointFormatError: the file is truncated, a record is damaged, or it is not a zip
             torch checkpoint.
     """
-    source, local = open_for_read(path)  # a Location is used as resolved, not parsed again
+    handle, _ = open_for_read(path)  # a Location is used as resolved, not parsed again
     path = fspath(path)
-    with _opened(source, local) as handle:
+    with handle:
         _scan_zip(path, handle, crc=True)
 
 
-def _scan_zip(path: str, handle: IO[bytes], *, crc: bool) -> None:
+def _scan_zip(path: str, handle: IO[bytes], *, crc: bool) -> UnsafeCheckpointError | None:
     """Check a torch zip as torch's reader would (container, small records, every storage the
-    pickle names present and whole), and each record's CRC-32 with ``crc``."""
+    pickle names present and whole), and each record's CRC-32 with ``crc``. What ckptools' own
+    reader refused is returned, not raised: torch's loader decides (a class the user allowlisted,
+    a trusted file), and the refusal names what it refused where torch's words say less."""
     try:
         archive = TorchZip(path, handle)
         if crc:
             _check_crcs(path, handle, archive)
-        # A refused class: torch's own loader decides (an allowlisted class, or a trusted file).
-        with contextlib.suppress(UnsafeCheckpointError):
+        try:
             loads(archive.read_pickle(handle), path, archive)
+        except UnsafeCheckpointError as refusal:
+            return refusal
+        return None
     except (OSError, EOFError, ValueError, zlib.error, NotImplementedError, struct.error) as err:
         if isinstance(err, CheckpointError):
             raise
@@ -345,7 +315,8 @@ def _check_crcs(path: str, handle: IO[bytes], archive: TorchZip, starts: set[int
 
 def check_records(location: Location, starts: list[int]) -> None:
     """Check the CRC-32 of the records of a local torch zip whose data begins at ``starts`` (one open)."""
-    with open(location.path, "rb") as handle:
+    handle, _ = open_for_read(location)
+    with handle:
         _check_crcs(location.url, handle, TorchZip(location.url, handle), set(starts))
 
 

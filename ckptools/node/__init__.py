@@ -3,8 +3,9 @@
 ===================  ==========================================================================
 module               its one job
 ===================  ==========================================================================
-folder.py            where the snapshots live (``/dev/shm/ckptools-<key>``), its space check for
-                     two slots, which ranks share it (a node), the keeper's start and the pids it
+folder.py            where the snapshots live (``/dev/shm/ckptools-<user>-<key>``, this user's
+                     alone: `claim`, `readable`), its space check for two slots, which ranks
+                     share it (a node), the keeper's start and the pids it
                      watches, the folders' removal at the job's normal end
 slots.py             the two slot files per node, mapped once per rank and reused (`SLOTS` owns
                      them), pinned for CUDA copies, preallocated
@@ -26,7 +27,17 @@ from __future__ import annotations
 
 from .cadence import Cadence
 from .commits import COMMITS, finish_snapshot
-from .folder import default_folder, group_nodes, node_token, register, release_folders, start_keeper, watch
+from .folder import (
+    claim,
+    default_folder,
+    group_nodes,
+    node_token,
+    readable,
+    register,
+    release_folders,
+    start_keeper,
+    watch,
+)
 from .slots import SLOTS
 from .snapshot import Orphaned, write_snapshot
 from .survey import Survey, survey_nodes
@@ -35,11 +46,13 @@ __all__ = [
     "Cadence",
     "Orphaned",
     "Survey",
+    "claim",
     "close_slots",
     "default_folder",
     "finish_snapshot",
     "group_nodes",
     "node_token",
+    "readable",
     "register",
     "release",
     "settle",

@@ -17,12 +17,18 @@ A keeper process (`ckptools.keeper`, started with the first snapshot, outside th
 tree) persists the newest snapshot into the manager's folder when the job dies and is not
 relaunched within its grace time, then releases the memory.
 
-The folder: ``snapshot_dir=`` of the manager, else ``$CKPTOOLS_NODE_MEMORY/ckptools-<key>``, else
-``/dev/shm/ckptools-<key>`` (the system's temporary folder where there is no ``/dev/shm``);
-``<key>`` is derived from the manager's directory and prefix, so a relaunch of the same job
-finds it and another job's snapshots never mix with it. A job that ends normally
+The folder: ``snapshot_dir=`` of the manager, else ``$CKPTOOLS_NODE_MEMORY/ckptools-<user>-<key>``,
+else ``/dev/shm/ckptools-<user>-<key>`` (the system's temporary folder where there is no
+``/dev/shm``); ``<key>`` is derived from the manager's directory and prefix, so a relaunch of the
+same job finds it and another job's snapshots never mix with it. A job that ends normally
 (`ckptools.exit_process`, `Preemption.exit`) removes its folders (`release`); a job that died
 leaves them for its relaunch, and its keeper.
+
+The folder is this user's alone (`ckptools.storage.make_private`): made with mode 0700, or used
+only when it belongs to this user, no one else may write into it, and no one else can replace it.
+``/dev/shm`` is shared by every user of the node, and the folder's name can be computed: a folder
+of that name someone else made is never written into nor read from (`claim` says so and refuses;
+a restore leaves it aside with a warning, `readable`). The threat model: docs/guarantees.md.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import re
 import secrets
 import shutil
 import subprocess
@@ -40,17 +47,20 @@ from .. import log
 from ..collective.group import get_local_rank, launcher
 from ..errors import NodeMemoryError
 from ..keeper import PIDS
-from ..storage import NODE_MARK
+from ..processes import process_start
+from ..storage import NODE_MARK, make_private, open_local, private_problem
 from ..text import human_size
 
 __all__ = [
     "ENV",
     "check_space",
+    "claim",
     "default_folder",
     "group_nodes",
     "huge_pages",
     "node_token",
     "note_pages",
+    "readable",
     "register",
     "release_folders",
     "start_keeper",
@@ -58,6 +68,7 @@ __all__ = [
 ]
 
 ENV = "CKPTOOLS_NODE_MEMORY"
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 NODE_FILE = NODE_MARK  # the token that tells which ranks share this folder (and that it is node memory)
 # Seconds the keeper waits, once every process of the job is gone, for a relaunch (default 10).
 GRACE_ENV = "CKPTOOLS_KEEPER_GRACE"
@@ -88,7 +99,51 @@ def default_folder(directory: str, prefix: str) -> str:
     where = directory if "://" in directory else os.path.abspath(directory)
     key = hashlib.sha1(f"{where}\0{prefix}".encode()).hexdigest()[:16]
     base = os.environ.get(ENV) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    return os.path.join(base, f"ckptools-{key}")
+    return os.path.join(base, f"ckptools-{_user()}-{key}")
+
+
+def _user() -> str:
+    """This user's name as a folder's name carries it (``uid1001`` where it has none)."""
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    name = ""
+    with contextlib.suppress(ImportError, KeyError, TypeError):
+        import pwd
+
+        name = pwd.getpwuid(uid).pw_name  # type: ignore[arg-type]
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:32]
+    return name or (f"uid{uid}" if uid is not None else "user")
+
+
+def _refusal(folder: str, problem: str) -> str:
+    return (
+        f"the node-memory folder {folder} is not yours alone: {problem}. ckptools never uses such a folder "
+        "(whoever can write into it could read, replace or forge your snapshots): remove it (its owner or root "
+        f"can), or point CheckpointManager(snapshot_dir=...) or ${ENV} at a folder of your own (it is made 0700)"
+    )
+
+
+def claim(folder: str) -> None:
+    """Make ``folder`` this user's node-memory folder (mode 0700), or check the one there.
+
+    Raises:
+        NodeMemoryError: it, or a folder above it, is not this user's alone (`ckptools.storage.make_private`):
+            another user's, writable by others, a link; the message names it and the fix.
+    """
+    problem = make_private(folder)
+    if problem is not None:
+        raise NodeMemoryError(_refusal(folder, problem))
+
+
+def readable(folder: str) -> bool:
+    """Whether snapshots may be read from ``folder``: it exists and is this user's alone. One that
+    exists and is not is never read (a `CheckpointWarning` says so, once per folder and process)."""
+    if not os.path.lexists(folder):
+        return False
+    problem = private_problem(folder)
+    if problem is None:
+        return True
+    log.warn(f"{_refusal(folder, problem)}; its snapshots were not read", once=f"node memory {folder}", all_ranks=True)
+    return False
 
 
 def check_space(folder: str, needed: int, held: int) -> None:
@@ -161,15 +216,20 @@ def watch(folder: str) -> None:
 
     The agent is the one that started this process (`ckptools.collective.group.launcher`), never
     ``getppid()`` now: after the agent is killed that names PID 1, which the keeper would wait on forever."""
+    claim(folder)
     pids = os.path.join(folder, PIDS)
-    os.makedirs(pids, exist_ok=True)
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(pids, 0o700)
     watched = [os.getpid()]
     agent = launcher()
     if agent is not None:  # the agent outlives a failed attempt and restarts it
         watched.append(agent)
     for pid in watched:
-        with open(os.path.join(pids, str(pid)), "w"):
-            pass
+        # The process's start time inside: a pid the system gave to another process since is not this one.
+        started = (process_start(pid) or "?").encode()  # "?": no /proc to tell (the keeper then trusts the pid)
+        fd = os.open(os.path.join(pids, str(pid)), os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(started)
 
 
 def start_keeper(folder: str, directory: str, prefix: str, keep_last: int | None) -> None:
@@ -219,15 +279,16 @@ def release_folders() -> list[str]:
 def node_token(folder: str) -> str:
     """The token of the node-memory ``folder`` (made by the first rank to get here): ranks that
     read the same token share the folder, i.e. are one node."""
-    os.makedirs(folder, exist_ok=True)
+    claim(folder)
     path = os.path.join(folder, NODE_FILE)
-    with contextlib.suppress(FileNotFoundError), open(path) as f:
-        token = f.read()
+    with contextlib.suppress(FileNotFoundError):
+        token = _read_token(path)
         if token:
             return token
     # Written whole under a name of its own, then linked: a rank never reads a half-written token.
     mine = os.path.join(folder, f"{NODE_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
-    with open(mine, "w") as f:
+    fd = os.open(mine, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(8))
     try:
         os.link(mine, path)
@@ -235,8 +296,12 @@ def node_token(folder: str) -> str:
         pass  # another rank of this node was first
     finally:
         os.unlink(mine)
-    with open(path) as f:
-        return f.read()
+    return _read_token(path)
+
+
+def _read_token(path: str) -> str:
+    with open_local(path, links=False) as f:
+        return f.read(64).decode("ascii", errors="replace")
 
 
 def group_nodes(tokens: list[str]) -> list[list[int]]:

@@ -33,7 +33,7 @@ from .. import log, sealing
 from ..collective import agree
 from ..collective.agree import Agreement, RankFailure, first_failure, outcome_of
 from ..collective.group import all_gather_object, broadcast_bytes, get_rank, launcher_gone
-from ..errors import CheckpointError
+from ..errors import CheckpointError, NodeMemoryError
 from ..storage import resolve
 from ..write import (
     Plan,
@@ -97,10 +97,18 @@ def write_snapshot(
     previous = COMMITS.join(folder)
     started = time.monotonic()
     path, user_meta = checked_args(os.path.join(folder, name), state, metadata)
-    token = node_token(folder)
+    refused = None
+    try:
+        token = node_token(folder)
+    except NodeMemoryError as err:  # not this user's alone: said on every rank, after the exchange
+        token, refused = "", str(err)
     proposal = cadence[0] if cadence else 0
-    brought = opening(state, token=token, previous=previous, orphaned=launcher_gone(), cadence=proposal)
+    brought = opening(state, token=token, previous=previous, orphaned=launcher_gone(), cadence=proposal,
+                      folder=refused)  # fmt: skip
     gathered = all_gather_object(brought)
+    unusable = first_failure(gathered, lambda reply: reply.folder)
+    if unusable is not None:
+        raise NodeMemoryError(f"the snapshot {path} was not taken: {unusable}")
     if cadence:
         cadence[0] = gathered[0].cadence  # rank 0's: the same calls are skipped everywhere
     orphaned = [r for r, reply in enumerate(gathered) if reply.orphaned]

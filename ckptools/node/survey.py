@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from .. import log, sealing
 from ..collective.group import all_gather_object, get_rank
-from .folder import group_nodes, node_token, register, watch
+from .folder import group_nodes, node_token, readable, register, watch
 from .transfer import send_file
 
 __all__ = ["Survey", "survey_nodes"]
@@ -25,12 +25,13 @@ class Survey:
     nodes: list[list[int]]  # each node's ranks, lowest first; rank 0's node first
     newest: list[int | None]  # each node's newest whole snapshot's step (None: none)
     made_here: bool  # this rank's node had no folder before this restore made it (for the token)
+    usable: bool = True  # False: some rank's folder is not its user's alone, and node memory is left aside
 
     def release_unused(self, used: bool) -> None:
         """This node's lowest rank removes the folder unless its snapshots are ``used`` (a folder
         made for the token only, or the snapshots of a run that was removed, hold nothing to keep)."""
         node = next(ranks for ranks in self.nodes if get_rank() in ranks)
-        if not used and get_rank() == node[0]:
+        if self.usable and not used and get_rank() == node[0]:
             shutil.rmtree(self.folder, ignore_errors=True)
 
     def bring(self, path: str, step: int) -> None:
@@ -52,8 +53,18 @@ def survey_nodes(folder: str, newest_step: Callable[[], int | None], names: re.P
     kill cut short (`ckptools.sealing`; ``names``: the snapshots' file names)."""
     rank = get_rank()
     # Whether this node had a folder before anything here made one: asked of every rank before
-    # any rank makes it (for the node token), or a rank could see its peer's.
-    existed = all_gather_object(os.path.isdir(folder))
+    # any rank makes it (for the node token), or a rank could see its peer's. A folder that is not
+    # this user's alone is never read nor written: then no rank reads node memory (said once).
+    present = os.path.lexists(folder)
+    found = all_gather_object((present and os.path.isdir(folder), present and not readable(folder)))
+    existed = [here for here, _ in found]
+    if any(refused for _, refused in found):
+        refused = [r for r, (_, no) in enumerate(found) if no]
+        if rank == 0 and 0 not in refused:  # rank 0's own warning says it where it is one of them
+            log.warn(f"node memory {folder} is not this user's alone on rank(s) {refused}: this restore reads "
+                     "no snapshot, and the next snapshot there is refused (those ranks' warning says why)")  # fmt: skip
+        world = len(found)
+        return Survey(folder, [[r] for r in range(world)], [None] * world, made_here=False, usable=False)
     if existed[rank]:
         watch(folder)  # first: the keeper of a job that died must not release it now
     nodes = group_nodes(all_gather_object(node_token(folder)))

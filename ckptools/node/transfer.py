@@ -9,7 +9,7 @@ import torch
 
 from ..collective.agree import Agreement
 from ..collective.group import broadcast_bytes, broadcast_object, get_rank
-from ..storage import tmp_name
+from ..storage import fresh_tmp
 
 __all__ = ["send_file"]
 
@@ -22,7 +22,7 @@ def send_file(path: str, src: int, receive: bool, chunk: int = 64 << 20) -> None
     size = broadcast_object(os.path.getsize(path) if rank == src else None, src=src)
     error: BaseException | None = None
     source = target = None
-    tmp = os.path.join(os.path.dirname(path), tmp_name(os.path.basename(path)))
+    tmp = fresh_tmp(os.path.dirname(path), os.path.basename(path))
     try:
         if rank == src:
             source = open(path, "rb")  # noqa: SIM115 - closed below, after the last broadcast

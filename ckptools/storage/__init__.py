@@ -8,8 +8,10 @@ module       its one job
 paths.py     a path or URL resolved once (`Location`), joins, listings, temporary names
 writes.py    atomic writes: local (temporary file, fsync, rename, directory fsync), S3
              (a streamed multipart upload, completed last), other stores (one PUT or a move)
-reads.py     a file for ``torch.load``, byte ranges copied or CRC-32-checked, progress
+reads.py     a local file opened once and checked on its descriptor, a remote one fetched once;
+             byte ranges copied or CRC-32-checked, progress
 checksum.py  CRC-32, through ISA-L where installed (seven times zlib's speed)
+private.py   folders only this user can change (node memory in a folder every local user shares)
 ===========  ==============================================================================
 
 Everything else imports from this package, never from its modules.
@@ -23,6 +25,7 @@ from .paths import (
     Location,
     PathLike,
     file_size,
+    fresh_tmp,
     fspath,
     fsync_dir,
     get_filesystem,
@@ -35,15 +38,17 @@ from .paths import (
     resolve,
     tmp_name,
 )
+from .private import make_private, owner_name, private_problem
 from .reads import (
     NODE_MARK,
     RANGE_BYTES,
     RANGES_AT_ONCE,
     copy_range,
     crc32_range,
+    mapped_path,
     open_for_read,
-    open_headers,
-    own_node_memory,
+    open_local,
+    pinned,
     progress_hook,
     ranged_reads,
     report_progress,
@@ -51,7 +56,8 @@ from .reads import (
 from .writes import UPLOAD_PART, atomic_write, local_target, publish, streams_multipart
 
 __all__ = ["FAST_CRC32", "NODE_MARK", "RANGES_AT_ONCE", "RANGE_BYTES", "TMP_MARKER", "UPLOAD_PART", "Location",
-           "PathLike", "atomic_write", "copy_range", "crc32", "crc32_range", "file_size", "fspath", "fsync_dir",
-           "get_filesystem", "host", "is_local", "is_object_store", "join", "list_files", "local_target",
-           "open_for_read", "open_headers", "own_node_memory", "progress_hook", "publish", "ranged_reads", "remove",
-           "report_progress", "resolve", "streams_multipart", "tmp_name"]  # fmt: skip
+           "PathLike", "atomic_write", "copy_range", "crc32", "crc32_range", "file_size", "fresh_tmp", "fspath",
+           "fsync_dir", "get_filesystem", "host", "is_local", "is_object_store", "join", "list_files", "local_target",
+           "make_private", "mapped_path", "open_for_read", "open_local", "owner_name", "pinned", "private_problem",
+           "progress_hook", "publish", "ranged_reads", "remove", "report_progress", "resolve", "streams_multipart",
+           "tmp_name"]  # fmt: skip

@@ -6,6 +6,7 @@ import contextlib
 import os
 import re
 import secrets
+import shutil
 import socket
 from typing import Union
 
@@ -13,9 +14,26 @@ import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
 from .. import in_flight
+from ..processes import pid_alive
 
-__all__ = ["TMP_MARKER", "Location", "PathLike", "file_size", "fspath", "fsync_dir", "get_filesystem", "host",
-           "is_local", "is_object_store", "join", "list_files", "remove", "resolve", "tmp_name"]  # fmt: skip
+__all__ = [
+    "TMP_MARKER",
+    "Location",
+    "PathLike",
+    "file_size",
+    "fresh_tmp",
+    "fspath",
+    "fsync_dir",
+    "get_filesystem",
+    "host",
+    "is_local",
+    "is_object_store",
+    "join",
+    "list_files",
+    "remove",
+    "resolve",
+    "tmp_name",
+]  # fmt: skip
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -38,18 +56,30 @@ class Location:
         ('memory://ckpts/step-5.pt', '/ckpts/step-5.pt', False, 'step-5.pt')
     """
 
-    __slots__ = ("fs", "local", "path", "url")
+    __slots__ = ("fs", "links", "local", "path", "url")
 
-    def __init__(self, url: str, fs: fsspec.AbstractFileSystem, path: str) -> None:
+    def __init__(self, url: str, fs: fsspec.AbstractFileSystem, path: str, *, links: bool = True) -> None:
         self.url = url
         self.fs = fs
         self.path = path
         self.local = is_local(fs)
+        # False: a local file here is opened only if it is no symbolic link (`without_links`).
+        self.links = links
+
+    def without_links(self) -> Location:
+        """The same place, read only if the file itself is no symbolic link (``O_NOFOLLOW``): for
+        files ckptools wrote itself, where a link can only be someone else's doing (node memory).
+
+        Examples:
+            >>> resolve("/dev/shm/ckptools-me-1a2b/ckpt-0000000005.pt").without_links().links
+            False
+        """
+        return Location(self.url, self.fs, self.path, links=False)
 
     @property
     def name(self) -> str:
-        """The last part of the path (a file's name, a folder's name)."""
-        return os.path.basename(self.path.rstrip("/"))
+        """The last part of the path as written (a file's name, a folder's name; a `pinned` file's own)."""
+        return os.path.basename(self.url.rstrip("/"))
 
     def child(self, name: str) -> Location:
         """``name`` inside this folder, on the same filesystem: nothing is parsed or resolved again.
@@ -58,7 +88,7 @@ class Location:
             >>> resolve("memory://ckpts").child("step-5.pt").url
             'memory://ckpts/step-5.pt'
         """
-        return Location(join(self.url, name), self.fs, self.path.rstrip("/") + "/" + name)
+        return Location(join(self.url, name), self.fs, self.path.rstrip("/") + "/" + name, links=self.links)
 
     @property
     def absolute(self) -> Location:
@@ -70,7 +100,7 @@ class Location:
             >>> resolve("ckpts").absolute.url == os.path.abspath("ckpts")
             True
         """
-        return Location(self.path, self.fs, self.path) if self.local else self
+        return Location(self.path, self.fs, self.path, links=self.links) if self.local else self
 
     @property
     def parent(self) -> Location:
@@ -165,6 +195,35 @@ def tmp_name(name: str) -> str:
     the file a live writer is still filling (see `ckptools.leftovers.is_abandoned_tmp`).
     """
     return f".{name}{TMP_MARKER}{host()}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def fresh_tmp(directory: str, name: str) -> str:
+    """A new temporary path for ``name`` in the local ``directory`` (`tmp_name`), once every temporary
+    file (or folder) of ``name`` whose writer on this host is gone is removed: a write killed midway
+    leaves its temporary behind, and the next write of the same output takes it away. A live
+    writer's is never touched (two writers of one output each keep their own).
+
+    Examples:
+        >>> import tempfile
+        >>> os.path.basename(fresh_tmp(tempfile.gettempdir(), "step-5.pt")).startswith(".step-5.pt" + TMP_MARKER)
+        True
+    """
+    mine = f".{name}{TMP_MARKER}{host()}-"
+    try:
+        with os.scandir(directory) as entries:
+            found = [entry.name for entry in entries if entry.name.startswith(mine)]
+    except OSError:
+        found = []
+    for leftover in found:
+        pid = leftover[len(mine) :].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            path = os.path.join(directory, leftover)
+            with contextlib.suppress(OSError):
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                else:
+                    os.unlink(path)
+    return os.path.join(directory, tmp_name(name))
 
 
 def is_object_store(fs: fsspec.AbstractFileSystem) -> bool:

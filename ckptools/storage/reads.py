@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import stat
@@ -12,13 +13,13 @@ from typing import IO, Any
 
 from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
 from .checksum import crc32
-from .paths import PathLike, fspath, get_filesystem, is_local
+from .paths import Location, PathLike, fspath, get_filesystem, is_local
 
-__all__ = ["NODE_MARK", "RANGES_AT_ONCE", "RANGE_BYTES", "copy_range", "crc32_range", "open_for_read", "open_headers",
-           "own_node_memory", "progress_hook", "ranged_reads", "report_progress"]  # fmt: skip
+__all__ = ["NODE_MARK", "RANGES_AT_ONCE", "RANGE_BYTES", "copy_range", "crc32_range", "mapped_path", "open_for_read",
+           "open_local", "pinned", "progress_hook", "ranged_reads", "report_progress"]  # fmt: skip
 
 _CHUNK = 64 << 20
-# The most a local file opened to read its headers buffers (`open_headers`).
+# The most a local file opened for reading buffers (`open_local`).
 READ_BUFFER = 64 << 10
 
 
@@ -28,60 +29,129 @@ NODE_MARK = ".node"
 # Bytes processed by long copies, for the CLI's progress bar; None (the default) costs nothing.
 _PROGRESS: ContextVar[Callable[[int], None] | None] = ContextVar("ckptools_progress", default=None)
 
+# What a path names when it is no regular file, for the error that says so.
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a named pipe (FIFO)",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
 
-def open_headers(path: str) -> IO[bytes]:
-    """A local file opened to read its headers (a zip's records, a safetensors header), buffered as
-    Python does but by at most `READ_BUFFER`: Python buffers by the filesystem's block size, 2 MiB on
-    a tmpfs with huge pages and 4-16 MiB on Lustre or GPFS, and each small read after a seek would
-    fill all of it (a snapshot's 131 record headers on such a tmpfs: 262 MiB copied, 13 ms).
 
-    Example: ``with open_headers("/tmp/ckpt.pt") as f: magic = f.read(4)``
+def open_local(path: str, *, links: bool = True) -> IO[bytes]:
+    """A local regular file opened for reading, once: every read of it goes through this handle
+    (the zip reader's, torch's, the mapping of its storages: `mapped_path`), so that nothing read
+    comes from another file put at ``path`` meanwhile. The checks are made on the open descriptor
+    (``fstat``), never on the path. ``links=False`` refuses a symbolic link (``O_NOFOLLOW``).
+
+    A named pipe, a device or a socket is refused at once (it is opened without waiting for a
+    writer): a reader would wait forever, or read without end. The buffer is Python's, but at most
+    `READ_BUFFER`: Python buffers by the filesystem's block size, 2 MiB on a tmpfs with huge pages and
+    4-16 MiB on Lustre or GPFS, and each small read after a seek would fill all of it (a snapshot's
+    131 record headers on such a tmpfs: 262 MiB copied, 13 ms).
+
+    Raises:
+        CheckpointNotFoundError: nothing is at ``path``.
+        CheckpointFormatError: ``path`` is a directory (readers of folders ask `ckptools.layouts.detect`
+            first, and never get here).
+        CheckpointLayoutError: ``path`` is a named pipe, a device or a socket, or a link where
+            ``links=False``.
+
+    Example: ``with open_local("/tmp/ckpt.pt") as f: magic = f.read(4)``
     """
-    return open(path, "rb", buffering=max(512, min(os.stat(path).st_blksize, READ_BUFFER)))
-
-
-def own_node_memory(path: str) -> bool:
-    """Whether ``path`` is a file in a ckptools node-memory folder that only this user can write:
-    the folder holds `NODE_MARK`, and it and the file belong to this user, writable by no group or
-    other user. Such a file was written by this user's job (a snapshot): its reader may trust it as
-    it trusts the process's own memory (`ckptools.layouts.torch_io.load_file`).
-
-    Example: ``own_node_memory("/dev/shm/ckptools-1a2b/ckpt-00000040.pt")``
-    """
-    if not hasattr(os, "geteuid"):
-        return False
-    me = os.geteuid()
-    folder = os.path.dirname(os.path.abspath(path))
+    flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    if not links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
-        stats = (os.stat(folder), os.lstat(path), os.lstat(os.path.join(folder, NODE_MARK)))
-    except OSError:
-        return False
-    # lstat: a link in that folder could point anywhere; only the folder itself may be reached through one.
-    return all(s.st_uid == me and not s.st_mode & 0o022 for s in stats) and all(
-        stat.S_ISREG(s.st_mode) for s in stats[1:]
-    )
+        fd = os.open(path, flags)
+    except FileNotFoundError as err:
+        raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check the path") from err
+    except IsADirectoryError as err:  # Windows: a directory cannot be opened
+        raise CheckpointFormatError(f"{path} is a directory, not a checkpoint file; name a file inside it") from err
+    except OSError as err:
+        if not links and err.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW met a link (EMLINK: FreeBSD)
+            raise CheckpointLayoutError(
+                f"{path} is a symbolic link where ckptools wrote a file of its own; it was not followed: remove it"
+            ) from err
+        raise
+    try:
+        info = os.fstat(fd)
+        kind = stat.S_IFMT(info.st_mode)
+        if kind != stat.S_IFREG:
+            what = _KINDS.get(kind, "not a regular file")
+            if kind == stat.S_IFDIR:
+                raise CheckpointFormatError(f"{path} is {what}, not a checkpoint file; name a file inside it")
+            raise CheckpointLayoutError(f"{path} is {what}, not a checkpoint file; name a regular file")
+        if flags & getattr(os, "O_NONBLOCK", 0):
+            os.set_blocking(fd, True)  # no effect on a regular file's reads; said plainly all the same
+        handle = open(fd, "rb", buffering=max(512, min(getattr(info, "st_blksize", READ_BUFFER), READ_BUFFER)))  # noqa: SIM115 - returned
+    except BaseException:
+        os.close(fd)
+        raise
+    handle.raw.name = path  # type: ignore[attr-defined]  # messages name the path, not the descriptor
+    return handle
 
 
-def open_for_read(path: PathLike) -> tuple[Any, bool]:
-    """Return something ``torch.load`` can read and whether it is a local path.
+def mapped_path(handle: IO[bytes]) -> str | None:
+    """A name that opens the very file ``handle`` holds open, for a reader that maps it by name
+    (``torch.UntypedStorage.from_file``): ``/proc/self/fd/N`` on Linux, ``/dev/fd/N`` elsewhere. A
+    rename or replacement of the file's path since it was opened changes nothing. None where the
+    system has neither (the file is then read through ``handle``, not mapped).
 
-    Local files are passed as paths (so ``mmap=True`` works); remote files are read whole into
+    Example: ``with open_local(path) as f: torch.UntypedStorage.from_file(mapped_path(f), False, size)``
+    """
+    fd = handle.fileno()
+    for folder in ("/proc/self/fd", "/dev/fd"):
+        if os.path.isdir(folder):
+            return f"{folder}/{fd}"
+    return None
+
+
+@contextmanager
+def pinned(location: Location) -> Iterator[Location]:
+    """Within the block, ``location`` (a local file) stands for the file it names now: it is opened
+    once (`open_local`; a link refused where ``location.links`` is False), and the `Location` given
+    names that open file (`mapped_path`), so that every reader that opens it again by name, in any
+    layer, reads that same file, whatever is put at the path meanwhile. Messages name it as
+    ``location`` does. A remote location, or a system with no name for an open file, is given as it is.
+
+    Example: ``with pinned(resolve("/tmp/ckpt.pt")) as location: records = zip_records(location)``
+    """
+    if not location.local:
+        yield location
+        return
+    handle = open_local(location.path, links=location.links)
+    try:
+        mapped = mapped_path(handle)
+        yield location if mapped is None else Location(location.url, location.fs, mapped)
+    finally:
+        handle.close()
+
+
+def open_for_read(path: PathLike, *, links: bool = True) -> tuple[IO[bytes], bool]:
+    """An open binary handle on ``path`` and whether it is a local file; the caller closes it.
+
+    A local file is opened once (`open_local`; ``links=False``, or a `Location` made
+    `~ckptools.storage.Location.without_links`, refuses a symbolic link): every later read of it,
+    torch's and the mapping's included, goes through that handle. A remote file is read whole into
     memory, which is far faster than the many small seeks ``torch.load`` would issue remotely.
 
     Raises:
         CheckpointNotFoundError: nothing exists at ``path``.
         CheckpointFormatError: ``path`` is a local directory (readers of folders never get here:
             `ckptools.layouts.detect` sends a folder to its layout).
-        CheckpointLayoutError: ``path`` is a remote directory (a valid thing of another kind).
+        CheckpointLayoutError: ``path`` is a remote directory (a valid thing of another kind), or a
+            local named pipe, device, socket, or refused link.
     """
+    links = links and getattr(path, "links", True)
     fs, fpath = get_filesystem(path)
     path = fspath(path)
     if is_local(fs):
-        if not os.path.exists(fpath):
-            raise CheckpointNotFoundError(f"checkpoint {path} does not exist; check the path")
-        if os.path.isdir(fpath):  # a caller that reads folders asks `layouts.detect` first
-            raise CheckpointFormatError(f"{path} is a directory, not a checkpoint file; name a file inside it")
-        return fpath, True
+        handle = open_local(fpath, links=links)
+        if fpath != path:
+            handle.raw.name = path  # type: ignore[attr-defined]  # a file:// URL is named as written
+        return handle, True
     try:
         data = _fetch(fs, fpath)
     except FileNotFoundError as err:

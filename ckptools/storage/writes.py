@@ -11,7 +11,7 @@ from typing import IO, Any, cast
 
 import fsspec
 
-from .paths import PathLike, fspath, fsync_dir, get_filesystem, is_local, is_object_store, tmp_name
+from .paths import PathLike, fresh_tmp, fspath, fsync_dir, get_filesystem, is_local, is_object_store, tmp_name
 
 __all__ = ["UPLOAD_PART", "atomic_write", "local_target", "publish", "streams_multipart"]
 
@@ -48,7 +48,7 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any], *, streamabl
         _remote_write(fs, fpath, write, streamable=streamable)
         return path
     directory, name = local_target(fpath)
-    tmp = os.path.join(directory, tmp_name(name))
+    tmp = fresh_tmp(directory, name)  # a killed earlier write's temporary goes first
     try:
         with open(tmp, "wb") as f:
             recorder = _WriteRecorder(f)

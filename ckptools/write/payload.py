@@ -80,6 +80,7 @@ class Opening(NamedTuple):
     previous: str | None = None  # snapshot: its last commit's failure
     orphaned: bool = False  # snapshot: its torchrun agent is gone
     cadence: int = 0  # snapshot: its proposal of calls to skip (rank 0's is taken)
+    folder: str | None = None  # snapshot: why its node-memory folder cannot be used (not its user's alone)
 
 
 def opening(state: Mapping[str, Any], **extra: Any) -> Opening:

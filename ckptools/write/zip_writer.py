@@ -21,7 +21,7 @@ import torch
 
 from ..codecs.torchzip import ZipPlan
 from ..layouts.torch_io import save_file
-from ..storage import Location, crc32, local_target, publish, tmp_name
+from ..storage import Location, crc32, fresh_tmp, local_target, publish
 from . import upload
 from .plan import PREFIX, TOKEN_BYTES, Plan, Share, host_bytes, make_plan
 
@@ -32,7 +32,7 @@ def create_tmp(location: Location, plan: Plan) -> Plan:
     """Rank 0: ``plan``'s temporary file beside ``location``, at the file's full size (a file size
     limit or a quota says so at once), a random token at its start; ``plan`` with both set."""
     directory, name = local_target(location.path)
-    tmp = os.path.join(directory, tmp_name(name))
+    tmp = fresh_tmp(directory, name)  # a killed earlier save's temporary goes first
     token = secrets.token_bytes(TOKEN_BYTES)
     try:
         with open(tmp, "wb") as f:
