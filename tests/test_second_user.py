@@ -88,6 +88,7 @@ BUILD_JOB = """
 import collections, io, json, os, sys, torch, torch._utils
 sys.path.insert(0, sys.argv[3])
 import ckptools as ck
+from _corpus import torch_save_building
 
 manager = ck.CheckpointManager(sys.argv[1], snapshot_dir=sys.argv[2])
 manager.snapshot({"w": torch.arange(4.0)}, 3, blocking=True)
@@ -175,7 +176,8 @@ def test_a_folder_swapped_during_loads_never_gives_tensors_of_neither_file(tmp_p
     other. A node-memory folder in such a base is refused outright."""
     seconds = float(os.environ.get("CKPTOOLS_RACE_SECONDS", "10"))
     base = tempfile.mkdtemp(prefix="ckptools-race-", dir=_shared_scratch())
-    try:
+    with contextlib.ExitStack() as stack:
+        stack.callback(shutil.rmtree, base, ignore_errors=True)
         os.chmod(base, 0o777)  # writable by everyone, not sticky: anyone may rename what is in it
         files = _race_files()
         for name, tensors in zip(("mem", "other"), files):
@@ -185,7 +187,8 @@ def test_a_folder_swapped_during_loads_never_gives_tensors_of_neither_file(tmp_p
         with pytest.raises(ck.NodeMemoryError, match="not yours alone.*can be written by other users"):
             manager.snapshot({"w": torch.ones(2)}, 1)
         path = os.path.join(base, "mem", "ckpt-0000000001.pt")
-        swapper = other.popen(SWAPPER, base, str(seconds))
+        swapper = stack.enter_context(other.popen(SWAPPER, base, str(seconds)))
+        stack.callback(swapper.kill)  # before the folders go, whatever happens
         seen: dict[str, int] = {}
         end = time.monotonic() + seconds - 0.5
         ways = [lambda: ck.load(path, restore_rng=False), lambda: ck.load_state_dict(path),
@@ -204,8 +207,6 @@ def test_a_folder_swapped_during_loads_never_gives_tensors_of_neither_file(tmp_p
         assert seen.get("neither", 0) == 0, seen
         assert seen.get("file 0", 0) and seen.get("file 1", 0), seen  # both files were read: the race ran
         assert set(seen) <= {"file 0", "file 1", "CheckpointNotFoundError"}, seen
-    finally:
-        shutil.rmtree(base, ignore_errors=True)
 
 
 # (3) The node-memory folder made first by someone else.
@@ -233,9 +234,7 @@ def test_a_node_memory_folder_another_user_made_first_is_never_used(tmp_path, ot
         squat = ("import os, shutil, sys; os.mkdir(sys.argv[1], 0o777); os.chmod(sys.argv[1], 0o777); "
                  "shutil.copy(sys.argv[2], os.path.join(sys.argv[1], 'ckpt-0000000099.pt'))")  # fmt: skip
         other.run(squat, folder, forged)
-    finally:
         os.unlink(forged)
-    try:
         before = sorted(os.listdir(folder))
         manager.save({"w": torch.zeros(4)}, 5)
         target = {"w": torch.full((4,), -1.0)}
@@ -254,7 +253,11 @@ def test_a_node_memory_folder_another_user_made_first_is_never_used(tmp_path, ot
                               timeout=120, cwd=ROOT)  # fmt: skip
         assert "ckpt-0000000099" not in info.stdout, info.stdout
     finally:
-        other.run("import shutil, sys; shutil.rmtree(sys.argv[1])", folder)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(forged)
+        shutil.rmtree(folder, ignore_errors=True)  # root: the other user's too
+        if os.path.exists(folder):
+            other.run("import shutil, sys; shutil.rmtree(sys.argv[1])", folder)
 
 
 def test_node_memory_is_made_this_users_alone_and_only_such_a_folder_is_used(tmp_path, other):
