@@ -197,10 +197,11 @@ def _saved(obj) -> bytes:
 
 
 def _outcomes(path):
-    """What each torch-free operation makes of ``path``: the exception type's name, or 'ok'."""
+    """What each torch-free operation (and ``ck.load``) makes of ``path``: the error's message, or 'ok'."""
     out = {}
     for name, operation in {
         "info": lambda: ck.inspect(path),
+        "load (mapped: torch's unpickler, each storage checked as torch takes it)": lambda: ck.load(path),
         "load_state_dict": lambda: ck.load_state_dict(path, strip=None),
         "convert": lambda: ck.convert_to_safetensors(path, str(path) + ".safetensors", strip=None),
         "strip": lambda: ck.rename_checkpoint(path, str(path) + ".renamed.pt", ck.strip_prefix),

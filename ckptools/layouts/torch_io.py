@@ -122,12 +122,16 @@ def load_open(
     """`load_file` of a file already open (``handle``, from `ckptools.storage.open_for_read`; ``path``
     names it in messages): for a reader that read part of it first, so that both reads are of one file."""
     # torch allocates what a file claims (a zip record's size, a legacy storage's numel) before
-    # reading it: a 4 GiB claim in a 1 KiB file would be allocated. Claims are checked first.
+    # reading it: a 4 GiB claim in a 1 KiB file would be allocated. Claims are checked first. A
+    # mapped load allocates nothing: each storage is a slice of the mapping, checked against its
+    # record as torch takes it (`_Claimed`), and ckptools' own parse of the pickle (~40 % of what
+    # reading a snapshot of 131 tensors costs) runs only if torch's unpickler refuses, to name why.
     head = handle.read(512)
     zipped = head[:4] == ZIP_MAGIC
-    refusal = None
+    mapped = mmap and local and zipped and _mappable(handle, weights_only, pickle_module)
+    refusal, archive = None, None
     if zipped:
-        refusal = _scan_zip(path, handle, crc=crc)
+        archive, refusal = _scan_zip(path, handle, crc=crc, parse=not mapped)
         kind = None
     else:
         kind = other_kind(head)
@@ -141,15 +145,21 @@ def load_open(
     import torch  # only now: a file refused above is refused without it (a second saved for `ckpt`)
 
     try:
+        if mapped:  # only local zip files: storages are mapped, read when touched
+            assert archive is not None  # zipped: scanned above
+            return _torchs_mmap_branch(handle, archive, map_location, _unpickler(weights_only, pickle_module))
         extra = {} if pickle_module is None else {"pickle_module": pickle_module}
-        if mmap and local and zipped:  # only for local zip files: storages are mapped, read when touched
-            return _mapped_load(handle, map_location, weights_only, extra)
         return torch.load(handle, map_location=map_location, weights_only=weights_only, **extra)
     except CheckpointError:
         raise
     except Exception as err:
+        if mapped and archive is not None:  # ckptools' parse, not made before: it names what is wrong
+            try:
+                refusal = _scan_zip(path, handle, crc=False)[1]
+            except CheckpointError as found:
+                raise found from err
         failure = _failure(path, err, weights_only)
-        if refusal is not None and type(failure) is UnsafeCheckpointError and "BUILD" in str(failure):
+        if type(failure) is UnsafeCheckpointError and "BUILD" in str(failure) and refusal is not None:
             failure = refusal  # ckptools' reader names the global the file reached for
         raise failure from err
 
@@ -191,59 +201,86 @@ def _failure(path: str, err: Exception, weights_only: bool) -> CheckpointError:
     )
 
 
-def _mapped_load(handle: IO[bytes], map_location: Any, weights_only: bool, extra: dict[str, Any]) -> Any:
-    """``torch.load(path, mmap=True)`` of the file ``handle`` holds open: torch's own mmap branch
-    (`_torchs_mmap_branch`), its zip reader on ``handle`` and the mapping made of that same open
-    file (`ckptools.storage.mapped_path`). ``handle`` is buffered by `ckptools.storage.open_local`:
-    torch opens a file with Python's default buffer, the filesystem's block size, and reads each
-    storage's local header after a seek (on a tmpfs with huge pages, 2 MiB blocks, a restore of 131
-    tensors from node memory spent 13 ms there; on Lustre or GPFS, 4-16 MiB, it is worse). Where
-    torch lacks a piece of that branch, or the system has no name for an open file, the file is read
-    through ``handle`` without a mapping.
+# torch.serialization's pieces of its own mmap branch (torch 2.6 to 2.14), which `_torchs_mmap_branch` runs.
+_MMAP_PIECES = ("_open_zipfile_reader", "_load", "get_default_mmap_options", "MAP_SHARED")
+
+
+def _unpickler(weights_only: bool, pickle_module: Any) -> Any:
+    """The ``pickle_module`` torch.load itself would unpickle with: its weights-only one, or the caller's."""
+    import torch.serialization as ts
+
+    return getattr(ts, "_weights_only_unpickler", None) if weights_only else pickle_module or pickle
+
+
+def _mappable(handle: IO[bytes], weights_only: bool, pickle_module: Any) -> bool:
+    """Whether the file ``handle`` holds open can be loaded mapped by torch's own mmap branch: this
+    torch has its pieces and the system a name for the open file (`ckptools.storage.mapped_path`).
+    Where not, it is read through ``handle`` (torch.load), unmapped."""
+    import torch.serialization as ts
+
+    pieces = all(getattr(ts, name, None) is not None for name in _MMAP_PIECES)
+    return pieces and _unpickler(weights_only, pickle_module) is not None and mapped_path(handle) is not None
+
+
+def _torchs_mmap_branch(handle: IO[bytes], archive: TorchZip, map_location: Any, pickle_module: Any) -> Any:
+    """torch.load's own mmap branch (torch 2.6 to 2.14: its zip reader, the file mapped whole, its
+    ``_load`` with ``pickle_module``) on the file ``handle`` holds open (`_mappable` said it can be),
+    every storage torch takes of the mapping checked against ``archive``'s records (`_Claimed`).
+
+    ``handle`` is buffered by `ckptools.storage.open_local`: torch opens a file with Python's default
+    buffer, the filesystem's block size, and reads each storage's local header after a seek (on a tmpfs
+    with huge pages, 2 MiB blocks, a restore of 131 tensors from node memory spent 13 ms there; on Lustre
+    or GPFS, 4-16 MiB, it is worse). The mapping is of the open file itself (`mapped_path`), never of
+    whatever is at its path now.
     """
     import torch
     import torch.serialization as ts
 
-    safe_unpickler = getattr(ts, "_weights_only_unpickler", None)
-    unpickler = safe_unpickler if weights_only else extra.get("pickle_module", pickle)
-    tree = _TORCH_LOAD if unpickler is None else _torchs_mmap_branch(handle, map_location, unpickler)
-    if tree is _TORCH_LOAD:
-        handle.seek(0)
-        return torch.load(handle, map_location=map_location, weights_only=weights_only, **extra)
-    return tree
-
-
-# What `_torchs_mmap_branch` returns where torch.load itself must read the file.
-_TORCH_LOAD = object()
-
-
-def _torchs_mmap_branch(handle: IO[bytes], map_location: Any, pickle_module: Any) -> Any:
-    """torch.load's own mmap branch (torch 2.6 to 2.14: its zip reader, the file mapped whole, its
-    ``_load`` with ``pickle_module``) on the file ``handle`` holds open; `_TORCH_LOAD` where this
-    torch lacks a piece of it, where the open file has no name to map it by, or for TorchScript
-    (torch.load's own answer: a warning, or its refusal)."""
-    import torch
-    import torch.serialization as ts
-
-    names = ("_open_zipfile_reader", "_is_torchscript_zip", "_load", "get_default_mmap_options", "MAP_SHARED")
-    parts: list[Any] = [getattr(ts, name, None) for name in names]
-    mapped = mapped_path(handle)
-    if any(part is None for part in parts) or mapped is None:  # another torch's internals, or no /proc: no map
-        return _TORCH_LOAD
-    open_reader, is_torchscript, load, mmap_options, map_shared = parts
+    open_reader, load, mmap_options, map_shared = (getattr(ts, name) for name in _MMAP_PIECES)
     handle.seek(0)
     with open_reader(handle) as reader:
-        if is_torchscript(reader):
-            return _TORCH_LOAD
         shared = os.name != "nt" and mmap_options() == map_shared
-        overall = torch.UntypedStorage.from_file(mapped, shared, os.fstat(handle.fileno()).st_size)
+        size = os.fstat(handle.fileno()).st_size
+        overall = torch.UntypedStorage.from_file(mapped_path(handle), shared, size)
         try:
-            return load(reader, map_location, pickle_module, overall_storage=overall, encoding="utf-8")
+            return load(reader, map_location, pickle_module, overall_storage=_Claimed(overall, archive),
+                        encoding="utf-8")  # fmt: skip
         except BaseException:
             tls = getattr(ts, "_serialization_tls", None)
             if tls is not None:  # torch's _load leaves it set when a load fails (reset only on success)
                 tls.map_location = None
             raise
+
+
+class _Claimed:
+    """The mapped file as torch's ``_load`` sees it: each storage it slices off (``overall[start:end]``,
+    its only use) must be one record's data, whole. A pickle that claims more bytes than its record
+    holds would make torch read the next record's bytes as its own, silently: what ckptools' parse of
+    the pickle checked before a load (`TorchZip.check_storages`), checked here as torch takes them."""
+
+    def __init__(self, storage: Any, archive: TorchZip) -> None:
+        self._storage = storage
+        self._path = archive.path
+        self._records: dict[int, tuple[str, int]] = {}
+        for name, (start, size) in archive.records.items():
+            if name.startswith("data/") and size >= self._records.get(start, ("", -1))[1]:
+                self._records[start] = (name, size)
+
+    def __getitem__(self, where: Any) -> Any:
+        if isinstance(where, slice):
+            record = self._records.get(where.start)
+            if record is None:
+                raise CheckpointFormatError(f"{self._path}: a storage starts at byte {where.start}, where no record's "
+                                            "data does (corrupt file); pick an earlier checkpoint")  # fmt: skip
+            if where.stop - where.start > record[1]:
+                raise CheckpointFormatError(
+                    f"{self._path}: record {record[0]} holds {record[1]} bytes, but its storage has "
+                    f"{where.stop - where.start} (truncated or corrupt file)"
+                )
+        return self._storage[where]
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._storage, name)
 
 
 def _cuda_without_cuda(err: BaseException) -> bool:
@@ -282,20 +319,25 @@ def verify_torch_file(path: PathLike) -> None:
         _scan_zip(path, handle, crc=True)
 
 
-def _scan_zip(path: str, handle: IO[bytes], *, crc: bool) -> UnsafeCheckpointError | None:
-    """Check a torch zip as torch's reader would (container, small records, every storage the
-    pickle names present and whole), and each record's CRC-32 with ``crc``. What ckptools' own
-    reader refused is returned, not raised: torch's loader decides (a class the user allowlisted,
-    a trusted file), and the refusal names what it refused where torch's words say less."""
+def _scan_zip(
+    path: str, handle: IO[bytes], *, crc: bool, parse: bool = True
+) -> tuple[TorchZip, UnsafeCheckpointError | None]:
+    """Check a torch zip as torch's reader would (container, small records, ``data.pkl``'s CRC-32,
+    and with ``parse`` every storage the pickle names present and whole), and each record's CRC-32
+    with ``crc``; the archive. What ckptools' own reader refused is returned, not raised: torch's
+    loader decides (a class the user allowlisted, a trusted file), and the refusal names what it
+    refused where torch's words say less."""
     try:
         archive = TorchZip(path, handle)
         if crc:
             _check_crcs(path, handle, archive)
-        try:
-            loads(archive.read_pickle(handle), path, archive)
-        except UnsafeCheckpointError as refusal:
-            return refusal
-        return None
+        data = archive.read_pickle(handle)  # its CRC-32 checked: torch checks none
+        if parse:
+            try:
+                loads(data, path, archive)
+            except UnsafeCheckpointError as refusal:
+                return archive, refusal
+        return archive, None
     except (OSError, EOFError, ValueError, zlib.error, NotImplementedError, struct.error) as err:
         if isinstance(err, CheckpointError):
             raise
