@@ -159,7 +159,7 @@ def check_space(folder: str, needed: int, held: int) -> None:
 
 
 HUGE_PAGES_HINT = (
-    "a restore from it maps 4 KiB pages (1.6x the copy's time on the CI machine, 1.15-1.2x with huge pages: "
+    "a restore from it maps 4 KiB pages (1.6x the copy's time on the CI machine, markedly less with huge pages: "
     "docs/guides/snapshots.md); for huge pages mount a tmpfs with huge=within_size (or remount /dev/shm so) "
     f"and point snapshot_dir or ${ENV} there"
 )
