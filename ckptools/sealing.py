@@ -39,7 +39,8 @@ _CHUNK = 64 << 20  # CRC-32s are computed in pieces this large (a view of the ma
 def begin(slot: str, name: str, ranks: int) -> None:
     """Node leader, before any rank copies into ``slot``: it now receives the snapshot ``name``
     from ``ranks`` local ranks, none done (a record left by an earlier use is replaced)."""
-    with open(slot + COPIES, "wb") as f:  # truncated first: a kill mid-write leaves no whole record
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_NOFOLLOW", 0)
+    with os.fdopen(os.open(slot + COPIES, flags, 0o600), "wb") as f:  # truncated first: no whole record if killed
         f.write(bytes(ranks) + name.encode("utf-8"))
 
 

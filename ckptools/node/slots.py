@@ -170,7 +170,7 @@ SLOTS = Slots()
 
 def _allocate(path: str, size: int, folder: str) -> None:
     """Make ``path`` ``size`` bytes with its pages allocated (removed again on failure)."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0), 0o600)
     try:
         os.ftruncate(fd, size)
         try:

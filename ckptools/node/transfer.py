@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import contextlib
 import os
+from typing import IO
 
 import torch
 
 from ..collective.agree import Agreement
 from ..collective.group import broadcast_bytes, broadcast_object, get_rank
-from ..storage import fresh_tmp
+from ..errors import CheckpointError
+from ..storage import fresh_tmp, open_local
 
 __all__ = ["send_file"]
 
@@ -19,17 +21,19 @@ def send_file(path: str, src: int, receive: bool, chunk: int = 64 << 20) -> None
     it at ``path`` in their own folder (atomically); every rank takes part in the broadcasts. A
     failure on any rank is raised on every rank, and nothing is left half-written."""
     rank = get_rank()
-    size = broadcast_object(os.path.getsize(path) if rank == src else None, src=src)
     error: BaseException | None = None
-    source = target = None
+    source: IO[bytes] | None = None
+    target: IO[bytes] | None = None
     tmp = fresh_tmp(os.path.dirname(path), os.path.basename(path))
     try:
-        if rank == src:
-            source = open(path, "rb")  # noqa: SIM115 - closed below, after the last broadcast
+        if rank == src:  # a snapshot of this job's own: no link followed, its size the open file's
+            source = open_local(path, links=False)
         elif receive:
-            target = open(tmp, "wb")  # noqa: SIM115
-    except OSError as err:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+            target = os.fdopen(os.open(tmp, flags, 0o600), "wb")
+    except (CheckpointError, OSError) as err:
         error = err
+    size = broadcast_object(os.fstat(source.fileno()).st_size if source is not None else None, src=src) or 0
     buffer = torch.empty(min(chunk, max(size, 1)), dtype=torch.uint8)
     done = 0
     while done < size:
@@ -37,7 +41,7 @@ def send_file(path: str, src: int, receive: bool, chunk: int = 64 << 20) -> None
         piece = buffer[:n]
         if source is not None and error is None:
             try:
-                source.readinto(piece.numpy())  # type: ignore[arg-type]
+                source.readinto(piece.numpy())  # type: ignore[attr-defined]  # a binary file
             except OSError as err:
                 error = err
         broadcast_bytes(piece, src)  # every rank, even one that failed: no one is left waiting
