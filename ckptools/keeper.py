@@ -55,7 +55,7 @@ def _watched(folder: str) -> list[tuple[int, str]]:
     found = []
     for name in names:
         try:
-            with open_local(os.path.join(folder, PIDS, name), links=False) as f:
+            with open_local(os.path.join(folder, PIDS, name), own=True) as f:
                 found.append((int(name), f.read(64).decode("ascii", errors="replace").strip()))
         except (CheckpointError, OSError):
             continue  # gone meanwhile, or nothing ckptools wrote
@@ -69,6 +69,16 @@ def _job_alive(folder: str) -> bool:
     return any(
         started and process_of_mine(pid, None if started == "?" else started) for pid, started in _watched(folder)
     )
+
+
+def _not_ours(folder: str) -> bool:
+    """Whether ``folder`` is not this user's alone (said on stderr): then nothing of it is read, copied
+    or removed, whatever it holds. A folder of this user's keeps its inode, so this is one ``lstat``."""
+    problem = private_problem(folder)
+    if problem is not None:
+        print(f"ckptools keeper: {folder} is not this user's alone ({problem}): nothing is persisted from it",
+              file=sys.stderr, flush=True)  # fmt: skip
+    return problem is not None
 
 
 def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> str | None:
@@ -91,9 +101,9 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
             return None
         source = os.path.join(folder, name)
         try:
-            verify_torch_file(resolve(source).without_links())
+            verify_torch_file(resolve(source).as_own())
         except CheckpointError as err:
-            print(f"ckptools keeper: skipping damaged snapshot {source}: {err}", file=sys.stderr, flush=True)
+            print(f"ckptools keeper: skipping snapshot {source}: {err}", file=sys.stderr, flush=True)
             continue
         if trainer:  # written out as the Trainer's checkpoint-N/ folder (torch is imported only now)
             from .integrations.trainer_snapshots import snapshot_to_folder
@@ -102,7 +112,7 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
         target = join(directory, name)
 
         def copy(out: IO[bytes], source: str = source) -> None:
-            with open_local(source, links=False) as f:
+            with open_local(source, own=True) as f:
                 shutil.copyfileobj(f, out, 16 << 20)
 
         atomic_write(target, copy, streamable=True)
@@ -124,17 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--grace", type=float, default=10.0, help="seconds every watched process must stay gone")
     p.add_argument("--poll", type=float, default=0.2)
     args = p.parse_args(argv)
-    problem = private_problem(args.folder)
-    if problem is not None:  # never read, copied from or removed: what is in it may be anyone's
-        print(f"ckptools keeper: {args.folder} is not this user's alone ({problem}): nothing is persisted from it",
-              file=sys.stderr, flush=True)  # fmt: skip
+    if _not_ours(args.folder):
         return 1
     lock = os.path.join(args.folder, LOCK)
     try:
         fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY | _NOFOLLOW, 0o600)
     except FileExistsError:
         try:
-            with open_local(lock, links=False) as f:
+            with open_local(lock, own=True) as f:
                 other = f.read(32).decode("ascii", errors="replace").strip()
         except (CheckpointError, OSError):
             other = ""
@@ -147,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
         f.write(str(os.getpid()))
     gone_since: float | None = None
     while os.path.isdir(args.folder):
+        if _not_ours(args.folder):  # gone and made again by someone else: nothing of it is read
+            return 1
         if _job_alive(args.folder):
             gone_since = None
         elif gone_since is None:

@@ -445,4 +445,4 @@ class CheckpointManager:
             log.logger.info("restoring from the snapshot in node memory: %s", path)
         if not load_kwargs.get("broadcast"):  # every node reads its own memory: faster than any exchange
             load_kwargs.setdefault("read", "each")
-        return load(resolve(path).without_links(), state, **load_kwargs)  # a file of the job's own: no link followed
+        return load(resolve(path).as_own(), state, **load_kwargs)  # the job's own file: no link, no other's

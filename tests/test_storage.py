@@ -6,7 +6,7 @@ import time
 import pytest
 
 from ckptools import storage
-from ckptools.errors import CheckpointFormatError, CheckpointNotFoundError
+from ckptools.errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
 
 
 def test_atomic_write_replaces_whole_file(tmp_path):
@@ -67,6 +67,37 @@ def test_open_for_read_errors(tmp_path):
         storage.open_for_read(tmp_path / "nope")
     with pytest.raises(CheckpointFormatError, match="is a directory"):
         storage.open_for_read(tmp_path)
+
+
+def test_open_local_reads_a_regular_file_once_and_refuses_anything_else(tmp_path):
+    """Issue 54: checks on the open descriptor, never on the path. A named pipe is refused at once (an
+    open that waited for a writer hung every reader); a file of this user's own job (node memory's)
+    is read only if it is no link and this user's."""
+    path = tmp_path / "f.pt"
+    path.write_bytes(b"PK\x03\x04rest")
+    with storage.open_local(str(path)) as f:
+        assert f.read(4) == b"PK\x03\x04" and f.name == str(path)
+        assert storage.mapped_path(f) in (f"/proc/self/fd/{f.fileno()}", f"/dev/fd/{f.fileno()}", None)
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "pipe.pt")
+        started = time.monotonic()
+        with pytest.raises(CheckpointLayoutError, match="pipe.pt is a named pipe"):
+            storage.open_local(str(tmp_path / "pipe.pt"))
+        assert time.monotonic() - started < 5
+    with pytest.raises(CheckpointFormatError, match="is a directory"):
+        storage.open_local(str(tmp_path))
+    os.symlink(path, tmp_path / "link.pt")
+    with storage.open_local(str(tmp_path / "link.pt")) as f:  # a path the user gave: its link is followed
+        assert f.read(2) == b"PK"
+    with pytest.raises(CheckpointLayoutError, match="link.pt is a symbolic link"):
+        storage.open_local(str(tmp_path / "link.pt"), own=True)
+    with pytest.raises(CheckpointLayoutError, match="symbolic link"):
+        storage.open_for_read(storage.resolve(str(tmp_path / "link.pt")).as_own())
+    if hasattr(os, "geteuid") and os.geteuid() == 0:  # another user's file (only root can make one)
+        os.chown(path, 4242, 4242)
+        with pytest.raises(CheckpointLayoutError, match="belongs to uid 4242, not to you"):
+            storage.open_local(str(path), own=True)
+        storage.open_local(str(path)).close()  # a file the user named: whoever's it is
 
 
 def test_join_keeps_urls():

@@ -94,7 +94,7 @@ def snapshot_to_folder(snapshot: str, output_dir: str) -> str | None:
         'hf-run/checkpoint-17'
     """
     # ckptools' reader: one open, a link refused (the snapshot is a file of this job's own), torch's weights-only load.
-    data = load_file(resolve(snapshot).without_links(), map_location="cpu", mmap=True)
+    data = load_file(resolve(snapshot).as_own(), map_location="cpu", mmap=True)
     step = int(data["__ckptools__"]["metadata"]["step"])
     if newest_folder_step(output_dir) >= step:
         return None

@@ -300,7 +300,7 @@ def node_token(folder: str) -> str:
 
 
 def _read_token(path: str) -> str:
-    with open_local(path, links=False) as f:
+    with open_local(path, own=True) as f:
         return f.read(64).decode("ascii", errors="replace")
 
 

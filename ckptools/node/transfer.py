@@ -27,7 +27,7 @@ def send_file(path: str, src: int, receive: bool, chunk: int = 64 << 20) -> None
     tmp = fresh_tmp(os.path.dirname(path), os.path.basename(path))
     try:
         if rank == src:  # a snapshot of this job's own: no link followed, its size the open file's
-            source = open_local(path, links=False)
+            source = open_local(path, own=True)
         elif receive:
             flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
             target = os.fdopen(os.open(tmp, flags, 0o600), "wb")

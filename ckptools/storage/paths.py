@@ -56,25 +56,26 @@ class Location:
         ('memory://ckpts/step-5.pt', '/ckpts/step-5.pt', False, 'step-5.pt')
     """
 
-    __slots__ = ("fs", "links", "local", "path", "url")
+    __slots__ = ("fs", "local", "own", "path", "url")
 
-    def __init__(self, url: str, fs: fsspec.AbstractFileSystem, path: str, *, links: bool = True) -> None:
+    def __init__(self, url: str, fs: fsspec.AbstractFileSystem, path: str, *, own: bool = False) -> None:
         self.url = url
         self.fs = fs
         self.path = path
         self.local = is_local(fs)
-        # False: a local file here is opened only if it is no symbolic link (`without_links`).
-        self.links = links
+        # True: a local file here is read only if it is this user's own and no symbolic link (`as_own`).
+        self.own = own
 
-    def without_links(self) -> Location:
-        """The same place, read only if the file itself is no symbolic link (``O_NOFOLLOW``): for
-        files ckptools wrote itself, where a link can only be someone else's doing (node memory).
+    def as_own(self) -> Location:
+        """The same place, read only if the file is this user's own and no symbolic link (checked on
+        the open descriptor): for files this user's job wrote itself, node memory's snapshots, where a
+        link or another user's file can only be someone else's doing.
 
         Examples:
-            >>> resolve("/dev/shm/ckptools-me-1a2b/ckpt-0000000005.pt").without_links().links
-            False
+            >>> resolve("/dev/shm/ckptools-me-1a2b/ckpt-0000000005.pt").as_own().own
+            True
         """
-        return Location(self.url, self.fs, self.path, links=False)
+        return Location(self.url, self.fs, self.path, own=True)
 
     @property
     def name(self) -> str:
@@ -88,7 +89,7 @@ class Location:
             >>> resolve("memory://ckpts").child("step-5.pt").url
             'memory://ckpts/step-5.pt'
         """
-        return Location(join(self.url, name), self.fs, self.path.rstrip("/") + "/" + name, links=self.links)
+        return Location(join(self.url, name), self.fs, self.path.rstrip("/") + "/" + name, own=self.own)
 
     @property
     def absolute(self) -> Location:
@@ -100,7 +101,7 @@ class Location:
             >>> resolve("ckpts").absolute.url == os.path.abspath("ckpts")
             True
         """
-        return Location(self.path, self.fs, self.path, links=self.links) if self.local else self
+        return Location(self.path, self.fs, self.path, own=self.own) if self.local else self
 
     @property
     def parent(self) -> Location:

@@ -14,6 +14,7 @@ from typing import IO, Any
 from ..errors import CheckpointFormatError, CheckpointLayoutError, CheckpointNotFoundError
 from .checksum import crc32
 from .paths import Location, PathLike, fspath, get_filesystem, is_local
+from .private import owner_name
 
 __all__ = ["NODE_MARK", "RANGES_AT_ONCE", "RANGE_BYTES", "copy_range", "crc32_range", "mapped_path", "open_for_read",
            "open_local", "pinned", "progress_hook", "ranged_reads", "report_progress"]  # fmt: skip
@@ -39,11 +40,12 @@ _KINDS = {
 }
 
 
-def open_local(path: str, *, links: bool = True) -> IO[bytes]:
+def open_local(path: str, *, own: bool = False) -> IO[bytes]:
     """A local regular file opened for reading, once: every read of it goes through this handle
     (the zip reader's, torch's, the mapping of its storages: `mapped_path`), so that nothing read
     comes from another file put at ``path`` meanwhile. The checks are made on the open descriptor
-    (``fstat``), never on the path. ``links=False`` refuses a symbolic link (``O_NOFOLLOW``).
+    (``fstat``), never on the path. ``own=True`` (a file this user's job wrote: node memory's) refuses
+    a symbolic link (``O_NOFOLLOW``) and a file that belongs to another user.
 
     A named pipe, a device or a socket is refused at once (it is opened without waiting for a
     writer): a reader would wait forever, or read without end. The buffer is Python's, but at most
@@ -55,13 +57,13 @@ def open_local(path: str, *, links: bool = True) -> IO[bytes]:
         CheckpointNotFoundError: nothing is at ``path``.
         CheckpointFormatError: ``path`` is a directory (readers of folders ask `ckptools.layouts.detect`
             first, and never get here).
-        CheckpointLayoutError: ``path`` is a named pipe, a device or a socket, or a link where
-            ``links=False``.
+        CheckpointLayoutError: ``path`` is a named pipe, a device or a socket; with ``own``, a link or
+            another user's file.
 
     Example: ``with open_local("/tmp/ckpt.pt") as f: magic = f.read(4)``
     """
     flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
-    if not links:
+    if own:
         flags |= getattr(os, "O_NOFOLLOW", 0)
     try:
         fd = os.open(path, flags)
@@ -70,7 +72,7 @@ def open_local(path: str, *, links: bool = True) -> IO[bytes]:
     except IsADirectoryError as err:  # Windows: a directory cannot be opened
         raise CheckpointFormatError(f"{path} is a directory, not a checkpoint file; name a file inside it") from err
     except OSError as err:
-        if not links and err.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW met a link (EMLINK: FreeBSD)
+        if own and err.errno in (errno.ELOOP, errno.EMLINK):  # O_NOFOLLOW met a link (EMLINK: FreeBSD)
             raise CheckpointLayoutError(
                 f"{path} is a symbolic link where ckptools wrote a file of its own; it was not followed: remove it"
             ) from err
@@ -83,6 +85,11 @@ def open_local(path: str, *, links: bool = True) -> IO[bytes]:
             if kind == stat.S_IFDIR:
                 raise CheckpointFormatError(f"{path} is {what}, not a checkpoint file; name a file inside it")
             raise CheckpointLayoutError(f"{path} is {what}, not a checkpoint file; name a regular file")
+        if own and hasattr(os, "geteuid") and info.st_uid != os.geteuid():
+            raise CheckpointLayoutError(
+                f"{path} belongs to {owner_name(info.st_uid)}, not to you, where only your own job writes; it was "
+                "not read: remove it (its owner or root can)"
+            )
         if flags & getattr(os, "O_NONBLOCK", 0):
             os.set_blocking(fd, True)  # no effect on a regular file's reads; said plainly all the same
         handle = open(fd, "rb", buffering=max(512, min(getattr(info, "st_blksize", READ_BUFFER), READ_BUFFER)))  # noqa: SIM115 - returned
@@ -111,7 +118,7 @@ def mapped_path(handle: IO[bytes]) -> str | None:
 @contextmanager
 def pinned(location: Location) -> Iterator[Location]:
     """Within the block, ``location`` (a local file) stands for the file it names now: it is opened
-    once (`open_local`; a link refused where ``location.links`` is False), and the `Location` given
+    once (`open_local`; where ``location.own``, only a file of this user's, no link), and the `Location` given
     names that open file (`mapped_path`), so that every reader that opens it again by name, in any
     layer, reads that same file, whatever is put at the path meanwhile. Messages name it as
     ``location`` does. A remote location, or a system with no name for an open file, is given as it is.
@@ -121,7 +128,7 @@ def pinned(location: Location) -> Iterator[Location]:
     if not location.local:
         yield location
         return
-    handle = open_local(location.path, links=location.links)
+    handle = open_local(location.path, own=location.own)
     try:
         mapped = mapped_path(handle)
         yield location if mapped is None else Location(location.url, location.fs, mapped)
@@ -129,11 +136,11 @@ def pinned(location: Location) -> Iterator[Location]:
         handle.close()
 
 
-def open_for_read(path: PathLike, *, links: bool = True) -> tuple[IO[bytes], bool]:
+def open_for_read(path: PathLike, *, own: bool = False) -> tuple[IO[bytes], bool]:
     """An open binary handle on ``path`` and whether it is a local file; the caller closes it.
 
-    A local file is opened once (`open_local`; ``links=False``, or a `Location` made
-    `~ckptools.storage.Location.without_links`, refuses a symbolic link): every later read of it,
+    A local file is opened once (`open_local`; ``own``, or a `Location` made
+    `~ckptools.storage.Location.as_own`, reads only this user's own file, no link): every later read of it,
     torch's and the mapping's included, goes through that handle. A remote file is read whole into
     memory, which is far faster than the many small seeks ``torch.load`` would issue remotely.
 
@@ -142,13 +149,13 @@ def open_for_read(path: PathLike, *, links: bool = True) -> tuple[IO[bytes], boo
         CheckpointFormatError: ``path`` is a local directory (readers of folders never get here:
             `ckptools.layouts.detect` sends a folder to its layout).
         CheckpointLayoutError: ``path`` is a remote directory (a valid thing of another kind), or a
-            local named pipe, device, socket, or refused link.
+            local named pipe, device, socket, or (``own``) a link or another user's file.
     """
-    links = links and getattr(path, "links", True)
+    own = own or getattr(path, "own", False)
     fs, fpath = get_filesystem(path)
     path = fspath(path)
     if is_local(fs):
-        handle = open_local(fpath, links=links)
+        handle = open_local(fpath, own=own)
         if fpath != path:
             handle.raw.name = path  # type: ignore[attr-defined]  # a file:// URL is named as written
         return handle, True
