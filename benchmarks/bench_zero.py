@@ -186,10 +186,10 @@ def _resume_rank(rank: int, world: int, port: int, args: Any, path: str, prefetc
     import torch.distributed as dist
 
     import ckptools as ck
-    import ckptools.restoring
+    import ckptools.read.restoring
 
     if not prefetch:  # what a load read before ckptools prefetched each rank's own partition
-        ckptools.restoring.prefetch_partition = lambda zero, entry: 0
+        ckptools.read.restoring.prefetch_partition = lambda zero, entry: 0
     _join(rank, world, port)
     zero = _zero(args.gib, step=False)
     if rank == 0:

@@ -35,14 +35,13 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .collective.arrival import barrier
     from .collective.group import get_local_rank, get_rank, get_world_size, is_main_process
     from .collective.launch import init_distributed
-    from .converting import convert, convert_to_safetensors, export_huggingface
+    from .converting import convert, convert_to_safetensors, export_huggingface, rename_checkpoint
     from .devices import resolve_map_location, to_cpu
     from .inspection import diff, inspect, verify, verify_report
     from .layouts import open_checkpoint
-    from .loading import load, load_state_dict
     from .manager import CheckpointManager
     from .per_rank import PerRank
-    from .rewrite import rename_checkpoint
+    from .read import load, load_state_dict
     from .saving import async_save, save, save_weights
     from .state_dict import add_prefix, strip_prefix, unwrap_model
     from .training.loader import ResumableDataLoader
@@ -83,10 +82,10 @@ _LAZY = {
     "get_world_size": ".collective.group",
     "init_distributed": ".collective.launch",
     "is_main_process": ".collective.group",
-    "load": ".loading",
-    "load_state_dict": ".loading",
+    "load": ".read",
+    "load_state_dict": ".read",
     "release_staging_buffers": ".write",
-    "rename_checkpoint": ".rewrite",
+    "rename_checkpoint": ".converting",
     "resolve_map_location": ".devices",
     "save": ".saving",
     "save_weights": ".saving",

@@ -1,5 +1,5 @@
-"""Conversion: the weights of any layout to safetensors (one file, or a Hugging Face folder of
-shards), or to a torch file.
+"""Conversion and renaming: the weights of any layout to safetensors (one file, or a Hugging Face folder of
+shards), or to a torch file; their keys renamed without decoding a tensor (`rename_checkpoint`).
 
 What is written for a source is its layout's to say (`ckptools.layouts.plan_safetensors`); the
 safetensors format itself (reader, writer, checks) is `ckptools.codecs.safetensors`.
@@ -16,11 +16,11 @@ from typing import IO, Any
 
 from . import log
 from .errors import CheckpointLayoutError, CheckpointNotFoundError
-from .layouts import SAFETENSORS_FILE, Planned, plan_safetensors, read_weights, writer_for
+from .layouts import SAFETENSORS_FILE, Planned, Transform, detect, plan_safetensors, read_weights, writer_for
 from .state_dict import strip_for_reading
 from .storage import PathLike, atomic_write, fspath, open_local, resolve
 
-__all__ = ["convert", "convert_to_safetensors", "export_huggingface", "parse_size"]
+__all__ = ["convert", "convert_to_safetensors", "export_huggingface", "parse_size", "rename_checkpoint"]
 
 
 def writes_folder(dst: str, max_shard_size: int | str | None = None) -> bool:
@@ -336,3 +336,29 @@ def convert(
     raise CheckpointLayoutError(
         f"cannot convert {src} to {dst}: name a .safetensors or .pt file, or a folder ending in /"
     )
+
+
+def rename_checkpoint(src: PathLike, dst: PathLike, transform: Transform, *, key: str | None = None) -> int:
+    """Rename the weights' keys of a checkpoint file or folder into ``dst``; return how many changed.
+
+    What ``ckpt strip-module`` and ``ckpt add-module`` do: ``transform`` maps a state dict to the
+    renamed one (`ckptools.strip_prefix`, `ckptools.add_prefix`, or your own). No
+    tensor is decoded: a torch zip's ``data.pkl`` or a safetensors header is rewritten and the
+    tensor bytes copied; every other entry (optimizer, epoch; even ones that need classes torch's
+    safe loader refuses) is kept. A folder (Hugging Face or Accelerate, sharded or not) is written
+    as a folder; ``dst`` may equal ``src`` (each file is replaced atomically). ``key`` names the
+    entry of a torch file that holds the weights (dotted for nesting) when the usual names do not.
+    A legacy or remote torch file goes through torch's safe loader. Each layout does its own part
+    (`ckptools.layouts.base.Layout.rename`); a DCP folder, whose names live in a pickle, is refused.
+
+    Raises:
+        CheckpointLayoutError: a DCP folder, a folder holding no model file, or ``key`` for bare weights.
+
+    Examples:
+        >>> import torch, ckptools as ck
+        >>> torch.save({"model": {"module.w": torch.ones(1)}, "epoch": 2}, "/tmp/r.pt")
+        >>> ck.rename_checkpoint("/tmp/r.pt", "/tmp/r2.pt", ck.strip_prefix)
+        1
+    """
+    location = resolve(src)
+    return detect(location).rename(location, fspath(dst), transform, key=key)

@@ -7,7 +7,7 @@ from typing import Any
 
 from .errors import CheckpointFormatError, CheckpointLayoutError, NotChecksummedError
 from .layouts import open_checkpoint
-from .loaded import META_KEY, loaded_weights
+from .read import META_KEY, loaded_weights
 from .state_dict import strip_wrappers, tensor_identity
 from .storage import PathLike, fspath
 from .view import CheckpointView

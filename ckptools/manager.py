@@ -15,12 +15,11 @@ from .collective.arrival import arrive, checked_in
 from .collective.group import get_rank
 from .errors import CheckpointError
 from .layouts import TORCH_FILE
-from .leftovers import abandoned_tmps
 from .lifecycle import finish_pending
-from .loading import load
 from .node import (
     Cadence,
     Orphaned,
+    checkpoint_names,
     close_slots,
     default_folder,
     finish_snapshot,
@@ -32,9 +31,9 @@ from .node import (
     watch,
     write_snapshot,
 )
+from .read import load
 from .saving import async_save_with_hooks, save_with_hooks
-from .snapshot_names import checkpoint_names
-from .storage import PathLike, fspath, join, list_files, remove, resolve
+from .storage import PathLike, abandoned_tmps, fspath, join, list_files, remove, resolve
 from .training.process import ORPHANED_EXIT, leave
 from .write import AsyncSave, pending, release_staging_buffers
 

@@ -2,7 +2,7 @@
 
 Who writes is ``writers``' choice (global rank 0 alone, or every rank its share of one file);
 every rank's RNG is gathered into the file; an error on any rank is raised on every rank. What is
-read back is `ckptools.loading`'s part.
+read back is the read wing's part (`ckptools.read`).
 """
 
 from __future__ import annotations

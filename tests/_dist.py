@@ -41,7 +41,7 @@ def _context() -> Any:
     the ~1.4 s of CPU that importing torch costs (dozens of ranks per ``make test``)."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "ckptools", "ckptools.saving",
-                                "ckptools.loading", "ckptools.manager", "_dist"])  # fmt: skip
+                                "ckptools.read", "ckptools.manager", "_dist"])  # fmt: skip
     return ctx
 
 

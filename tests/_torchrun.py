@@ -183,7 +183,7 @@ def keepers_left(folder: str | os.PathLike[str], within: float = 10.0) -> list[s
     """
     deadline = time.monotonic() + within
     while True:
-        found = subprocess.run(["pgrep", "-f", f"ckptools.keeper {folder}"], capture_output=True, text=True)
+        found = subprocess.run(["pgrep", "-f", f"ckptools.node.keeper {folder}"], capture_output=True, text=True)
         if not found.stdout.split() or time.monotonic() > deadline:
             return found.stdout.split()
         time.sleep(0.1)

@@ -8,8 +8,7 @@ import time
 import torch
 
 import ckptools as ck
-from ckptools import in_flight
-from ckptools.storage import resolve
+from ckptools.storage import in_flight, resolve
 
 
 def test_a_reader_of_a_path_in_flight_waits_for_its_write(tmp_path):

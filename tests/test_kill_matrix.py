@@ -76,7 +76,7 @@ def _killed(run_dir, topology: str) -> tuple[int, list[int], str]:
 
 
 def _alive(pid: int) -> bool:
-    from ckptools.processes import pid_alive
+    from ckptools.storage import pid_alive
 
     return pid_alive(pid)
 

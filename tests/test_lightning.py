@@ -163,7 +163,7 @@ def test_a_fixed_filename_keeps_every_epochs_checkpoint_with_either_plugin(tmp_p
 def test_the_steps_the_async_plugin_wraps_are_lightnings_own_for_every_other_trainer(tmp_path, monkeypatch):
     """Issue 45: the wrap of ModelCheckpoint.file_exists and Trainer.save_checkpoint acts for the
     trainers that save through AsyncCkptoolsCheckpointIO alone."""
-    from ckptools import in_flight
+    import ckptools.integrations.lightning as plugin
 
     AsyncCkptoolsCheckpointIO()  # made once in this process: the two steps are wrapped
     waited = []
@@ -172,7 +172,7 @@ def test_the_steps_the_async_plugin_wraps_are_lightnings_own_for_every_other_tra
         if sys._getframe(1).f_code.co_name in ("file_exists", "save_checkpoint"):
             waited.append((sys._getframe(1).f_code.co_name, path))
 
-    monkeypatch.setattr(in_flight, "wait_for", wait_for)
+    monkeypatch.setattr(plugin, "wait_for_write", wait_for)
     plain = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=1, accelerator="cpu", devices=1, logger=False,
                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
     plain.fit(Wide())

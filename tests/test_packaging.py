@@ -160,8 +160,8 @@ def test_the_package_imports_point_one_way():
 
 
 # The wings of docs/development.md's package map, and who may import what across them.
-OPERATIONS = ("ckptools.saving", "ckptools.loading", "ckptools.manager", "ckptools.converting",
-              "ckptools.inspection", "ckptools.rewrite", "ckptools.restoring", "ckptools.cli",
+OPERATIONS = ("ckptools.saving", "ckptools.read.loading", "ckptools.manager", "ckptools.converting",
+              "ckptools.inspection", "ckptools.read.restoring", "ckptools.cli",
               "ckptools.training", "ckptools.integrations", "ckptools.__init__")  # fmt: skip
 TORCH_ADAPTER = "ckptools.layouts.torch_io"
 
@@ -187,7 +187,7 @@ def test_the_wings_keep_their_import_rules():
     assert _crossings(graph, ("ckptools.layouts",), ("ckptools.collective", "ckptools.write")) == []
     assert _crossings(graph, ("ckptools.codecs",), ("ckptools.layouts", "ckptools.collective", "ckptools.write")) == []
     below = ("ckptools.layouts", "ckptools.write", "ckptools.node", "ckptools.training", "ckptools.saving",
-             "ckptools.loading")  # fmt: skip
+             "ckptools.read")  # fmt: skip
     assert _crossings(graph, ("ckptools.collective",), below) == []
     assert _crossings(graph, ("ckptools.write",), (*OPERATIONS, "ckptools.node")) == []
     # node/ writes through write/'s face; everyone else uses node/'s face.
@@ -213,9 +213,9 @@ def test_the_wings_keep_their_import_rules():
     into_storage = [c for c in _crossings(graph, ("ckptools",), ("ckptools.storage",))
                     if not c.startswith("ckptools.storage") and not c.endswith(" -> ckptools.storage")]  # fmt: skip
     assert into_storage == [], into_storage
-    # Restoring works on a loaded tree (ckptools.loaded), never on a file; the training loop's side
+    # Restoring works on a loaded tree (ckptools.read.loaded), never on a file; the training loop's side
     # imports neither writing wing; the save in flight and the node memory end in ckptools.lifecycle alone.
-    assert _crossings(graph, ("ckptools.restoring",), ("ckptools.layouts",)) == []
+    assert _crossings(graph, ("ckptools.read.restoring",), ("ckptools.layouts",)) == []
     assert _crossings(graph, ("ckptools.training",), ("ckptools.write", "ckptools.node")) == []
     ends = sorted(f"{m} takes {n}" for m, found in graph.items() for t, n in found
                   if (t, n) in {("ckptools.write", "finish_pending"), ("ckptools.node", "release")}

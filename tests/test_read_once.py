@@ -12,7 +12,7 @@ from _same import assert_same_tree, same_tree
 
 import ckptools as ck
 from ckptools.collective.tree import Skeleton
-from ckptools.read_once import plan_reads
+from ckptools.read import plan_reads
 
 MIB = 1 << 20
 
@@ -148,8 +148,8 @@ def test_a_file_that_cannot_be_mapped_is_read_by_rank0_and_sent(tmp_path):
 
 
 def test_who_reads_is_decided_alike_on_every_rank(monkeypatch):
-    import ckptools.loading as loading
-    from ckptools.loading import _who_reads  # the decision itself
+    import ckptools.read.loading as loading
+    from ckptools.read.loading import _who_reads  # the decision itself
     from ckptools.storage import resolve
 
     local, remote, cpu = resolve("/data/c.pt"), resolve("s3://b/c.pt"), torch.device("cpu")
@@ -206,7 +206,7 @@ def test_node_local_copies_that_differ_are_never_mixed(tmp_path):
 
 def test_the_reader_reads_any_range_exactly(tmp_path, monkeypatch):
     """O_DIRECT reads whole blocks, in chunks: the bytes asked for come back, at any offset and length."""
-    from ckptools import read_once
+    from ckptools.read import once as read_once
 
     data = os.urandom(50_000)
     path = tmp_path / "bytes"

@@ -245,7 +245,7 @@ def test_a_node_memory_folder_another_user_made_first_is_never_used(tmp_path, ot
         with pytest.raises(ck.NodeMemoryError, match=f"{folder} is not yours alone.*snapshot_dir"):
             manager.snapshot({"w": torch.ones(4)}, 6)
         assert sorted(os.listdir(folder)) == before  # nothing of this user's went into it
-        keeper = subprocess.run([sys.executable, "-m", "ckptools.keeper", folder, run, "--grace", "0"],
+        keeper = subprocess.run([sys.executable, "-m", "ckptools.node.keeper", folder, run, "--grace", "0"],
                                 capture_output=True, text=True, timeout=60, cwd=ROOT)  # fmt: skip
         assert keeper.returncode == 1 and "not this user's alone" in keeper.stderr, keeper.stderr
         assert sorted(os.listdir(run)) == ["ckpt-0000000005.pt"]
@@ -333,7 +333,7 @@ def test_the_keeper_counts_only_this_users_own_processes(tmp_path, other):
     the registration says (a pid given since to another process is not it): with init, this test's own
     process under a wrong start time and (as root) a live process of another user planted, it still
     persists the snapshot within its grace and exits."""
-    from ckptools.processes import process_start
+    from ckptools.storage import process_start
 
     planted = ["1=", f"{os.getpid()}=1"]
     sleeper = None

@@ -138,10 +138,8 @@ def test_a_snapshot_that_fails_midway_leaves_the_previous_one_whole(tmp_path, mo
 def test_a_whole_copy_whose_commit_failed_is_sealed_at_restore_and_a_partial_one_never(tmp_path, monkeypatch):
     """Every rank's copy is whole and the commit did not happen (a kill, or here a failure, during
     its CRC-32s): the restore seals that step and resumes from it. A copy some rank did not finish,
-    or a damaged slot, is never sealed: the committed snapshot before it is taken (ckptools.sealing)."""
-    from ckptools import sealing
-    from ckptools.node import finish_snapshot, settle
-    from ckptools.snapshot_names import checkpoint_names
+    or a damaged slot, is never sealed: the committed snapshot before it is taken (ckptools.node.sealing)."""
+    from ckptools.node import checkpoint_names, finish_snapshot, sealing, settle
 
     manager = _manager(tmp_path)
     manager.snapshot({**_state(5.0), "step": 5}, 5, blocking=True)
@@ -215,7 +213,7 @@ ck.exit_process(0)
 
 
 def _keepers(folder) -> list[str]:
-    out = subprocess.run(["pgrep", "-f", f"ckptools.keeper {folder}"], capture_output=True, text=True).stdout
+    out = subprocess.run(["pgrep", "-f", f"ckptools.node.keeper {folder}"], capture_output=True, text=True).stdout
     return out.split()
 
 
@@ -325,7 +323,7 @@ def test_every_node_keeps_a_snapshot_and_a_replaced_node_gets_it_back(tmp_path):
 
 def test_the_keeper_imports_no_torch():
     """It lives beside every job that snapshots: a few MB, not torch's hundreds."""
-    code = "import sys, ckptools.keeper; print('torch' in sys.modules)"
+    code = "import sys, ckptools.node.keeper; print('torch' in sys.modules)"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip() == "False", proc.stdout + proc.stderr
 
@@ -366,7 +364,8 @@ def test_ckpt_info_and_verify_of_an_hf_trainer_or_lightning_folder_show_their_sn
     from typer.testing import CliRunner
 
     from ckptools.cli import app
-    from ckptools.snapshot_names import LIGHTNING_PREFIX, TRAINER_PREFIX
+    from ckptools.integrations import LIGHTNING_PREFIX
+    from ckptools.node import TRAINER_PREFIX
 
     monkeypatch.setenv("CKPTOOLS_NODE_MEMORY", str(tmp_path / "shm"))
     out = tmp_path / "hf"

@@ -128,7 +128,7 @@ def test_copy_range_local_and_buffered_report_progress(tmp_path):
 
 
 def test_abandoned_temp_files_are_told_from_live_writers(tmp_path):
-    from ckptools.leftovers import STALE_TMP_SECONDS, is_abandoned_tmp
+    from ckptools.storage import STALE_TMP_SECONDS, is_abandoned_tmp
     from ckptools.storage import host as _host
 
     def leftover(owner: str, age: float = 0.0):

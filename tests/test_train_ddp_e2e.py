@@ -389,8 +389,7 @@ def test_kill_9_at_random_moments_never_tears_a_snapshot_and_every_relaunch_is_b
     run that ends does so bit-identical to the uninterrupted one."""
     import random
 
-    from ckptools.sealing import sealable
-    from ckptools.snapshot_names import checkpoint_names
+    from ckptools.node import checkpoint_names, sealable
 
     kills_wanted = int(os.environ.get("CKPTOOLS_SNAPSHOT_KILLS", "50"))
     rng = random.Random(35)

@@ -110,7 +110,7 @@ def _info_tensors(path, prefix: str) -> list[dict]:
 
 def _resume(rank: int, world: int, directory: str, steps_after: int, name: str = "zero.pt") -> dict:
     """Restore ``name`` (saved after 3 steps on 2 ranks) into ZeRO on ``world`` ranks, train on."""
-    import ckptools.restoring as restoring
+    import ckptools.read.restoring as restoring
 
     torch.manual_seed(0)
     model = DistributedDataParallel(_Net())

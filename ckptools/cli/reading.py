@@ -35,7 +35,7 @@ def info(
         try:
             report = inspect(path, trust_code=trust)
         except CheckpointLayoutError:
-            from ..runs import run_report
+            from .runs import run_report
 
             run = run_report(path)  # a folder of numbered checkpoints: the run, not one file
             if run is None:
@@ -133,7 +133,7 @@ def verify(
                 with progress("verifying", path):
                     judge(path)
             except CheckpointLayoutError as refusal:
-                from ..runs import run_report
+                from .runs import run_report
 
                 run = run_report(path) if "://" not in path else None
                 if run is None:

@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..snapshot_names import LIGHTNING_PREFIX, TRAINER_PREFIX
+from ..integrations import LIGHTNING_PREFIX
+from ..node import TRAINER_PREFIX
 from ..text import human_size, plural
 
 
@@ -140,7 +141,7 @@ def render_diff(result: dict[str, Any], *, verbose: bool = False) -> None:
 
 
 def run_kind(run: dict[str, Any]) -> str:
-    """What a `ckptools.runs.run_report` folder is, in words: a CheckpointManager's, or a framework's run."""
+    """What a `ckptools.cli.runs.run_report` folder is, in words: a CheckpointManager's, or a framework's run."""
     frameworks = sorted({entry["of"] for entry in run["runs"] if entry.get("of")})
     return "a CheckpointManager's folder" if not frameworks else f"the folder of a run of {' and '.join(frameworks)}"
 

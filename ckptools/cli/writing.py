@@ -64,7 +64,7 @@ def _rename_command(
             return sd
 
         with progress("renaming", path), about(path):
-            from ..rewrite import rename_checkpoint
+            from ..converting import rename_checkpoint
 
             changed = rename_checkpoint(path, dst, transform, key=key)
         verb = "added to" if add else "removed from"

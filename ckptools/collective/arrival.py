@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 from .. import log
 from ..errors import CheckpointError
-from ..processes import pid_alive
+from ..storage import pid_alive
 from . import group
 from .group import collective_timeout, default_store, get_rank, get_world_size
 

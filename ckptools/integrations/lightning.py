@@ -31,14 +31,13 @@ from typing import Any
 
 import torch
 
-from .. import in_flight, log
+from .. import log
 from ..collective.arrival import arrive
 from ..collective.group import get_world_size
 from ..errors import CheckpointError, UnsafeCheckpointError
 from ..layouts import TORCH_FILE
-from ..leftovers import abandoned_tmps
-from ..read_once import ReadAnotherWay, once_pays, read_once
-from ..storage import TMP_MARKER, Location, remove, resolve
+from ..read import ReadAnotherWay, once_pays, read_once
+from ..storage import TMP_MARKER, Location, abandoned_tmps, remove, resolve, wait_for_write
 from ..write import BackgroundWriter, StagingBuffers, write_file
 from . import NEEDS_LIGHTNING, lightning_classes
 from .lightning_resume import ExactResume
@@ -238,7 +237,7 @@ def _teach_lightning() -> None:
     the trainers that save through `AsyncCkptoolsCheckpointIO` (`_saves_async`): every other trainer
     of the process runs Lightning's steps as they are.
 
-    ckptools' readers wait for a write in flight by themselves (`ckptools.in_flight`); these two
+    ckptools' readers wait for a write in flight by themselves (`ckptools.storage.in_flight`); these two
     go around every CheckpointIO, and Lightning has no hook before either, so the async plugin
     wraps them when it is made:
 
@@ -285,7 +284,7 @@ def _wrap_file_exists(cls: Any) -> None:
     @functools.wraps(original)
     def file_exists(self: Any, filepath: Any, trainer: Any) -> Any:
         if _saves_async(trainer):
-            in_flight.wait_for(os.fspath(filepath))
+            wait_for_write(os.fspath(filepath))
         return original(self, filepath, trainer)
 
     cls.file_exists = file_exists
@@ -299,7 +298,7 @@ def _wrap_save_checkpoint(cls: Any) -> None:
         result = original(self, filepath, *args, **kwargs)
         status = getattr(getattr(self, "state", None), "status", None)
         if getattr(status, "value", status) != "running" and _saves_async(self):  # outside a run: nothing else waits
-            in_flight.wait_for(os.fspath(filepath))  # rank 0's write (the only one)
+            wait_for_write(os.fspath(filepath))  # rank 0's write (the only one)
             self.strategy.barrier("ckptools: the checkpoint is written")  # every rank, as the call above
         return result
 

@@ -35,7 +35,7 @@ from .. import log, rng
 from ..collective.arrival import checked_in
 from ..collective.group import all_gather_object, get_world_size
 from ..errors import CheckpointError
-from ..restoring import restore_rank_rng
+from ..read import restore_rank_rng
 from ..training.loader import ResumableDataLoader
 from . import NEEDS_LIGHTNING, installed, lightning_classes, release_numbers
 

@@ -7,7 +7,7 @@ How a relaunch finds it: Lightning resolves ``ckpt_path="last"`` to the newest (
 of every ``ModelCheckpoint``'s ``last*.ckpt`` and every ``OnExceptionCheckpoint``'s ``ckpt_path``,
 before any hook runs. `NodeSnapshots` is an ``OnExceptionCheckpoint`` whose ``ckpt_path`` is the
 newest snapshot in this node's memory (committed, or copied whole by every rank and then sealed:
-`ckptools.sealing`), or, once the keeper persisted it (the job died and nobody relaunched within its
+`ckptools.node.sealing`), or, once the keeper persisted it (the job died and nobody relaunched within its
 grace), the file it wrote into ``dirpath`` (``last-snapshot-0000000123.pt``: an ordinary Lightning
 checkpoint that ``load_from_checkpoint`` reads). Like every ``OnExceptionCheckpoint``, it makes
 ``trainer.fit(model)`` without ``ckpt_path`` resume from ``"last"`` too (Lightning's rule for
@@ -20,11 +20,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from .. import sealing
 from ..manager import CheckpointManager
-from ..node import watch
-from ..snapshot_names import LIGHTNING_PREFIX, checkpoint_names
-from . import NEEDS_LIGHTNING, lightning_classes
+from ..node import checkpoint_names, seal, watch
+from . import LIGHTNING_PREFIX, NEEDS_LIGHTNING, lightning_classes
 
 __all__ = ["NodeSnapshots"]
 
@@ -68,8 +66,8 @@ class NodeSnapshots(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  
         """The newest of this node's committed snapshots and the snapshots persisted into ``dirpath``
         (what ``ckpt_path="last"`` weighs against the ``ModelCheckpoint``'s files); a path that does
         not exist when there is none."""
-        # A copy every rank finished whose commit a kill cut short counts: sealed first (ckptools.sealing).
-        sealing.seal(self.manager.snapshot_dir, checkpoint_names(PREFIX))
+        # A copy every rank finished whose commit a kill cut short counts: sealed first (ckptools.node.sealing).
+        seal(self.manager.snapshot_dir, checkpoint_names(PREFIX))
         found = [*self.manager.checkpoints(), *self.manager.snapshots()]
         if not found:
             return os.path.join(self.dirpath, f"{PREFIX}-none.pt")

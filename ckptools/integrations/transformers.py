@@ -28,13 +28,12 @@ import os
 import time
 from typing import Any
 
-from .. import log, sealing
+from .. import log
 from ..collective.agree import Agreement
 from ..collective.group import all_gather_object, get_rank, get_world_size
 from ..layouts import MANIFEST, check_folder, write_manifest
 from ..manager import CheckpointManager
-from ..node import readable, survey_nodes, watch
-from ..snapshot_names import checkpoint_names
+from ..node import checkpoint_names, readable, seal, survey_nodes, watch
 from ..training.seeded import SeededDataset
 from . import installed, release_numbers, trainer_snapshots
 from .trainer_snapshots import CHECKPOINT_FOLDER, snapshot_to_folder
@@ -304,7 +303,7 @@ def _from_node_memory(output_dir: str, newer_than: int) -> str | None:
 def newest_snapshot(manager: CheckpointManager) -> tuple[int, str] | None:
     """``(step, path)`` of the newest of ``manager``'s snapshots in this node's memory (a copy every rank
     finished whose commit a kill cut short is sealed first), or None."""
-    sealing.seal(manager.snapshot_dir, checkpoint_names(manager.prefix))
+    seal(manager.snapshot_dir, checkpoint_names(manager.prefix))
     found = manager.snapshots()
     return found[-1] if found else None
 

@@ -17,45 +17,80 @@ survey.py            at a restore: which ranks are a node, each node's newest sn
                      chosen one brought to the nodes that lack it
 transfer.py          one file sent from a rank to others in chunks (`survey_nodes`)
 cadence.py           how often snapshots are taken under a budget of the loop's time (`Cadence`)
+sealing.py           a copy every rank finished whose commit a kill cut short, sealed (no torch)
+keeper.py            the keeper process: a dead job's newest snapshot persisted (no torch)
+names.py             the numbered files' names, the folder's default name (no torch)
+trainer_folder.py    an HF Trainer's snapshot written out as its ``checkpoint-N/`` folder
 ===================  ==========================================================================
 
 Everything else imports from this package, never from its modules; it writes through the write
-wing's public face (`ckptools.write`). The keeper process itself is `ckptools.keeper`.
+wing's public face (`ckptools.write`). Its names are imported on first use (PEP 562): the keeper
+(``python -m ckptools.node.keeper``) and a run folder's listing import no torch through it.
 """
 
 from __future__ import annotations
 
-from .cadence import Cadence
-from .commits import COMMITS, finish_snapshot
-from .folder import (
-    claim,
-    default_folder,
-    group_nodes,
-    node_token,
-    readable,
-    register,
-    release_folders,
-    start_keeper,
-    watch,
-)
-from .slots import SLOTS
-from .snapshot import Orphaned, write_snapshot
-from .survey import Survey, survey_nodes
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers
+    from .cadence import Cadence
+    from .commits import finish_snapshot
+    from .folder import claim, group_nodes, node_token, readable, register, start_keeper, watch
+    from .names import TRAINER_FOLDER, TRAINER_PREFIX, checkpoint_names, default_folder
+    from .sealing import seal, sealable
+    from .snapshot import Orphaned, close_slots, release, settle, write_snapshot
+    from .survey import Survey, survey_nodes
+    from .trainer_folder import newest_folder_step, snapshot_to_folder
+
+_LAZY = {
+    "Cadence": ".cadence",
+    "Orphaned": ".snapshot",
+    "Survey": ".survey",
+    "TRAINER_FOLDER": ".names",
+    "TRAINER_PREFIX": ".names",
+    "checkpoint_names": ".names",
+    "claim": ".folder",
+    "close_slots": ".snapshot",
+    "default_folder": ".names",
+    "finish_snapshot": ".commits",
+    "group_nodes": ".folder",
+    "newest_folder_step": ".trainer_folder",
+    "node_token": ".folder",
+    "readable": ".folder",
+    "register": ".folder",
+    "release": ".snapshot",
+    "seal": ".sealing",
+    "sealable": ".sealing",
+    "settle": ".snapshot",
+    "snapshot_to_folder": ".trainer_folder",
+    "start_keeper": ".folder",
+    "survey_nodes": ".survey",
+    "watch": ".folder",
+    "write_snapshot": ".snapshot",
+}
 
 __all__ = [
+    "TRAINER_FOLDER",
+    "TRAINER_PREFIX",
     "Cadence",
     "Orphaned",
     "Survey",
+    "checkpoint_names",
     "claim",
     "close_slots",
     "default_folder",
     "finish_snapshot",
     "group_nodes",
+    "newest_folder_step",
     "node_token",
     "readable",
     "register",
     "release",
+    "seal",
+    "sealable",
     "settle",
+    "snapshot_to_folder",
     "start_keeper",
     "survey_nodes",
     "watch",
@@ -63,21 +98,10 @@ __all__ = [
 ]
 
 
-def settle(folder: str) -> None:
-    """Local: wait for this rank's commit in ``folder`` (its failure is kept for `finish_snapshot`)."""
-    COMMITS.settle(folder)
-
-
-def close_slots(folder: str) -> None:
-    """Local: wait for this rank's commit in ``folder``, unmap its slots and remove its spare (the
-    committed snapshot stays): `CheckpointManager.close`."""
-    COMMITS.settle(folder)
-    SLOTS.close(folder)
-
-
-def release() -> list[str]:
-    """The job's normal end on this rank: wait for its commits, unmap its slots, and remove the
-    node-memory folders (one rank per node); the folders removed."""
-    COMMITS.join_all()
-    SLOTS.close_all()
-    return release_folders()
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ckptools.node' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value

@@ -92,7 +92,7 @@ def _yield_to_the_step() -> None:
     keeps every core busy (training on the CPU, a data pipeline's workers), the commit runs in its
     gaps instead of taking a core from it (docs/benchmarks.md, "Inside the HF Trainer and
     Lightning"). A commit that waits longer loses no step: a step counts once its copy is
-    whole (ckptools.sealing); only the next snapshot's wait for it could grow."""
+    whole (ckptools.node.sealing); only the next snapshot's wait for it could grow."""
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError):  # raising one's own niceness is always allowed; a sandbox may say no
             me = threading.get_native_id()

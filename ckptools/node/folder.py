@@ -13,7 +13,7 @@ middle of a copy leaves the newest snapshot whole, so the memory held is at most
 (one between snapshots). Before a write the folder's free space is checked for both slots: too
 little is a `NodeMemoryError` naming the sizes and the fixes, never a crash later.
 
-A keeper process (`ckptools.keeper`, started with the first snapshot, outside the job's process
+A keeper process (`ckptools.node.keeper`, started with the first snapshot, outside the job's process
 tree) persists the newest snapshot into the manager's folder when the job dies and is not
 relaunched within its grace time, then releases the memory.
 
@@ -34,28 +34,24 @@ a restore leaves it aside with a warning, `readable`). The threat model: docs/gu
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import os
-import re
 import secrets
 import shutil
 import subprocess
 import sys
-import tempfile
 
 from .. import log
 from ..collective.group import get_local_rank, launcher
 from ..errors import NodeMemoryError
-from ..keeper import PIDS
-from ..processes import process_start
-from ..storage import NODE_MARK, make_private, open_local, private_problem
+from ..storage import NODE_MARK, make_private, open_local, private_problem, process_start
 from ..text import human_size
+from .keeper import PIDS
+from .names import ENV
 
 __all__ = [
     "ENV",
     "check_space",
     "claim",
-    "default_folder",
     "group_nodes",
     "huge_pages",
     "node_token",
@@ -67,7 +63,6 @@ __all__ = [
     "watch",
 ]
 
-ENV = "CKPTOOLS_NODE_MEMORY"
 _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 NODE_FILE = NODE_MARK  # the token that tells which ranks share this folder (and that it is node memory)
 # Seconds the keeper waits, once every process of the job is gone, for a relaunch (default 10).
@@ -85,33 +80,6 @@ _REGISTERED: set[str] = set()
 _KEEPERS: set[str] = set()
 # Folders whose pages this process has told about (`note_pages`).
 _NOTED: set[str] = set()
-
-
-def default_folder(directory: str, prefix: str) -> str:
-    """The node-memory folder of a manager of ``directory`` with ``prefix`` on this node.
-
-    Examples:
-        >>> os.path.basename(default_folder("/runs/a", "ckpt")).startswith("ckptools-")
-        True
-        >>> default_folder("/runs/a", "ckpt") != default_folder("/runs/b", "ckpt")  # one folder per run
-        True
-    """
-    where = directory if "://" in directory else os.path.abspath(directory)
-    key = hashlib.sha1(f"{where}\0{prefix}".encode()).hexdigest()[:16]
-    base = os.environ.get(ENV) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
-    return os.path.join(base, f"ckptools-{_user()}-{key}")
-
-
-def _user() -> str:
-    """This user's name as a folder's name carries it (``uid1001`` where it has none)."""
-    uid = os.geteuid() if hasattr(os, "geteuid") else None
-    name = ""
-    with contextlib.suppress(ImportError, KeyError, TypeError):
-        import pwd
-
-        name = pwd.getpwuid(uid).pw_name  # type: ignore[arg-type]
-    name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:32]
-    return name or (f"uid{uid}" if uid is not None else "user")
 
 
 def _refusal(folder: str, problem: str) -> str:
@@ -233,7 +201,7 @@ def watch(folder: str) -> None:
 
 
 def start_keeper(folder: str, directory: str, prefix: str, keep_last: int | None) -> None:
-    """Start the keeper of ``folder`` (`ckptools.keeper`) once per process, outside the job.
+    """Start the keeper of ``folder`` (`ckptools.node.keeper`) once per process, outside the job.
 
     A double fork in a session of its own: the keeper is no descendant of torchrun or of a rank,
     so a kill -9 of the job's process group, or of every process under torchrun, leaves it; it
@@ -242,7 +210,7 @@ def start_keeper(folder: str, directory: str, prefix: str, keep_last: int | None
     if folder in _KEEPERS:
         return
     grace = os.environ.get(GRACE_ENV, "10")
-    cmd = [sys.executable, "-m", "ckptools.keeper", folder, directory, "--prefix", prefix, "--grace", grace]
+    cmd = [sys.executable, "-m", "ckptools.node.keeper", folder, directory, "--prefix", prefix, "--grace", grace]
     if keep_last is not None:
         cmd += ["--keep-last", str(keep_last)]
     detach = (

@@ -19,12 +19,13 @@ from collections import OrderedDict
 
 import torch
 
-from .. import log, sealing
+from .. import log
 from ..errors import CheckpointError, NodeMemoryError
-from ..snapshot_names import checkpoint_names
 from ..storage import tmp_name
 from ..text import human_size
+from . import sealing
 from .folder import FIXES, check_space, note_pages
+from .names import checkpoint_names
 
 __all__ = ["SLOTS", "MappedSlot", "Slots"]
 

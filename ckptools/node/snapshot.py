@@ -14,7 +14,7 @@ a relaunch finds one on every node that survived:
 - **The stall is the copy** into the spare slot (`ckptools.node.slots`): `write_snapshot` returns
   once this rank's copy is whole. **The commit follows** in the background
   (`ckptools.node.commits`). The step counts once every rank's copy is whole: a kill before the
-  commit leaves the copy to be sealed by the relaunch's restore or the keeper (`ckptools.sealing`),
+  commit leaves the copy to be sealed by the relaunch's restore or the keeper (`ckptools.node.sealing`),
   and a kill during a copy leaves the previous snapshot whole.
 """
 
@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .. import log, sealing
+from .. import log
 from ..collective import agree
 from ..collective.agree import Agreement, RankFailure, first_failure, outcome_of
 from ..collective.group import all_gather_object, broadcast_bytes, get_rank, launcher_gone
@@ -52,11 +52,12 @@ from ..write import (
     write_directory,
 )
 from ..zero import has_partitions, refusal, with_partitions
+from . import sealing
 from .commits import COMMITS, crc32s, finish_snapshot
-from .folder import group_nodes, node_token
+from .folder import group_nodes, node_token, release_folders
 from .slots import SLOTS, MappedSlot
 
-__all__ = ["Orphaned", "write_snapshot"]
+__all__ = ["Orphaned", "close_slots", "release", "settle", "write_snapshot"]
 
 
 class Orphaned(CheckpointError):
@@ -169,7 +170,7 @@ def write_snapshot(
         _copy(mapped, mine, storages)
         if rank == leader:  # the container, CRC-32s of storages as 0: a kill before the commit leaves it sealable
             write_directory(plan, None)
-        sealing.copied(plan.tmp, node.index(rank))  # from here this step survives a kill (ckptools.sealing)
+        sealing.copied(plan.tmp, node.index(rank))  # from here this step survives a kill (ckptools.node.sealing)
     except Exception as err:  # noqa: BLE001 - reported to the leader: the snapshot does not count
         copy_error = err
     if orphaned:  # the job's last snapshot: committed here, without the store, then every rank leaves
@@ -283,3 +284,23 @@ def _receive_rank0_part(plan: Plan, nodes: list[list[int]], leader: int) -> None
         for key in keys:
             plan.storages[key] = buffer[offset : offset + sizes[key]]  # type: ignore[assignment]
             offset += sizes[key]
+
+
+def settle(folder: str) -> None:
+    """Local: wait for this rank's commit in ``folder`` (its failure is kept for `finish_snapshot`)."""
+    COMMITS.settle(folder)
+
+
+def close_slots(folder: str) -> None:
+    """Local: wait for this rank's commit in ``folder``, unmap its slots and remove its spare (the
+    committed snapshot stays): `CheckpointManager.close`."""
+    COMMITS.settle(folder)
+    SLOTS.close(folder)
+
+
+def release() -> list[str]:
+    """The job's normal end on this rank: wait for its commits, unmap its slots, and remove the
+    node-memory folders (one rank per node); the folders removed."""
+    COMMITS.join_all()
+    SLOTS.close_all()
+    return release_folders()

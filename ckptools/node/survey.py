@@ -9,8 +9,9 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from .. import log, sealing
+from .. import log
 from ..collective.group import all_gather_object, get_rank
+from . import sealing
 from .folder import group_nodes, node_token, readable, register, watch
 from .transfer import send_file
 
@@ -50,7 +51,7 @@ class Survey:
 def survey_nodes(folder: str, newest_step: Callable[[], int | None], names: re.Pattern[str]) -> Survey:
     """Collective: the nodes (ranks sharing ``folder``) and each one's newest snapshot, as its
     lowest rank finds it with ``newest_step`` once it sealed a snapshot copied whole whose commit a
-    kill cut short (`ckptools.sealing`; ``names``: the snapshots' file names)."""
+    kill cut short (`ckptools.node.sealing`; ``names``: the snapshots' file names)."""
     rank = get_rank()
     # Whether this node had a folder before anything here made one: asked of every rank before
     # any rank makes it (for the node token), or a rank could see its peer's. A folder that is not

@@ -13,8 +13,8 @@ from typing import Union
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from .. import in_flight
-from ..processes import pid_alive
+from . import in_flight
+from .processes import pid_alive
 
 __all__ = [
     "TMP_MARKER",
@@ -127,7 +127,7 @@ class Location:
 def resolve(path: PathLike) -> Location:
     """Resolve a local path or an fsspec URL into a `Location`, once (a `Location` is returned as is).
 
-    A path whose write is in flight in this process (`ckptools.in_flight`) is resolved once that
+    A path whose write is in flight in this process (`ckptools.storage.in_flight`) is resolved once that
     write ended: every operation on it sees the file its caller already saved.
     """
     if isinstance(path, Location):
@@ -193,7 +193,7 @@ def tmp_name(name: str) -> str:
     """A unique temporary name for ``name`` in the same directory.
 
     It names its writer (host and pid), so a later save can tell a dead writer's leftover from
-    the file a live writer is still filling (see `ckptools.leftovers.is_abandoned_tmp`).
+    the file a live writer is still filling (see `ckptools.storage.leftovers.is_abandoned_tmp`).
     """
     return f".{name}{TMP_MARKER}{host()}-{os.getpid()}-{secrets.token_hex(4)}"
 

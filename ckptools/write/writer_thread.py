@@ -13,7 +13,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from .. import in_flight, log
+from .. import log
+from ..storage import announce_write
 
 __all__ = ["BackgroundWriter"]
 
@@ -52,10 +53,10 @@ class BackgroundWriter:
         ``write`` returns the bytes of the file it committed, or None where another writer
         commits it (a rank's share with ``writers="all"``: nothing is logged as saved). With
         ``announce``, whoever resolves ``path`` in this process meanwhile waits for the write
-        (`ckptools.in_flight`); with ``inline`` the write runs here, in the caller's thread.
+        (`ckptools.storage.in_flight`); with ``inline`` the write runs here, in the caller's thread.
         """
         started = time.monotonic() if started is None else started
-        announced = in_flight.announce(path) if announce else None
+        announced = announce_write(path) if announce else None
 
         def run() -> None:
             if announced is not None:

@@ -119,7 +119,7 @@ def commit(plan: Plan, location: Location, crcs: dict[str, int]) -> int:
 def write_directory(plan: Plan, crcs: Mapping[str, int] | None, *, sync: bool = False) -> int:
     """Write the local headers, small records and central directory into ``plan.tmp`` (a local
     file); the file's size. ``crcs``: each storage's CRC-32 by key, or None to write them as 0 (a
-    snapshot's slot, sealed later: `ckptools.sealing`). ``sync``: fsync the file."""
+    snapshot's slot, sealed later: `ckptools.node.sealing`). ``sync``: fsync the file."""
     zplan = ZipPlan(plan.records, force_zip64=plan.force_zip64)
     by_key = {f"{PREFIX}data/{k}": c for k, c in (crcs or {}).items()}
     all_crcs = []

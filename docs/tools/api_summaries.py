@@ -37,6 +37,10 @@ def _find(module: str, name: str) -> tuple[ast.AST, str]:
             base = parts if path.name == "__init__.py" else parts[:-1]
             source = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
             return _find(source, name)
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_LAZY" for t in node.targets):
+            lazy = ast.literal_eval(node.value)  # a package whose names are imported on first use (PEP 562)
+            if name in lazy:
+                return _find(module + lazy[name], name)
     raise LookupError(f"{name} is not defined in {module}")
 
 

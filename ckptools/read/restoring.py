@@ -13,12 +13,11 @@ from typing import Any
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from . import log, rng
-from .collective.group import get_rank, get_world_size
-from .errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError
-from .loaded import LIGHTNING_VERSION_KEY, META_KEY, loaded_weights, placeholder_name
-from .per_rank import PER_RANK_KEY, PerRank, is_per_rank_entry
-from .state_dict import (
+from .. import log, rng
+from ..collective.group import get_rank, get_world_size
+from ..errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError
+from ..per_rank import PER_RANK_KEY, PerRank, is_per_rank_entry
+from ..state_dict import (
     WRAPPER_PREFIXES,
     add_prefix,
     shared_prefix,
@@ -27,7 +26,8 @@ from .state_dict import (
     tensor_identity,
     unwrap_model,
 )
-from .zero import prefetch_partition
+from ..zero import prefetch_partition
+from .loaded import LIGHTNING_VERSION_KEY, META_KEY, loaded_weights, placeholder_name
 
 __all__ = ["own_value", "restore_all", "restore_rank_rng", "restore_rng_state"]
 
@@ -139,7 +139,7 @@ def _restore(obj: Any, entry: Any, *, strict: bool, path: str, name: str) -> Non
 
 
 def _find_weights(ckpt: Any, *, key: str | None, path: str) -> Mapping[str, Any]:
-    """The model weights inside a loaded checkpoint (see `ckptools.loaded.loaded_weights`)."""
+    """The model weights inside a loaded checkpoint (see `ckptools.read.loaded.loaded_weights`)."""
     return loaded_weights(ckpt, key, path)
 
 

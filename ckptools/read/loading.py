@@ -15,25 +15,25 @@ from typing import Any
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from . import log
-from .collective.agree import Agreement
-from .collective.arrival import checked_in
-from .collective.group import get_world_size
-from .collective.tree import broadcast_tree
-from .devices import MapLocation, resolve_map_location
-from .errors import (
+from .. import log
+from ..collective.agree import Agreement
+from ..collective.arrival import checked_in
+from ..collective.group import get_world_size
+from ..collective.tree import broadcast_tree
+from ..devices import MapLocation, resolve_map_location
+from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
-from .layouts import is_lightning_checkpoint, read_checkpoint, read_weights
-from .lifecycle import finish_pending
-from .read_once import ReadAnotherWay, once_pays, read_once
+from ..layouts import is_lightning_checkpoint, read_checkpoint, read_weights
+from ..lifecycle import finish_pending
+from ..state_dict import shared_prefix, strip_for_reading, strip_prefix
+from ..storage import Location, PathLike, fspath, resolve
+from ..training.sampler import ResumableDistributedSampler, note_rng_restored
+from ..zero import has_partitions
+from .once import ReadAnotherWay, once_pays, read_once
 from .restoring import restore_all, restore_rng_state
-from .state_dict import shared_prefix, strip_for_reading, strip_prefix
-from .storage import Location, PathLike, fspath, resolve
-from .training.sampler import ResumableDistributedSampler, note_rng_restored
-from .zero import has_partitions
 
 __all__ = ["load", "load_state_dict"]
 

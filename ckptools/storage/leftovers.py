@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import time
 
+from .paths import TMP_MARKER, PathLike, fspath, get_filesystem, host, join, list_files
 from .processes import pid_alive
-from .storage import TMP_MARKER, PathLike, fspath, get_filesystem, host, join, list_files
 
 # A temporary file whose writer cannot be checked (another host) is treated as abandoned only
 # after this long without a change: a live writer touches its file continuously.

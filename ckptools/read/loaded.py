@@ -3,7 +3,7 @@ placeholders of refused classes. Tree-level, no file: what restoring and inspect
 
 Examples:
     >>> import torch
-    >>> from ckptools.loaded import loaded_weights
+    >>> from ckptools.read import loaded_weights
     >>> sorted(loaded_weights({"model": {"w": torch.ones(1)}, "step": 3}, None, "x.pt"))
     ['w']
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .codecs.pickles import Opaque
-from .codecs.trees import LIGHTNING_VERSION_KEY, META_KEY, locate_weights
+from ..codecs.pickles import Opaque
+from ..codecs.trees import LIGHTNING_VERSION_KEY, META_KEY, locate_weights
 
 __all__ = ["LIGHTNING_VERSION_KEY", "META_KEY", "loaded_weights", "placeholder_name"]
 

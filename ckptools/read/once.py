@@ -2,7 +2,7 @@
 
 Every rank maps the file (a local torch zip on a filesystem the ranks share: ``data.pkl`` is read,
 no storage; an object in S3 or another store with ranged reads: a local stand-in of it,
-`ckptools.remote_zip`), reads about 1/N of the storages' bytes (its own, the largest first to the
+`ckptools.read.remote_zip`), reads about 1/N of the storages' bytes (its own, the largest first to the
 rank with the fewest; ``pread`` from a file, ranged GETs from an object), and receives every other
 storage from the rank that read it over the process group. With ``verify`` each rank checks the
 CRC-32 of the records it read (rank 0 those no tensor holds). Bytes read from storage: 1.0x the
@@ -24,14 +24,14 @@ from typing import Any
 
 import torch
 
-from . import log
-from .collective.agree import Agreement
-from .collective.group import all_gather_object, get_rank, get_world_size, local_world_size
-from .collective.tree import Skeleton, owners_of, share_storages
-from .errors import CheckpointFormatError
-from .layouts import check_records, damaged_record, zip_records
+from .. import log
+from ..collective.agree import Agreement
+from ..collective.group import all_gather_object, get_rank, get_world_size, local_world_size
+from ..collective.tree import Skeleton, owners_of, share_storages
+from ..errors import CheckpointFormatError
+from ..layouts import check_records, damaged_record, zip_records
+from ..storage import Location, crc32, pinned
 from .remote_zip import RemoteZip, Unranged, reads_in_ranges
-from .storage import Location, crc32, pinned
 
 __all__ = ["ReadAnotherWay", "once_pays", "plan_reads", "read_once"]
 
@@ -79,7 +79,7 @@ def read_once(location: Location, device: torch.device, read: Callable[[Location
     remote: RemoteZip | None = None
     with contextlib.ExitStack() as stack:
         try:
-            if reads_in_ranges(location):  # an object store: its stand-in is mapped (ckptools.remote_zip)
+            if reads_in_ranges(location):  # an object store: its stand-in is mapped (ckptools.read.remote_zip)
                 with contextlib.suppress(Unranged):  # records is None: rank 0 reads it
                     remote = RemoteZip(location, verify=verify)
                     with remote.stand_in() as stand_in:

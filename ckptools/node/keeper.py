@@ -9,7 +9,7 @@ lives (or a relaunch registers new ones), it does nothing. Once all are gone for
 seconds (a torchrun restart re-registers well within it), it:
 
 1. takes the newest snapshot whose every record's CRC-32 matches (one whose every rank had copied
-   it whole when the job died, but whose commit had not run yet, is sealed first: `ckptools.sealing`);
+   it whole when the job died, but whose commit had not run yet, is sealed first: `ckptools.node.sealing`);
 2. copies it into the manager's folder under the name `save` would have given it (atomically:
    a temporary name and a rename, or one multipart upload on S3), when it is newer than every
    checkpoint there; then prunes to ``keep_last`` as the manager would. The HF Trainer's snapshots
@@ -20,7 +20,7 @@ seconds (a torchrun restart re-registers well within it), it:
    memory for a relaunch, and the keeper says so and exits.
 
 A job that ends normally removes the folder itself (`ckptools.exit_process`): the keeper sees it
-gone and exits at once. Run by hand: ``python -m ckptools.keeper FOLDER DIRECTORY --prefix ckpt``.
+gone and exits at once. Run by hand: ``python -m ckptools.node.keeper FOLDER DIRECTORY --prefix ckpt``.
 """
 
 from __future__ import annotations
@@ -32,12 +32,11 @@ import sys
 import time
 from typing import IO
 
+from ..errors import CheckpointError
+from ..layouts import verify_torch_file
+from ..storage import atomic_write, join, list_files, open_local, private_problem, process_of_mine, remove, resolve
 from . import sealing
-from .errors import CheckpointError
-from .layouts import verify_torch_file
-from .processes import process_of_mine
-from .snapshot_names import TRAINER_PREFIX, checkpoint_names
-from .storage import atomic_write, join, list_files, open_local, private_problem, remove, resolve
+from .names import TRAINER_PREFIX, checkpoint_names
 
 __all__ = ["PIDS", "main", "persist"]
 
@@ -106,7 +105,7 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
             print(f"ckptools keeper: skipping snapshot {source}: {err}", file=sys.stderr, flush=True)
             continue
         if trainer:  # written out as the Trainer's checkpoint-N/ folder (torch is imported only now)
-            from .integrations.trainer_snapshots import snapshot_to_folder
+            from .trainer_folder import snapshot_to_folder
 
             return snapshot_to_folder(source, directory)
         target = join(directory, name)
@@ -126,7 +125,7 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
 
 def main(argv: list[str] | None = None) -> int:
     """Watch, persist at the breakpoint, release; see the module docstring."""
-    p = argparse.ArgumentParser(prog="python -m ckptools.keeper", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m ckptools.node.keeper", description=__doc__.splitlines()[0])
     p.add_argument("folder", help="the node-memory folder")
     p.add_argument("directory", help="the manager's folder (path or URL)")
     p.add_argument("--prefix", default="ckpt")

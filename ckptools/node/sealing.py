@@ -25,9 +25,9 @@ import re
 import struct
 from collections.abc import Callable
 
-from .codecs.torchzip import TorchZip
-from .errors import CheckpointError
-from .storage import crc32, private_problem
+from ..codecs.torchzip import TorchZip
+from ..errors import CheckpointError
+from ..storage import crc32, private_problem
 
 __all__ = ["COPIES", "begin", "copied", "forget", "seal", "sealable"]
 
@@ -75,7 +75,7 @@ def _record(slot: str, ranks_max: int = 4096) -> str | None:
 def seal(folder: str, names: re.Pattern[str], warn: Callable[[str], None] | None = None) -> str | None:
     """Node leader: seal the newest slot of ``folder`` that every local rank copied into but whose
     commit did not happen, when its step is newer than every committed snapshot there; its path, or None.
-    ``names``: the snapshots' file names, the step in group 1 (`ckptools.snapshot_names.checkpoint_names`).
+    ``names``: the snapshots' file names, the step in group 1 (`ckptools.node.names.checkpoint_names`).
 
     Records of slots that are gone are removed; a slot that cannot be sealed is said through ``warn``
     and left as it is (the committed snapshot before it stays the newest).

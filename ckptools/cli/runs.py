@@ -7,9 +7,10 @@ import os
 import re
 from typing import Any
 
-from .manager import CheckpointManager
-from .snapshot_names import LIGHTNING_PREFIX, TRAINER_FOLDER, TRAINER_PREFIX
-from .storage import PathLike, file_size, fspath, list_files
+from ..integrations import LIGHTNING_PREFIX
+from ..manager import CheckpointManager
+from ..node import TRAINER_FOLDER, TRAINER_PREFIX
+from ..storage import PathLike, file_size, fspath, list_files
 
 __all__ = ["run_report"]
 

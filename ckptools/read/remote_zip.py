@@ -1,5 +1,5 @@
 """A torch zip in an object store, read in ranges, for a restore that reads each byte once
-(`ckptools.read_once`): its directory, a local stand-in that torch maps as it maps the object, and
+(`ckptools.read.once`): its directory, a local stand-in that torch maps as it maps the object, and
 the bytes of the records a rank reads.
 
 An object store has no ``pread`` and no mapping. So each rank reads the object's end (the central
@@ -28,10 +28,10 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from .codecs.torchzip import ZipPlan, storage_key
-from .errors import CheckpointFormatError
-from .layouts import damaged_record
-from .storage import RANGE_BYTES, RANGES_AT_ONCE, Location, crc32, ranged_reads, report_progress, resolve
+from ..codecs.torchzip import ZipPlan, storage_key
+from ..errors import CheckpointFormatError
+from ..layouts import damaged_record
+from ..storage import RANGE_BYTES, RANGES_AT_ONCE, Location, crc32, ranged_reads, report_progress, resolve
 
 __all__ = ["RemoteZip", "Unranged", "reads_in_ranges"]
 
@@ -79,7 +79,7 @@ class _Ranges(io.RawIOBase):
 
 class Unranged(Exception):
     """The object is not a zip, or its records do not lie one after another: it is not read in ranges
-    (`ckptools.read_once` has rank 0 read it, whose reader says what it is)."""
+    (`ckptools.read.once` has rank 0 read it, whose reader says what it is)."""
 
 
 class RemoteZip:

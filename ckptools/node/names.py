@@ -1,0 +1,62 @@
+"""The names of a manager's numbered files: one pattern for the manager, its node-memory slots, the
+keeper and the integrations; and the HF Trainer's, whose snapshots the keeper writes out as folders
+(`ckptools.node.trainer_folder`).
+
+Imports nothing of ckptools (the keeper and a run folder's listing, which import no torch, take it).
+
+Examples:
+    >>> checkpoint_names("ckpt").fullmatch("ckpt-0000000300.pt").group(1)
+    '0000000300'
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import tempfile
+
+__all__ = ["ENV", "TRAINER_FOLDER", "TRAINER_PREFIX", "checkpoint_names", "default_folder"]
+
+# The base folder of node memory (else /dev/shm): each run's folder is made inside it.
+ENV = "CKPTOOLS_NODE_MEMORY"
+
+# The HF Trainer's snapshots (ckptools.integrations.transformers): the keeper writes them out as
+# checkpoint-N/ folders (ckptools.node.trainer_folder) rather than copying the file.
+TRAINER_PREFIX = "trainer-snapshot"
+# The HF Trainer's own checkpoint folders (checkpoint-123/), the step in group 1.
+TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
+
+
+def checkpoint_names(prefix: str) -> re.Pattern[str]:
+    """The file names `CheckpointManager` gives its checkpoints and snapshots (``ckpt-0000000300.pt``),
+    the step in group 1: the one pattern the manager and the keeper both list by."""
+    return re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
+
+
+def default_folder(directory: str, prefix: str) -> str:
+    """The node-memory folder of a manager of ``directory`` with ``prefix`` on this node.
+
+    Examples:
+        >>> os.path.basename(default_folder("/runs/a", "ckpt")).startswith("ckptools-")
+        True
+        >>> default_folder("/runs/a", "ckpt") != default_folder("/runs/b", "ckpt")  # one folder per run
+        True
+    """
+    where = directory if "://" in directory else os.path.abspath(directory)
+    key = hashlib.sha1(f"{where}\0{prefix}".encode()).hexdigest()[:16]
+    base = os.environ.get(ENV) or ("/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir())
+    return os.path.join(base, f"ckptools-{_user()}-{key}")
+
+
+def _user() -> str:
+    """This user's name as a folder's name carries it (``uid1001`` where it has none)."""
+    uid = os.geteuid() if hasattr(os, "geteuid") else None
+    name = ""
+    with contextlib.suppress(ImportError, KeyError, TypeError):
+        import pwd
+
+        name = pwd.getpwuid(uid).pw_name  # type: ignore[arg-type]
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:32]
+    return name or (f"uid{uid}" if uid is not None else "user")
