@@ -107,8 +107,9 @@ def test_every_rank_that_came_raises_at_the_bound_of_the_first_arrival(tmp_path,
     """Rank 0 comes at once, rank 1 two seconds later, rank 2 never: ranks 0 and 1 raise together,
     when rank 0's bound is up (rank 1 waited two seconds less)."""
     monkeypatch.setenv(arrival.ENV, "4")
-    results = run_ranks(_staggered, 3, str(tmp_path), [0.0, 2.0, None], time.time() + 6, may_die=frozenset({2}),
-                       timeout=60)
+    results = run_ranks(
+        _staggered, 3, str(tmp_path), [0.0, 2.0, None], time.time() + 6, may_die=frozenset({2}), timeout=60
+    )
     first, second = results[0], results[1]
     assert "Rank(s) 0, 1 came to it, rank(s) 2 (of 3) did not within 4 s" in first["error"], first
     assert second["error"] == first["error"]
