@@ -5,32 +5,17 @@ from __future__ import annotations
 import os
 import re
 import sys
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import log
 from .collective.agree import Agreement
-from .collective.arrival import arrive, checked_in
+from .collective.arrival import checked_in
 from .collective.group import get_rank
 from .errors import CheckpointError
 from .layouts import TORCH_FILE
 from .lifecycle import finish_pending
-from .node import (
-    Cadence,
-    Orphaned,
-    checkpoint_names,
-    close_slots,
-    default_folder,
-    finish_snapshot,
-    readable,
-    register,
-    settle,
-    start_keeper,
-    survey_nodes,
-    watch,
-    write_snapshot,
-)
+from .node import NodeMemory, Orphaned, checkpoint_names, file_name
 from .read import load
 from .saving import async_save_with_hooks, save_with_hooks
 from .storage import PathLike, abandoned_tmps, fspath, join, list_files, remove, resolve
@@ -87,9 +72,13 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.prefix = prefix
         self._pattern = checkpoint_names(prefix)
-        self.snapshot_dir = fspath(snapshot_dir) if snapshot_dir is not None else default_folder(self.directory, prefix)
-        self._memory: CheckpointManager | None = None
-        self._cadence = Cadence()
+        folder = fspath(snapshot_dir) if snapshot_dir is not None else None
+        self._node = NodeMemory(self.directory, prefix, keep_last, folder)  # its snapshots in this node's memory
+
+    @property
+    def snapshot_dir(self) -> str:
+        """The node-memory folder of this run's snapshots on this node."""
+        return self._node.folder
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.directory!r}, keep_last={self.keep_last!r}, prefix={self.prefix!r})"
@@ -98,7 +87,7 @@ class CheckpointManager:
         """The path of the checkpoint for ``step``."""
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
-        return join(self.directory, f"{self.prefix}-{step:010d}.pt")
+        return join(self.directory, file_name(self.prefix, step))
 
     def checkpoints(self) -> list[tuple[int, str]]:
         """``(step, path)`` of every checkpoint file in the directory, oldest first (unverified)."""
@@ -174,7 +163,7 @@ class CheckpointManager:
             'runs/x/ckpt-0000000300.pt'
         """
         path = finish_pending()
-        finish_snapshot(self.snapshot_dir)
+        self._node.finish()
         return path
 
     @property
@@ -193,7 +182,7 @@ class CheckpointManager:
         """
         self.wait()
         release_staging_buffers()
-        close_slots(self.snapshot_dir)
+        self._node.close()
 
     def __enter__(self) -> CheckpointManager:
         return self
@@ -277,33 +266,8 @@ class CheckpointManager:
         """
         if budget is not None and not 0 < budget <= 1:
             raise ValueError(f"budget must be a fraction of the loop's time in (0, 1], or None; got {budget!r}")
-        called = time.monotonic()
-        cadence = self._cadence
-        cadence.calls += 1
-        if cadence.skip > 0:  # every rank skips the same calls: agreed at the last snapshot taken
-            cadence.skip -= 1
-            return None
-        if not cadence.checked_in:  # called every step: the first call tells (as Preemption.should_stop)
-            arrive("CheckpointManager.snapshot")
-            cadence.checked_in = True
-        proposal = [cadence.propose(called, budget)] if budget is not None else None
-        memory = self._memory_manager()
-        name = os.path.basename(memory.path_for(step))
-        metadata = {**dict(metadata or {}), "step": step}
-
-        def prepare() -> None:  # every node's lowest rank, before its copy
-            register(memory.directory)
-            memory._remove_leftovers()
-            if "://" not in self.directory:  # the run folder exists from the first snapshot on (see restore)
-                os.makedirs(self.directory, exist_ok=True)
-            watch(memory.directory)
-            start_keeper(memory.directory, self.directory, self.prefix, self.keep_last)
-
         try:
-            path = write_snapshot(
-                memory.directory, self.prefix, name, state, metadata=metadata, writers=writers, blocking=blocking,
-                prepare=prepare, cadence=proposal,
-            )  # fmt: skip
+            return self._node.take(state, step, blocking=blocking, metadata=metadata, writers=writers, budget=budget)
         except Orphaned as gone:
             # Training on alone would only fail later (the store the agent held is gone) or never end:
             # the ranks leave together now, and the keeper copies the newest snapshot into the folder.
@@ -311,21 +275,11 @@ class CheckpointManager:
                   f"the keeper copies the newest snapshot into {self.directory} once they are gone",
                   file=sys.stderr, flush=True)  # fmt: skip
             leave(ORPHANED_EXIT)
-        cadence.taken(called, time.monotonic() - called, proposal[0] if proposal else 0, step, budget)
-        return path
 
     def snapshots(self) -> list[tuple[int, str]]:
         """``(step, path)`` of this node's snapshots, oldest first (unverified; local: once this
         rank's part of a snapshot being committed is done)."""
-        settle(self.snapshot_dir)
-        if not readable(self.snapshot_dir):  # absent, or not this user's alone (said once): nothing of it is read
-            return []
-        return self._memory_manager().checkpoints()
-
-    def _memory_manager(self) -> CheckpointManager:
-        if self._memory is None:
-            self._memory = CheckpointManager(self.snapshot_dir, keep_last=1, prefix=self.prefix)
-        return self._memory
+        return self._node.snapshots()
 
     def _step_of(self, path: str) -> int:
         match = self._pattern.fullmatch(os.path.basename(path))
@@ -372,23 +326,11 @@ class CheckpointManager:
         handle = pending()
         if handle is not None:
             handle.join_writer()  # local: this rank's write (and pruning) in flight ends first
-        return self._newest_whole(records=True)
-
-    def _committed_snapshot(self) -> str | None:
-        """This node-memory manager's newest snapshot whose container is whole, or None. Not every record's
-        CRC-32 (as `latest`): a snapshot exists under its name only once committed with them, memory does
-        not decay as a disk may, and reading it again would cost most of a restore (docs/development.md)."""
-        return self._newest_whole(records=False)
-
-    def _newest_whole(self, *, records: bool) -> str | None:
-        """The newest listed file that passes `TorchFile.check` (``records``: every CRC-32 too);
-        a damaged one is skipped with a warning."""
-        what = "checkpoint" if records else "snapshot"
         for _, path in reversed(self.checkpoints()):
             try:
-                TORCH_FILE.check(resolve(path), records=records)
+                TORCH_FILE.check(resolve(path))
             except CheckpointError as err:
-                log.warn(f"skipping damaged {what}: {err}", all_ranks=True)
+                log.warn(f"skipping damaged checkpoint: {err}", all_ranks=True)
                 continue
             return path
         return None
@@ -415,14 +357,7 @@ class CheckpointManager:
             >>> step = 0 if ckpt is None else ckpt["step"]  # doctest: +SKIP
         """
         finish_pending()
-        finish_snapshot(self.snapshot_dir)
-        memory = self._memory_manager()
-
-        def newest_snapshot() -> int | None:
-            found = memory._committed_snapshot()
-            return None if found is None else self._step_of(found)
-
-        nodes = survey_nodes(self.snapshot_dir, newest_snapshot, self._pattern)
+        nodes = self._node.survey()
         chosen = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(
             lambda: self._choose_unless_removed(nodes.newest), send=True
         )
@@ -438,7 +373,7 @@ class CheckpointManager:
         load_kwargs = {"restore_rng": True, **load_kwargs}
         if not from_memory:
             return load(self.path_for(step), state, **load_kwargs)
-        path = memory.path_for(step)
+        path = self._node.path_for(step)
         nodes.bring(path, step)
         if get_rank() == 0:
             log.logger.info("restoring from the snapshot in node memory: %s", path)

@@ -433,9 +433,9 @@ def test_a_snapshot_does_not_wait_for_an_async_save_in_flight(tmp_path, monkeypa
 
 def _budgeted(rank: int, world: int, directory: str, clock: bool) -> dict:
     """A loop whose tiny snapshot costs far more than the budget allows of a step: the ranks skip the
-    same calls (agreed in the snapshot's exchange). ``clock``: the manager's clock is one the loop moves
+    same calls (agreed in the snapshot's exchange). ``clock``: node memory's clock is one the loop moves
     (20 ms a step, 2 ms inside each snapshot), so the cadence is exactly computable."""
-    from ckptools import manager as manager_module
+    from ckptools.node import memory as memory_module
 
     now = [0.0]
 
@@ -446,7 +446,7 @@ def _budgeted(rank: int, world: int, directory: str, clock: bool) -> dict:
             return now[0]
 
     if clock:
-        manager_module.time = Clock  # type: ignore[assignment]
+        memory_module.time = Clock  # type: ignore[assignment]
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(8, 8))
     manager = ck.CheckpointManager(os.path.join(directory, "run"), snapshot_dir=os.path.join(directory, "memory"))

@@ -21,6 +21,7 @@ sealing.py           a copy every rank finished whose commit a kill cut short, s
 keeper.py            the keeper process: a dead job's newest snapshot persisted (no torch)
 names.py             the numbered files' names, the folder's default name (no torch)
 trainer_folder.py    an HF Trainer's snapshot written out as its ``checkpoint-N/`` folder
+memory.py            `NodeMemory`: a manager's snapshots as one object (take, list, survey)
 ===================  ==========================================================================
 
 Everything else imports from this package, never from its modules; it writes through the write
@@ -37,7 +38,8 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers
     from .cadence import Cadence
     from .commits import finish_snapshot
     from .folder import claim, group_nodes, node_token, readable, register, start_keeper, watch
-    from .names import TRAINER_FOLDER, TRAINER_PREFIX, checkpoint_names, default_folder
+    from .memory import NodeMemory
+    from .names import TRAINER_FOLDER, TRAINER_PREFIX, checkpoint_names, default_folder, file_name
     from .sealing import seal, sealable
     from .snapshot import Orphaned, close_slots, release, settle, write_snapshot
     from .survey import Survey, survey_nodes
@@ -53,6 +55,8 @@ _LAZY = {
     "claim": ".folder",
     "close_slots": ".snapshot",
     "default_folder": ".names",
+    "file_name": ".names",
+    "NodeMemory": ".memory",
     "finish_snapshot": ".commits",
     "group_nodes": ".folder",
     "newest_folder_step": ".trainer_folder",
@@ -74,12 +78,14 @@ __all__ = [
     "TRAINER_FOLDER",
     "TRAINER_PREFIX",
     "Cadence",
+    "NodeMemory",
     "Orphaned",
     "Survey",
     "checkpoint_names",
     "claim",
     "close_slots",
     "default_folder",
+    "file_name",
     "finish_snapshot",
     "group_nodes",
     "newest_folder_step",

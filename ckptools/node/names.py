@@ -17,7 +17,7 @@ import os
 import re
 import tempfile
 
-__all__ = ["ENV", "TRAINER_FOLDER", "TRAINER_PREFIX", "checkpoint_names", "default_folder"]
+__all__ = ["ENV", "TRAINER_FOLDER", "TRAINER_PREFIX", "checkpoint_names", "default_folder", "file_name"]
 
 # The base folder of node memory (else /dev/shm): each run's folder is made inside it.
 ENV = "CKPTOOLS_NODE_MEMORY"
@@ -27,6 +27,16 @@ ENV = "CKPTOOLS_NODE_MEMORY"
 TRAINER_PREFIX = "trainer-snapshot"
 # The HF Trainer's own checkpoint folders (checkpoint-123/), the step in group 1.
 TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
+
+
+def file_name(prefix: str, step: int) -> str:
+    """The name of the checkpoint (or snapshot) of ``step``: zero-padded, so that names sort by step.
+
+    Examples:
+        >>> file_name("ckpt", 300)
+        'ckpt-0000000300.pt'
+    """
+    return f"{prefix}-{step:010d}.pt"
 
 
 def checkpoint_names(prefix: str) -> re.Pattern[str]:
