@@ -378,3 +378,18 @@ def test_paths_that_need_no_tensor_never_import_torch(tmp_path, command, suffix)
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip().splitlines()[-1] == "EXIT 0 False", proc.stdout + proc.stderr
+
+
+def test_listing_a_run_folder_never_imports_torch(tmp_path):
+    """Issue 55: `ckpt info RUN_DIR` built a CheckpointManager per prefix to list files (and imported
+    torch); a run folder is now asked about first, and listed from names and sizes alone."""
+    manager = ck.CheckpointManager(tmp_path / "run", snapshot_dir=tmp_path / "memory")
+    manager.save({"w": torch.ones(2)}, 3)
+    code = (
+        "import sys; from ckptools.cli import app\n"
+        f"try:\n    app(['info', '--json', {str(tmp_path / 'run')!r}])\nexcept SystemExit as e:\n    code = e.code\n"
+        "print('EXIT', code, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.stdout.strip().splitlines()[-1] == "EXIT 0 False", proc.stdout + proc.stderr
+    assert '"step": 3' in proc.stdout, proc.stdout

@@ -339,7 +339,7 @@ def test_ckpt_info_of_a_run_folder_lists_its_checkpoints_and_this_nodes_snapshot
     run = tmp_path / "run"
     manager = ck.CheckpointManager(run)
     manager.save({"w": torch.ones(4)}, 10)
-    manager.snapshot({"w": torch.ones(4)}, 11)
+    manager.snapshot({"w": torch.ones(4)}, 11, blocking=True)  # committed: what another process lists
     shown = CliRunner().invoke(app, ["info", str(run)])
     assert shown.exit_code == 0, shown.output
     assert "ckpt-0000000010.pt" in shown.output and "ckpt-0000000011.pt" in shown.output

@@ -29,22 +29,18 @@ def info(
     output_dir or a Lightning dirpath: the snapshots ckptools keeps of that run in this node's memory."""
 
     def body() -> None:
-        from ..errors import CheckpointLayoutError
-        from ..inspection import inspect
+        from .runs import run_folder
 
-        try:
-            report = inspect(path, trust_code=trust)
-        except CheckpointLayoutError:
-            from .runs import run_report
-
-            run = run_report(path)  # a folder of numbered checkpoints: the run, not one file
-            if run is None:
-                raise
+        run = run_folder(path)  # a folder of numbered checkpoints: the run, not one file (no torch needed)
+        if run is not None:
             if as_json:
                 out.print_json(json.dumps(run))
             else:
                 render_run(run)
             return
+        from ..inspection import inspect
+
+        report = inspect(path, trust_code=trust)
         if as_json:
             out.print_json(json.dumps(report, default=repr))
             return
@@ -116,6 +112,7 @@ def verify(
     def body() -> int:
         from ..errors import CheckpointError, CheckpointLayoutError
         from ..inspection import verify_report
+        from .runs import run_folder
 
         reports: list[dict[str, Any]] = []
         failures: list[str] = []
@@ -128,23 +125,19 @@ def verify(
             shown.append(report)
 
         for path in paths:
-            run: dict[str, Any] | None = None
-            try:
-                with progress("verifying", path):
-                    judge(path)
-            except CheckpointLayoutError as refusal:
-                from .runs import run_report
-
-                run = run_report(path) if "://" not in path else None
-                if run is None:
+            run = run_folder(path)  # asked first: a run folder's checkpoints and snapshots, each judged
+            if run is None:
+                try:
+                    with progress("verifying", path):
+                        judge(path)
+                except CheckpointLayoutError as refusal:
                     if len(paths) == 1:
                         raise
                     failures.append(f"{path}: {refusal}")
-            except CheckpointError as error:
-                if len(paths) == 1:
-                    raise
-                failures.append(str(error))
-            if run is None:
+                except CheckpointError as error:
+                    if len(paths) == 1:
+                        raise
+                    failures.append(str(error))
                 continue
             files = [(c["path"], "") for r in run["runs"] for c in r["checkpoints"]]
             memory_note = " (a snapshot in this node's memory)"

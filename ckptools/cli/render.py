@@ -11,8 +11,6 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from ..integrations import LIGHTNING_PREFIX
-from ..node import TRAINER_PREFIX
 from ..text import human_size, plural
 
 
@@ -146,18 +144,19 @@ def run_kind(run: dict[str, Any]) -> str:
     return "a CheckpointManager's folder" if not frameworks else f"the folder of a run of {' and '.join(frameworks)}"
 
 
-# What each integration resumes from, said under its snapshots when the newest is newer than every checkpoint.
-_RESUMES = {
-    TRAINER_PREFIX: "is newer than every checkpoint-N folder: latest_complete_checkpoint writes it out and "
-    "the Trainer resumes from it",
-    LIGHTNING_PREFIX: "is newer than every file NodeSnapshots persisted: trainer.fit(ckpt_path='last') weighs it "
-    "against the ModelCheckpoint's last.ckpt",
-}
-
-
 def render_run(run: dict[str, Any]) -> None:
     """A CheckpointManager's folder (or an HF Trainer's or Lightning run's): each prefix's checkpoints,
     and this node's snapshots."""
+    from ..integrations import LIGHTNING_PREFIX  # here: `ckpt --help` imports nothing of the storage door
+    from ..node import TRAINER_PREFIX
+
+    # What each integration resumes from, said under its snapshots when the newest is newer than every checkpoint.
+    resumes_from = {
+        TRAINER_PREFIX: "is newer than every checkpoint-N folder: latest_complete_checkpoint writes it out and "
+        "the Trainer resumes from it",
+        LIGHTNING_PREFIX: "is newer than every file NodeSnapshots persisted: trainer.fit(ckpt_path='last') weighs it "
+        "against the ModelCheckpoint's last.ckpt",
+    }
     out.print(f"[bold]{escape(run['path'])}[/]  {escape(run_kind(run))}")
     for entry in run["runs"]:
         steps = entry["checkpoints"]
@@ -176,5 +175,5 @@ def render_run(run: dict[str, Any]) -> None:
         out.print(names_table(["snapshot", "step", "size"], rows, title=title))
         newest = max(s["step"] for s in snaps)
         if not steps or newest > max(c["step"] for c in steps):
-            resumes = _RESUMES.get(entry["prefix"], "is newer than every checkpoint: a restore resumes from it")
+            resumes = resumes_from.get(entry["prefix"], "is newer than every checkpoint: a restore resumes from it")
             out.print(f"the snapshot of step {newest} {escape(resumes)}")

@@ -1,5 +1,8 @@
 """What a run folder holds: each `CheckpointManager` prefix's checkpoints and this node's snapshots
-(`ckpt info RUN_DIR`, `ckpt verify RUN_DIR`), the HF Trainer's and Lightning's snapshots included."""
+(`ckpt info RUN_DIR`, `ckpt verify RUN_DIR`), the HF Trainer's and Lightning's snapshots included.
+
+Read from listings and sizes alone, by the names the manager gives its files (`ckptools.node`'s
+names): no manager is built and torch is not imported."""
 
 from __future__ import annotations
 
@@ -8,11 +11,11 @@ import re
 from typing import Any
 
 from ..integrations import LIGHTNING_PREFIX
-from ..manager import CheckpointManager
-from ..node import TRAINER_FOLDER, TRAINER_PREFIX
-from ..storage import PathLike, file_size, fspath, list_files
+from ..layouts import is_checkpoint_folder
+from ..node import TRAINER_FOLDER, TRAINER_PREFIX, checkpoint_names, default_folder, readable
+from ..storage import PathLike, file_size, fspath, join, list_files, resolve
 
-__all__ = ["run_report"]
+__all__ = ["run_folder", "run_report"]
 
 _RUN_FILE = re.compile(r"([A-Za-z0-9_-]+)-(\d{10})\.pt")
 
@@ -41,16 +44,32 @@ def run_report(directory: PathLike) -> dict[str, Any] | None:
     prefixes = {m.group(1) for n in list_files(directory) if (m := _RUN_FILE.fullmatch(n))}
     runs = []
     for prefix in sorted(prefixes | set(_INTEGRATIONS)):
-        manager = CheckpointManager(directory, prefix=prefix, keep_last=None)
-        snapshots = _described(manager.snapshots())
+        memory = default_folder(directory, prefix)
+        snapshots = _described(_numbered(memory, prefix) if readable(memory) else [])
         if prefix not in prefixes and not snapshots:
             continue  # an integration with nothing of this folder's in node memory
         entry: dict[str, Any] = {"prefix": prefix}
         if prefix in _INTEGRATIONS:
             entry["of"] = _INTEGRATIONS[prefix]
-        checkpoints = _trainer_folders(directory) if prefix == TRAINER_PREFIX else _described(manager.checkpoints())
-        runs.append({**entry, "checkpoints": checkpoints, "snapshot_dir": manager.snapshot_dir, "snapshots": snapshots})
+        checkpoints = (
+            _trainer_folders(directory) if prefix == TRAINER_PREFIX else _described(_numbered(directory, prefix))
+        )
+        runs.append({**entry, "checkpoints": checkpoints, "snapshot_dir": memory, "snapshots": snapshots})
     return {"path": directory, "runs": runs} if runs else None
+
+
+def run_folder(path: str) -> dict[str, Any] | None:
+    """`run_report` of ``path`` when it is a local folder that no checkpoint layout reads (asked first:
+    a folder that holds a checkpoint is that checkpoint, whatever numbered files lie beside it), else None."""
+    if "://" in path or not os.path.isdir(path) or is_checkpoint_folder(resolve(path)):
+        return None
+    return run_report(path)
+
+
+def _numbered(folder: str, prefix: str) -> list[tuple[int, str]]:
+    """``(step, path)`` of the numbered files of ``prefix`` in ``folder``, oldest first."""
+    names = checkpoint_names(prefix)
+    return sorted((int(m.group(1)), join(folder, n)) for n in list_files(folder) if (m := names.fullmatch(n)))
 
 
 def _described(found: list[tuple[int, str]]) -> list[dict[str, Any]]:

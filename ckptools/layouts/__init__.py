@@ -33,8 +33,8 @@ from ..view import CheckpointView, TensorInfo
 from .base import Layout, Transform
 from .dcp import DCP_FOLDER
 from .export import Planned, safetensors_plan
-from .folder_check import MANIFEST, check_folder, write_manifest
-from .hf_folder import HUGGING_FACE_FOLDER
+from .folder_check import MANIFEST, check_folder, is_trainer_folder, write_manifest
+from .hf_folder import HUGGING_FACE_FOLDER, MODEL_FILES
 from .named import writer_for
 from .safetensors_file import SAFETENSORS_FILE
 from .sharded import weights_layout
@@ -56,6 +56,7 @@ __all__ = [
     "check_records",
     "damaged_record",
     "detect",
+    "is_checkpoint_folder",
     "is_lightning_checkpoint",
     "load_file",
     "open_checkpoint",
@@ -86,6 +87,23 @@ def detect(location: Location) -> Layout:
     if (name == ".metadata" and location.local) or name.endswith(".distcp"):
         return DCP_FOLDER
     return weights_layout(name)
+
+
+def is_checkpoint_folder(location: Location) -> bool:
+    """Whether ``location`` is a local folder that a layout reads as one checkpoint (a DCP folder, a
+    Hugging Face or Accelerate folder, an HF Trainer's ``checkpoint-N/``), from its listing alone: the
+    question a reader of run folders asks first (`ckptools.cli.runs.run_folder`).
+
+    Examples:
+        >>> import tempfile
+        >>> from ckptools.storage import resolve
+        >>> is_checkpoint_folder(resolve(tempfile.mkdtemp()))  # an empty folder
+        False
+    """
+    if not location.local or not os.path.isdir(location.path):
+        return False
+    names = set(os.listdir(location.path))
+    return ".metadata" in names or bool(names & set(MODEL_FILES)) or is_trainer_folder(location.path, names)
 
 
 def open_checkpoint(path: PathLike, *, trust_code: bool = False) -> CheckpointView:

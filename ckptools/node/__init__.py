@@ -37,9 +37,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers
     from .cadence import Cadence
     from .commits import finish_snapshot
-    from .folder import claim, group_nodes, node_token, readable, register, start_keeper, watch
+    from .folder import group_nodes, node_token, register, start_keeper, watch
     from .memory import NodeMemory
-    from .names import TRAINER_FOLDER, TRAINER_PREFIX, checkpoint_names, default_folder, file_name
+    from .names import TRAINER_FOLDER, TRAINER_PREFIX, checkpoint_names, claim, default_folder, file_name, readable
     from .sealing import seal, sealable
     from .snapshot import Orphaned, close_slots, release, settle, write_snapshot
     from .survey import Survey, survey_nodes
@@ -52,7 +52,7 @@ _LAZY = {
     "TRAINER_FOLDER": ".names",
     "TRAINER_PREFIX": ".names",
     "checkpoint_names": ".names",
-    "claim": ".folder",
+    "claim": ".names",
     "close_slots": ".snapshot",
     "default_folder": ".names",
     "file_name": ".names",
@@ -61,7 +61,7 @@ _LAZY = {
     "group_nodes": ".folder",
     "newest_folder_step": ".trainer_folder",
     "node_token": ".folder",
-    "readable": ".folder",
+    "readable": ".names",
     "register": ".folder",
     "release": ".snapshot",
     "seal": ".sealing",

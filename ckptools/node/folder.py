@@ -43,20 +43,18 @@ import sys
 from .. import log
 from ..collective.group import get_local_rank, launcher
 from ..errors import NodeMemoryError
-from ..storage import NODE_MARK, make_private, open_local, private_problem, process_start
+from ..storage import NODE_MARK, open_local, process_start
 from ..text import human_size
 from .keeper import PIDS
-from .names import ENV
+from .names import ENV, claim
 
 __all__ = [
     "ENV",
     "check_space",
-    "claim",
     "group_nodes",
     "huge_pages",
     "node_token",
     "note_pages",
-    "readable",
     "register",
     "release_folders",
     "start_keeper",
@@ -80,38 +78,6 @@ _REGISTERED: set[str] = set()
 _KEEPERS: set[str] = set()
 # Folders whose pages this process has told about (`note_pages`).
 _NOTED: set[str] = set()
-
-
-def _refusal(folder: str, problem: str) -> str:
-    return (
-        f"the node-memory folder {folder} is not yours alone: {problem}. ckptools never uses such a folder "
-        "(whoever can write into it could read, replace or forge your snapshots): remove it (its owner or root "
-        f"can), or point CheckpointManager(snapshot_dir=...) or ${ENV} at a folder of your own (it is made 0700)"
-    )
-
-
-def claim(folder: str) -> None:
-    """Make ``folder`` this user's node-memory folder (mode 0700), or check the one there.
-
-    Raises:
-        NodeMemoryError: it, or a folder above it, is not this user's alone (`ckptools.storage.make_private`):
-            another user's, writable by others, a link; the message names it and the fix.
-    """
-    problem = make_private(folder)
-    if problem is not None:
-        raise NodeMemoryError(_refusal(folder, problem))
-
-
-def readable(folder: str) -> bool:
-    """Whether snapshots may be read from ``folder``: it exists and is this user's alone. One that
-    exists and is not is never read (a `CheckpointWarning` says so, once per folder and process)."""
-    if not os.path.lexists(folder):
-        return False
-    problem = private_problem(folder)
-    if problem is None:
-        return True
-    log.warn(f"{_refusal(folder, problem)}; its snapshots were not read", once=f"node memory {folder}", all_ranks=True)
-    return False
 
 
 def check_space(folder: str, needed: int, held: int) -> None:

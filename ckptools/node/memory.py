@@ -19,8 +19,8 @@ from ..layouts import TORCH_FILE
 from ..storage import abandoned_tmps, join, list_files, remove, resolve
 from .cadence import Cadence
 from .commits import finish_snapshot
-from .folder import readable, register, start_keeper, watch
-from .names import checkpoint_names, default_folder, file_name
+from .folder import register, start_keeper, watch
+from .names import checkpoint_names, default_folder, file_name, readable
 from .snapshot import close_slots, settle, write_snapshot
 from .survey import Survey, survey_nodes
 

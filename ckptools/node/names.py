@@ -1,6 +1,7 @@
-"""The names of a manager's numbered files: one pattern for the manager, its node-memory slots, the
-keeper and the integrations; and the HF Trainer's, whose snapshots the keeper writes out as folders
-(`ckptools.node.trainer_folder`).
+"""Names and places, without torch: a manager's numbered files (one pattern for the manager, its
+node-memory slots, the keeper and the integrations; the HF Trainer's, whose snapshots the keeper writes
+out as folders: `ckptools.node.trainer_folder`), the node-memory folder's default name, and whether a
+folder may hold this user's snapshots (`claim`, `readable`: `ckptools.storage.make_private`).
 
 Imports nothing of ckptools (the keeper and a run folder's listing, which import no torch, take it).
 
@@ -17,7 +18,20 @@ import os
 import re
 import tempfile
 
-__all__ = ["ENV", "TRAINER_FOLDER", "TRAINER_PREFIX", "checkpoint_names", "default_folder", "file_name"]
+from .. import log
+from ..errors import NodeMemoryError
+from ..storage import make_private, private_problem
+
+__all__ = [
+    "ENV",
+    "TRAINER_FOLDER",
+    "TRAINER_PREFIX",
+    "checkpoint_names",
+    "claim",
+    "default_folder",
+    "file_name",
+    "readable",
+]
 
 # The base folder of node memory (else /dev/shm): each run's folder is made inside it.
 ENV = "CKPTOOLS_NODE_MEMORY"
@@ -70,3 +84,35 @@ def _user() -> str:
         name = pwd.getpwuid(uid).pw_name  # type: ignore[arg-type]
     name = re.sub(r"[^A-Za-z0-9_.-]", "_", name)[:32]
     return name or (f"uid{uid}" if uid is not None else "user")
+
+
+def _refusal(folder: str, problem: str) -> str:
+    return (
+        f"the node-memory folder {folder} is not yours alone: {problem}. ckptools never uses such a folder "
+        "(whoever can write into it could read, replace or forge your snapshots): remove it (its owner or root "
+        f"can), or point CheckpointManager(snapshot_dir=...) or ${ENV} at a folder of your own (it is made 0700)"
+    )
+
+
+def claim(folder: str) -> None:
+    """Make ``folder`` this user's node-memory folder (mode 0700), or check the one there.
+
+    Raises:
+        NodeMemoryError: it, or a folder above it, is not this user's alone (`ckptools.storage.make_private`):
+            another user's, writable by others, a link; the message names it and the fix.
+    """
+    problem = make_private(folder)
+    if problem is not None:
+        raise NodeMemoryError(_refusal(folder, problem))
+
+
+def readable(folder: str) -> bool:
+    """Whether snapshots may be read from ``folder``: it exists and is this user's alone. One that
+    exists and is not is never read (a `CheckpointWarning` says so, once per folder and process)."""
+    if not os.path.lexists(folder):
+        return False
+    problem = private_problem(folder)
+    if problem is None:
+        return True
+    log.warn(f"{_refusal(folder, problem)}; its snapshots were not read", once=f"node memory {folder}", all_ranks=True)
+    return False

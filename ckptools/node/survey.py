@@ -12,7 +12,8 @@ from dataclasses import dataclass
 from .. import log
 from ..collective.group import all_gather_object, get_rank
 from . import sealing
-from .folder import group_nodes, node_token, readable, register, watch
+from .folder import group_nodes, node_token, register, watch
+from .names import readable
 from .transfer import send_file
 
 __all__ = ["Survey", "survey_nodes"]
