@@ -31,23 +31,24 @@ import torch
 
 from .. import log
 from ..collective import agree
-from ..collective.agree import Agreement, RankFailure, first_failure, outcome_of
+from ..collective.agree import Agreement, first_failure, outcome_of
 from ..collective.group import all_gather_object, broadcast_bytes, get_rank, launcher_gone
 from ..errors import CheckpointError, NodeMemoryError
 from ..storage import resolve
 from ..write import (
+    FILE,
+    Gathered,
     Plan,
     Share,
+    Stored,
     build_payload,
     check_writers,
     checked_args,
-    collect_shares,
-    commit_zip,
     copy_bytes,
+    finish,
     locate,
     make_plan,
     opening,
-    report_share,
     whole_storage,
     write_directory,
 )
@@ -175,28 +176,18 @@ def write_snapshot(
         copy_error = err
     if orphaned:  # the job's last snapshot: committed here, without the store, then every rank leaves
         _commit_orphaned(plan, mapped, copy_error, location, (folder, prefix, path), node, orphaned)
-    members = node[1:]
-    abandoned = threading.Event()  # never set: a member that never reports is given up on at the timeout
+    # The one commit protocol (`ckptools.write.finish`), its reports through the store: from the commit
+    # thread, never a collective. A member that never reports is given up on at the group's timeout.
+    reports = Stored(rank == leader, threading.Event(), node[1:])
+    target = _Slot(folder)
 
     def commit() -> None:
         crcs = {} if copy_error is not None else crc32s(mapped, mine)
+        finish(plan, location, copy_error, crcs, reports, target)
         if rank != leader:
-            report_share(plan, copy_error, crcs)
             if copy_error is not None:
                 raise copy_error
             return
-        try:
-            replies = [(None, crcs), *(collect_shares(plan, abandoned, members) if members else [])]
-            if copy_error is not None:
-                raise copy_error
-            text = first_failure(replies, lambda reply: reply[0])
-            if text is not None:
-                raise RankFailure(text)
-            commit_zip(plan, location, {k: v for reply in replies for k, v in reply[1].items()})
-            sealing.forget(plan.tmp)
-        except BaseException:
-            SLOTS.keep_spare(folder, plan.tmp)  # not committed: still this node's spare slot
-            raise
         SLOTS.recycle(folder, prefix, path)
 
     COMMITS.start(folder, path, commit)
@@ -223,25 +214,37 @@ def _commit_orphaned(
     commits. Whatever became of the previous snapshot's commit, this one counts."""
     folder, prefix, path = where
     rank = get_rank()
-    copies = all_gather_object(outcome_of(copy_error, rank))
+    leader = rank == node[0]
     error: BaseException | None = None
-    if rank == node[0]:
-        try:
-            failed = [copies[r] for r in node if copies[r] is not None]
-            if failed:
-                raise RankFailure(failed[0][1])
-            commit_zip(plan, location, crc32s(mapped, plan.shares))
-            sealing.forget(plan.tmp)
+    try:  # the one commit protocol, its reports gathered by a collective; the leader checksums the node's copy
+        crcs = crc32s(mapped, plan.shares) if leader and copy_error is None else {}
+        finish(plan, location, copy_error, crcs, Gathered(node[0], node), _Slot(folder))
+        if leader:
             SLOTS.recycle(folder, prefix, path)
-        except Exception as err:  # noqa: BLE001 - raised on every rank below, in Orphaned's words
-            error = err
-            SLOTS.keep_spare(folder, plan.tmp)  # not committed: still this node's spare slot
+    except Exception as err:  # noqa: BLE001 - raised on every rank below, in Orphaned's words
+        error = err if leader else None
     outcomes = [o for o in all_gather_object(outcome_of(error, rank)) if o is not None]
     gone = f"torchrun's agent of rank(s) {', '.join(map(str, orphaned))} is gone"
     if outcomes:
         raise Orphaned(f"{gone}, and the snapshot {path} was not committed ({outcomes[0][1]}); the one before it "
                        "is whole", committed=False)  # fmt: skip
     raise Orphaned(f"{gone}; the snapshot {path} is committed", committed=True)
+
+
+class _Slot:
+    """A snapshot's target in the commit protocol: the node's spare slot, renamed into place (its copies'
+    record forgotten: it is committed), or kept as the spare when the commit does not happen."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+
+    def commit(self, plan: Plan, location: Any, crcs: dict[str, int]) -> int:
+        written = FILE.commit(plan, location, crcs)
+        sealing.forget(plan.tmp)
+        return written
+
+    def discard(self, plan: Plan) -> None:
+        SLOTS.keep_spare(self.folder, plan.tmp)  # not committed: still this node's spare slot
 
 
 def _copy(mapped: MappedSlot, shares: list[Share], sources: list[Any]) -> None:

@@ -8,11 +8,12 @@ payload.py           what a save puts into the file (each entry's state, ckptool
 pickling.py          ``data.pkl`` as ``torch.save`` pickles it, its storages named in order
 plan.py              ``writers="all"``'s plan: the records at planned offsets, who writes which
                      storage, what is replicated
-zip_writer.py        the temporary file, each storage's ``pwrite``, the commit; rank 0 alone
-                     (`write_alone`) or every rank its share
+zip_writer.py        the temporary file, each storage's ``pwrite``, the directory and the rename
+commit.py            the one commit protocol (plan, write, report, finish) every writer follows:
+                     rank 0 alone (`write_alone`), every rank its share, a snapshot's commit
 upload.py            the same on S3: every rank's share as parts of one multipart upload
-shares.py            the collective steps of ``writers="all"`` (plan, check, write, commit) and
-                     the async variant's reports through the process group's store
+shares.py            the collective steps of ``writers="all"`` (plan, check, write, commit), from the
+                     main thread or, for the async save, a writer thread
 staging.py           `StagingBuffers`: an async save's copy of the state in reused host buffers
 writer_thread.py     `BackgroundWriter`: one write in a background thread, its error kept
 async_save.py        the async save's state in one place: `AsyncSave`, the save in flight
@@ -31,36 +32,32 @@ from typing import Any
 
 from ..storage import Location, PathLike, resolve
 from .async_save import AsyncSave, finish_pending, pending, release_staging_buffers, set_pending, stage
+from .commit import FILE, Gathered, Stored, Target, finish, write_alone
 from .payload import Opening, build_payload, checked_args, opening, rank_part
 from .plan import Plan, Share, check_writers, choose, compare_replicas, make_plan, replica_digests
-from .shares import (
-    collect_shares,
-    locate,
-    plan_shares,
-    report_share,
-    write_and_commit,
-    write_share_in_background,
-)
+from .shares import locate, plan_shares, write_and_commit, write_share_in_background
 from .staging import StagingBuffers, copy_bytes, whole_storage
 from .writer_thread import BackgroundWriter
-from .zip_writer import commit as commit_zip
-from .zip_writer import write_alone, write_directory
+from .zip_writer import write_directory
 
 __all__ = [
+    "FILE",
     "AsyncSave",
     "BackgroundWriter",
+    "Gathered",
     "Opening",
     "Plan",
     "Share",
     "StagingBuffers",
+    "Stored",
+    "Target",
     "build_payload",
     "check_writers",
     "checked_args",
     "choose",
-    "collect_shares",
-    "commit_zip",
     "compare_replicas",
     "copy_bytes",
+    "finish",
     "finish_pending",
     "locate",
     "make_plan",
@@ -70,7 +67,6 @@ __all__ = [
     "rank_part",
     "release_staging_buffers",
     "replica_digests",
-    "report_share",
     "set_pending",
     "stage",
     "whole_storage",

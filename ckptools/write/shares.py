@@ -1,17 +1,15 @@
 """``writers="all"``, the writing: every rank's part of the collective save `ckptools.write.plan` plans.
 
-`plan_shares` (rank 0 plans, every rank checks it sees the temporary file), then every rank
-`write_shares` its records and `commit_shares` gathers the CRC-32s and has rank 0 commit. The async
-save's writer threads use `write_share_in_background` instead, which reports through the process
-group's store (`report_share`, `collect_shares`) since a background thread never runs a collective.
+`plan_shares` (rank 0 plans, every rank checks it sees the temporary file), then every rank writes its
+records (`ckptools.write.zip_writer.write_shares`) and reports to rank 0, which commits
+(`ckptools.write.commit`: the one protocol): gathered by a collective in `write_and_commit`, through the
+process group's store in the async save's writer threads (`write_share_in_background`), since a
+background thread never runs a collective.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
-import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -19,23 +17,21 @@ import torch
 
 from .. import log
 from ..collective import agree
-from ..collective.agree import RankFailure, first_failure
+from ..collective.agree import first_failure
 from ..collective.group import (
     all_gather_object,
-    collective_timeout,
-    default_store,
     get_rank,
-    get_world_size,
 )
 from ..errors import CheckpointError
 from ..storage import Location
 from ..zero import has_partitions, refusal
 from . import upload, zip_writer
 from .async_save import AsyncSave
+from .commit import Gathered, Stored, finish
 from .payload import state_entry
 from .plan import TOKEN_BYTES, Plan, Share, describe, make_plan
 
-__all__ = ["commit_shares", "plan_shares", "write_and_commit", "write_share_in_background"]
+__all__ = ["locate", "plan_shares", "write_and_commit", "write_share_in_background"]
 
 
 # --- every rank: see, locate, write ----------------------------------------------------------------
@@ -88,52 +84,6 @@ def locate(plan: Plan, state: Mapping[str, Any], shares: list[Share]) -> list[to
             )
         found.append(storage)
     return found
-
-
-# --- async: each rank's share reported to rank 0's writer thread, through the group's store ---------
-
-
-def _share_key(plan: Plan, rank: int) -> str:
-    return f"ckptools/share/{plan.token.hex()}/{rank}"
-
-
-def report_share(plan: Plan, error: BaseException | None, crcs: dict[str, int]) -> None:
-    """A rank's writer thread: tell rank 0 its share is on disk (its CRC-32s) or what failed."""
-    text = None if error is None else f"{type(error).__name__}: {error}"
-    default_store().set(_share_key(plan, get_rank()), pickle.dumps((text, crcs)))
-
-
-def collect_shares(
-    plan: Plan, abandoned: threading.Event, ranks: list[int] | None = None
-) -> list[tuple[str | None, dict[str, int]]]:
-    """Rank 0's writer thread: every other rank's report (or those of ``ranks``), by rank (file
-    I/O's pace: polled).
-
-    Gives up (raising `CheckpointError`) when ``abandoned`` is set, i.e. the main thread found a
-    peer dead, or after the process group's timeout.
-    """
-    store = default_store()
-    keys = [_share_key(plan, rank) for rank in (range(1, get_world_size()) if ranks is None else ranks)]
-    started = time.monotonic()
-    deadline = started + collective_timeout().total_seconds()
-    pause = 0.001
-    orphaned: float | None = None
-    while not store.check(keys):
-        now = time.monotonic()
-        if orphaned is None and not threading.main_thread().is_alive():
-            # The program ended without wait(): the other ranks' writers still get as long as
-            # this one took (at least a minute), then the interpreter may exit.
-            orphaned = now + max(60.0, 3 * (now - started))
-        if abandoned.is_set() or now > deadline or (orphaned is not None and now > orphaned):
-            missing = [k.rsplit("/", 1)[1] for k in keys if not store.check([k])]
-            raise CheckpointError(f"rank {', '.join(missing)} never reported its share of the checkpoint")
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-    replies = []
-    for key in keys:
-        replies.append(pickle.loads(store.get(key)))  # written by a rank of this job
-        store.delete_key(key)
-    return replies
 
 
 # --- the collective steps ------------------------------------------------------------------------
@@ -191,7 +141,7 @@ def plan_shares(
     if (failure is not None or blind) and get_rank() == 0:
         zip_writer.discard(plan)
     if failure is not None:
-        raise CheckpointError(f"saving checkpoint {path} failed: {failure}; earlier checkpoints are untouched")
+        raise agree.saving(path).failure(failure)
     if blind:
         log.warn(
             f"rank {', '.join(map(str, blind))} cannot see {os.path.dirname(plan.tmp)}, where rank 0 saves: rank 0 "
@@ -213,33 +163,21 @@ def _gathered(plan: Plan | None, reply: Any) -> list[Any]:
 
 
 def write_and_commit(location: Location, plan: Plan, storages: list[Any]) -> int | None:
-    """The sync save: this rank writes its share, then `commit_shares` (collective). Rank 0's file size."""
+    """The sync save: this rank writes its share, every rank's reply is gathered (a collective), rank 0
+    commits or discards (`ckptools.write.commit.finish`), and the outcome is raised on every rank.
+    Rank 0's file size."""
     error: BaseException | None = None
     crcs: dict[str, int] = {}
     try:
         crcs = zip_writer.write_shares(plan, list(zip(plan.mine(), storages)))
-    except Exception as err:  # noqa: BLE001 - gathered by commit_shares and raised on every rank
+    except Exception as err:  # noqa: BLE001 - reported, and raised on every rank below
         error = err
-    return commit_shares(location, plan, error, crcs)
-
-
-def commit_shares(location: Location, plan: Plan, error: BaseException | None, crcs: dict[str, int]) -> int | None:
-    """Every rank's write done (or failed): gather the CRC-32s, rank 0 commits or discards,
-    the outcome is raised on every rank (collective). Rank 0's file size."""
-    replies = _gathered(plan, (None if error is None else f"{type(error).__name__}: {error}", crcs))
     failure: BaseException | None = None
     written = None
-    if get_rank() == 0:
-        text = first_failure(replies, lambda reply: reply[0])
-        if text is not None:
-            failure = RankFailure(text)
-            zip_writer.discard(plan)
-        else:
-            try:
-                written = zip_writer.commit(plan, location, {k: v for reply in replies for k, v in reply[1].items()})
-            except Exception as err:  # noqa: BLE001 - shared with every rank below, then re-raised
-                zip_writer.discard(plan)
-                failure = err
+    try:
+        written = finish(plan, location, error, crcs, Gathered())
+    except Exception as err:  # noqa: BLE001 - rank 0's: shared with every rank below, then raised
+        failure = err
     agree.saving(location.url).share(failure)
     return written
 
@@ -256,20 +194,10 @@ def write_share_in_background(location: Location, plan: Plan, pairs: list[Any], 
         crcs = zip_writer.write_shares(plan, pairs)
     except Exception as err:  # noqa: BLE001 - reported below, raised on every rank by wait()
         error = err
-    if get_rank() != 0:
-        report_share(plan, error, crcs)
+    coordinator = get_rank() == 0
+    written = finish(plan, location, error, crcs, Stored(coordinator, handle.abandoned))
+    if not coordinator:
         handle.mark_reported()
         if error is not None:
             raise error
-        return None
-    try:
-        replies = [(None, crcs), *collect_shares(plan, handle.abandoned)]
-        if error is not None:
-            raise error
-        failure = first_failure(replies, lambda reply: reply[0])
-        if failure is not None:
-            raise RankFailure(failure)
-        return zip_writer.commit(plan, location, {k: v for reply in replies for k, v in reply[1].items()})
-    except BaseException:
-        zip_writer.discard(plan)
-        raise
+    return written

@@ -3,9 +3,8 @@
 `create_tmp` makes the temporary file at its full size (a token at its start, for the other
 ranks to check they see it); `write_shares` puts storages' bytes at their offsets with one
 ``pwrite`` each and fsyncs; `commit` writes the headers, small records and central directory
-(`write_directory`) and publishes the file (`ckptools.storage.publish`). `write_alone` is all of
-it on one rank: the file ``torch.save`` would write, each storage written straight from the
-tensor's memory.
+(`write_directory`) and publishes the file (`ckptools.storage.publish`). The order they are called
+in is `ckptools.write.commit`'s protocol.
 """
 
 from __future__ import annotations
@@ -15,17 +14,15 @@ import os
 import secrets
 import threading
 from collections.abc import Mapping
-from typing import Any
 
 import torch
 
 from ..codecs.torchzip import ZipPlan
-from ..layouts.torch_io import save_file
 from ..storage import Location, crc32, fresh_tmp, local_target, publish
 from . import upload
-from .plan import PREFIX, TOKEN_BYTES, Plan, Share, host_bytes, make_plan
+from .plan import PREFIX, TOKEN_BYTES, Plan, Share, host_bytes
 
-__all__ = ["commit", "create_tmp", "discard", "write_alone", "write_directory", "write_shares"]
+__all__ = ["commit", "create_tmp", "discard", "write_directory", "write_shares"]
 
 
 def create_tmp(location: Location, plan: Plan) -> Plan:
@@ -138,25 +135,6 @@ def write_directory(plan: Plan, crcs: Mapping[str, int] | None, *, sync: bool = 
     finally:
         os.close(fd)
     return zplan.size
-
-
-def write_alone(location: Location, payload: Mapping[str, Any]) -> int:
-    """Rank 0 writes all of ``payload``, no exchange, atomically; returns the size.
-
-    A local file goes through the planned writer: the same file ``torch.save`` would write
-    (temporary name, fsync, rename, directory fsync), but each storage goes to disk with one
-    ``pwrite`` straight from the tensor's memory. Anything else streams through ``torch.save``
-    (`ckptools.layouts.torch_io.save_file`: a multipart upload on S3).
-    """
-    if not location.local:
-        return save_file(location, payload)
-    plan = create_tmp(location, make_plan(location, payload, payload, alone=True))
-    try:
-        crcs = write_shares(plan, [(share, plan.storages[share.key]) for share in plan.shares])
-        return commit(plan, location, crcs)
-    except BaseException:
-        discard(plan)
-        raise
 
 
 def discard(plan: Plan | None) -> None:
