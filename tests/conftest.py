@@ -66,7 +66,7 @@ def _no_async_save_left():
     if handle is not None and not torch.distributed.is_initialized():
         with contextlib.suppress(Exception):  # the test that left it saw (or ignored) its failure
             handle.wait()
-    background._BUFFERS.release()
+    background.SAVES.stager.release()
 
 
 # The slowest tests (whole launches under torchrun, kill loops, moto) run first: with pytest-xdist

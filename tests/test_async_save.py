@@ -76,17 +76,47 @@ def test_staging_buffers_are_reused_while_shapes_stay_and_can_be_released(tmp_pa
     model, opt = _trained()
     state = {"model": model, "optimizer": opt}
     ck.async_save(tmp_path / "1.pt", state).wait()
-    first = [s.data_ptr() for s in background._BUFFERS._storages]
-    held = background._BUFFERS.nbytes
+    first = [s.data_ptr() for s in background.SAVES.stager._storages]
+    held = background.SAVES.stager.nbytes
     assert held >= 3 * sum(p.numel() * 4 for p in model.parameters())  # params + two AdamW moments
     _step(model, opt)
     ck.async_save(tmp_path / "2.pt", state).wait()
-    assert [s.data_ptr() for s in background._BUFFERS._storages] == first  # no new allocation
+    assert [s.data_ptr() for s in background.SAVES.stager._storages] == first  # no new allocation
     assert ck.release_staging_buffers() == held
-    assert background._BUFFERS.nbytes == 0
+    assert background.SAVES.stager.nbytes == 0
     ck.async_save(tmp_path / "3.pt", {"w": torch.ones(5)}).wait()
     # 20 bytes of w and the RNG states' tensors; nothing of the model's buffers kept.
-    assert 20 < background._BUFFERS.nbytes < 20_000 < held
+    assert 20 < background.SAVES.stager.nbytes < 20_000 < held
+
+
+def test_both_stagers_copy_through_one_protocol_and_release_what_they_held(tmp_path):
+    """The async save's host buffers and node memory's slots are one `Stager`: stage, wait, then the copy
+    is the source's bytes while the source moves on; release gives back the bytes held (a slot's spare
+    file goes with it)."""
+    import collections
+
+    from ckptools.node.slots import NodeSlots
+    from ckptools.write import Stager, StagingBuffers
+
+    source = torch.arange(16, dtype=torch.float32)
+    expected = source.clone()
+    folder = tmp_path / "node-memory"
+    folder.mkdir(mode=0o700)
+    slots = NodeSlots(str(folder), "ckpt")
+    slot = slots.prepare(64)
+    slots.open(slot, 64)
+    share = collections.namedtuple("Share", "offset nbytes")(0, 64)
+    stagers: list[tuple[Stager, object]] = [(StagingBuffers(), {"w": source}), (slots, [(share, source)])]
+    copies = []
+    for stager, what in stagers:
+        copies.append(stager.stage(what))
+        stager.wait()
+    source.add_(1)  # training moves on: the copies stay as of the stage
+    assert torch.equal(copies[0]["w"], expected)
+    assert copies[1].bytes[:64].numpy().tobytes() == expected.numpy().tobytes()
+    slots.keep_spare(slot)
+    assert [stager.release() for stager, _ in stagers] == [64, 64]
+    assert os.listdir(folder) == []  # the spare slot went with the release
 
 
 def test_the_old_names_of_staging_still_work_with_a_deprecation_warning(tmp_path):
@@ -183,7 +213,7 @@ def _two_ranks(rank: int, world: int, directory: str) -> dict:
     out["box"] = box[0].item()
     out["files"] = sorted(p for p in os.listdir(f"{directory}/run"))
     manager.close()
-    out["buffers"] = background._BUFFERS.nbytes
+    out["buffers"] = background.SAVES.stager.nbytes
     return out
 
 

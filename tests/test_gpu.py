@@ -52,7 +52,7 @@ def test_cuda_state_is_snapshotted_into_pinned_memory_as_of_the_call(tmp_path):
     try:
         # Every CUDA storage (weights, Adam's moments) went to pinned memory; CPU ones (the
         # RNG states, Adam's step counters) to plain memory.
-        pinned = sum(s.nbytes() for s in background._BUFFERS._storages if s.is_pinned())
+        pinned = sum(s.nbytes() for s in background.SAVES.stager._storages if s.is_pinned())
         assert pinned == 3 * sum(p.numel() * p.element_size() for p in model.parameters())
         # Training moves on at once, on the GPU's stream: the snapshot must already be complete.
         with torch.no_grad():
@@ -233,8 +233,6 @@ def test_a_node_memory_snapshot_of_cuda_state_restores_bit_exact_onto_the_gpu(tm
     """manager.snapshot of a model, AdamW and a GradScaler on the GPU (a mixed-precision step), then
     training moves on and draws from the CUDA stream; restore() puts back the snapshot's tensors on the
     GPU and the CUDA stream as of the snapshot, bit for bit. The slot was registered with CUDA (pinned)."""
-    from ckptools.node.slots import SLOTS
-
     state = _cuda_model_state()
     # In node memory (/dev/shm), where snapshots go: CUDA registers a mapping of tmpfs pages; a mapping
     # of an ext4 file it refuses (cudaErrorInvalidValue, seen on an H200), and the copy runs unpinned.
@@ -246,7 +244,7 @@ def test_a_node_memory_snapshot_of_cuda_state_restores_bit_exact_onto_the_gpu(tm
         warnings.simplefilter("error", ck.CheckpointWarning)  # "could not register the slot" would fail here
         manager.snapshot({**state, "step": 7}, 7, blocking=True)
     if CUDA:
-        assert any(m.registered for m in SLOTS.mapped.values()), "the slot was never pinned"
+        assert any(m.registered for m in manager._node.slots.mapped.values()), "the slot was never pinned"
     drawn = torch.rand(4, device=DEVICE)  # the stream moves on
     with torch.no_grad():
         for p in state["model"].parameters():

@@ -19,6 +19,7 @@ from _dist import run_ranks
 
 import ckptools as ck
 from ckptools.node import snapshot as node_snapshot
+from ckptools.node.slots import NodeSlots
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -114,13 +115,13 @@ def test_a_snapshot_that_fails_midway_leaves_the_previous_one_whole(tmp_path, mo
     manager = _manager(tmp_path)
     kept = _state(5.0)
     manager.snapshot({**kept, "step": 5}, 5, blocking=True)
-    real = node_snapshot._copy
+    real = NodeSlots.stage
 
-    def dies(mapped, shares, sources):  # a kill during the copy, as far as the folder can tell
-        real(mapped, shares[: len(shares) // 2], sources[: len(sources) // 2])
+    def dies(slots, source):  # a kill during the copy, as far as the folder can tell
+        real(slots, source[: len(source) // 2])
         raise OSError("killed mid-copy")
 
-    monkeypatch.setattr(node_snapshot, "_copy", dies)
+    monkeypatch.setattr(NodeSlots, "stage", dies)
     manager.snapshot({**_state(6.0), "step": 6}, 6)  # returns: its commit fails in the background
     monkeypatch.undo()
     assert _files(manager.snapshot_dir) == ["ckpt-0000000005.pt"]  # no torn file
@@ -130,7 +131,7 @@ def test_a_snapshot_that_fails_midway_leaves_the_previous_one_whole(tmp_path, mo
     assert manager.restore(target)["step"] == 5
     assert torch.equal(target["model"].weight, kept["model"].weight)
     with pytest.raises(ck.CheckpointError, match="killed mid-copy"):  # blocking: at once
-        monkeypatch.setattr(node_snapshot, "_copy", dies)
+        monkeypatch.setattr(NodeSlots, "stage", dies)
         manager.snapshot({**_state(8.0), "step": 8}, 8, blocking=True)
     assert _files(manager.snapshot_dir) == ["ckpt-0000000005.pt"]
 

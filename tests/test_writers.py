@@ -76,7 +76,7 @@ def _same_files(rank: int, world: int, directory: str) -> dict:
     handle = ck.async_save(f"{directory}/async.pt", state, writers="all", verify_replicas=True)
     from ckptools.write import async_save as background
 
-    snapshot = background._BUFFERS.nbytes
+    snapshot = background.SAVES.stager.nbytes
     with torch.no_grad():
         for p in state["model"].parameters():
             p.add_(1.0)

@@ -7,8 +7,8 @@ folder.py            where the snapshots live (``/dev/shm/ckptools-<user>-<key>`
                      alone: `claim`, `readable`), its space check for two slots, which ranks
                      share it (a node), the keeper's start and the pids it
                      watches, the folders' removal at the job's normal end
-slots.py             the two slot files per node, mapped once per rank and reused (`SLOTS` owns
-                     them), pinned for CUDA copies, preallocated
+slots.py             the two slot files per node, mapped once per rank and reused (`NodeSlots`, a
+                     stager: held by its `NodeMemory`), pinned for CUDA copies, preallocated
 commits.py           the commit in the background: CRC-32s, reports to the node's leader, the
                      rename (`COMMITS` holds each folder's commit in flight)
 snapshot.py          the collective protocol of one snapshot (`write_snapshot`), and the commit of
@@ -41,7 +41,7 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers
     from .memory import NodeMemory
     from .names import TRAINER_FOLDER, TRAINER_PREFIX, checkpoint_names, claim, default_folder, file_name, readable
     from .sealing import seal, sealable
-    from .snapshot import Orphaned, close_slots, release, settle, write_snapshot
+    from .snapshot import Orphaned, release, settle, write_snapshot
     from .survey import Survey, survey_nodes
     from .trainer_folder import newest_folder_step, snapshot_to_folder
 
@@ -53,7 +53,6 @@ _LAZY = {
     "TRAINER_PREFIX": ".names",
     "checkpoint_names": ".names",
     "claim": ".names",
-    "close_slots": ".snapshot",
     "default_folder": ".names",
     "file_name": ".names",
     "NodeMemory": ".memory",
@@ -83,7 +82,6 @@ __all__ = [
     "Survey",
     "checkpoint_names",
     "claim",
-    "close_slots",
     "default_folder",
     "file_name",
     "finish_snapshot",

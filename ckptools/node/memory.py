@@ -21,7 +21,8 @@ from .cadence import Cadence
 from .commits import finish_snapshot
 from .folder import register, start_keeper, watch
 from .names import checkpoint_names, default_folder, file_name, readable
-from .snapshot import close_slots, settle, write_snapshot
+from .slots import NodeSlots
+from .snapshot import settle, write_snapshot
 from .survey import Survey, survey_nodes
 
 __all__ = ["NodeMemory"]
@@ -42,6 +43,7 @@ class NodeMemory:
         self.folder = folder if folder is not None else default_folder(directory, prefix)
         self._names = checkpoint_names(prefix)
         self._cadence = Cadence()
+        self.slots = NodeSlots(self.folder, prefix)  # the stager a snapshot's copy goes into
 
     def path_for(self, step: int) -> str:
         """The path of the snapshot of ``step`` on this node."""
@@ -94,8 +96,8 @@ class NodeMemory:
         proposal = [cadence.propose(called, budget)] if budget is not None else None
         metadata = {**dict(metadata or {}), "step": step}
         path = write_snapshot(
-            self.folder, self.prefix, file_name(self.prefix, step), state, metadata=metadata, writers=writers,
-            blocking=blocking, prepare=self._prepare, cadence=proposal,
+            self.slots, file_name(self.prefix, step), state, metadata=metadata, writers=writers, blocking=blocking,
+            prepare=self._prepare, cadence=proposal,
         )  # fmt: skip
         cadence.taken(called, time.monotonic() - called, proposal[0] if proposal else 0, step, budget)
         return path
@@ -127,4 +129,5 @@ class NodeMemory:
 
     def close(self) -> None:
         """Local: this rank's commit waited for, its slots unmapped, the spare removed (the newest stays)."""
-        close_slots(self.folder)
+        settle(self.folder)
+        self.slots.release()

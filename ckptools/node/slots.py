@@ -5,8 +5,8 @@ spare (a CUDA tensor device-to-host, into the mapping registered with CUDA as pi
 its commit renames it into place; the one it replaces becomes the spare. The slot file is
 preallocated (``posix_fallocate``) before the copy, so a node memory too small for it is a
 `NodeMemoryError` before anything is written, never a SIGBUS in the middle of the copy (what a
-mapping of a tmpfs that runs out of pages does). `SLOTS` owns every mapping and spare of this
-process.
+mapping of a tmpfs that runs out of pages does). `NodeSlots` holds a folder's mappings and spare: a
+`ckptools.write.Stager`, as the async save's host buffers are.
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ import contextlib
 import errno
 import mmap
 import os
+import weakref
 from collections import OrderedDict
+from typing import Any
 
 import torch
 
@@ -23,11 +25,12 @@ from .. import log
 from ..errors import CheckpointError, NodeMemoryError
 from ..storage import tmp_name
 from ..text import human_size
+from ..write import copy_bytes, whole_storage
 from . import sealing
 from .folder import FIXES, check_space, note_pages
 from .names import checkpoint_names
 
-__all__ = ["SLOTS", "MappedSlot", "Slots"]
+__all__ = ["MappedSlot", "NodeSlots", "release_all"]
 
 SLOT = "snapshot-slot"  # the spare slot's name, under a temporary name of its writer
 # How many mappings a rank keeps (two slots, and one to spare while a slot is replaced).
@@ -79,18 +82,26 @@ class MappedSlot:
             self.mm.close()
 
 
-class Slots:
-    """This process's slots: its mappings (reused while a file and size stay), each folder's spare
-    slot, and the slot files it made (only those are reused: a file restored from may still back
-    tensors the caller holds)."""
+class NodeSlots:
+    """A node-memory folder's slots in this process, and a `ckptools.write.Stager`: a snapshot's copy
+    goes into the slot `open` mapped (`stage`, then `wait`), and `release` lets them all go. It holds its
+    mappings (reused while a file and size stay), the folder's spare slot, and the slot files it made
+    (only those are reused: a file restored from may still back tensors the caller holds). Held by the
+    folder's `ckptools.node.NodeMemory`; `release_all` at the job's normal end.
+    """
 
-    def __init__(self) -> None:
+    def __init__(self, folder: str, prefix: str) -> None:
+        self.folder, self.prefix = folder, prefix
         self.mapped: OrderedDict[tuple[int, int, int], MappedSlot] = OrderedDict()
-        self.spares: dict[str, str] = {}
+        self.spare: str | None = None
         self.ours: set[tuple[int, int]] = set()
+        self._target: MappedSlot | None = None
+        self._devices: set[torch.device] = set()
+        _LIVE.add(self)
 
-    def mapping(self, path: str, size: int) -> MappedSlot:
-        """``path`` mapped at ``size`` bytes, reused while the file (its inode) and size are the same."""
+    def open(self, path: str, size: int) -> MappedSlot:
+        """``path`` mapped at ``size`` bytes, the slot `stage` copies into; reused while the file (its
+        inode) and size are the same."""
         stat = os.stat(path)
         key = (stat.st_dev, stat.st_ino, size)
         mapped = self.mapped.get(key)
@@ -101,72 +112,100 @@ class Slots:
             while len(self.mapped) > MAPPED_MAX:
                 self.mapped.popitem(last=False)[1].close()
         self.mapped.move_to_end(key)
+        self._target = mapped
         return mapped
 
-    def keep_spare(self, folder: str, path: str) -> None:
-        """``path`` (allocated, not committed) stays ``folder``'s spare: the next snapshot reuses it."""
-        self.spares[folder] = path
+    def stage(self, source: Any) -> Any:
+        """Copy ``source`` (this rank's ``(share, storage or tensor)`` pairs) into the slot `open`
+        mapped, each at its offset; CUDA copies are issued back to back, non-blocking (`wait`). The slot."""
+        mapped = self._target
+        assert mapped is not None  # open() comes first: the protocol's order
+        for share, storage in source:
+            data = storage if isinstance(storage, torch.Tensor) else whole_storage(storage)
+            target = mapped.bytes[share.offset : share.offset + share.nbytes]
+            if data.device.type == "cuda":
+                mapped.pin()
+                self._devices.add(data.device)
+                copy_bytes(target, data, non_blocking=mapped.registered)
+            else:
+                copy_bytes(target, data)
+        return mapped
 
-    def prepare(self, folder: str, prefix: str, size: int) -> str:
+    def wait(self) -> None:
+        for device in self._devices:  # one synchronize per device waits for every copy issued on it
+            torch.cuda.current_stream(device).synchronize()
+        self._devices.clear()
+
+    def keep_spare(self, path: str) -> None:
+        """``path`` (allocated, not committed) stays the folder's spare: the next snapshot reuses it."""
+        self.spare = path
+
+    def prepare(self, size: int) -> str:
         """Leader: the slot to copy into, ``size`` bytes, its pages allocated; the newest committed
         snapshot stays whole, older ones go."""
-        names = checkpoint_names(prefix)
+        folder, names = self.folder, checkpoint_names(self.prefix)
         committed = [os.path.join(folder, n) for n in sorted(os.listdir(folder)) if names.fullmatch(n)]
         for old in committed[:-1]:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(old)
         newest = committed[-1] if committed else None
-        spare = self.spares.pop(folder, None)
+        spare, self.spare = self.spare, None
         if spare is not None and not os.path.isfile(spare):
             spare = None
         note_pages(folder)  # its restores' speed, said once
         try:
             check_space(folder, size, _allocated(newest) + _allocated(spare))
         except BaseException:
-            if spare is not None:
-                self.spares[folder] = spare  # still this node's spare: a later, smaller state reuses it
+            self.spare = spare  # still the folder's spare: a later, smaller state reuses it
             raise
-        path = spare or os.path.join(folder, tmp_name(f"{prefix}-{SLOT}"))
+        path = spare or os.path.join(folder, tmp_name(f"{self.prefix}-{SLOT}"))
         sealing.forget(path)  # what it held is overwritten now: never sealed again
         _allocate(path, size, folder)
         self.ours.add(_inode(path))
         return path
 
-    def recycle(self, folder: str, prefix: str, kept: str) -> None:
+    def recycle(self, kept: str) -> None:
         """Leader, after a commit: every other committed snapshot goes; one of this process's own
         slot files becomes the spare (renamed to a temporary name), the rest are removed."""
-        names = checkpoint_names(prefix)
-        for name in sorted(os.listdir(folder)):
-            path = os.path.join(folder, name)
+        names = checkpoint_names(self.prefix)
+        for name in sorted(os.listdir(self.folder)):
+            path = os.path.join(self.folder, name)
             if path == kept or not names.fullmatch(name):
                 continue
             with contextlib.suppress(FileNotFoundError):
-                if folder not in self.spares and _inode(path) in self.ours:
-                    spare = os.path.join(folder, tmp_name(f"{prefix}-{SLOT}"))
+                if self.spare is None and _inode(path) in self.ours:
+                    spare = os.path.join(self.folder, tmp_name(f"{self.prefix}-{SLOT}"))
                     os.rename(path, spare)
-                    self.spares[folder] = spare
+                    self.spare = spare
                 else:
                     os.unlink(path)
 
-    def close(self, folder: str) -> None:
-        """Unmap ``folder``'s slots and remove its spare (the committed snapshot stays)."""
-        for key in [k for k, mapped in self.mapped.items() if mapped.folder == folder]:
-            self.mapped.pop(key).close()
-        spare = self.spares.pop(folder, None)
+    def release(self) -> int:
+        """Unmap the slots and remove the spare (the committed snapshot stays); the bytes mapped."""
+        held = sum(key[2] for key in self.mapped)
+        while self.mapped:
+            self.mapped.popitem()[1].close()
+        self._target = None
+        spare, self.spare = self.spare, None
         if spare is not None:
             sealing.forget(spare)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(spare)
-
-    def close_all(self) -> None:
-        """Unmap every slot and forget every spare (their folders go next: the job's normal end)."""
-        while self.mapped:
-            self.mapped.popitem()[1].close()
-        self.spares.clear()
-        self.ours.clear()
+        return held
 
 
-SLOTS = Slots()
+# Every NodeSlots of this process, for the job's normal end (`release_all`).
+_LIVE: weakref.WeakSet[NodeSlots] = weakref.WeakSet()
+
+
+def release_all() -> None:
+    """Unmap every slot of this process and forget every spare (their folders go next: the job's
+    normal end)."""
+    for slots in list(_LIVE):
+        while slots.mapped:
+            slots.mapped.popitem()[1].close()
+        slots._target, slots.spare = None, None
+        slots.ours.clear()
 
 
 def _allocate(path: str, size: int, folder: str) -> None:

@@ -39,12 +39,10 @@ from ..write import (
     FILE,
     Gathered,
     Plan,
-    Share,
     Stored,
     build_payload,
     check_writers,
     checked_args,
-    copy_bytes,
     finish,
     locate,
     make_plan,
@@ -56,9 +54,9 @@ from ..zero import has_partitions, refusal, with_partitions
 from . import sealing
 from .commits import COMMITS, crc32s, finish_snapshot
 from .folder import group_nodes, node_token, release_folders
-from .slots import SLOTS, MappedSlot
+from .slots import MappedSlot, NodeSlots, release_all
 
-__all__ = ["Orphaned", "close_slots", "release", "settle", "write_snapshot"]
+__all__ = ["Orphaned", "release", "settle", "write_snapshot"]
 
 
 class Orphaned(CheckpointError):
@@ -72,8 +70,7 @@ class Orphaned(CheckpointError):
 
 
 def write_snapshot(
-    folder: str,
-    prefix: str,
+    slots: NodeSlots,
     name: str,
     state: Mapping[str, Any],
     *,
@@ -83,7 +80,8 @@ def write_snapshot(
     prepare: Callable[[], None] | None = None,
     cadence: list[int] | None = None,
 ) -> str:
-    """Collective: copy ``state`` into every node's memory as the snapshot ``name`` in ``folder``.
+    """Collective: copy ``state`` into every node's memory as the snapshot ``name`` in the folder of
+    ``slots`` (this process's slots of it: the stager the copy goes into).
 
     Returns once this rank's copy is whole (``blocking``: once the snapshot is committed on every
     node, its failure raised on every rank). ``prepare`` runs on every node's leader before the
@@ -96,6 +94,7 @@ def write_snapshot(
         '/tmp/ckptools-doc-shm/ckpt-0000000001.pt'
     """
     check_writers(writers)
+    folder = slots.folder
     previous = COMMITS.join(folder)
     started = time.monotonic()
     path, user_meta = checked_args(os.path.join(folder, name), state, metadata)
@@ -151,7 +150,7 @@ def write_snapshot(
         if rank == leader:
             if prepare is not None:
                 prepare()
-            slot = SLOTS.prepare(folder, prefix, plan.size)
+            slot = slots.prepare(plan.size)
             sealing.begin(slot, name, len(node))  # before any copy into it
         storages = locate(plan, state, plan.mine())
     except Exception as err:  # noqa: BLE001 - raised on every rank below
@@ -160,26 +159,27 @@ def write_snapshot(
     failures = [outcome for _, outcome in replies if outcome is not None]
     if failures:
         if slot is not None:
-            SLOTS.keep_spare(folder, slot)  # allocated: the next snapshot reuses it
+            slots.keep_spare(slot)  # allocated: the next snapshot reuses it
         saving.raise_outcome(failures[0], error)
     plan.tmp = replies[leader][0]
 
     mine = plan.mine()
-    mapped = SLOTS.mapping(plan.tmp, plan.size)
+    mapped = slots.open(plan.tmp, plan.size)
     copy_error: BaseException | None = None
     try:
-        _copy(mapped, mine, storages)
+        slots.stage(list(zip(mine, storages)))
+        slots.wait()
         if rank == leader:  # the container, CRC-32s of storages as 0: a kill before the commit leaves it sealable
             write_directory(plan, None)
         sealing.copied(plan.tmp, node.index(rank))  # from here this step survives a kill (ckptools.node.sealing)
     except Exception as err:  # noqa: BLE001 - reported to the leader: the snapshot does not count
         copy_error = err
     if orphaned:  # the job's last snapshot: committed here, without the store, then every rank leaves
-        _commit_orphaned(plan, mapped, copy_error, location, (folder, prefix, path), node, orphaned)
+        _commit_orphaned(plan, mapped, copy_error, location, (slots, path), node, orphaned)
     # The one commit protocol (`ckptools.write.finish`), its reports through the store: from the commit
     # thread, never a collective. A member that never reports is given up on at the group's timeout.
     reports = Stored(rank == leader, threading.Event(), node[1:])
-    target = _Slot(folder)
+    target = _Slot(slots)
 
     def commit() -> None:
         crcs = {} if copy_error is not None else crc32s(mapped, mine)
@@ -188,7 +188,7 @@ def write_snapshot(
             if copy_error is not None:
                 raise copy_error
             return
-        SLOTS.recycle(folder, prefix, path)
+        slots.recycle(path)
 
     COMMITS.start(folder, path, commit)
     if rank == leader:  # the file is renamed into place by the commit: its size is the plan's
@@ -203,7 +203,7 @@ def _commit_orphaned(
     mapped: MappedSlot,
     copy_error: BaseException | None,
     location: Any,
-    where: tuple[str, str, str],
+    where: tuple[NodeSlots, str],
     node: list[int],
     orphaned: list[int],
 ) -> None:
@@ -212,15 +212,15 @@ def _commit_orphaned(
     with it: instead, once every rank's copy is whole (an exchange over the process group), each node's
     leader computes the CRC-32 of every record of its copy itself (the node holds a whole copy) and
     commits. Whatever became of the previous snapshot's commit, this one counts."""
-    folder, prefix, path = where
+    slots, path = where
     rank = get_rank()
     leader = rank == node[0]
     error: BaseException | None = None
     try:  # the one commit protocol, its reports gathered by a collective; the leader checksums the node's copy
         crcs = crc32s(mapped, plan.shares) if leader and copy_error is None else {}
-        finish(plan, location, copy_error, crcs, Gathered(node[0], node), _Slot(folder))
+        finish(plan, location, copy_error, crcs, Gathered(node[0], node), _Slot(slots))
         if leader:
-            SLOTS.recycle(folder, prefix, path)
+            slots.recycle(path)
     except Exception as err:  # noqa: BLE001 - raised on every rank below, in Orphaned's words
         error = err if leader else None
     outcomes = [o for o in all_gather_object(outcome_of(error, rank)) if o is not None]
@@ -235,8 +235,8 @@ class _Slot:
     """A snapshot's target in the commit protocol: the node's spare slot, renamed into place (its copies'
     record forgotten: it is committed), or kept as the spare when the commit does not happen."""
 
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
+    def __init__(self, slots: NodeSlots) -> None:
+        self.slots = slots
 
     def commit(self, plan: Plan, location: Any, crcs: dict[str, int]) -> int:
         written = FILE.commit(plan, location, crcs)
@@ -244,24 +244,7 @@ class _Slot:
         return written
 
     def discard(self, plan: Plan) -> None:
-        SLOTS.keep_spare(self.folder, plan.tmp)  # not committed: still this node's spare slot
-
-
-def _copy(mapped: MappedSlot, shares: list[Share], sources: list[Any]) -> None:
-    """This rank's shares into the mapped slot at their offsets; CUDA copies are issued back to
-    back, non-blocking, and one synchronize per device waits for them."""
-    devices = set()
-    for share, source in zip(shares, sources):
-        data = source if isinstance(source, torch.Tensor) else whole_storage(source)
-        target = mapped.bytes[share.offset : share.offset + share.nbytes]
-        if data.device.type == "cuda":
-            mapped.pin()
-            devices.add(data.device)
-            copy_bytes(target, data, non_blocking=mapped.registered)
-        else:
-            copy_bytes(target, data)
-    for device in devices:
-        torch.cuda.current_stream(device).synchronize()
+        self.slots.keep_spare(plan.tmp)  # not committed: still this node's spare slot
 
 
 def _receive_rank0_part(plan: Plan, nodes: list[list[int]], leader: int) -> None:
@@ -294,16 +277,9 @@ def settle(folder: str) -> None:
     COMMITS.settle(folder)
 
 
-def close_slots(folder: str) -> None:
-    """Local: wait for this rank's commit in ``folder``, unmap its slots and remove its spare (the
-    committed snapshot stays): `CheckpointManager.close`."""
-    COMMITS.settle(folder)
-    SLOTS.close(folder)
-
-
 def release() -> list[str]:
     """The job's normal end on this rank: wait for its commits, unmap its slots, and remove the
     node-memory folders (one rank per node); the folders removed."""
     COMMITS.join_all()
-    SLOTS.close_all()
+    release_all()
     return release_folders()

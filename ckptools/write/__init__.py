@@ -14,7 +14,8 @@ commit.py            the one commit protocol (plan, write, report, finish) every
 upload.py            the same on S3: every rank's share as parts of one multipart upload
 shares.py            the collective steps of ``writers="all"`` (plan, check, write, commit), from the
                      main thread or, for the async save, a writer thread
-staging.py           `StagingBuffers`: an async save's copy of the state in reused host buffers
+staging.py           `Stager` (stage, wait, release: DCP's AsyncStager's shape); `StagingBuffers`,
+                     an async save's copy of the state in reused host buffers
 writer_thread.py     `BackgroundWriter`: one write in a background thread, its error kept
 async_save.py        the async save's state in one place: `AsyncSave`, the save in flight
 ===================  ==========================================================================
@@ -36,7 +37,7 @@ from .commit import FILE, Gathered, Stored, Target, finish, write_alone
 from .payload import Opening, build_payload, checked_args, opening, rank_part
 from .plan import Plan, Share, check_writers, choose, compare_replicas, make_plan, replica_digests
 from .shares import locate, plan_shares, write_and_commit, write_share_in_background
-from .staging import StagingBuffers, copy_bytes, whole_storage
+from .staging import Stager, StagingBuffers, copy_bytes, whole_storage
 from .writer_thread import BackgroundWriter
 from .zip_writer import write_directory
 
@@ -48,6 +49,7 @@ __all__ = [
     "Opening",
     "Plan",
     "Share",
+    "Stager",
     "StagingBuffers",
     "Stored",
     "Target",

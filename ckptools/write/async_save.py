@@ -1,6 +1,6 @@
 """The async save's state in one place: its handle (`AsyncSave`: the writer thread, whether
-every rank wrote a share, the outcome ``wait()`` shares), the one slot for the save in flight,
-and the process's staging buffers.
+every rank wrote a share, the outcome ``wait()`` shares), and `SAVES`, which holds the save in flight
+and the stager its copies go into (`ckptools.write.staging.StagingBuffers`).
 
 The division of labour is fixed: the main thread stages the copy and runs every collective
 (in the same order on every rank); the writer thread, on each rank that writes (global rank 0, or
@@ -24,13 +24,26 @@ from .writer_thread import BackgroundWriter
 
 __all__ = ["AsyncSave", "finish_pending", "pending", "release_staging_buffers", "set_pending", "stage"]
 
-# One state's worth of host memory (the staged copy), held between saves so the next one only copies.
-_BUFFERS = StagingBuffers()
+
+class Saves:
+    """The async saves of this process: the one in flight (at most one; every rank holds its own
+    handle for it, only rank 0's has a thread, so every rank knows there is one to finish and the
+    finishing collective matches), and the stager their copies go into: one state's worth of host
+    memory, held between saves so the next one only copies."""
+
+    def __init__(self) -> None:
+        self.pending: AsyncSave | None = None
+        self.stager = StagingBuffers()
+
+
+SAVES = Saves()
 
 
 def stage(payload: Any) -> Any:
-    """A copy of ``payload`` whose tensors live in the process's reused staging buffers."""
-    return _BUFFERS.take(payload)
+    """A copy of ``payload`` whose tensors live in the async saves' reused staging buffers."""
+    staged = SAVES.stager.stage(payload)
+    SAVES.stager.wait()  # the caller may step the optimizer the moment the save returns
+    return staged
 
 
 def release_staging_buffers() -> int:
@@ -46,11 +59,9 @@ def release_staging_buffers() -> int:
         >>> ck.release_staging_buffers()
         0
     """
-    if _PENDING is not None and not _PENDING.done():
+    if SAVES.pending is not None and not SAVES.pending.done():
         raise RuntimeError("an async save is still writing from the staging buffers; wait() for it first")
-    held = _BUFFERS.nbytes
-    _BUFFERS.release()
-    return held
+    return SAVES.stager.release()
 
 
 class AsyncSave:
@@ -147,7 +158,6 @@ class AsyncSave:
             >>> handle.wait()  # doctest: +SKIP
             '/tmp/ckpt.pt'
         """
-        global _PENDING
         if not self._finished:
             try:
                 with entered("AsyncSave.wait"):  # in here: a rank that never comes abandons the write too
@@ -162,27 +172,21 @@ class AsyncSave:
                     self.join_writer()  # rank 0's writer gives up at once and removes its file
                 # Even when the exchange itself broke (a peer died): the group is gone then, and
                 # every later call must not try to finish this save again.
-                if _PENDING is self:
-                    _PENDING = None
+                if SAVES.pending is self:
+                    SAVES.pending = None
         self._agreement.raise_outcome(self._outcome, self._writer.error)
         return self.path
 
 
-# The save in flight: at most one. Every rank holds its own handle for it (only rank 0's has a
-# thread), so every rank knows there is one to finish and the finishing collective matches.
-_PENDING: AsyncSave | None = None
-
-
 def pending() -> AsyncSave | None:
     """The async save in flight (not yet waited for), or None."""
-    return _PENDING
+    return SAVES.pending
 
 
 def set_pending(handle: AsyncSave) -> None:
-    global _PENDING
-    if _PENDING is not None:
+    if SAVES.pending is not None:
         raise RuntimeError("an async save is already in flight; finish_pending() first")
-    _PENDING = handle
+    SAVES.pending = handle
 
 
 def finish_pending() -> str | None:
@@ -192,7 +196,7 @@ def finish_pending() -> str | None:
     one save is ever in flight and a failed background write is raised on every rank at the
     next checkpoint call at the latest.
     """
-    handle = _PENDING
+    handle = SAVES.pending
     if handle is None:
         return None
     waited = time.monotonic()

@@ -1,22 +1,37 @@
-"""Staging: a copy of a state in host buffers that training never touches, reused between saves.
+"""Staging: a copy of a state in memory that training never touches, reused between copies (DCP's word,
+and its ``AsyncStager``'s shape: `Stager`).
 
-(DCP's word for it. A *snapshot* in ckptools is what ``CheckpointManager.snapshot`` keeps in node
-memory: `ckptools.node`, which copies with `copy_bytes` from here too.)
-
-What an async save copies at the call (`ckptools.async_save`, the Lightning plugin's
-`AsyncCkptoolsCheckpointIO`); the copy is then written from a background thread.
+Two stagers: `StagingBuffers`, the host buffers an async save copies into at the call
+(`ckptools.async_save`, the Lightning plugin's `AsyncCkptoolsCheckpointIO`), written from a background
+thread; and node memory's slots (`ckptools.node.slots.NodeSlots`), a snapshot's copy, in a file of the
+node's memory. Each is held by the object that uses it.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ..devices import keep_view_bits
 
-__all__ = ["StagingBuffers", "copy_bytes", "whole_storage"]
+__all__ = ["Stager", "StagingBuffers", "copy_bytes", "whole_storage"]
+
+
+class Stager(Protocol):
+    """Memory a state is copied into before it is written, reused from one copy to the next. The call
+    order: `stage` (issues the copies; CUDA copies are non-blocking), `wait` (once, before what was
+    staged is read or training changes the source), and `release` when no more copies will come."""
+
+    def stage(self, source: Any) -> Any:
+        """Issue the copies of ``source``; what they will be, once `wait` returned."""
+
+    def wait(self) -> None:
+        """Return once every copy `stage` issued is done."""
+
+    def release(self) -> int:
+        """Let the memory go (the next `stage` allocates again); the bytes it held."""
 
 
 class StagingBuffers:
@@ -27,29 +42,44 @@ class StagingBuffers:
     would lay out the live state. CUDA storages land in pinned memory: the copies are issued
     non-blocking, back to back, and one synchronize per device waits for all of them.
 
-    `ckptools.async_save` uses one set for the whole process (`release_staging_buffers` frees
-    it); a writer of its own (the Lightning plugin) holds another, so that a staged copy still being
-    written is never overwritten by the other's next save.
+    A `Stager`. The async saves of `ckptools.async_save` hold one set (`release_staging_buffers`
+    frees it); a writer of its own (the Lightning plugin) holds another, so that a staged copy still
+    being written is never overwritten by the other's next save.
     """
 
     def __init__(self) -> None:
         self._storages: list[torch.UntypedStorage] = []
         self._pinned: list[bool] = []  # kept here: UntypedStorage.is_pinned() warns on some versions
+        self._devices: set[torch.device] = set()  # where copies were issued that `wait` has not waited for
         self.nbytes = 0
 
-    def release(self) -> None:
+    def release(self) -> int:
+        held = self.nbytes
         self._storages = []
         self._pinned = []
         self.nbytes = 0
+        return held
 
     def take(self, payload: Any) -> Any:
-        """A copy of ``payload`` whose tensors live in this object's buffers (or are clones)."""
+        """`stage` then `wait`: a copy of ``payload`` whose tensors live in this object's buffers."""
+        staged = self.stage(payload)
+        self.wait()
+        return staged
+
+    def wait(self) -> None:
+        for device in self._devices:
+            # One wait for every copy issued on that device's current stream.
+            torch.cuda.current_stream(device).synchronize()
+        self._devices.clear()
+
+    def stage(self, payload: Any) -> Any:
+        """A copy of ``payload`` whose tensors live in this object's buffers (or are clones), once `wait`
+        returned."""
         tensors: dict[int, torch.Tensor] = {}
         _collect(payload, tensors)
         copies: dict[tuple[str, int, int], torch.UntypedStorage] = {}
         memo: dict[int, Any] = {}
         used = 0
-        devices: set[torch.device] = set()
         for tensor in tensors.values():
             if not _plain(tensor):
                 # Sparse, quantized, nested, meta, subclasses: deepcopy clones them, and a clone
@@ -61,7 +91,7 @@ class StagingBuffers:
                 copies[key] = self._copy(storage, used)
                 used += 1
                 if storage.device.type == "cuda":
-                    devices.add(storage.device)
+                    self._devices.add(storage.device)
             view = torch.empty(0, dtype=tensor.dtype).set_(
                 copies[key], tensor.storage_offset(), tensor.size(), tensor.stride()
             )
@@ -71,9 +101,6 @@ class StagingBuffers:
             if isinstance(tensor, torch.nn.Parameter):
                 view = torch.nn.Parameter(view, requires_grad=tensor.requires_grad)
             memo[id(tensor)] = view
-        for device in devices:
-            # One wait for every copy issued on that device's current stream.
-            torch.cuda.current_stream(device).synchronize()
         del self._storages[used:]
         del self._pinned[used:]
         self.nbytes = sum(s.nbytes() for s in self._storages)
