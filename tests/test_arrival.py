@@ -79,14 +79,15 @@ def test_ranks_at_different_ckptools_calls_both_raise_at_once(tmp_path, monkeypa
         assert "rank 0 ck.save, rank 1 Preemption.should_stop" in got["error"], got
 
 
-def _staggered(rank: int, world: int, directory: str, late: list[float], start_at: float) -> dict:
-    """Rank r comes ``late[r]`` seconds after ``start_at`` (a wall-clock time, the same for every rank:
-    their processes come up at different moments, and under load rank 1's sleep began 0.6 s before rank 0
-    reached its save, which then waited 1.4 s, not 2; seen in make compat). None: never."""
+def _staggered(rank: int, world: int, directory: str, late: list[float]) -> dict:
+    """Rank r comes ``late[r]`` seconds after every rank left one barrier (their processes come up at
+    different moments, seconds apart under load: a wall-clock start 6 s ahead was already past when they
+    were up, in a loaded `make test`, and both came at once). None: never."""
     state = _state()
+    torch.distributed.barrier()
     if late[rank] is None:
         return {"came": False}
-    time.sleep(max(0.0, start_at + late[rank] - time.time()))
+    time.sleep(late[rank])
     started = time.monotonic()
     try:
         ck.save(os.path.join(directory, "ckpt.pt"), state)
@@ -97,7 +98,7 @@ def _staggered(rank: int, world: int, directory: str, late: list[float], start_a
 
 def test_a_rank_that_is_only_slower_within_the_bound_saves_normally(tmp_path, monkeypatch):
     monkeypatch.setenv(arrival.ENV, "6")
-    results = run_ranks(_staggered, 2, str(tmp_path), [0.0, 2.0], time.time() + 6, timeout=60)
+    results = run_ranks(_staggered, 2, str(tmp_path), [0.0, 2.0], timeout=60)
     assert [r["error"] for r in results] == [None, None]
     assert results[0]["seconds"] >= 1.5  # rank 0 waited for rank 1
     assert torch.load(tmp_path / "ckpt.pt", weights_only=True)["step"] == 1
@@ -107,9 +108,7 @@ def test_every_rank_that_came_raises_at_the_bound_of_the_first_arrival(tmp_path,
     """Rank 0 comes at once, rank 1 two seconds later, rank 2 never: ranks 0 and 1 raise together,
     when rank 0's bound is up (rank 1 waited two seconds less)."""
     monkeypatch.setenv(arrival.ENV, "4")
-    results = run_ranks(
-        _staggered, 3, str(tmp_path), [0.0, 2.0, None], time.time() + 6, may_die=frozenset({2}), timeout=60
-    )
+    results = run_ranks(_staggered, 3, str(tmp_path), [0.0, 2.0, None], may_die=frozenset({2}), timeout=60)
     first, second = results[0], results[1]
     assert "Rank(s) 0, 1 came to it, rank(s) 2 (of 3) did not within 4 s" in first["error"], first
     assert second["error"] == first["error"]

@@ -144,9 +144,18 @@ class Wide(Tiny):
 
 
 @pytest.mark.parametrize("plugin", [CkptoolsCheckpointIO, AsyncCkptoolsCheckpointIO])
-def test_a_fixed_filename_keeps_every_epochs_checkpoint_with_either_plugin(tmp_path, plugin):
+def test_a_fixed_filename_keeps_every_epochs_checkpoint_with_either_plugin(tmp_path, plugin, monkeypatch):
     """Issue 33: ModelCheckpoint names a new file name-vN when name exists; with the async plugin
     the previous save was still in flight, read as absent, and was overwritten (2 of 4 lost)."""
+    import ckptools.integrations.lightning as integration
+
+    write = integration._write
+
+    def slow_disk(location, checkpoint):  # each write outlasts an epoch: the next name is picked meanwhile
+        time.sleep(0.5)
+        return write(location, checkpoint)
+
+    monkeypatch.setattr(integration, "_write", slow_disk)
     checkpoint = pl.callbacks.ModelCheckpoint(
         dirpath=str(tmp_path), filename="test", save_top_k=-1, monitor="train_loss"
     )
@@ -160,33 +169,34 @@ def test_a_fixed_filename_keeps_every_epochs_checkpoint_with_either_plugin(tmp_p
     assert epochs == {"test.ckpt": 0, "test-v1.ckpt": 1, "test-v2.ckpt": 2, "test-v3.ckpt": 3}
 
 
-def test_the_steps_the_async_plugin_wraps_are_lightnings_own_for_every_other_trainer(tmp_path, monkeypatch):
-    """Issue 45: the wrap of ModelCheckpoint.file_exists and Trainer.save_checkpoint acts for the
-    trainers that save through AsyncCkptoolsCheckpointIO alone."""
-    import ckptools.integrations.lightning as plugin
+def test_the_async_plugin_hooks_its_own_trainers_run_alone_and_nothing_of_lightnings_classes(tmp_path):
+    """Issue 55: nothing on Lightning's classes is replaced for the process; the ModelCheckpoint of the
+    trainer that saves through the plugin waits for the save in flight during its run (a hook on that
+    instance), and the hook is gone after the run. Another trainer's callback is never hooked."""
+    classes = (pl.callbacks.ModelCheckpoint.file_exists, pl.Trainer.save_checkpoint)
+    seen = []
 
-    AsyncCkptoolsCheckpointIO()  # made once in this process: the two steps are wrapped
-    waited = []
+    class Look(pl.Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            seen.append([("file_exists" in vars(c)) for c in trainer.checkpoint_callbacks])
 
-    def wait_for(path: str) -> None:  # the calls of the two wrapped steps (ckptools' own I/O waits too)
-        if sys._getframe(1).f_code.co_name in ("file_exists", "save_checkpoint"):
-            waited.append((sys._getframe(1).f_code.co_name, path))
+    def fit(plugins):
+        checkpoint = pl.callbacks.ModelCheckpoint(
+            dirpath=str(tmp_path), filename="t", save_top_k=-1, monitor="train_loss"
+        )
+        trainer = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=2, accelerator="cpu", devices=1, logger=False,
+                             plugins=plugins, callbacks=[checkpoint, Look()], enable_progress_bar=False,
+                             enable_model_summary=False)  # fmt: skip
+        trainer.fit(Wide())
+        return checkpoint
 
-    monkeypatch.setattr(plugin, "wait_for_write", wait_for)
-    plain = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=1, accelerator="cpu", devices=1, logger=False,
-                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
-    plain.fit(Wide())
-    plain.save_checkpoint(tmp_path / "plain.ckpt")
-    pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path)).file_exists(str(tmp_path / "plain.ckpt"), plain)
-    assert waited == []
-    ours = pl.Trainer(default_root_dir=str(tmp_path), max_epochs=1, accelerator="cpu", devices=1, logger=False,
-                      plugins=[AsyncCkptoolsCheckpointIO()], enable_checkpointing=False, enable_progress_bar=False,
-                      enable_model_summary=False)  # fmt: skip
-    ours.fit(Wide())
-    ours.save_checkpoint(tmp_path / "ours.ckpt")
-    pl.callbacks.ModelCheckpoint(dirpath=str(tmp_path)).file_exists(str(tmp_path / "ours.ckpt"), ours)
-    ours_path = str(tmp_path / "ours.ckpt")
-    assert waited == [("save_checkpoint", ours_path), ("file_exists", ours_path)], waited  # both steps, ours alone
+    plain = fit([])
+    ours = fit([AsyncCkptoolsCheckpointIO()])
+    assert seen == [[False], [False], [False], [True]], seen  # hooked from the run's first save, ours alone
+    assert "file_exists" not in vars(ours) and "file_exists" not in vars(plain)  # undone at the run's end
+    assert (pl.callbacks.ModelCheckpoint.file_exists, pl.Trainer.save_checkpoint) == classes
+    for method in classes:  # Lightning's own functions, not a wrapper
+        assert method.__module__.startswith(("pytorch_lightning", "lightning")) and not hasattr(method, "__wrapped__")
 
 
 def test_a_save_after_fit_is_there_for_whatever_reads_it_at_once(tmp_path):

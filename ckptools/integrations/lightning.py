@@ -22,11 +22,13 @@ package (the plugin is registered as a ``CheckpointIO`` of each one installed).
 from __future__ import annotations
 
 import contextlib
-import functools
 import importlib
 import os
+import re
+import sys
 import threading
 import time
+import types
 from typing import Any
 
 import torch
@@ -163,10 +165,11 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
     sync plugin). One save is in flight at most: the next call, a load, a removal and Lightning's
     ``teardown`` first wait for it, and a failed background write is raised there. Whatever else
     in this process looks at the path through ckptools (another plugin instance, ``ck.load``) or
-    through ``ModelCheckpoint``'s choice of a new name waits for it too, and a
-    ``trainer.save_checkpoint`` outside ``fit`` returns once the file is written (the plugin wraps
-    those two Lightning methods when it is made). Another process sees the file once `wait` (or
-    ``teardown``) returned.
+    through ``ModelCheckpoint``'s choice of a new name waits for it too (a hook on the ModelCheckpoints of
+    the trainer that saves through the plugin, for its run alone: nothing on Lightning's classes), and a
+    ``trainer.save_checkpoint`` outside ``fit`` returns once the file is written. With a Lightning other
+    than `TESTED_LIGHTNING` a trainer's saves all return once written. Another process sees the file once
+    `wait` (or ``teardown``) returned.
 
     Examples:
         >>> from ckptools.integrations.lightning import AsyncCkptoolsCheckpointIO  # doctest: +SKIP
@@ -177,19 +180,26 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
         super().__init__(verify=verify, mmap=mmap, trust_code=trust_code, read=read)
         self._buffers = StagingBuffers()
         self._writer = BackgroundWriter("ckptools-lightning-save")
-        _teach_lightning()
+        self._hooked: list[Any] = []  # the ModelCheckpoints of the trainer in its run: unhooked at teardown
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
         """Stage ``checkpoint`` (copy it to host buffers) and write it in the background (see the class)."""
         _no_storage_options(storage_options)
         self.wait()  # the buffers are reused: the previous write must be done with them
+        trainer = _calling_trainer(self)
+        in_run = trainer is not None and _tested(trainer) and _running(trainer)
+        if in_run:  # its ModelCheckpoints must see this save when they pick their next name
+            self._hooked += [c for c in getattr(trainer, "checkpoint_callbacks", []) if _hook_file_exists(c)]
         started = time.monotonic()
         location = resolve(path)
         staged = self._buffers.take(checkpoint)
         log.logger.debug("%s staged in %.3f s", path, time.monotonic() - started)
         # Already off the training thread (Lightning's own AsyncCheckpointIO wrapping this one, whose
-        # teardown waits for its executor but not for us): write here, so that it does.
-        inline = threading.current_thread() is not threading.main_thread()
+        # teardown waits for its executor but not for us): write here, so that it does. A trainer's save
+        # outside its run (after fit: Lightning's teardown, which waits, has run; the caller reads the file
+        # at once) returns once written too, and Trainer.save_checkpoint's own barrier then holds every rank
+        # until it is.
+        inline = threading.current_thread() is not threading.main_thread() or (trainer is not None and not in_run)
         # Announced before returning: whoever reads the path next in this process waits for it.
         self._writer.start(
             location.url, lambda: _write(location, staged), started=started, announce=True, inline=inline
@@ -218,91 +228,94 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
         super().remove_checkpoint(path)
 
     def teardown(self) -> None:
-        """Lightning's end of fit/validate/test: wait for the save in flight, free the buffers."""
+        """Lightning's end of fit/validate/test: wait for the save in flight, free the buffers, take the
+        hooks of the run's ModelCheckpoints away."""
         try:
             self.wait()
         finally:
             self._buffers.release()
+            _unhook(self._hooked)
 
 
 for _base in _BASES[1:]:
     _base.register(CkptoolsCheckpointIO)  # an ABC: isinstance() holds for that Lightning too
 
 
-_TAUGHT = False
+# The Lightning versions whose call chain (Trainer.save_checkpoint -> Strategy.save_checkpoint -> the
+# CheckpointIO, ModelCheckpoint.file_exists) the plugin's hooks were tested with (`make interop`,
+# `make lightning-suite`). Outside them the plugin hooks nothing: a trainer's saves return once written.
+TESTED_LIGHTNING = ((2, 5), (2, 6))
 
 
-def _teach_lightning() -> None:
-    """Make two of Lightning's own steps wait for an async save of the path they look at (once), for
-    the trainers that save through `AsyncCkptoolsCheckpointIO` (`_saves_async`): every other trainer
-    of the process runs Lightning's steps as they are.
-
-    ckptools' readers wait for a write in flight by themselves (`ckptools.storage.in_flight`); these two
-    go around every CheckpointIO, and Lightning has no hook before either, so the async plugin
-    wraps them when it is made:
-
-    - ``ModelCheckpoint.file_exists``, with which ``ModelCheckpoint`` picks a new file's name
-      (``name-v1.ckpt`` when ``name.ckpt`` exists), through Lightning's own filesystem. A save of
-      ``name.ckpt`` still in flight would read as absent and the next epoch's file would overwrite
-      it: with ``save_top_k=-1`` and a fixed ``filename``, 2 of 4 checkpoints were lost.
-    - ``Trainer.save_checkpoint`` outside a running ``fit``/``validate``/``test``/``predict``:
-      Lightning's ``teardown`` (which waits) has run already, and the caller reads the file at once
-      (``torch.load``, ``load_from_checkpoint``, a listing): such a save returns once written, on
-      every rank (they meet at a barrier after rank 0's write).
-    """
-    global _TAUGHT
-    if _TAUGHT:
-        return
-    _TAUGHT = True
-    for package in ("pytorch_lightning", "lightning.pytorch"):
-        try:
-            checkpoint_cls = importlib.import_module(f"{package}.callbacks").ModelCheckpoint
-            trainer_cls = importlib.import_module(f"{package}.trainer.trainer").Trainer
-        except ImportError:
-            continue
-        _wrap_file_exists(checkpoint_cls)
-        _wrap_save_checkpoint(trainer_cls)
+def _calling_trainer(io: Any) -> Any | None:
+    """The Trainer whose save is calling ``io`` now (its strategy's CheckpointIO, or a wrapper's), found
+    up this thread's frames (Trainer.save_checkpoint, then its strategy's); None for a direct call, or a
+    save Lightning's own AsyncCheckpointIO runs in its thread."""
+    frame: types.FrameType | None = sys._getframe(2)
+    for _ in range(8):  # Trainer.save_checkpoint is two or three frames up in the versions tested
+        if frame is None:
+            return None
+        owner = frame.f_locals.get("self")
+        if type(owner).__name__ == "Trainer" and _saves_through(owner, io):
+            return owner
+        frame = frame.f_back
+    return None
 
 
-def _saves_async(trainer: Any) -> bool:
-    """Whether ``trainer`` saves through an `AsyncCkptoolsCheckpointIO` (itself, or wrapped by
-    Lightning's ``AsyncCheckpointIO``): the wrapped steps act for such a trainer alone, and are
-    Lightning's own for every other trainer of the process."""
-    io = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
+def _tested(trainer: Any) -> bool:
+    """Whether ``trainer``'s Lightning is one of `TESTED_LIGHTNING` (warned once where not)."""
+    package = sys.modules.get(type(trainer).__module__.split(".")[0])
+    found = str(getattr(package, "__version__", "0"))
+    version = tuple(int(part) for part in re.findall(r"\d+", found)[:2])
+    if version in TESTED_LIGHTNING:
+        return True
+    log.warn(f"AsyncCkptoolsCheckpointIO was not tested with Lightning {found}: it hooks nothing into this "
+             "trainer, and each of its saves returns once the file is written (as CkptoolsCheckpointIO's)",
+             once="lightning-untested")  # fmt: skip
+    return False
+
+
+def _saves_through(trainer: Any, io: Any) -> bool:
+    """Whether ``trainer`` saves through ``io`` (itself, or wrapped by Lightning's ``AsyncCheckpointIO``)."""
+    found = getattr(getattr(trainer, "strategy", None), "checkpoint_io", None)
     for _ in range(4):  # a wrapper's wrapper at most; never a loop
-        if isinstance(io, AsyncCkptoolsCheckpointIO):
+        if found is io:
             return True
-        io = getattr(io, "checkpoint_io", None)
-        if io is None:
+        found = getattr(found, "checkpoint_io", None)
+        if found is None:
             return False
     return False
 
 
-def _wrap_file_exists(cls: Any) -> None:
-    original = cls.file_exists
-
-    @functools.wraps(original)
-    def file_exists(self: Any, filepath: Any, trainer: Any) -> Any:
-        if _saves_async(trainer):
-            wait_for_write(os.fspath(filepath))
-        return original(self, filepath, trainer)
-
-    cls.file_exists = file_exists
+def _running(trainer: Any) -> bool:
+    status = getattr(getattr(trainer, "state", None), "status", None)
+    return getattr(status, "value", status) == "running"
 
 
-def _wrap_save_checkpoint(cls: Any) -> None:
-    original = cls.save_checkpoint
+def _hook_file_exists(callback: Any) -> bool:
+    """Make this one ``ModelCheckpoint`` wait for a save in flight of the path it asks about (an instance
+    attribute over its class's method; `_unhook` takes it away); whether it was hooked now.
 
-    @functools.wraps(original)
-    def save_checkpoint(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> Any:
-        result = original(self, filepath, *args, **kwargs)
-        status = getattr(getattr(self, "state", None), "status", None)
-        if getattr(status, "value", status) != "running" and _saves_async(self):  # outside a run: nothing else waits
-            wait_for_write(os.fspath(filepath))  # rank 0's write (the only one)
-            self.strategy.barrier("ckptools: the checkpoint is written")  # every rank, as the call above
-        return result
+    ``ModelCheckpoint`` picks a new file's name (``name-v1.ckpt`` when ``name.ckpt`` exists) with
+    ``file_exists``, through Lightning's own filesystem: a save of ``name.ckpt`` still in flight would
+    read as absent and the next epoch's file would overwrite it (with ``save_top_k=-1`` and a fixed
+    ``filename``, 2 of 4 checkpoints were lost). Lightning has no hook before that step."""
+    if "file_exists" in vars(callback) or not callable(getattr(callback, "file_exists", None)):
+        return False  # hooked already, or not a ModelCheckpoint of the versions tested
+    original = callback.file_exists  # bound to this callback
 
-    cls.save_checkpoint = save_checkpoint
+    def file_exists(filepath: Any, trainer: Any) -> Any:
+        wait_for_write(os.fspath(filepath))
+        return original(filepath, trainer)
+
+    callback.file_exists = file_exists
+    return True
+
+
+def _unhook(callbacks: list[Any]) -> None:
+    for callback in callbacks:
+        vars(callback).pop("file_exists", None)  # the class's own method again
+    callbacks.clear()
 
 
 def _no_storage_options(storage_options: Any | None) -> None:

@@ -90,7 +90,9 @@ def write_snapshot(
     agreed in the opening exchange (`CheckpointManager.snapshot`'s budget).
 
     Examples:
-        >>> write_snapshot("/tmp/ckptools-doc-shm", "ckpt", "ckpt-0000000001.pt", {"w": torch.ones(2)}, blocking=True)
+        >>> from ckptools.node.slots import NodeSlots
+        >>> slots = NodeSlots("/tmp/ckptools-doc-shm", "ckpt")
+        >>> write_snapshot(slots, "ckpt-0000000001.pt", {"w": torch.ones(2)}, blocking=True)
         '/tmp/ckptools-doc-shm/ckpt-0000000001.pt'
     """
     check_writers(writers)
