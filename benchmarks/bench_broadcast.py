@@ -3,7 +3,7 @@
 Usage: python benchmarks/bench_broadcast.py [--gib 1] [--nproc 2 4] [--rounds 3]
 For each process count, spawns a gloo group on 127.0.0.1, saves a --gib GiB model state once
 (ck.save), then times ck.load(path, {"model": m}) with every rank reading the file and with
-broadcast=True (rank 0 reads, the others receive over the group), barrier to barrier, median of
+read="rank0" (rank 0 reads, the others receive over the group), barrier to barrier, median of
 --rounds. Also prints each rank's peak RSS growth in its first load, a broadcast one (the
 received checkpoint plus one 64 MiB bucket is the bound; the model itself exists before). The file is in the
 page cache after the save, so "every rank reads" is the best case for it (a shared filesystem or
@@ -49,14 +49,14 @@ def _run(rank: int, world: int, port: int, gib: float, rounds: int, path: str, q
     # Peak memory: the first load of this process, a broadcast one (ru_maxrss is a high-water mark).
     dist.barrier()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    ck.load(path, {"model": model}, broadcast=True)
+    ck.load(path, {"model": model}, read="rank0")
     growth = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
     times: dict[str, list[float]] = {"every rank reads": [], "broadcast=True": []}
     for _ in range(rounds):
-        for label, broadcast in (("every rank reads", False), ("broadcast=True", True)):
+        for label, read in (("every rank reads", "each"), ("broadcast=True", "rank0")):
             dist.barrier()
             t = time.perf_counter()
-            ck.load(path, {"model": model}, broadcast=broadcast)
+            ck.load(path, {"model": model}, read=read)
             dist.barrier()
             times[label].append(time.perf_counter() - t)
     growths = [None] * world

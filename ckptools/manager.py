@@ -346,7 +346,7 @@ class CheckpointManager:
         Args:
             state: objects to restore in place, as for `ckptools.load`.
             **load_kwargs: passed to `ckptools.load` (``map_location``, ``strict``, ``read``, ...; a
-                snapshot is read by every node from its own memory unless ``broadcast``).
+                snapshot is read by every node from its own memory unless ``read="rank0"``).
 
         Returns: the checkpoint dict, or None when there is no checkpoint yet.
 
@@ -377,6 +377,6 @@ class CheckpointManager:
         nodes.bring(path, step)
         if get_rank() == 0:
             log.logger.info("restoring from the snapshot in node memory: %s", path)
-        if not load_kwargs.get("broadcast"):  # every node reads its own memory: faster than any exchange
+        if not load_kwargs.get("broadcast"):  # (deprecated) every node reads its own memory: faster than any exchange
             load_kwargs.setdefault("read", "each")
         return load(resolve(path).as_own(), state, **load_kwargs)  # the job's own file: no link, no other's

@@ -1,4 +1,4 @@
-"""ck.load(..., broadcast=True): rank 0 reads, every rank ends with what it would have read itself."""
+"""ck.load(..., read="rank0"): rank 0 reads, every rank ends with what it would have read itself."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ def _net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
 
 
-def _two_nodes(rank: int, world: int, root: str, broadcast: bool) -> dict:
+def _two_nodes(rank: int, world: int, root: str, read: str, deprecated: bool = False) -> dict:
     # Two simulated nodes: each rank works in its own directory (its node-local disk), and the
     # same relative path names the checkpoint, which only node 0's disk holds.
     node = os.path.join(root, f"node{rank}")
@@ -41,7 +41,11 @@ def _two_nodes(rank: int, world: int, root: str, broadcast: bool) -> dict:
     fresh = _net()
     fresh_opt = torch.optim.AdamW(fresh.parameters())
     try:
-        ckpt = ck.load("ckpt/latest.pt", {"model": fresh, "optimizer": fresh_opt}, broadcast=broadcast)
+        if deprecated:  # the old switch, read="rank0"'s former name
+            with pytest.warns(DeprecationWarning, match="read='rank0'"):
+                ckpt = ck.load("ckpt/latest.pt", {"model": fresh, "optimizer": fresh_opt}, broadcast=True)
+        else:
+            ckpt = ck.load("ckpt/latest.pt", {"model": fresh, "optimizer": fresh_opt}, read=read)
     except ck.CheckpointError as err:
         return {"error": type(err).__name__, "message": str(err)}
     same_model = all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values()))
@@ -62,24 +66,25 @@ def _two_nodes(rank: int, world: int, root: str, broadcast: bool) -> dict:
     }
 
 
-def test_only_node_0_has_the_file_and_broadcast_loads_it_everywhere(tmp_path):
-    results = run_ranks(_two_nodes, 2, str(tmp_path), True)
+@pytest.mark.parametrize("deprecated", [False, True])
+def test_only_node_0_has_the_file_and_rank0_reads_it_for_everyone(tmp_path, deprecated):
+    results = run_ranks(_two_nodes, 2, str(tmp_path), "rank0", deprecated)
     assert [r["exists_here"] for r in results] == [True, False]
     for r in results:
         assert r["model"] and r["optimizer"] and r["rng"] and r["step"] == 7 and r["tied"] and r["views"], r
 
 
-def test_without_broadcast_the_rank_that_cannot_find_it_says_what_to_do(tmp_path):
-    results = run_ranks(_two_nodes, 2, str(tmp_path), False)
+def test_each_rank_reading_the_rank_that_cannot_find_it_says_what_to_do(tmp_path):
+    results = run_ranks(_two_nodes, 2, str(tmp_path), "each")
     assert results[1]["error"] == "CheckpointNotFoundError"
-    assert "but rank 0 read it: pass broadcast=True" in results[1]["message"]
+    assert "but rank 0 read it: pass read='rank0'" in results[1]["message"]
     assert results[0]["error"] == "CheckpointError" and "failed on rank 1" in results[0]["message"]
 
 
 def _rank0_cannot_read(rank: int, world: int, root: str) -> str:
     os.chdir(root)
     try:
-        ck.load("missing.pt", {}, broadcast=True)
+        ck.load("missing.pt", {}, read="rank0")
     except ck.CheckpointError as err:
         return type(err).__name__ + ": " + str(err)
     return "loaded"
@@ -131,7 +136,7 @@ def _manager_on_two_nodes(rank: int, world: int, root: str) -> dict:
     manager = ck.CheckpointManager("ckpt", keep_last=2)
     manager.save({"model": model, "step": 3}, 3)  # rank 0 writes, into node 0's directory
     target = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Linear(8, 3))
-    ckpt = manager.restore({"model": target}, broadcast=True)
+    ckpt = manager.restore({"model": target}, read="rank0")
     return {
         "files_here": sorted(os.listdir("ckpt")) if os.path.isdir("ckpt") else [],
         "step": ckpt["step"],
@@ -151,7 +156,7 @@ def _placeholders_everywhere(rank: int, world: int, path: str) -> dict:
     net = torch.nn.Linear(3, 2)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ck.CheckpointWarning)  # rank 0 names the skipped class
-        ckpt = ck.load(path, {"model": net}, broadcast=True)
+        ckpt = ck.load(path, {"model": net}, read="rank0")
     return {"hparams": repr(ckpt["hyper_parameters"]), "weight": net.weight.detach().tolist()}
 
 

@@ -104,7 +104,7 @@ manager = ck.CheckpointManager(folder)
 state = {"w": torch.arange(1000.0)}
 assert manager.restore(state) is None  # rank 0 finds nothing and broadcasts it
 manager.save(state, 1)  # RNG states and digests gathered, then written
-assert ck.load(manager.latest(), broadcast=True)["w"].equal(state["w"])  # a bucket broadcast
+assert ck.load(manager.latest(), read="rank0")["w"].equal(state["w"])  # a bucket broadcast
 preemption = ck.Preemption(check_every=1)
 assert not any(preemption.should_stop() for _ in range(5))  # 1-byte all-reduces
 preemption.close()

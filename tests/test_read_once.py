@@ -156,17 +156,17 @@ def test_who_reads_is_decided_alike_on_every_rank(monkeypatch):
     memory = resolve("memory://b/c.pt")  # remote, without ranged reads
     monkeypatch.setattr(loading, "get_world_size", lambda: 16)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")  # two nodes
-    assert _who_reads("auto", False, local, cpu) == "once"
-    assert _who_reads("auto", False, remote, cpu) == "once"  # ranged GETs, each rank its share
-    assert _who_reads("auto", False, memory, cpu) == "each"
-    assert _who_reads("auto", True, local, cpu) == "rank0"
+    assert _who_reads("auto", local, cpu) == "once"
+    assert _who_reads("auto", remote, cpu) == "once"  # ranged GETs, each rank its share
+    assert _who_reads("auto", memory, cpu) == "each"
+    assert _who_reads("rank0", local, cpu) == "rank0"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "16")  # one node: its ranks share the page cache
-    assert _who_reads("auto", False, local, cpu) == "each"
-    assert _who_reads("auto", False, remote, cpu) == "once"  # but not an object store's bytes
-    with pytest.raises(ValueError, match="contradicts"):
-        _who_reads("once", True, local, cpu)
+    assert _who_reads("auto", local, cpu) == "each"
+    assert _who_reads("auto", remote, cpu) == "once"  # but not an object store's bytes
+    with pytest.raises(ValueError, match="contradicts"), pytest.warns(DeprecationWarning):  # the old switch
+        ck.load("/data/c.pt", broadcast=True, read="once")
     with pytest.raises(ValueError, match="read must be one of"):
-        _who_reads("twice", False, local, cpu)
+        _who_reads("twice", local, cpu)
     assert_same_tree(plan_reads([40, 10, 30, 20], 2), [50, 50])
 
 
@@ -186,7 +186,7 @@ def _node_local(rank: int, world: int, root: str) -> str:
 
 def test_a_file_only_one_node_has_says_how_to_send_it(tmp_path):
     results = run_ranks(_node_local, 2, str(tmp_path))
-    assert results[1].startswith("CheckpointNotFoundError") and "but rank 0 read it: pass broadcast=True" in results[1]
+    assert results[1].startswith("CheckpointNotFoundError") and "but rank 0 read it: pass read='rank0'" in results[1]
     assert results[0].startswith("CheckpointError") and "failed on rank 1" in results[0], results
 
 

@@ -58,7 +58,7 @@ def load(
     weights_only: bool = True,
     restore_rng: bool | None = None,
     verify: bool = False,
-    broadcast: bool = False,
+    broadcast: bool | None = None,
     trust_code: bool | None = None,
     read: str = "auto",
 ) -> dict[str, Any]:
@@ -87,13 +87,12 @@ def load(
         restore_rng: restore this rank's RNG states from the file: True, False, or None to
             decide by ``state`` as above.
         verify: check every record's CRC-32 before loading (in the pass that checks the file).
-        broadcast: only rank 0 reads the file; every other rank receives what it read over the
-            process group (GPU to GPU with nccl) in buckets of 64 MiB, and ends holding exactly
-            what it would have read itself, its own RNG state included. For node-local disks
-            where only rank 0's node has the file, and to read a file once instead of once per
-            rank on a shared filesystem.
+        broadcast: deprecated (goes in 0.6): ``broadcast=True`` is ``read="rank0"``.
         trust_code: deprecated (goes in 0.5): ``trust_code=True`` is ``weights_only=False``.
-        read: who reads the file: ``"each"`` rank the whole file; ``"rank0"`` (as ``broadcast=True``);
+        read: who reads the file: ``"each"`` rank the whole file; ``"rank0"``: rank 0 alone, every
+            other rank receives what it read over the process group (GPU to GPU with nccl) in buckets
+            of 64 MiB and ends holding exactly what it would have read itself, its own RNG state
+            included (node-local disks where only rank 0's node has the file);
             ``"once"``: each rank about 1/N of a local file the ranks share or of an object (S3 and
             other stores with ranged reads), the rest received (bytes read from storage: 1.0x the
             file; another remote file: as ``"rank0"``); ``"auto"``: ``"once"`` where the ranks span
@@ -122,14 +121,20 @@ def load(
         warnings.warn("ck.load(trust_code=...) is deprecated and goes in 0.5: pass weights_only=False for a file you "
                       "trust (trust_code=True is the same)", DeprecationWarning, stacklevel=3)  # fmt: skip
         weights_only = weights_only and not trust_code
+    if broadcast is not None:  # one switch for who reads: read=
+        warnings.warn("ck.load(broadcast=...) is deprecated and goes in 0.6: pass read='rank0' (broadcast=True is "
+                      "the same)", DeprecationWarning, stacklevel=3)  # fmt: skip
+        if broadcast and read not in ("auto", "rank0"):
+            raise ValueError(f"broadcast=True is read='rank0'; it contradicts read={read!r}")
+        read = "rank0" if broadcast else read
     error: BaseException | None = None
     ckpt: dict[str, Any] = {}
-    how = "rank0" if broadcast else read
+    how = read
     try:
         target = resolve_map_location(map_location)
         if has_partitions(state) and isinstance(target, torch.device) and target.type != "cpu":
             target = _partitions_stay_on_cpu(target)
-        how = _who_reads(read, broadcast, location, target)
+        how = _who_reads(read, location, target)
         loaded: Any = None
         if how == "once":
             try:
@@ -162,7 +167,7 @@ def load(
     def amend(err: BaseException, outcomes: list[Any]) -> BaseException | None:
         # A file rank 0 read and this rank cannot find: a node-local disk.
         if isinstance(err, CheckpointNotFoundError) and how != "rank0" and outcomes[0] is None:
-            hint = "pass broadcast=True to ck.load / manager.restore to send it from rank 0"
+            hint = "pass read='rank0' to ck.load / manager.restore to send it from rank 0"
             return CheckpointNotFoundError(f"{err}, but rank 0 read it: {hint}")
         return None
 
@@ -174,17 +179,15 @@ def load(
 _READS = ("auto", "each", "rank0", "once")
 
 
-def _who_reads(read: str, broadcast: bool, location: Location, target: Any) -> str:
+def _who_reads(read: str, location: Location, target: Any) -> str:
     """``"each"``, ``"rank0"`` or ``"once"``: the same on every rank (from the arguments and the
     environment alone; see `load`'s ``read``)."""
     if read not in _READS:
         raise ValueError(f"read must be one of {', '.join(map(repr, _READS))}, got {read!r}")
-    if broadcast and read not in ("auto", "rank0"):
-        raise ValueError(f"broadcast=True is read='rank0'; it contradicts read={read!r}")
     world = get_world_size()
     if world == 1:
         return "each"
-    if broadcast or read == "rank0":
+    if read == "rank0":
         return "rank0"
     if read == "auto":
         read = "once" if once_pays(location, world) else "each"
