@@ -1,4 +1,4 @@
-"""Device handling: where loaded tensors go, and on-device snapshots copied to CPU."""
+"""Device handling: where loaded tensors go, and a state's tensors copied to the CPU."""
 
 from __future__ import annotations
 

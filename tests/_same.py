@@ -43,6 +43,9 @@ def assert_same_tree(a: Any, b: Any, where: str = "tree", *, ignore: Collection[
             assert set(keys_a) == set(keys_b), f"{where}: keys differ: {sorted(set(keys_a) ^ set(keys_b), key=str)[:5]}"
         for k in keys_a:
             assert_same_tree(a[k], b[k], f"{where}[{k!r}]", ignore=ignore, key_order=key_order, **tensors)
+    elif type(a).__module__ == "numpy" and hasattr(a, "tobytes"):  # an array (NumPy's RNG state)
+        same = type(b) is type(a) and (a.dtype, a.shape) == (b.dtype, b.shape) and a.tobytes() == b.tobytes()
+        assert same, f"{where}: the arrays differ"
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), f"{where}: {type(a).__name__} of {len(a)} != {b!r:.80}"
         for i, (x, y) in enumerate(zip(a, b)):
@@ -64,6 +67,19 @@ def tiny_net(seed: int = 0) -> torch.nn.Module:
     """A small MLP (8 -> 16 -> 4), its weights drawn from ``seed``."""
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+class TinyClassifier(torch.nn.Module):
+    """A 4 -> 2 linear classifier called as the HF Trainer calls a model: ``forward(x, labels)`` returns
+    ``{"loss", "logits"}``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor, labels: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        logits = self.lin(x)
+        return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
 
 
 def filled_linear(size: int, value: float) -> torch.nn.Linear:

@@ -271,6 +271,29 @@ def test_the_package_map_names_every_module():
     assert named - {"__init__.py"} <= modules | packages, sorted(named - modules - packages - {"__init__.py"})
 
 
+def test_nothing_imports_upward():
+    """docs/development.md's package map is the order of the floors: a module imports only what is on its
+    own line or below it (the command line's entry point, __main__, aside)."""
+    text = pathlib.Path(ROOT, "docs", "development.md").read_text(encoding="utf-8")
+    block = text.split("## The package map", 1)[1].split("```", 2)[1]
+    floor: dict[str, int] = {}
+    for number, line in enumerate(block.splitlines()):  # a line's leading names (several on the ground floor)
+        lead = re.match(r"(?:[a-z_]+(?:\.py|/)\s+)+", line + " ")
+        if lead and not line.startswith(("tests/", "examples/", "benchmarks/", "docs/", "third_party/")):
+            floor.update(dict.fromkeys(re.findall(r"([a-z_]+)(?:\.py|/)", lead.group(0)), number))
+    graph = _imports()
+
+    def unit(module: str) -> str:
+        return module.split(".")[1] if "." in module else "__init__"
+
+    upward = sorted(f"{m} -> {t}" for m, found in graph.items() for t, _ in found
+                    if m != "ckptools.__main__" and (t in graph or t.rsplit(".", 1)[0] in graph)
+                    and unit(m) != unit(t) and floor[unit(t)] < floor[unit(m)])  # fmt: skip
+    assert upward == [], upward
+    modules = {unit(m) for m in graph} - {"__main__"}
+    assert modules <= set(floor), sorted(modules - set(floor))
+
+
 def test_no_module_is_over_450_lines():
     """Issue 45's bound: a module over 450 lines holds more than one job (`python docs/tools/house_figures.py`)."""
     import pathlib

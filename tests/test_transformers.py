@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _same import TinyClassifier
 
 pytest.importorskip("transformers", reason="the interop extra (transformers) is not installed")
 
@@ -324,19 +325,10 @@ def test_a_seeded_dataset_refuses_persistent_workers_which_keep_their_first_epoc
 
     from ckptools.integrations.transformers import CkptoolsCallback
 
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 2)
-
-        def forward(self, x, labels=None):
-            logits = self.lin(x)
-            return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
-
     data = ck.SeededDataset([{"x": torch.randn(4), "labels": i % 2} for i in range(8)], seed=0)
     args = TrainingArguments(str(tmp_path), max_steps=2, per_device_train_batch_size=4, report_to=[], use_cpu=True,
                              dataloader_num_workers=1, dataloader_persistent_workers=True)  # fmt: skip
-    trainer = Trainer(Tiny(), args, train_dataset=data, callbacks=[CkptoolsCallback()])
+    trainer = Trainer(TinyClassifier(), args, train_dataset=data, callbacks=[CkptoolsCallback()])
     with pytest.raises(ValueError, match="persistent_workers"):
         trainer.train()
 

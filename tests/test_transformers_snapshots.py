@@ -17,12 +17,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
 pytest.importorskip("transformers", reason="the interop extra (transformers) is not installed")
 
+from _same import TinyClassifier, assert_same_tree
 from _torchrun import computed_once, job_processes, keepers_left
 
 import ckptools as ck
@@ -145,18 +145,6 @@ def _script(tmp_path: Path) -> Path:
     return script
 
 
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, np.ndarray):
-        return a.dtype == b.dtype and bool((a == b).all())
-    if isinstance(a, dict):
-        return set(a) == set(b) and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 @pytest.mark.parametrize("procs", [1, 2])
 def test_a_folder_written_from_node_memory_is_the_trainers_own_at_that_step(tmp_path, procs):
     """Step 4's snapshot, written out, against the folder the Trainer itself saved at step 4: the same
@@ -178,11 +166,11 @@ def test_a_folder_written_from_node_memory_is_the_trainers_own_at_that_step(tmp_
     assert [f for f in files if f.startswith("rng_state")] == (
         ["rng_state.pth"] if procs == 1 else ["rng_state_0.pth", "rng_state_1.pth"]
     )
-    assert _same(load_file(own / "model.safetensors"), load_file(made / "model.safetensors"))
+    assert_same_tree(load_file(own / "model.safetensors"), load_file(made / "model.safetensors"), key_order=False)
     for name in [f for f in files if f.endswith((".pt", ".pth"))]:
         with safe_globals():
             theirs, ours = (torch.load(f / name, weights_only=True) for f in (own, made))
-        assert _same(theirs, ours), name
+        assert_same_tree(theirs, ours, name, key_order=False)
     assert json.loads((own / "trainer_state.json").read_text()) == json.loads((made / "trainer_state.json").read_text())
     assert check_folder(str(made), verify=True).problem is None
 
@@ -234,7 +222,8 @@ def test_killed_and_relaunched_the_run_resumes_from_the_step_it_died_at_bit_iden
     )
     said = _finished(_launch(script, out, "resume", procs, 24, 10))
     assert f"resuming from {out / f'checkpoint-{kill}'}" in said, (kill, said[-3000:])
-    assert _same(_straight(tmp_path_factory, procs), torch.load(out / "final.pt", weights_only=True)), kill
+    final = torch.load(out / "final.pt", weights_only=True)
+    assert_same_tree(_straight(tmp_path_factory, procs), final, f"kill {kill}", key_order=False)
 
 
 def test_on_two_nodes_every_rank_resumes_from_one_step_and_a_replaced_node_receives_it(tmp_path_factory, tmp_path,
@@ -258,7 +247,7 @@ def test_on_two_nodes_every_rank_resumes_from_one_step_and_a_replaced_node_recei
         assert f"rank {rank} resuming from {out / f'checkpoint-{kill}'}" in said, said[-3000:]
     assert "node memory of rank 1 holds [13]" in said, said[-3000:]  # received from node 0
     assert "differs between ranks" not in said, said[-3000:]  # every rank's snapshot holds the same Trainer state
-    assert _same(_straight(tmp_path_factory, 2), torch.load(out / "final.pt", weights_only=True))
+    assert_same_tree(_straight(tmp_path_factory, 2), torch.load(out / "final.pt", weights_only=True), key_order=False)
 
 
 def test_killed_and_never_relaunched_the_keeper_writes_the_step_out_as_the_trainers_folder(tmp_path_factory, tmp_path,
@@ -279,7 +268,7 @@ def test_killed_and_never_relaunched_the_keeper_writes_the_step_out_as_the_train
     assert check_folder(str(folder), verify=True).problem is None, sorted(os.listdir(out))
     said = _finished(_launch(script, out, "resume", 1, 24, 10))
     assert f"resuming from {folder}" in said, said[-3000:]
-    assert _same(_straight(tmp_path_factory, 1), torch.load(out / "final.pt", weights_only=True))
+    assert_same_tree(_straight(tmp_path_factory, 1), torch.load(out / "final.pt", weights_only=True), key_order=False)
 
 
 def test_a_tiny_models_snapshots_keep_within_the_budget_by_skipping_steps(tmp_path, monkeypatch, caplog):
@@ -290,15 +279,6 @@ def test_a_tiny_models_snapshots_keep_within_the_budget_by_skipping_steps(tmp_pa
     from transformers import Trainer, TrainingArguments
 
     from ckptools.integrations.transformers import CkptoolsCallback
-
-    class Tiny(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = torch.nn.Linear(4, 2)
-
-        def forward(self, x, labels=None):
-            logits = self.lin(x)
-            return {"loss": torch.nn.functional.cross_entropy(logits, labels), "logits": logits}
 
     taken, real = [], ck.CheckpointManager.snapshot
 
@@ -314,7 +294,7 @@ def test_a_tiny_models_snapshots_keep_within_the_budget_by_skipping_steps(tmp_pa
     callback = CkptoolsCallback(snapshot_every=1)  # budget=0.02, the default
     try:
         with caplog.at_level(logging.INFO, logger="ckptools"):
-            Trainer(Tiny(), args, train_dataset=data, callbacks=[callback]).train()
+            Trainer(TinyClassifier(), args, train_dataset=data, callbacks=[callback]).train()
     finally:
         if callback._manager is not None:
             memory = callback._manager.snapshot_dir

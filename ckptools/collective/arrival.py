@@ -1,29 +1,11 @@
 """Every rank comes to a collective call of ckptools, or every rank that came raises: no silent hang.
 
-A save, a load, a snapshot, the manager's restore are collective: every rank calls them, in the
-same order. A call that some ranks make and others skip (``if rank == 0: ck.save(...)``, the
-literal port of a tutorial's ``torch.save`` under rank 0) would wait in its first collective for
-the process group's timeout (30 minutes by default) with no message, or, where the others went on
-into another collective, forever. So each public collective call first checks in through the
-process group's key-value store (never a collective itself):
-
-- every rank writes the name of the call it came to and counts itself in;
-- the last to come compares the names: one call everywhere is a go; different calls (rank 0 in
-  ``ck.save``, rank 1 in ``Preemption.should_stop``) are refused on every rank at once;
-- a rank still waiting ``CKPTOOLS_ARRIVAL_TIMEOUT`` seconds (default 60, at most the process
-  group's timeout) after it came gives up for everyone: every rank that came raises, at the same
-  moment, naming the ranks that did not come and the fix;
-- a rank that died before it came is noticed at once where it ran on the same host as a rank that
-  waits (each rank records its host and process id at its first check-in); on another host,
-  torchrun's agent ends the job when a rank dies, and the bound covers every other launcher.
-
-The bound counts from each rank's own arrival, and the first to give up decides for all: every
-rank that came raises within the bound of the first arrival. A rank that is only slow to come (an
-evaluation on one rank before a save) needs a larger bound; ``CKPTOOLS_ARRIVAL_TIMEOUT=0`` waits
-for the process group's timeout instead. Each check-in costs about five store round trips per
-rank; `Preemption.should_stop`, called every step, checks in on its first call only. The wait polls
-the store (backing off to every 100 ms): torch's store logs two warning lines each time a wait with
-a timeout runs out.
+Each public collective call (`checked_in`, `arrive`) first checks in through the process group's
+key-value store, never a collective: one call everywhere is a go; different calls are refused on
+every rank at once; a rank missing ``CKPTOOLS_ARRIVAL_TIMEOUT`` seconds (default 60) after the first
+arrival makes every rank that came raise, naming the ranks that did not come and the fix; a rank that
+died before it came is noticed at once on its host. Why, and what it costs: docs/guides/resuming.md
+("Every rank makes every ckptools call").
 """
 
 from __future__ import annotations

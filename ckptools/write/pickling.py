@@ -21,7 +21,7 @@ def pickle_payload(
 
     The storage naming is torch.serialization._save's: storages by reference, keys in order of
     first appearance, the storage type and ``location_tag`` of each (``"cpu"`` for all with
-    ``on_cpu``: an async save stores the CPU snapshot, as with ``writers="rank0"``; and for the
+    ``on_cpu``: an async save stores its staged host copy, as with ``writers="rank0"``; and for the
     storages in ``cpu``, by ``_cdata``: a ZeRO partition, as torch's consolidation stores it); views of one
     storage with different dtypes are refused as torch refuses them.
     """

@@ -31,7 +31,7 @@ writer, becomes the parts of one multipart upload (`ckptools.write.upload`), upl
 rank and completed by rank 0. Other object stores have no such upload: rank 0 writes there
 (``"auto"`` and ``"all"`` alike; `choose` says so once).
 
-The asynchronous variant (`ckptools.async_save`) snapshots each rank's own share only and
+The asynchronous variant (`ckptools.async_save`) stages each rank's own share only and
 writes it from each rank's background thread. A background thread may do file I/O but never a
 collective, so step 4's exchange goes through the process group's key-value store instead:
 each rank's writer sets a key with its CRC-32s (or its error), rank 0's writer polls for all of
