@@ -43,7 +43,7 @@ import sys
 from .. import log
 from ..collective.group import get_local_rank, launcher
 from ..errors import NodeMemoryError
-from ..storage import NODE_MARK, open_local, process_start
+from ..storage import NODE_MARK, abandoned_tmps, open_local, process_start, remove
 from ..text import human_size
 from .keeper import PIDS
 from .names import ENV, claim
@@ -185,6 +185,22 @@ def start_keeper(folder: str, directory: str, prefix: str, keep_last: int | None
     )
     subprocess.run([sys.executable, "-c", detach, *cmd], check=True, timeout=60)
     _KEEPERS.add(folder)
+
+
+def prepare(folder: str, prefix: str, directory: str, keep_last: int | None) -> None:
+    """Every node's lowest rank, before its copy of a snapshot: the folder remembered for the job's end,
+    a killed snapshot's temporaries removed, the run folder made (it exists from the first snapshot on: a
+    restore tells a removed run by it), the job registered for the keeper, and the keeper started."""
+    register(folder)
+    for leftover in abandoned_tmps(folder, f".{prefix}-"):
+        try:
+            remove(leftover)
+        except OSError as err:
+            log.warn(f"could not delete {leftover}: {err}")
+    if "://" not in directory:
+        os.makedirs(directory, exist_ok=True)
+    watch(folder)
+    start_keeper(folder, directory, prefix, keep_last)
 
 
 def register(folder: str) -> None:

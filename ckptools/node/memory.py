@@ -7,23 +7,20 @@ chooses between them and its durable checkpoints, and loads the one it chose.
 
 from __future__ import annotations
 
-import os
+import functools
 import time
 from collections.abc import Mapping
 from typing import Any
 
-from .. import log
 from ..collective.arrival import arrive
-from ..errors import CheckpointError
-from ..layouts import TORCH_FILE
-from ..storage import abandoned_tmps, join, list_files, remove, resolve
+from ..storage import join
 from .cadence import Cadence
 from .commits import finish_snapshot
-from .folder import register, start_keeper, watch
-from .names import checkpoint_names, default_folder, file_name, readable
+from .folder import prepare
+from .names import checkpoint_names, default_folder, file_name
 from .slots import NodeSlots
 from .snapshot import settle, write_snapshot
-from .survey import Survey, survey_nodes
+from .survey import Survey, newest_snapshot, snapshots_in, survey_nodes
 
 __all__ = ["NodeMemory"]
 
@@ -34,8 +31,8 @@ class NodeMemory:
 
     Examples:
         >>> memory = NodeMemory("/tmp/ckptools-doc-memory-run", "ckpt", 3)
-        >>> os.path.basename(memory.path_for(7))
-        'ckpt-0000000007.pt'
+        >>> memory.path_for(7).endswith("/ckpt-0000000007.pt")
+        True
     """
 
     def __init__(self, directory: str, prefix: str, keep_last: int | None, folder: str | None = None) -> None:
@@ -50,27 +47,13 @@ class NodeMemory:
         return join(self.folder, file_name(self.prefix, step))
 
     def snapshots(self) -> list[tuple[int, str]]:
-        """``(step, path)`` of this node's snapshots, oldest first (unverified; local: once this rank's
-        part of a snapshot being committed is done). None of a folder that is not this user's alone."""
-        settle(self.folder)
-        if not readable(self.folder):  # absent, or not this user's alone (said once): nothing of it is read
-            return []
-        found = [(int(m.group(1)), name) for name in list_files(self.folder) if (m := self._names.fullmatch(name))]
-        return [(step, join(self.folder, name)) for step, name in sorted(found)]
+        """``(step, path)`` of this node's snapshots, oldest first (`ckptools.node.survey.snapshots_in`)."""
+        return snapshots_in(self.folder, self._names)
 
     def newest_committed(self) -> int | None:
-        """The step of this node's newest snapshot whose container is whole, or None; a damaged one is
-        skipped with a warning. Not every record's CRC-32 (as `CheckpointManager.latest` does): a
-        snapshot exists under its name only once committed with them, memory does not decay as a disk
-        may, and reading it again would cost most of a restore (docs/development.md)."""
-        for step, path in reversed(self.snapshots()):
-            try:
-                TORCH_FILE.check(resolve(path).as_own(), records=False)
-            except CheckpointError as err:
-                log.warn(f"skipping damaged snapshot: {err}", all_ranks=True)
-                continue
-            return step
-        return None
+        """The step of this node's newest snapshot whose container is whole, or None
+        (`ckptools.node.survey.newest_snapshot`)."""
+        return newest_snapshot(self.folder, self._names)
 
     def take(
         self,
@@ -97,31 +80,17 @@ class NodeMemory:
         metadata = {**dict(metadata or {}), "step": step}
         path = write_snapshot(
             self.slots, file_name(self.prefix, step), state, metadata=metadata, writers=writers, blocking=blocking,
-            prepare=self._prepare, cadence=proposal,
+            prepare=functools.partial(prepare, self.folder, self.prefix, self.directory, self.keep_last),
+            cadence=proposal,
         )  # fmt: skip
         cadence.taken(called, time.monotonic() - called, proposal[0] if proposal else 0, step, budget)
         return path
-
-    def _prepare(self) -> None:
-        """Every node's lowest rank, before its copy: the folder remembered for the job's end, a killed
-        snapshot's temporaries removed, the run folder made (it exists from the first snapshot on: a
-        restore tells a removed run by it), the job registered for the keeper, and the keeper started."""
-        register(self.folder)
-        for leftover in abandoned_tmps(self.folder, f".{self.prefix}-"):
-            try:
-                remove(leftover)
-            except OSError as err:
-                log.warn(f"could not delete {leftover}: {err}")
-        if "://" not in self.directory:
-            os.makedirs(self.directory, exist_ok=True)
-        watch(self.folder)
-        start_keeper(self.folder, self.directory, self.prefix, self.keep_last)
 
     def survey(self) -> Survey:
         """Collective, at a restore: the snapshot being committed finished, then which ranks are a node
         and each node's newest committed snapshot (`ckptools.node.survey_nodes`)."""
         finish_snapshot(self.folder)
-        return survey_nodes(self.folder, self.newest_committed, self._names)
+        return survey_nodes(self.folder, functools.partial(newest_snapshot, self.folder, self._names), self._names)
 
     def finish(self) -> None:
         """Collective: wait for the snapshot being committed; its failure raised on every rank."""

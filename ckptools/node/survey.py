@@ -11,12 +11,16 @@ from dataclasses import dataclass
 
 from .. import log
 from ..collective.group import all_gather_object, get_rank
+from ..errors import CheckpointError
+from ..layouts import TORCH_FILE
+from ..storage import join, list_files, resolve
 from . import sealing
+from .commits import COMMITS
 from .folder import group_nodes, node_token, register, watch
 from .names import readable
 from .transfer import send_file
 
-__all__ = ["Survey", "survey_nodes"]
+__all__ = ["Survey", "newest_snapshot", "snapshots_in", "survey_nodes"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,32 @@ class Survey:
             if get_rank() == 0:
                 log.logger.info("sending the snapshot of step %d from rank %d to rank %s", step, source, lacking)
             send_file(path, source, get_rank() in lacking)
+
+
+def snapshots_in(folder: str, names: re.Pattern[str]) -> list[tuple[int, str]]:
+    """``(step, path)`` of the snapshots in ``folder`` (named as ``names`` matches), oldest first
+    (unverified; local: once this rank's part of a snapshot being committed is done). None of a folder
+    that is not this user's alone."""
+    COMMITS.settle(folder)
+    if not readable(folder):  # absent, or not this user's alone (said once): nothing of it is read
+        return []
+    found = [(int(m.group(1)), name) for name in list_files(folder) if (m := names.fullmatch(name))]
+    return [(step, join(folder, name)) for step, name in sorted(found)]
+
+
+def newest_snapshot(folder: str, names: re.Pattern[str]) -> int | None:
+    """The step of the newest snapshot in ``folder`` whose container is whole, or None; a damaged one
+    is skipped with a warning. Not every record's CRC-32 (as `CheckpointManager.latest` does): a
+    snapshot exists under its name only once committed with them, memory does not decay as a disk may,
+    and reading it again would cost most of a restore (docs/development.md)."""
+    for step, path in reversed(snapshots_in(folder, names)):
+        try:
+            TORCH_FILE.check(resolve(path).as_own(), records=False)
+        except CheckpointError as err:
+            log.warn(f"skipping damaged snapshot: {err}", all_ranks=True)
+            continue
+        return step
+    return None
 
 
 def survey_nodes(folder: str, newest_step: Callable[[], int | None], names: re.Pattern[str]) -> Survey:
