@@ -393,3 +393,19 @@ def test_listing_a_run_folder_never_imports_torch(tmp_path):
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.stdout.strip().splitlines()[-1] == "EXIT 0 False", proc.stdout + proc.stderr
     assert '"step": 3' in proc.stdout, proc.stdout
+
+
+def test_in_process_calls_escape_a_name_the_stream_cannot_encode_and_each_starts_clean(tmp_path):
+    """Issue 56 (6): a tensor name holding a lone surrogate (torch.save pickles any str) is shown escaped by
+    an in-process call as by the executable, and the call after it, on another file, is not touched by it."""
+    odd = tmp_path / "odd.pt"
+    torch.save({"w\udcff": torch.ones(2)}, odd)
+    plain = tmp_path / "plain.pt"
+    ck.save(plain, {"model": torch.nn.Linear(2, 2), "step": 1})
+    first = runner.invoke(app, ["info", str(odd)])
+    assert first.exit_code == 0, first.output
+    assert "w\\udcff" in first.output
+    second = runner.invoke(app, ["info", str(plain)])
+    assert second.exit_code == 0 and "model.weight" in second.output, second.output
+    executable = subprocess.run([sys.executable, "-m", "ckptools", "info", str(odd)], capture_output=True)
+    assert executable.returncode == 0 and b"w\\udcff" in executable.stdout, executable.stderr[-2000:]

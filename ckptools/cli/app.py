@@ -14,7 +14,7 @@ from typing import Annotated, Any
 import typer
 from typer.core import TyperGroup
 
-from .render import err, out
+from .render import err, out, start_call
 
 __all__ = ["FORCE", "KEY_HELP", "TRUST", "Fail", "about", "app", "check_output", "one_line", "progress", "run"]
 
@@ -31,6 +31,7 @@ class _Group(TyperGroup):
     """
 
     def main(self, *args: Any, standalone_mode: bool = True, **kwargs: Any) -> Any:
+        start_call()  # in-process calls (CliRunner, a notebook) each start clean
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)  # type: ignore[misc]  # ours decides
         except _click_errors.UsageError as usage:
@@ -146,7 +147,7 @@ def progress(description: str, path: str) -> Iterator[None]:
     from ..storage import progress_hook
 
     columns = (TextColumn("{task.description}"), BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    with Progress(*columns, console=err, transient=True) as bar:
+    with Progress(*columns, console=err.console, transient=True) as bar:
         task = bar.add_task(description, total=total)
         with progress_hook(lambda n: bar.advance(task, n)):
             yield

@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from rich.console import Console
@@ -14,6 +16,23 @@ from rich.table import Table
 from ..text import human_size, plural
 
 
+class _Escaping:
+    """The stream ``sys.<name>`` is at each write (typer's CliRunner and notebooks swap it per call), with
+    every character its encoding lacks written escaped: a tensor name may hold a lone surrogate (torch.save
+    pickles any str), and one unwritable name must never fail the call, nor the calls after it."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def write(self, text: str) -> int:
+        stream = getattr(sys, self.name)
+        encoding = getattr(stream, "encoding", None) or "utf-8"
+        return int(stream.write(text.encode(encoding, "backslashreplace").decode(encoding, "replace")))
+
+    def __getattr__(self, name: str) -> Any:  # flush, isatty, fileno, encoding: the stream's own
+        return getattr(getattr(sys, self.name), name)
+
+
 def _stdout_console() -> Console:
     """The console for results: at a terminal, its width; in a pipe or a file, no wrapping.
 
@@ -21,15 +40,40 @@ def _stdout_console() -> Console:
     ("25 \ntensors loaded"). There, unless ``COLUMNS`` asks for a width, lines and table rows are
     as long as their text.
     """
-    console = Console()
+    console = Console(file=_Escaping("stdout"))  # type: ignore[arg-type]  # a text stream in all but name
     if console.is_terminal or os.environ.get("COLUMNS", "").isdigit():
         return console
-    return Console(width=_UNWRAPPED, soft_wrap=True)
+    return Console(file=_Escaping("stdout"), width=_UNWRAPPED, soft_wrap=True)  # type: ignore[arg-type]
+
+
+def _stderr_console() -> Console:
+    return Console(file=_Escaping("stderr"), stderr=True)  # type: ignore[arg-type]
+
+
+class _Current:
+    """The console of the ``ckpt`` call in progress, made anew by `start` at each call (the executable's
+    or an in-process one's), so that nothing a call left in it reaches the next."""
+
+    def __init__(self, make: Callable[[], Console]) -> None:
+        self._make = make
+        self.console = make()
+
+    def start(self) -> None:
+        self.console = self._make()
+
+    def __getattr__(self, name: str) -> Any:  # print, print_json, width, is_terminal: the console's
+        return getattr(self.console, name)
 
 
 _UNWRAPPED = 1 << 16  # wider than any line ckpt prints: tables are as wide as their cells, never padded to it
-out = _stdout_console()
-err = Console(stderr=True)
+out = _Current(_stdout_console)
+err = _Current(_stderr_console)
+
+
+def start_call() -> None:
+    """Fresh consoles over the streams as they are now: the first thing each ``ckpt`` call does."""
+    out.start()
+    err.start()
 
 
 def listed(items: list[str], limit: int = 20) -> str:
