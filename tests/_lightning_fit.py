@@ -14,7 +14,8 @@ from typing import Any
 # Argv: ROOT MODE DEVICES fresh|resume EPOCHS EVERY WORKERS SAMPLES DROPOUT SHUFFLE AUGMENT.
 # MODE: "lightning" (Lightning alone), "plugin" (its CheckpointIO is ckptools'), "exact" (the recipe:
 # ExactResume + ck.ResumableDataLoader, and the plugin), "snapshots" (the recipe and NodeSnapshots, resumed
-# with ckpt_path="last"), "exact-no-cuda-stream" (the recipe, with the
+# with ckpt_path="last"), "exact-last" (the recipe without NodeSnapshots, resumed with ckpt_path="last": the
+# files Lightning itself finds), "exact-no-cuda-stream" (the recipe, with the
 # CUDA stream left out of what ExactResume puts back: a control for the GPU test). The accelerator is
 # FIT_ACCELERATOR's (default "cpu"); FIT_SCHEDULE=onecycle: OneCycleLR per step, sized with
 # trainer.estimated_stepping_batches in configure_optimizers (Lightning's recipe), instead of StepLR per
@@ -120,7 +121,7 @@ trainer = pl.Trainer(
     num_sanity_val_steps=1,
 )
 last = os.path.join(root, "last.ckpt")
-if mode == "snapshots":  # the newest of the files and node memory
+if mode in ("snapshots", "exact-last"):  # the newest of the files and node memory; exact-last: Lightning's own "last"
     trainer.fit(model, ckpt_path="last" if resume else None)
 else:
     trainer.fit(model, ckpt_path=last if resume and os.path.exists(last) else None)

@@ -654,7 +654,7 @@ def test_node_snapshots_offer_a_copy_whose_commit_a_kill_cut_short(tmp_path, mon
         monkeypatch.undo()
         with pytest.raises(ck.CheckpointError, match="killed during the CRC-32s"):
             finish_snapshot(memory)
-        assert os.path.basename(snapshots.ckpt_path) == "last-snapshot-0000000004.pt"
+        assert os.path.basename(snapshots.ckpt_path) == "last-snapshot-0000000004.ckpt"
         assert torch.load(snapshots.ckpt_path, weights_only=True)["global_step"] == 4
         assert "every record" in ck.verify(snapshots.ckpt_path)
     finally:

@@ -330,7 +330,8 @@ def test_node_snapshots_of_a_killed_fit_nobody_relaunches_become_a_checkpoint_lo
         time.sleep(0.2)
     assert not os.path.exists(memory), "node memory still held 32 s after the job was gone"
     persisted = sorted(p.name for p in root.iterdir() if p.name.startswith(PREFIX))
-    assert len(persisted) == 1 and int(persisted[0][len(PREFIX) + 1 : -3]) in (kill - 1, kill), persisted
+    assert len(persisted) == 1 and persisted[0].endswith(".ckpt"), persisted  # Lightning's last*.ckpt
+    assert int(persisted[0][len(PREFIX) + 1 : -5]) in (kill - 1, kill), persisted
 
     class Net(pl.LightningModule):  # the script's module, as a user would import it
         def __init__(self):
@@ -343,6 +344,12 @@ def test_node_snapshots_of_a_killed_fit_nobody_relaunches_become_a_checkpoint_lo
     assert checkpoint["global_step"] in (kill - 1, kill) and checkpoint["global_step"] > last_ckpt["global_step"]
     assert all(torch.equal(model.state_dict()[k], v) for k, v in checkpoint["state_dict"].items())
     assert torch.load(root / "last.ckpt", weights_only=True)["global_step"] == last_ckpt["global_step"] == 12
+    # Issue 56 (3): relaunched by a script without NodeSnapshots, Lightning's own ckpt_path="last" finds it
+    # (last*.ckpt, dated when the snapshot was taken: newer than last.ckpt) and resumes there, not at step 12.
+    os.rename(root / "launch-0", root / "killed")
+    run_killed(script, root, "exact-last", 1, _SNAPSHOTS, checkpoint=".")
+    first = min(row[0] for row in logged(root, 0, "seen"))
+    assert kill - 1 <= first <= kill, (kill, first)
 
 
 # A Fabric loop with ckptools' manager instead of fabric.save/load: a snapshot in node memory every step,

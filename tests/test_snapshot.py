@@ -398,7 +398,7 @@ def test_ckpt_info_and_verify_of_an_hf_trainer_or_lightning_folder_show_their_sn
     assert entry["of"] == "Lightning (NodeSnapshots)" and [s["step"] for s in entry["snapshots"]] == [5]
     assert entry["checkpoints"] == []
     text = " ".join(CliRunner().invoke(app, ["info", str(pl)]).output.split())
-    assert "0 checkpoints" not in text and "last-snapshot-0000000005.pt" in text, text
+    assert "0 checkpoints" not in text and "last-snapshot-0000000005.ckpt" in text, text
     hf.close()
     lightning.close()
 
@@ -571,3 +571,29 @@ def _tensors(obj) -> list[torch.Tensor]:
     walk(tree)
     assert found
     return found
+
+
+def test_the_keeper_names_a_lightning_snapshot_as_lightning_does_and_dates_it_when_it_was_taken(tmp_path):
+    """Issue 56 (3): Lightning's ckpt_path="last" takes the newest last*.ckpt by modification time. The keeper
+    persists NodeSnapshots' newest snapshot as last-snapshot-N.ckpt, dated when it was taken: a last.ckpt
+    Lightning saved after the snapshot stays newer (never shadowed), one saved before it is older."""
+    from ckptools.integrations import LIGHTNING_PREFIX
+    from ckptools.node.keeper import persist
+
+    run = tmp_path / "run"
+    run.mkdir()
+    manager = ck.CheckpointManager(run, keep_last=1, prefix=LIGHTNING_PREFIX, snapshot_dir=tmp_path / "memory")
+    manager.snapshot({"state_dict": {"w": torch.ones(4)}, "global_step": 30}, 30, blocking=True)
+    manager.close()
+    (snapshot,) = manager.snapshots()
+    taken = os.stat(snapshot[1]).st_mtime_ns
+    torch.save({"global_step": 31}, run / "last.ckpt")  # saved after the snapshot
+    os.utime(run / "last.ckpt", ns=(taken + 10**6, taken + 10**6))  # a millisecond after it
+    time.sleep(0.05)
+    written = persist(manager.snapshot_dir, str(run), LIGHTNING_PREFIX, 1)
+    assert written is not None and os.path.basename(written) == "last-snapshot-0000000030.ckpt"
+    assert os.stat(written).st_mtime_ns == taken < os.stat(run / "last.ckpt").st_mtime_ns
+    newest = max((p for p in run.iterdir() if p.name.startswith("last") and p.suffix == ".ckpt"),
+                 key=lambda p: p.stat().st_mtime_ns)  # fmt: skip  # Lightning's rule for ckpt_path="last"
+    assert newest.name == "last.ckpt"
+    assert torch.load(written, weights_only=True)["global_step"] == 30

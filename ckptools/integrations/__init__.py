@@ -11,11 +11,10 @@ import importlib
 import re
 from typing import Any
 
+from ..node import LIGHTNING_PREFIX  # NodeSnapshots' files: the keeper persists them under Lightning's names
+
 __all__ = ["LIGHTNING_PREFIX", "NEEDS_LIGHTNING", "installed", "lightning_classes", "release_numbers"]
 
-# Lightning's NodeSnapshots (`ckptools.integrations.lightning_snapshots`): last-snapshot-0000000123.pt. Here, not
-# there: a run folder's listing (`ckpt info`) names its snapshots without importing Lightning or torch.
-LIGHTNING_PREFIX = "last-snapshot"
 
 NEEDS_LIGHTNING = "ckptools.integrations.lightning needs Lightning: pip install pytorch-lightning (or lightning)"
 

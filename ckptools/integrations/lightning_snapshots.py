@@ -1,19 +1,18 @@
-"""Lose at most one step inside Lightning: `NodeSnapshots` puts Lightning's own checkpoint into node
-memory after every training step (`ckptools.CheckpointManager.snapshot`: two slots, the copy is the
-stall, the commit in the background, the keeper), and offers the newest one to
-``trainer.fit(model, ckpt_path="last")``.
+"""Lose at most one step inside Lightning: `NodeSnapshots` puts Lightning's own checkpoint into node memory after
+every training step (`ckptools.CheckpointManager.snapshot`: two slots, the copy is the stall, the commit in
+the background, the keeper), and offers the newest one to ``trainer.fit(model, ckpt_path="last")``.
 
-How a relaunch finds it: Lightning resolves ``ckpt_path="last"`` to the newest (by modification time)
-of every ``ModelCheckpoint``'s ``last*.ckpt`` and every ``OnExceptionCheckpoint``'s ``ckpt_path``,
-before any hook runs. `NodeSnapshots` is an ``OnExceptionCheckpoint`` whose ``ckpt_path`` is the
-newest snapshot in this node's memory (committed, or copied whole by every rank and then sealed:
-`ckptools.node.sealing`), or, once the keeper persisted it (the job died and nobody relaunched within its
-grace), the file it wrote into ``dirpath`` (``last-snapshot-0000000123.pt``: an ordinary Lightning
-checkpoint that ``load_from_checkpoint`` reads). Like every ``OnExceptionCheckpoint``, it makes
-``trainer.fit(model)`` without ``ckpt_path`` resume from ``"last"`` too (Lightning's rule for
-fault-tolerant checkpoints). It writes nothing on an exception (the newest snapshot is a step old at
-most) and removes nothing at teardown.
-"""
+How a relaunch finds it: Lightning resolves ``ckpt_path="last"`` to the newest (by modification time) of every
+``ModelCheckpoint``'s ``last*.ckpt`` and every ``OnExceptionCheckpoint``'s ``ckpt_path``, before any hook
+runs. `NodeSnapshots` is an ``OnExceptionCheckpoint`` whose ``ckpt_path`` is the newest snapshot in this
+node's memory (committed, or copied whole by every rank and then sealed: `ckptools.node.sealing`), or, once
+the keeper persisted it (the job died and nobody relaunched within its grace), the file it wrote into
+``dirpath`` (``last-snapshot-0000000123.ckpt``: an ordinary Lightning checkpoint that ``load_from_checkpoint``
+reads, named as Lightning names its ``last*.ckpt``, so that ``ckpt_path="last"`` finds it without
+`NodeSnapshots` too, and dated when the snapshot was taken). Like every ``OnExceptionCheckpoint``, it makes
+``trainer.fit(model)`` without ``ckpt_path`` resume from ``"last"`` too (Lightning's rule for fault-tolerant
+checkpoints). It writes nothing on an exception (the newest snapshot is a step old at most) and removes
+nothing at teardown."""
 
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ from . import LIGHTNING_PREFIX, NEEDS_LIGHTNING, lightning_classes
 
 __all__ = ["NodeSnapshots"]
 
-PREFIX = LIGHTNING_PREFIX  # its snapshots' and persisted files' names: last-snapshot-0000000123.pt
+PREFIX = LIGHTNING_PREFIX  # its snapshots' and persisted files' names: last-snapshot-0000000123.ckpt
 
 _BASES = lightning_classes("OnExceptionCheckpoint", "pytorch_lightning.callbacks", "lightning.pytorch.callbacks")
 if not _BASES:

@@ -39,7 +39,16 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers
     from .commits import finish_snapshot
     from .folder import group_nodes, node_token, register, start_keeper, watch
     from .memory import NodeMemory
-    from .names import TRAINER_FOLDER, TRAINER_PREFIX, checkpoint_names, claim, default_folder, file_name, readable
+    from .names import (
+        LIGHTNING_PREFIX,
+        TRAINER_FOLDER,
+        TRAINER_PREFIX,
+        checkpoint_names,
+        claim,
+        default_folder,
+        file_name,
+        readable,
+    )
     from .sealing import seal, sealable
     from .snapshot import Orphaned, release, settle, write_snapshot
     from .survey import Survey, survey_nodes
@@ -51,6 +60,7 @@ _LAZY = {
     "Survey": ".survey",
     "TRAINER_FOLDER": ".names",
     "TRAINER_PREFIX": ".names",
+    "LIGHTNING_PREFIX": ".names",
     "checkpoint_names": ".names",
     "claim": ".names",
     "default_folder": ".names",
@@ -74,6 +84,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "LIGHTNING_PREFIX",
     "TRAINER_FOLDER",
     "TRAINER_PREFIX",
     "Cadence",

@@ -109,12 +109,18 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
 
             return snapshot_to_folder(source, directory)
         target = join(directory, name)
+        taken: list[int] = []
 
-        def copy(out: IO[bytes], source: str = source) -> None:
+        def copy(out: IO[bytes], source: str = source, taken: list[int] = taken) -> None:
             with open_local(source, own=True) as f:
+                taken.append(os.fstat(f.fileno()).st_mtime_ns)
                 shutil.copyfileobj(f, out, 16 << 20)
 
         atomic_write(target, copy, streamable=True)
+        if "://" not in directory and taken:
+            # Dated when the snapshot was taken, not now: whoever orders a folder's files by time (Lightning's
+            # ckpt_path="last" takes the newest last*.ckpt) puts a checkpoint saved after it first.
+            os.utime(target, ns=(taken[0], taken[0]))
         if keep_last is not None:
             kept = sorted([*durable, (step, name)])
             for _, old in kept[:-keep_last]:

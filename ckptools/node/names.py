@@ -24,6 +24,7 @@ from ..storage import make_private, private_problem
 
 __all__ = [
     "ENV",
+    "LIGHTNING_PREFIX",
     "TRAINER_FOLDER",
     "TRAINER_PREFIX",
     "checkpoint_names",
@@ -41,22 +42,27 @@ ENV = "CKPTOOLS_NODE_MEMORY"
 TRAINER_PREFIX = "trainer-snapshot"
 # The HF Trainer's own checkpoint folders (checkpoint-123/), the step in group 1.
 TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
+# Lightning's NodeSnapshots (ckptools.integrations.lightning_snapshots): its snapshots and the file the keeper
+# persists are named as Lightning names its own last checkpoints, last*.ckpt (last-snapshot-0000000123.ckpt),
+# the only files Lightning's ckpt_path="last" finds beside its callbacks' own.
+LIGHTNING_PREFIX = "last-snapshot"
+_SUFFIXES = {LIGHTNING_PREFIX: ".ckpt"}  # every other prefix: .pt
 
 
 def file_name(prefix: str, step: int) -> str:
     """The name of the checkpoint (or snapshot) of ``step``: zero-padded, so that names sort by step.
 
     Examples:
-        >>> file_name("ckpt", 300)
-        'ckpt-0000000300.pt'
+        >>> file_name("ckpt", 300), file_name(LIGHTNING_PREFIX, 300)
+        ('ckpt-0000000300.pt', 'last-snapshot-0000000300.ckpt')
     """
-    return f"{prefix}-{step:010d}.pt"
+    return f"{prefix}-{step:010d}{_SUFFIXES.get(prefix, '.pt')}"
 
 
 def checkpoint_names(prefix: str) -> re.Pattern[str]:
     """The file names `CheckpointManager` gives its checkpoints and snapshots (``ckpt-0000000300.pt``),
     the step in group 1: the one pattern the manager and the keeper both list by."""
-    return re.compile(rf"{re.escape(prefix)}-(\d+)\.pt")
+    return re.compile(rf"{re.escape(prefix)}-(\d+){re.escape(_SUFFIXES.get(prefix, '.pt'))}")
 
 
 def default_folder(directory: str, prefix: str) -> str:
