@@ -250,7 +250,10 @@ class CheckpointManager:
                 (the default) to take every call. With a budget, rank 0 measures each snapshot's stall
                 and the time per call, and the ranks agree, in the snapshot's own exchange, to skip
                 the calls that would exceed it (no communication for a skipped call): a kill then
-                loses at most the calls between two snapshots. Each change of cadence is logged.
+                loses at most the calls between two snapshots; each change of cadence is logged at
+                INFO with that bound ("a kill loses at most N steps, about S s"). Without a budget, INFO
+                says once when snapshots stall more than a tenth of the loop's time. The one default of
+                every snapshot taker (NodeSnapshots, CkptoolsCallback too): None.
 
         Returns:
             The snapshot's path (on this node), or None for a call the budget skipped.

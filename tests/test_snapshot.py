@@ -488,6 +488,40 @@ def test_without_a_budget_every_call_is_taken(tmp_path):
     manager.close()
 
 
+def test_the_bound_the_budget_states_holds_in_a_measured_run_and_no_budget_is_advised_once(tmp_path, caplog):
+    """Issue 56 (4): each change of cadence is logged with the steps a kill then loses; in a measured run
+    (a 1 ms step, a budget of 2 %) no two snapshots taken are further apart than the bound last stated.
+    Without a budget every call is taken and INFO says once what a budget would give."""
+    import logging
+    import re
+
+    manager = _manager(tmp_path)
+    taken, stated = [], {}
+    with caplog.at_level(logging.INFO, logger="ckptools"):
+        for step in range(1, 161):
+            time.sleep(0.001)
+            before = len(caplog.records)
+            if manager.snapshot({**_state(1.0), "step": step}, step, budget=0.02) is not None:
+                taken.append(step)
+            for record in caplog.records[before:]:
+                said = re.search(r"a kill loses at most (\d+) steps?, about ([\d.]+) s", record.getMessage())
+                if said:
+                    stated[step] = int(said.group(1))
+    assert stated and len(taken) < 80, (stated, taken)  # the budget thinned the calls, and said so
+    for previous, following in zip(taken, taken[1:]):
+        said = [s for s in stated if s <= previous]
+        bound = stated[max(said)] if said else 1  # before any change of cadence: every call
+        assert following - previous <= bound, (previous, following, stated)  # what a kill between them loses
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="ckptools"):
+        for step in range(200, 230):
+            time.sleep(0.001)
+            assert manager.snapshot({**_state(1.0), "step": step}, step) is not None  # no budget: every call
+    advice = [r.getMessage() for r in caplog.records if "budget=0.02) keeps them within 2%" in r.getMessage()]
+    assert len(advice) == 1, [r.getMessage() for r in caplog.records]
+    manager.close()
+
+
 def test_huge_pages_is_read_from_the_mount_the_folder_lives_on(tmp_path, monkeypatch):
     """A restore from node memory is ~1.2x the copy with huge pages and ~1.6x without
     (docs/guides/snapshots.md): which one a folder gets is told from its mount's options."""

@@ -272,8 +272,8 @@ def test_killed_and_never_relaunched_the_keeper_writes_the_step_out_as_the_train
 
 
 def test_a_tiny_models_snapshots_keep_within_the_budget_by_skipping_steps(tmp_path, monkeypatch, caplog):
-    """The default budget (2 % of the loop's time) with a model whose step is a few ms, about as long as a
-    snapshot's fixed cost: most steps are skipped, alike on every rank, and the log says the cadence."""
+    """A budget of 2 % of the loop's time with a model whose step is a few ms, about as long as a snapshot's
+    fixed cost: most steps are skipped, alike on every rank, and the log says the cadence and its bound."""
     import logging
 
     from transformers import Trainer, TrainingArguments
@@ -291,7 +291,7 @@ def test_a_tiny_models_snapshots_keep_within_the_budget_by_skipping_steps(tmp_pa
     data = [{"x": torch.randn(4), "labels": i % 2} for i in range(64)]
     args = TrainingArguments(str(tmp_path / "run"), max_steps=120, per_device_train_batch_size=8, report_to=[],
                              save_strategy="no", logging_strategy="no", use_cpu=True, disable_tqdm=True)  # fmt: skip
-    callback = CkptoolsCallback(snapshot_every=1)  # budget=0.02, the default
+    callback = CkptoolsCallback(snapshot_every=1, budget=0.02)  # the default is no budget: every step
     try:
         with caplog.at_level(logging.INFO, logger="ckptools"):
             Trainer(TinyClassifier(), args, train_dataset=data, callbacks=[callback]).train()
@@ -304,4 +304,5 @@ def test_a_tiny_models_snapshots_keep_within_the_budget_by_skipping_steps(tmp_pa
             shutil.rmtree(memory, ignore_errors=True)
     print(f"{sum(taken)} of {len(taken)} steps snapshotted")
     assert len(taken) == 120 and 2 <= sum(taken) <= 60, (sum(taken), taken)  # most are skipped
-    assert "snapshots: one call in" in caplog.text, caplog.text[-2000:]
+    assert "snapshots: one call in" in caplog.text and "a kill loses at most" in caplog.text, caplog.text[-2000:]
+    assert CkptoolsCallback().budget is None  # the one default of every snapshot taker

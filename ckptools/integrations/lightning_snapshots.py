@@ -41,9 +41,9 @@ class NodeSnapshots(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  
             keeper persists the newest snapshot, and what names this run's node memory. A relaunch
             finds its snapshots before Lightning runs any hook, so the folder is given here.
         every_n_train_steps: take a snapshot after every n-th optimizer step.
-        budget: the fraction of the loop's time the snapshots may stall it (the default 0.02: 2 %);
-            calls beyond it are skipped alike on every rank, and each change of cadence is logged.
-            None: every call.
+        budget: the fraction of the loop's time the snapshots may stall it (``0.02``: 2 %), as
+            `ckptools.CheckpointManager.snapshot`'s: calls beyond it are skipped alike on every rank, and
+            each change of cadence is logged with the steps a kill then loses. None (the default): every call.
 
     Examples:
         >>> from ckptools.integrations.lightning import NodeSnapshots  # doctest: +SKIP
@@ -52,7 +52,7 @@ class NodeSnapshots(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  
         >>> trainer.fit(model, ckpt_path="last")  # doctest: +SKIP
     """
 
-    def __init__(self, dirpath: Any, *, every_n_train_steps: int = 1, budget: float | None = 0.02) -> None:
+    def __init__(self, dirpath: Any, *, every_n_train_steps: int = 1, budget: float | None = None) -> None:
         super().__init__(os.fspath(dirpath), filename=PREFIX)
         if every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be at least 1, got {every_n_train_steps}")

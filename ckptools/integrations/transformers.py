@@ -84,12 +84,16 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
     the Trainer starts that epoch's workers). It refuses ``dataloader_persistent_workers=True``
     then: persistent workers keep the epoch they started with.
 
+    ``snapshot_every=n``: a node-memory snapshot every n-th step (the
+    newest resumed from by `latest_complete_checkpoint`); ``budget``: the fraction of the loop's time
+    they may stall it, as `ckptools.CheckpointManager.snapshot`'s (the default None: every n-th step).
+
     Examples:
         >>> from ckptools.integrations.transformers import CkptoolsCallback  # doctest: +SKIP
         >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[CkptoolsCallback()])  # doctest: +SKIP
     """
 
-    def __init__(self, *, snapshot_every: int | None = None, budget: float | None = 0.02) -> None:
+    def __init__(self, *, snapshot_every: int | None = None, budget: float | None = None) -> None:
         if snapshot_every is not None and snapshot_every < 1:
             raise ValueError(f"snapshot_every must be at least 1 (or None: no snapshots), got {snapshot_every}")
         self.snapshot_every = snapshot_every

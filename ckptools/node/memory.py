@@ -70,6 +70,8 @@ class NodeMemory:
         called = time.monotonic()
         cadence = self._cadence
         cadence.calls += 1
+        if budget is None:  # without a budget every call is taken (budget is the same on every rank)
+            cadence.skip = 0
         if cadence.skip > 0:  # every rank skips the same calls: agreed at the last snapshot taken
             cadence.skip -= 1
             return None
