@@ -16,7 +16,7 @@ from .errors import CheckpointError
 from .layouts import TORCH_FILE
 from .lifecycle import finish_pending
 from .node import NodeMemory, Orphaned, checkpoint_names, file_name
-from .read import load
+from .read import check_in_ranges, load, reads_in_ranges
 from .saving import async_save_with_hooks, save_with_hooks
 from .storage import PathLike, abandoned_tmps, fspath, join, list_files, remove, resolve
 from .training.process import ORPHANED_EXIT, leave
@@ -312,10 +312,28 @@ class CheckpointManager:
         listed = self.checkpoints()
         if snapshot is not None and (not listed or snapshot >= listed[-1][0]):
             return snapshot, True  # no durable file is newer: none is read to verify it
-        durable = self.latest()
+        durable = self._newest_good()
         if snapshot is not None and (durable is None or snapshot >= self._step_of(durable)):
             return snapshot, True  # the newer durable files were damaged
         return None if durable is None else (self._step_of(durable), False)
+
+    def _newest_good(self) -> str | None:
+        """Rank 0, choosing what a restore loads: `latest`, except in an object store read in ranges, where
+        each checkpoint's container is checked in a few GETs and the load that follows checks every record
+        as the rank that reads it gets it (``verify=True``): the object is downloaded once between the
+        ranks, not once more by rank 0 to choose it."""
+        listed = self.checkpoints()
+        if not listed or not reads_in_ranges(resolve(listed[-1][1])):
+            return self.latest()
+        for _, path in reversed(listed):
+            try:
+                if not check_in_ranges(resolve(path)):
+                    TORCH_FILE.check(resolve(path))  # not laid out for ranged reads: checked whole
+            except CheckpointError as err:
+                log.warn(f"skipping damaged checkpoint: {err}", all_ranks=True)
+                continue
+            return path
+        return None
 
     def latest(self) -> str | None:
         """Path of the newest complete checkpoint whose every zip record passes its CRC-32, or None.
@@ -375,7 +393,10 @@ class CheckpointManager:
         # Restoring is resuming: the RNG comes back whatever the state holds (see ck.load).
         load_kwargs = {"restore_rng": True, **load_kwargs}
         if not from_memory:
-            return load(self.path_for(step), state, **load_kwargs)
+            path = self.path_for(step)
+            if reads_in_ranges(resolve(path)):  # chosen by its container: every record checked as read
+                load_kwargs.setdefault("verify", True)
+            return load(path, state, **load_kwargs)
         path = self._node.path_for(step)
         nodes.bring(path, step)
         if get_rank() == 0:

@@ -407,3 +407,66 @@ def test_a_flipped_byte_in_an_object_read_once_is_one_clear_error_on_every_rank(
     said = run_ranks(_restores_from_s3, 2, url, True)
     damage = f"{url}: record archive/data/4 is damaged (CRC-32 mismatch"
     assert all(damage in text for text in said), said  # the rank that read it says so; the other names it
+
+
+def _manager_saves_on_s3(rank: int, world: int, run: str) -> None:
+    ck.CheckpointManager(run).save({"model": torch.nn.parallel.DistributedDataParallel(_big_ddp()), "step": 5}, 5)
+
+
+def _manager_restores_from_s3(rank: int, world: int, run: str) -> Any:
+    import s3fs
+
+    os.environ["AWS_SDK_UA_APP_ID"] = f"rank{rank}"  # the server's record names who read what
+    s3fs.S3FileSystem.clear_instance_cache()
+    model = _big_ddp()
+    for p in model.parameters():
+        p.data.zero_()
+    try:
+        ckpt = ck.CheckpointManager(run).restore({"model": model})  # what a resuming script calls
+    except ck.CheckpointError as err:
+        return str(err)
+    expected = _big_ddp().state_dict()
+    return ckpt["step"], all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+
+def _downloaded_by_rank(requests: list[dict], key: str, size: int) -> dict[int, int]:
+    """The bytes of ``key`` each rank's GETs asked for (a GET without a range: the whole object)."""
+    import re
+
+    read: dict[int, int] = {}
+    for entry in requests:
+        headers = {k.lower(): v for k, v in entry["headers"].items()}
+        if entry["method"] == "GET" and entry["url"].split("?")[0].endswith(f"/{key}"):
+            rank = int(re.search(r"app/rank(\d+)", headers["user-agent"]).group(1))
+            ranged = re.match(r"bytes=(\d+)-(\d+)", headers.get("range", ""))
+            read[rank] = read.get(rank, 0) + (int(ranged[2]) - int(ranged[1]) + 1 if ranged else size)
+    return read
+
+
+@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])  # 2: make interop
+def test_the_managers_restore_from_s3_downloads_each_byte_once_between_the_ranks(s3_env, world):
+    """Issue 56 (1): choosing the checkpoint checked every record's CRC-32 on rank 0 by downloading the whole
+    object, then the load read it again (200 % on rank 0). Now the choice reads the container in a few GETs
+    and each rank checks the records it reads: at most 1.05x the object in all, 1/N + 5 % per rank."""
+    import s3fs
+
+    run = f"s3://{BUCKET}/manager-once{world}"
+    run_ranks(_manager_saves_on_s3, 2, run)
+    key = f"manager-once{world}/ckpt-0000000005.pt"
+    size = s3fs.S3FileSystem().size(f"{BUCKET}/{key}")
+    with recorded() as requests:
+        got = run_ranks(_manager_restores_from_s3, world, run)
+    assert got == [(5, True)] * world, got  # bit-exact on every rank
+    read = _downloaded_by_rank(requests, key, size)
+    print(f"{world} ranks, object {size} B: bytes per rank {read}, {sum(read.values()) / size:.3f}x in all")
+    assert sorted(read) == list(range(world)), read
+    # Each rank reads whole storages: three 6 MiB weights dealt out are 1/3 each at 3 ranks, 2/3 and 1/3 at 2
+    # (a storage split between ranks is what would bring 2 ranks to 1/2: not done yet, docs/benchmarks.md).
+    share = {2: 2 / 3, 3: 1 / 3}[world]
+    assert sum(read.values()) <= 1.05 * size and max(read.values()) <= size * (share + 0.05), (read, size)
+    fs = s3fs.S3FileSystem()
+    data = bytearray(fs.cat_file(f"{BUCKET}/{key}"))
+    data[len(data) // 2] ^= 0x10  # inside a weight's record
+    fs.pipe_file(f"{BUCKET}/{key}", bytes(data))
+    said = run_ranks(_manager_restores_from_s3, world, run)
+    assert all(isinstance(text, str) and "is damaged (CRC-32 mismatch" in text for text in said), said

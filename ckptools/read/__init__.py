@@ -27,12 +27,15 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers
     from .loaded import LIGHTNING_VERSION_KEY, META_KEY, loaded_weights, placeholder_name
     from .loading import load, load_state_dict
     from .once import ReadAnotherWay, once_pays, plan_reads, read_once
+    from .remote_zip import check_in_ranges, reads_in_ranges
     from .restoring import restore_rank_rng
 
 _LAZY = {
     "LIGHTNING_VERSION_KEY": ".loaded",
     "META_KEY": ".loaded",
     "ReadAnotherWay": ".once",
+    "check_in_ranges": ".remote_zip",
+    "reads_in_ranges": ".remote_zip",
     "load": ".loading",
     "load_state_dict": ".loading",
     "loaded_weights": ".loaded",
@@ -47,6 +50,7 @@ __all__ = [
     "LIGHTNING_VERSION_KEY",
     "META_KEY",
     "ReadAnotherWay",
+    "check_in_ranges",
     "load",
     "load_state_dict",
     "loaded_weights",
@@ -54,6 +58,7 @@ __all__ = [
     "placeholder_name",
     "plan_reads",
     "read_once",
+    "reads_in_ranges",
     "restore_rank_rng",
 ]
 

@@ -33,7 +33,7 @@ from ..errors import CheckpointFormatError
 from ..layouts import damaged_record
 from ..storage import RANGE_BYTES, RANGES_AT_ONCE, Location, crc32, ranged_reads, report_progress, resolve
 
-__all__ = ["RemoteZip", "Unranged", "reads_in_ranges"]
+__all__ = ["RemoteZip", "Unranged", "check_in_ranges", "reads_in_ranges"]
 
 # Ranged GETs of at most RANGE_BYTES, RANGES_AT_ONCE in flight per rank: storage's, as for every remote read.
 _TAIL = 1 << 16  # the end of the object read first: the end record and, mostly, the directory
@@ -43,6 +43,24 @@ def reads_in_ranges(location: Location) -> bool:
     """Whether ``location`` is a remote file on a filesystem that makes ranged reads concurrently
     (fsspec's async ones: s3fs, gcsfs, adlfs, HTTP)."""
     return not location.local and ranged_reads(location.fs)
+
+
+def check_in_ranges(location: Location) -> bool:
+    """Check an object's container in a few ranged GETs (its directory, every record inside the object, the
+    small records with their CRC-32s) and not its storages, which a verified load checks as each rank reads
+    them: True. False where it cannot be read so (no ranged reads, not laid out as torch lays out a zip):
+    the caller checks it whole.
+
+    Raises:
+        CheckpointFormatError: a small record is damaged.
+    """
+    if not reads_in_ranges(location):
+        return False
+    try:
+        RemoteZip(location, verify=True)
+    except Unranged:
+        return False
+    return True
 
 
 class _Ranges(io.RawIOBase):
