@@ -347,7 +347,9 @@ def _saves_on_s3(rank: int, world: int, url: str) -> None:
     ck.save(url, {"model": torch.nn.parallel.DistributedDataParallel(_big_ddp()), "step": 5})
 
 
-def _restores_from_s3(rank: int, world: int, url: str, verify: bool) -> Any:
+def _restores_from_s3(rank: int, world: int, url: str, verify: bool, manager: bool = False) -> Any:
+    """``ck.load`` of the object at ``url`` (read="auto": once, from S3), or with ``manager`` the restore of
+    the run folder ``url`` (what a resuming script calls); the step and whether the weights are exact."""
     import s3fs
 
     os.environ["AWS_SDK_UA_APP_ID"] = f"rank{rank}"  # the server's record names who read what
@@ -356,7 +358,11 @@ def _restores_from_s3(rank: int, world: int, url: str, verify: bool) -> Any:
     for p in model.parameters():
         p.data.zero_()
     try:
-        ckpt = ck.load(url, {"model": model}, verify=verify)  # read="auto": once, from S3
+        ckpt = (
+            ck.CheckpointManager(url).restore({"model": model})
+            if manager
+            else ck.load(url, {"model": model}, verify=verify)
+        )
     except ck.CheckpointError as err:
         return str(err)
     expected = _big_ddp().state_dict()
@@ -413,22 +419,6 @@ def _manager_saves_on_s3(rank: int, world: int, run: str) -> None:
     ck.CheckpointManager(run).save({"model": torch.nn.parallel.DistributedDataParallel(_big_ddp()), "step": 5}, 5)
 
 
-def _manager_restores_from_s3(rank: int, world: int, run: str) -> Any:
-    import s3fs
-
-    os.environ["AWS_SDK_UA_APP_ID"] = f"rank{rank}"  # the server's record names who read what
-    s3fs.S3FileSystem.clear_instance_cache()
-    model = _big_ddp()
-    for p in model.parameters():
-        p.data.zero_()
-    try:
-        ckpt = ck.CheckpointManager(run).restore({"model": model})  # what a resuming script calls
-    except ck.CheckpointError as err:
-        return str(err)
-    expected = _big_ddp().state_dict()
-    return ckpt["step"], all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
-
-
 def _downloaded_by_rank(requests: list[dict], key: str, size: int) -> dict[int, int]:
     """The bytes of ``key`` each rank's GETs asked for (a GET without a range: the whole object)."""
     import re
@@ -455,7 +445,7 @@ def test_the_managers_restore_from_s3_downloads_each_byte_once_between_the_ranks
     key = f"manager-once{world}/ckpt-0000000005.pt"
     size = s3fs.S3FileSystem().size(f"{BUCKET}/{key}")
     with recorded() as requests:
-        got = run_ranks(_manager_restores_from_s3, world, run)
+        got = run_ranks(_restores_from_s3, world, run, True, True)
     assert got == [(5, True)] * world, got  # bit-exact on every rank
     read = _downloaded_by_rank(requests, key, size)
     print(f"{world} ranks, object {size} B: bytes per rank {read}, {sum(read.values()) / size:.3f}x in all")
@@ -468,5 +458,5 @@ def test_the_managers_restore_from_s3_downloads_each_byte_once_between_the_ranks
     data = bytearray(fs.cat_file(f"{BUCKET}/{key}"))
     data[len(data) // 2] ^= 0x10  # inside a weight's record
     fs.pipe_file(f"{BUCKET}/{key}", bytes(data))
-    said = run_ranks(_manager_restores_from_s3, world, run)
+    said = run_ranks(_restores_from_s3, world, run, True, True)
     assert all(isinstance(text, str) and "is damaged (CRC-32 mismatch" in text for text in said), said
