@@ -43,6 +43,7 @@ stress: $(STAMP)
 		'tests/test_s3.py::test_every_rank_uploads_its_share_as_parts_of_one_upload[3]' \
 		tests/test_s3.py::test_a_rank_killed_mid_upload_leaves_the_previous_object_and_no_upload \
 		'tests/test_s3.py::test_a_restore_from_s3_reads_each_byte_once_between_the_ranks[2]' \
+		'tests/test_s3.py::test_the_managers_restore_from_s3_downloads_each_byte_once_between_the_ranks[2]' \
 		tests/test_s3.py::test_a_flipped_byte_in_an_object_read_once_is_one_clear_error_on_every_rank \
 		tests/test_train_ddp_e2e.py::test_kill_9_at_random_moments_never_tears_a_snapshot_and_every_relaunch_is_bit_exact
 
@@ -103,6 +104,7 @@ interop: $(INTEROP_STAMP) lightning-suite
 		'tests/test_s3.py::test_every_rank_uploads_its_share_as_parts_of_one_upload[3]' \
 		tests/test_s3.py::test_a_rank_killed_mid_upload_leaves_the_previous_object_and_no_upload \
 		'tests/test_s3.py::test_a_restore_from_s3_reads_each_byte_once_between_the_ranks[2]' \
+		'tests/test_s3.py::test_the_managers_restore_from_s3_downloads_each_byte_once_between_the_ranks[2]' \
 		tests/test_s3.py::test_a_flipped_byte_in_an_object_read_once_is_one_clear_error_on_every_rank \
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind \
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_not_relaunched_leaves_the_newest_step_in_the_folder \
