@@ -371,13 +371,18 @@ def test_paths_that_need_no_tensor_never_import_torch(tmp_path, command, suffix)
         safetensors.torch.save_file(weights, str(src))
     out = tmp_path / ("out.safetensors" if command[0] == "convert" else f"out{suffix}")
     args = [a.format(out=out) for a in command[:1]] + [str(src)] + [a.format(out=out) for a in command[1:]]
+    proc = _without_torch(args)
+    assert proc.stdout.strip().splitlines()[-1] == "EXIT 0 False", proc.stdout + proc.stderr
+
+
+def _without_torch(args: list[str]) -> subprocess.CompletedProcess[str]:
+    """``ckpt ARGS`` in a fresh interpreter, which prints its exit code and whether torch was imported."""
     code = (
         "import sys; from ckptools.cli import app\n"
         f"try:\n    app({args!r})\nexcept SystemExit as e:\n    code = e.code\n"
         "print('EXIT', code, 'torch' in sys.modules)"
     )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert proc.stdout.strip().splitlines()[-1] == "EXIT 0 False", proc.stdout + proc.stderr
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
 
 
 def test_listing_a_run_folder_never_imports_torch(tmp_path):
@@ -385,12 +390,7 @@ def test_listing_a_run_folder_never_imports_torch(tmp_path):
     torch); a run folder is now asked about first, and listed from names and sizes alone."""
     manager = ck.CheckpointManager(tmp_path / "run", snapshot_dir=tmp_path / "memory")
     manager.save({"w": torch.ones(2)}, 3)
-    code = (
-        "import sys; from ckptools.cli import app\n"
-        f"try:\n    app(['info', '--json', {str(tmp_path / 'run')!r}])\nexcept SystemExit as e:\n    code = e.code\n"
-        "print('EXIT', code, 'torch' in sys.modules)"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    proc = _without_torch(["info", "--json", str(tmp_path / "run")])
     assert proc.stdout.strip().splitlines()[-1] == "EXIT 0 False", proc.stdout + proc.stderr
     assert '"step": 3' in proc.stdout, proc.stdout
 
