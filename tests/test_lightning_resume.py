@@ -77,7 +77,7 @@ def test_two_ddp_processes_killed_at_random_steps_resume_bit_identical(tmp_path)
 
 @pytest.mark.slow  # 2- and 3-process DDP launches: `make interop`
 @pytest.mark.timeout(900)
-def test_two_ranks_resumed_on_three_see_every_sample_once_per_epoch(tmp_path):
+def test_two_ranks_resumed_on_three_see_every_sample_once_per_epoch(tmp_path, monkeypatch):
     """Killed on 2 ranks after the checkpoint at step 4 (epoch 0, batch 4 of 7), relaunched on 3:
     the rest of epoch 0 is dealt out to the 3 ranks, and every epoch covers the 100 samples once
     (padding aside: DistributedSampler's few repeats to give every rank as many), with validation
@@ -85,6 +85,7 @@ def test_two_ranks_resumed_on_three_see_every_sample_once_per_epoch(tmp_path):
     script = tmp_path / "fit.py"
     script.write_text(FIT)
     root = tmp_path / "run"
+    monkeypatch.setenv("FIT_PAUSE_AT", "6")  # rank 0 waits after step 6: the kill lands there, never at step 8's save
     run_killed(script, root, "exact", 2, (3, 4, 2, 100, 1, 1, 1), kills=[6], final_devices=3)
     stderr = (root / "stderr.txt").read_text()
     assert "saved by 2 ranks and is loaded by 3" in stderr  # the RNG streams are per rank: not restored
