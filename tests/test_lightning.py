@@ -252,7 +252,9 @@ trainer = pl.Trainer(default_root_dir=sys.argv[1], max_epochs=1, accelerator="cp
 trainer.fit(Wide())
 path = os.path.join(sys.argv[1], "after.ckpt")
 trainer.save_checkpoint(path)
-print(f"rank {trainer.global_rank} reads", torch.load(path, weights_only=False)["global_step"], flush=True)
+step = torch.load(path, weights_only=False)["global_step"]
+sys.stdout.write(f"rank {trainer.global_rank} reads {step}\\n")  # one write: print's pieces interleave between ranks
+sys.stdout.flush()
 """
 
 
@@ -262,8 +264,8 @@ def test_a_save_after_a_ddp_fit_is_there_for_every_rank_when_the_call_returns(tm
     script.write_text(_DDP_SAVE_AFTER_FIT)
     proc = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # The two ranks print to one pipe: unbuffered (PYTHONUNBUFFERED), a line's text and its newline are
-    # two writes, so one rank's line can land inside the other's.
+    # The two ranks write to one pipe: each line is one write, but unbuffered (PYTHONUNBUFFERED) a line's
+    # pieces were written apart ("rank 1 readsrank 0 reads 1", seen in make compat): matched anywhere.
     reads = sorted(re.findall(r"rank (\d) reads (\d+)", proc.stdout))
     assert reads == [("0", "1"), ("1", "1")], proc.stdout
 
