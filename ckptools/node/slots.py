@@ -183,15 +183,20 @@ class NodeSlots:
     def release(self) -> int:
         """Unmap the slots and remove the spare (the committed snapshot stays); the bytes mapped."""
         held = sum(key[2] for key in self.mapped)
-        while self.mapped:
-            self.mapped.popitem()[1].close()
-        self._target = None
-        spare, self.spare = self.spare, None
+        spare = self.unmap()
         if spare is not None:
             sealing.forget(spare)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(spare)
         return held
+
+    def unmap(self) -> str | None:
+        """Unmap every slot and forget the spare (left where it is); the spare's path."""
+        while self.mapped:
+            self.mapped.popitem()[1].close()
+        self._target = None
+        spare, self.spare = self.spare, None
+        return spare
 
 
 # Every NodeSlots of this process, for the job's normal end (`release_all`).
@@ -202,9 +207,7 @@ def release_all() -> None:
     """Unmap every slot of this process and forget every spare (their folders go next: the job's
     normal end)."""
     for slots in list(_LIVE):
-        while slots.mapped:
-            slots.mapped.popitem()[1].close()
-        slots._target, slots.spare = None, None
+        slots.unmap()
         slots.ours.clear()
 
 
