@@ -24,6 +24,7 @@ from .state_dict import strip_wrappers, unwrap_model
 from .storage import Location, PathLike, fspath, resolve
 from .write import (
     AsyncSave,
+    as_saved,
     build_payload,
     check_writers,
     checked_args,
@@ -39,7 +40,6 @@ from .write import (
     write_and_commit,
     write_share_in_background,
 )
-from .zero import with_partitions
 
 # Who writes when the caller does not say; see `save`.
 DEFAULT_WRITERS = "auto"
@@ -152,7 +152,7 @@ def save_with_hooks(
     """`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
     check_writers(writers)
     start = _begin(path, state, metadata, verify_replicas)
-    state = start.state  # a ZeRO optimizer as its ZeroEntry
+    state = start.state  # as saved (`as_saved`): a ZeRO optimizer as its ZeroEntry, open gradients
     planned = _shares(start, state, before_write, writers)
     if planned is None:
         written = _on_rank0(start, state, lambda payload: _write(start.location, payload, before_write, start.written))
@@ -214,8 +214,7 @@ def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any]
         failure = compare_replicas([reply.digests for reply in gathered])
         if failure is not None:
             raise agreement.failure(failure)
-    saved = with_partitions(state, [reply.partitions for reply in gathered])
-    return _Start(path, user_meta, [reply.part for reply in gathered], started, saved)
+    return _Start(path, user_meta, [reply.part for reply in gathered], started, as_saved(state, gathered))
 
 
 def _write(location: Location, payload: Any, before_write: Callable[[], None] | None, ran: bool = False) -> int:
@@ -291,7 +290,7 @@ def async_save_with_hooks(
     in its writer thread (``before_write`` on the main thread with ``writers="all"``)."""
     check_writers(writers)
     start = _begin(path, state, metadata, verify_replicas)
-    state = start.state  # a ZeRO optimizer as its ZeroEntry
+    state = start.state  # as saved (`as_saved`): a ZeRO optimizer as its ZeroEntry, open gradients
     planned = _shares(start, state, before_write, writers, on_cpu=True)
     handle = AsyncSave(start.path, start.started, shared=planned is not None)
     if planned is None:

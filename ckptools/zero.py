@@ -37,6 +37,7 @@ from .collective.group import get_rank
 from .errors import CheckpointError
 
 __all__ = [
+    "TensorMeta",
     "ZeroEntry",
     "describe_partitions",
     "has_partitions",
@@ -44,6 +45,7 @@ __all__ = [
     "owned_tensors",
     "prefetch_partition",
     "refusal",
+    "tensor_meta",
     "with_partitions",
 ]
 
@@ -136,15 +138,14 @@ def describe_partitions(state: Mapping[str, Any]) -> tuple[Partitions | None, st
             except CheckpointError as err:
                 return None, str(err)
             found[name] = {
-                index: {
-                    key: _meta(value) if isinstance(value, torch.Tensor) else value for key, value in values.items()
-                }
+                index: {key: tensor_meta(v) if isinstance(v, torch.Tensor) else v for key, v in values.items()}
                 for index, values in _own_state(obj).items()
             }
     return found or None, None
 
 
-def _meta(tensor: torch.Tensor) -> TensorMeta:
+def tensor_meta(tensor: torch.Tensor) -> TensorMeta:
+    """What rank 0 needs to pickle ``tensor`` of another rank (`TensorMeta`), never its data."""
     return TensorMeta(
         tensor.dtype,
         tuple(tensor.size()),

@@ -85,6 +85,8 @@ class NodeMemory:
             prepare=functools.partial(prepare, self.folder, self.prefix, self.directory, self.keep_last),
             cadence=proposal,
         )  # fmt: skip
+        if path is None:  # inside an accumulation window over several nodes (`write_snapshot`): skipped
+            return None
         cadence.taken(called, time.monotonic() - called, proposal[0] if proposal else 0, step, budget)
         return path
 

@@ -34,12 +34,14 @@ from ..collective import agree
 from ..collective.agree import Agreement, first_failure, outcome_of
 from ..collective.group import all_gather_object, broadcast_bytes, get_rank, launcher_gone
 from ..errors import CheckpointError, NodeMemoryError
+from ..gradients import has_gradients, owned_refusal
 from ..storage import resolve
 from ..write import (
     FILE,
     Gathered,
     Plan,
     Stored,
+    as_saved,
     build_payload,
     check_writers,
     checked_args,
@@ -50,13 +52,15 @@ from ..write import (
     whole_storage,
     write_directory,
 )
-from ..zero import has_partitions, refusal, with_partitions
+from ..zero import has_partitions
 from . import sealing
 from .commits import COMMITS, crc32s, finish_snapshot
 from .folder import group_nodes, node_token, release_folders
 from .slots import MappedSlot, NodeSlots, release_all
 
 __all__ = ["Orphaned", "release", "settle", "write_snapshot"]
+
+_SAID: list[bool] = []  # rank 0 said once that snapshots in a window are skipped over several nodes
 
 
 class Orphaned(CheckpointError):
@@ -79,12 +83,13 @@ def write_snapshot(
     blocking: bool = False,
     prepare: Callable[[], None] | None = None,
     cadence: list[int] | None = None,
-) -> str:
+) -> str | None:
     """Collective: copy ``state`` into every node's memory as the snapshot ``name`` in the folder of
     ``slots`` (this process's slots of it: the stager the copy goes into).
 
-    Returns once this rank's copy is whole (``blocking``: once the snapshot is committed on every
-    node, its failure raised on every rank). ``prepare`` runs on every node's leader before the
+    Returns the path once this rank's copy is whole (``blocking``: once the snapshot is committed on every
+    node, its failure raised on every rank); None, having copied nothing, inside a gradient-accumulation
+    window over several nodes (`ckptools.gradients`). ``prepare`` runs on every node's leader before the
     copy (the keeper's start). ``writers="rank0"``: each node's leader copies everything.
     ``cadence``: ``[n]``, this rank's proposal (calls to skip after this one), replaced by rank 0's,
     agreed in the opening exchange (`CheckpointManager.snapshot`'s budget).
@@ -122,12 +127,23 @@ def write_snapshot(
     if not orphaned:
         previous_commit.raise_first(gathered, lambda reply: reply.previous)
     Agreement(f"the snapshot {path}", failed="was not taken").raise_first(gathered, lambda reply: reply.problem)
-    state = with_partitions(state, [reply.partitions for reply in gathered])
+    state = as_saved(state, gathered)
     split = writers != "rank0"
-    if not split and len(gathered) > 1 and has_partitions(state):  # the same verdict on every rank
+    owned = has_partitions(state) or has_gradients(state)
+    if not split and len(gathered) > 1 and owned:  # the same verdict on every rank
         fix, obstacle = "take it with writers='auto' (the default) or 'all'", "writers='rank0' does not allow"
-        raise CheckpointError(f"the snapshot {path} was not taken: {refusal(obstacle, fix)}")
+        raise CheckpointError(f"the snapshot {path} was not taken: {owned_refusal(state, obstacle, fix)}")
     nodes = group_nodes([reply.token for reply in gathered])
+    if len(nodes) > 1 and has_gradients(state):
+        # A node's copy must be whole and holds only its own ranks' gradients: this call is skipped
+        # (every rank saw the same replies), the next one after the window closes is taken.
+        if get_rank() == 0 and not _SAID:
+            _SAID.append(True)
+            log.logger.info(
+                "snapshots inside a gradient-accumulation window are skipped on more than one node (each rank's "
+                "gradients summed so far live on its own node only): a kill loses at most the window's steps"
+            )
+        return None
     rank = get_rank()
     node = next(ranks for ranks in nodes if rank in ranks)
     leader = node[0]

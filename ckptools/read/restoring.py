@@ -16,6 +16,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .. import log, rng
 from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError
+from ..gradients import restore_counter, restore_gradients
 from ..per_rank import PER_RANK_KEY, PerRank, is_per_rank_entry
 from ..state_dict import (
     WRAPPER_PREFIXES,
@@ -131,6 +132,8 @@ def _restore(obj: Any, entry: Any, *, strict: bool, path: str, name: str) -> Non
     elif isinstance(obj, torch.Tensor):
         with torch.no_grad():
             obj.copy_(entry)
+    elif restore_counter(obj, entry):  # an Accelerate Accelerator: the window's position
+        pass
     elif callable(getattr(obj, "load_state_dict", None)):
         prefetch_partition(obj, entry)  # a ZeRO optimizer: read its own partition's pages, not its neighbours'
         obj.load_state_dict(entry)
@@ -253,6 +256,7 @@ def restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool,
             raise CheckpointFormatError(
                 f"{path}: cannot restore entry {name!r} into {type(obj).__name__}: {err}{hint}"
             ) from err
+    restore_gradients(ckpt, state, path)  # an open accumulation window's sums, each rank its own
     # Each rank's own value of a per-rank entry, in the checkpoint returned too (where the world size allows).
     for name, entry in ckpt.items():
         if is_per_rank_entry(entry) and len(entry[PER_RANK_KEY]) == get_world_size():

@@ -34,7 +34,7 @@ from typing import Any
 from ..storage import Location, PathLike, resolve
 from .async_save import AsyncSave, finish_pending, pending, release_staging_buffers, set_pending, stage
 from .commit import FILE, Gathered, Stored, Target, finish, write_alone
-from .payload import Opening, build_payload, checked_args, opening, rank_part
+from .payload import Opening, as_saved, build_payload, checked_args, opening, rank_part
 from .plan import Plan, Share, check_writers, choose, compare_replicas, make_plan, replica_digests
 from .shares import locate, plan_shares, write_and_commit, write_share_in_background
 from .staging import Stager, StagingBuffers, copy_bytes, whole_storage
@@ -53,6 +53,7 @@ __all__ = [
     "StagingBuffers",
     "Stored",
     "Target",
+    "as_saved",
     "build_payload",
     "check_writers",
     "checked_args",

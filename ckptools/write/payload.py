@@ -27,16 +27,18 @@ from .._version import __version__
 from ..collective.group import get_world_size
 from ..devices import to_cpu
 from ..errors import UnsafeStateError
+from ..gradients import accumulation_counter, describe_gradients, with_gradients
 from ..layouts import META_KEY
 from ..layouts.torch_io import GLOBAL_RE, first_line
 from ..per_rank import PER_RANK_KEY, PerRank
 from ..state_dict import unwrap_model
 from ..storage import PathLike, crc32, fspath
-from ..zero import describe_partitions
+from ..zero import describe_partitions, with_partitions
 
 __all__ = [
     "FORMAT_VERSION",
     "Opening",
+    "as_saved",
     "build_payload",
     "check_loadable",
     "checked_args",
@@ -74,13 +76,14 @@ class Opening(NamedTuple):
 
     part: dict[str, Any]  # `rank_part`: its RNG states, PerRank values, small entries' CRC-32s
     partitions: Any  # its ZeRO partition, described (metadata only), or None
-    problem: str | None  # why its ZeRO optimizer cannot be saved, or None
+    problem: str | None  # why its ZeRO optimizer or its open gradients cannot be saved, or None
     digests: Any = None  # save(verify_replicas=True): CRC-32s of its replicated tensors
     token: str | None = None  # snapshot: its node-memory folder's token (who shares the node)
     previous: str | None = None  # snapshot: its last commit's failure
     orphaned: bool = False  # snapshot: its torchrun agent is gone
     cadence: int = 0  # snapshot: its proposal of calls to skip (rank 0's is taken)
     folder: str | None = None  # snapshot: why its node-memory folder cannot be used (not its user's alone)
+    gradients: Any = None  # its open accumulation window's gradients, described (`ckptools.gradients`)
 
 
 def opening(state: Mapping[str, Any], **extra: Any) -> Opening:
@@ -92,7 +95,15 @@ def opening(state: Mapping[str, Any], **extra: Any) -> Opening:
         3
     """
     partitions, problem = describe_partitions(state)
-    return Opening(rank_part(state), partitions, problem, **extra)
+    gradients, unsavable = describe_gradients(state)
+    return Opening(rank_part(state), partitions, problem or unsavable, gradients=gradients, **extra)
+
+
+def as_saved(state: Mapping[str, Any], gathered: list[Opening]) -> Mapping[str, Any]:
+    """``state`` as a save writes it, given every rank's `Opening`: a ZeRO optimizer as its
+    `ZeroEntry`, an open accumulation window's gradients as a `GradientsEntry` (each rank's own)."""
+    state = with_partitions(state, [reply.partitions for reply in gathered])
+    return with_gradients(state, [reply.gradients for reply in gathered])
 
 
 def rank_part(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -103,6 +114,8 @@ def rank_part(state: Mapping[str, Any]) -> dict[str, Any]:
     digests = {}
     for name, obj in state.items():
         if isinstance(obj, (PerRank, torch.nn.Module)) or callable(getattr(obj, "state_dict", None)):
+            continue
+        if accumulation_counter(obj) is not None:  # an Accelerator: its step, the same on every rank
             continue
         digest = _digest(obj)
         if digest is not None:
@@ -211,7 +224,8 @@ def state_entry(obj: Any) -> Any:
         return {"epoch": int(obj.epoch), "seed": int(obj.seed)}
     if callable(getattr(obj, "state_dict", None)):
         return obj.state_dict()
-    return obj
+    counter = accumulation_counter(obj)  # an Accelerate Accelerator: the window's position
+    return obj if counter is None else counter
 
 
 # --- what save() may store -------------------------------------------------------------------------

@@ -53,6 +53,7 @@ from .. import log
 from ..codecs.torchzip import ZipPlan
 from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointError
+from ..gradients import has_gradients, owned_gradients, owned_refusal
 from ..state_dict import unwrap_model
 from ..storage import Location, crc32, streams_multipart
 from ..zero import has_partitions, is_zero, owned_tensors, refusal
@@ -86,13 +87,13 @@ def choose(writers: str, location: Location, state: Mapping[str, Any]) -> str:
     """
     if get_world_size() == 1:
         return "rank0"
-    partitioned = has_partitions(state)
+    partitioned = has_partitions(state) or has_gradients(state)  # records each rank writes itself
     if partitioned and (writers == "rank0" or not location.local):
         why = "writers='rank0'" if writers == "rank0" else f"{location} is in an object store (no shared file)"
         fix = "save to a local or shared folder every rank sees with writers='auto' or 'all', then copy the file"
         raise CheckpointError(
-            f"saving checkpoint {location} failed: {refusal(f'{why} does not allow', fix)}; earlier checkpoints are "
-            "untouched"
+            f"saving checkpoint {location} failed: {owned_refusal(state, f'{why} does not allow', fix)}; earlier "
+            "checkpoints are untouched"
         )
     if writers == "rank0":
         return "rank0"
@@ -267,7 +268,7 @@ def make_plan(
     With ``upload`` (an S3 multipart upload, `ckptools.write.upload`) each writing rank's records
     sit together, rank 0's last (with the small records and the central directory), and a rank
     other than 0 writes at least `MIN_PART` bytes or nothing: its bytes are parts of their own."""
-    owned = {} if alone else owned_tensors(state, payload)
+    owned = {} if alone else {**owned_tensors(state, payload), **owned_gradients(state, payload)}
     data_pkl, storages = pickle_payload(payload, on_cpu=on_cpu, cpu=frozenset(owned))
     where = {} if alone else replicated(state, payload)
     if nodes is None:

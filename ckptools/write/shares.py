@@ -23,8 +23,9 @@ from ..collective.group import (
     get_rank,
 )
 from ..errors import CheckpointError
+from ..gradients import has_gradients, owned_refusal
 from ..storage import Location
-from ..zero import has_partitions, refusal
+from ..zero import has_partitions
 from . import upload, zip_writer
 from .async_save import AsyncSave
 from .commit import Gathered, Stored, finish
@@ -125,8 +126,9 @@ def plan_shares(
     replies = _gathered(plan, (seen, problem))
     failure = first_failure(replies, lambda reply: reply[1])
     blind = [rank for rank, reply in enumerate(replies) if not reply[0] and reply[1] is None]
-    if failure is None and blind and has_partitions(state):
-        failure = refusal(
+    if failure is None and blind and (has_partitions(state) or has_gradients(state)):
+        failure = owned_refusal(
+            state,
             f"rank {', '.join(map(str, blind))} cannot do: it cannot see the temporary file rank 0 created in "
             f"{os.path.dirname(plan.tmp)} (node-local directory?)",
             "save to a directory every rank shares",
