@@ -15,6 +15,7 @@ Examples:
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -164,9 +165,25 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'ckptools' has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value  # later lookups skip __getattr__
+    _watch_steps()
     return value
+
+
+def _watch_steps() -> None:
+    """Note the optimizer steps from now on, once torch is imported: a save inside a gradient-accumulation
+    window keeps what no step consumed (`ckptools.gradients`), so the watch starts as early as it can."""
+    global _watching
+    if not _watching and "torch" in sys.modules:
+        importlib.import_module(".gradients", __name__).track()
+        _watching = True
+
+
+_watching = False
 
 
 def __dir__() -> list[str]:
     # The public names and the module's own dunders: not the imports this file uses itself.
     return sorted(set(__all__) | {"__version__", "__all__", "__doc__", "__name__", "__file__"})
+
+
+_watch_steps()  # torch imported before ckptools: from here on

@@ -6,12 +6,15 @@ Saved between two steps of such a window, the weights and the optimizer are thos
 window's start, and the sums so far are in no state: a resume from there starts the window over
 with nothing summed, and ends it with other weights. So every save and snapshot keeps them:
 
-- **Open or closed.** After every optimizer step (torch's global step post-hook, registered by the
-  first save, snapshot or restore in the process) each of its parameters' gradient tensor and its
-  version counter are noted: what that step consumed. At a save, a parameter's ``.grad`` is open
-  when it is another tensor, changed since (a backward added to it), or was never seen consumed
-  (the first save of a process). A ``.grad`` of None, or the one the last step consumed, is closed:
-  whatever the loop does with it next (``zero_grad``), it adds nothing to the weights.
+- **Open or closed.** After every optimizer step (torch's global step post-hook, registered when
+  the process first uses ckptools with torch imported: ``import ckptools`` after torch, or any
+  ``ck.`` name) each of its parameters' gradient tensor and its version counter are noted: what
+  that step consumed. At a save, a parameter's ``.grad`` is open when it is another tensor or
+  changed since (a backward added to it), and when a restore put it there; a ``.grad`` of None, or
+  the one the last step consumed, is closed: whatever the loop does with it next (``zero_grad``), it
+  adds nothing to the weights. A ``.grad`` no step was seen to consume is open when no optimizer of
+  the state ever stepped its parameter (the first window), else closed (ckptools began watching
+  after the loop's first steps), and a warning says so once.
 - **Kept as each rank's own.** The open gradients of the state's models are saved under
   ``ckptools.gradients`` in `PerRank`'s layout (one dict per rank, ``{entry: {parameter: grad}}``),
   every rank writing its own records as a ZeRO partition is written (rank 0 pickles placeholders
@@ -60,6 +63,8 @@ GRADIENTS_KEY = "ckptools.gradients"
 
 # Per parameter (by id): (the parameter, the gradient the last step consumed, its version then), weakly.
 _CONSUMED: dict[int, tuple[Any, Any, int]] = {}
+# Per parameter (by id) whose .grad a restore put back: (the parameter), open until a step consumes it.
+_RESTORED: dict[int, Any] = {}
 _HOOK: list[Any] = []
 
 
@@ -67,6 +72,7 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
     for group in optimizer.param_groups:
         for param in group["params"]:
             grad = param.grad
+            _RESTORED.pop(id(param), None)
             if grad is None:
                 _CONSUMED.pop(id(param), None)
             else:
@@ -89,13 +95,17 @@ def track() -> None:
             del _CONSUMED[key]
 
 
-def _is_open(param: torch.Tensor) -> bool:
+def _is_open(param: torch.Tensor) -> bool | None:
+    """Whether ``param.grad`` holds sums no step consumed; None when no step was seen at all."""
     grad = param.grad
     if grad is None:
         return False
+    restored = _RESTORED.get(id(param))
+    if restored is not None and restored() is param:
+        return True
     seen = _CONSUMED.get(id(param))
     if seen is None or seen[0]() is not param:
-        return True  # no step was seen consuming it: kept, which is exact whatever it is
+        return None
     return seen[1]() is not grad or grad._version != seen[2]
 
 
@@ -110,10 +120,27 @@ def _kept(grad: torch.Tensor) -> torch.Tensor:
 
 def _open_gradients(state: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
     found: dict[str, dict[str, torch.Tensor]] = {}
+    stepped = {id(param) for obj in state.values() if isinstance(obj, torch.optim.Optimizer)
+               for param, values in getattr(obj, "state", {}).items() if values}  # fmt: skip
     for name, obj in state.items():
         if not isinstance(obj, torch.nn.Module):
             continue
-        grads = {key: param.grad for key, param in unwrap_model(obj).named_parameters() if _is_open(param)}
+        named = list(unwrap_model(obj).named_parameters())
+        verdicts = {key: _is_open(param) for key, param in named}
+        for key, param in named:  # never stepped by an optimizer of the state: all it holds is unconsumed
+            if verdicts[key] is None and id(param) not in stepped:
+                verdicts[key] = True
+        unseen = [key for key, verdict in verdicts.items() if verdict is None]
+        if unseen:
+            log.warn(
+                f"state[{name!r}] holds gradients no optimizer step was seen to consume ({', '.join(unseen[:3])}"
+                f"{', ...' if len(unseen) > 3 else ''}): ckptools notes the steps from its first use in a process "
+                "with torch imported, which came after this loop's first steps, so they are taken as consumed and "
+                "not kept. If this save is inside a gradient-accumulation window, a resume from it starts the "
+                "window over: touch ckptools before the loop (ck.init_distributed, a CheckpointManager)",
+                once="gradients-unseen",
+            )
+        grads = {key: param.grad for key, param in named if verdicts[key]}
         if grads:
             sparse = [key for key, grad in grads.items() if grad is not None and grad.layout != torch.strided]
             if sparse:
@@ -247,6 +274,7 @@ def restore_gradients(ckpt: Mapping[str, Any], state: Mapping[str, Any], path: s
                     param.grad.copy_(saved)
                 else:
                     param.grad = saved.to(device=param.device, copy=True)
+            _RESTORED[id(param)] = weakref.ref(param)  # open until a step consumes it
             restored = True
     return restored
 

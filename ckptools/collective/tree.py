@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from .group import broadcast_object, get_rank, peer_error, run_collective
 
-__all__ = ["Skeleton", "broadcast_tree", "owners_of", "share_storages"]
+__all__ = ["Skeleton", "broadcast_tree", "owners_of", "pieces_of", "share_pieces", "share_storages"]
 
 BUCKET_BYTES = 64 << 20
 
@@ -159,28 +159,86 @@ def owners_of(sizes: list[int], world: int) -> list[int]:
     return owners
 
 
+# Where a split storage is cut: a multiple of this, so each piece's reads are whole pages.
+PIECE_ALIGN = 4096
+
+
+def pieces_of(sizes: list[int], world: int) -> list[tuple[int, int, int, int]]:
+    """Who reads which bytes of storages of ``sizes``: ``(storage, start, length, rank)`` pieces.
+
+    Whole storages go the `owners_of` way while that keeps every rank within 1 % of an even share
+    (or of one alignment unit); otherwise the storages are laid end to end, largest first, and cut
+    into ``world`` ranges of equal size (cuts rounded to `PIECE_ALIGN`), so a storage larger than a
+    rank's share is read by several ranks: every rank reads 1/``world`` of the bytes, however few and
+    large the storages. The same on every rank.
+
+    Examples:
+        >>> pieces_of([40, 10, 30, 20], 2)  # whole storages already even
+        [(0, 0, 40, 0), (1, 0, 10, 0), (2, 0, 30, 1), (3, 0, 20, 1)]
+        >>> [(i, n, r) for i, _, n, r in pieces_of([3 << 20] * 3, 2)]  # three equal storages, two ranks
+        [(0, 3145728, 0), (1, 1572864, 0), (1, 1572864, 1), (2, 3145728, 1)]
+    """
+    owners = owners_of(sizes, world)
+    load = [0] * world
+    for size, owner in zip(sizes, owners):
+        load[owner] += size
+    total = sum(sizes)
+    if world <= 1 or max(load, default=0) <= total / world * 1.01 + PIECE_ALIGN:
+        return [(i, 0, size, owner) for i, (size, owner) in enumerate(zip(sizes, owners))]
+    order = sorted(range(len(sizes)), key=lambda i: (-sizes[i], i))
+    cuts = [0] + [r * total // world for r in range(1, world)] + [total]
+    pieces = []
+    at = 0  # the first byte of storage ``i`` in the concatenation
+    for i in order:
+        start = 0
+        while start < sizes[i]:
+            rank = max(r for r in range(world) if cuts[r] <= at + start)
+            end = sizes[i] if rank == world - 1 else min(sizes[i], cuts[rank + 1] - at)
+            if end < sizes[i]:  # a cut inside this storage: rounded up to whole pages of it
+                end = min(sizes[i], -(-end // PIECE_ALIGN) * PIECE_ALIGN)
+            pieces.append((i, start, end - start, rank))
+            start = end
+        at += sizes[i]
+    return sorted(pieces)
+
+
 def share_storages(
     storages: list[Any], owners: list[int], *, comm_device: torch.device, bucket_bytes: int = BUCKET_BYTES
 ) -> None:
     """Collective: each storage's bytes from the rank that ``owners`` names into every other rank's
     storage at that place (allocated by the caller, as large), in buckets of ``bucket_bytes``; with
     nccl the buckets travel on ``comm_device`` (a GPU), with gloo through host memory."""
-    rank, world = get_rank(), max(owners, default=0) + 1
-    sizes = [int(s.nbytes()) for s in storages]
+    pieces = [(i, 0, int(s.nbytes()), owner) for i, (s, owner) in enumerate(zip(storages, owners))]
+    share_pieces(storages, pieces, comm_device=comm_device, bucket_bytes=bucket_bytes)
+
+
+def share_pieces(
+    storages: list[Any],
+    pieces: list[tuple[int, int, int, int]],
+    *,
+    comm_device: torch.device,
+    bucket_bytes: int = BUCKET_BYTES,
+) -> None:
+    """Collective: `share_storages` by pieces (`pieces_of`): each ``(storage, start, length, rank)``
+    from that rank into every other rank's storage at that place."""
+    rank, world = get_rank(), max((p[3] for p in pieces), default=0) + 1
     views = [_bytes_of(s) for s in storages]
-    bucket = torch.empty(min(bucket_bytes, max(max(sizes, default=1), 1)), dtype=torch.uint8, device=comm_device)
+    largest = max((p[2] for p in pieces), default=1)
+    bucket = torch.empty(min(bucket_bytes, max(largest, 1)), dtype=torch.uint8, device=comm_device)
     try:
         for src in range(world):
-            mine = [i for i, owner in enumerate(owners) if owner == src]
-            for window in _windows([sizes[i] for i in mine], bucket.numel()):
+            mine = [p for p in pieces if p[3] == src]
+            for window in _windows([p[2] for p in mine], bucket.numel()):
                 for j, start, length, at in window:
                     if rank == src:
-                        bucket[at : at + length].copy_(views[mine[j]][start : start + length], non_blocking=True)
+                        view = views[mine[j][0]][mine[j][1] + start : mine[j][1] + start + length]
+                        bucket[at : at + length].copy_(view, non_blocking=True)
                 used = max(at + length for _, _, length, at in window)
                 run_collective(dist.broadcast, bucket[:used], src=src)
                 if rank != src:
                     for j, start, length, at in window:
-                        views[mine[j]][start : start + length].copy_(bucket[at : at + length], non_blocking=True)
+                        view = views[mine[j][0]][mine[j][1] + start : mine[j][1] + start + length]
+                        view.copy_(bucket[at : at + length], non_blocking=True)
         if comm_device.type == "cuda":
             torch.cuda.synchronize(comm_device)
     except RuntimeError as err:  # a peer died mid-transfer

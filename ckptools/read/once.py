@@ -27,7 +27,7 @@ import torch
 from .. import log
 from ..collective.agree import Agreement
 from ..collective.group import all_gather_object, get_rank, get_world_size, local_world_size
-from ..collective.tree import Skeleton, owners_of, share_storages
+from ..collective.tree import Skeleton, pieces_of, share_pieces
 from ..errors import CheckpointFormatError
 from ..layouts import check_records, damaged_record, zip_records
 from ..storage import Location, crc32, pinned
@@ -59,9 +59,8 @@ def once_pays(location: Location, world: int) -> bool:
 
 
 def plan_reads(sizes: list[int], world: int) -> list[int]:
-    """The bytes each of ``world`` ranks reads of storages of ``sizes`` (see `owners_of`)."""
-    owners = owners_of(sizes, world)
-    return [sum(size for size, owner in zip(sizes, owners) if owner == rank) for rank in range(world)]
+    """The bytes each of ``world`` ranks reads of storages of ``sizes`` (see `pieces_of`)."""
+    return [sum(length for _, _, length, owner in pieces_of(sizes, world) if owner == rank) for rank in range(world)]
 
 
 def read_once(location: Location, device: torch.device, read: Callable[[Location], Any], *, verify: bool) -> Any:
@@ -122,38 +121,48 @@ def _read_once(
             log.warn(f"{location.url} differs between ranks (node-local copies?): each rank reads its own file")
         raise ReadAnotherWay("each")
     assert parts is not None
-    sizes = parts.sizes()
-    owners = owners_of(sizes, world)
+    pieces = pieces_of(parts.sizes(), world)
     error = None
     storages: list[Any] = []
+    split: list[tuple[int, str, int]] = []
     try:
-        storages = _read_owned(location, parts, owners, records or {}, verify=verify, device=device, remote=remote)
+        storages, split = _read_owned(location, parts, pieces, records or {}, verify=verify, device=device,
+                                      remote=remote)  # fmt: skip
     except Exception as err:  # noqa: BLE001 - raised on every rank below
         error = err
     agreement.on_every_rank(error)
     nccl = torch.distributed.get_backend() == "nccl"
     comm = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
-    share_storages(storages, owners, comm_device=comm)  # on the GPU with nccl: straight into each rank's own
+    share_pieces(storages, pieces, comm_device=comm)  # on the GPU with nccl: straight into each rank's own
+    if verify and len(pieces) > len(storages):  # the same on every rank
+        # A storage read by several ranks is whole only now: its first reader checks its CRC-32.
+        damaged = next((name for index, name, crc in split if crc >= 0 and crc != _crc(storages[index])), None)
+        agreement.on_every_rank(None if damaged is None else damaged_record(location.url, damaged))
+    for index, _, _ in split:
+        storages[index] = storages[index].to(device=device)
     return parts.rebuilt(storages, device)
 
 
 def _read_owned(
     location: Location,
     parts: Skeleton,
-    owners: list[int],
+    pieces: list[tuple[int, int, int, int]],
     records: dict[int, tuple[str, int, int]],
     *,
     verify: bool,
     device: torch.device,
     remote: RemoteZip | None = None,
-) -> list[Any]:
-    """Every storage of the tree on ``device``: this rank's own read from the file (``pread``, no
-    readahead into the others' bytes; from an object store, ranged GETs: ``remote``; with ``verify``
-    their CRC-32s checked), the others allocated to receive.
+) -> tuple[list[Any], list[tuple[int, str, int]]]:
+    """Every storage of the tree: this rank's pieces (`pieces_of`) read from the file (``pread``, no
+    readahead into the others' bytes; from an object store, ranged GETs: ``remote``), the rest
+    allocated to receive. A storage read whole by this rank is on ``device``, its CRC-32 checked with
+    ``verify``; one read in pieces by several ranks stays on the CPU until the exchange made it whole
+    (`_read_once` moves it). Returns the storages and, for each split storage this rank read a piece of,
+    ``(index, record, CRC-32)``, the CRC-32 to check where this rank read its first piece (else -1).
 
     A storage torch mapped lies at its record's offset in the file; where that cannot be told (not
-    mapped as torch maps a file), the owner's storages are read through the mapping instead (never
-    from an object store: its stand-in holds no storage's bytes)."""
+    mapped as torch maps a file), the pieces are copied from the mapping instead (never from an
+    object store: its stand-in holds no storage's bytes)."""
     rank = get_rank()
     pointers = [int(s.data_ptr()) for s in parts.storages]
     low = min(pointers, default=0)
@@ -161,29 +170,43 @@ def _read_owned(
     if base is None and remote is not None:
         raise CheckpointFormatError(f"{location.url}: its storages are not where its records are; load it with "
                                     "read='rank0'")  # fmt: skip
+    by_storage: dict[int, list[tuple[int, int, int]]] = {}
+    for index, start, length, owner in pieces:
+        by_storage.setdefault(index, []).append((start, length, owner))
     out: list[Any] = []
-    mine: list[tuple[int, str, int, int, memoryview]] = []  # (index in out, record, its start, CRC-32, where it goes)
-    for storage, owner, pointer in zip(parts.storages, owners, pointers):
+    split: list[tuple[int, str, int]] = []
+    reads: list[tuple[str, int, int, memoryview]] = []  # (record, its data's start, offset in it, where it goes)
+    whole: list[tuple[int, str, int, memoryview]] = []  # storages read whole here: (index, record, CRC-32, bytes)
+    for index, (storage, pointer) in enumerate(zip(parts.storages, pointers)):
         size = int(storage.nbytes())
-        if owner != rank:
+        cut = by_storage.get(index, [(0, size, 0)])
+        own = [(start, length) for start, length, owner in cut if owner == rank]
+        if not own:
             out.append(torch.UntypedStorage(size, device=device))  # type: ignore[no-untyped-call]
-        elif base is None:
-            out.append(storage.to(device=device))
+            continue
+        fresh = torch.UntypedStorage(size)  # type: ignore[no-untyped-call]
+        view = memoryview(_bytes(fresh).numpy())  # type: ignore[arg-type]
+        name, crc = ("", 0) if base is None else (records[pointer - base][0], records[pointer - base][2])
+        if base is None:
+            source = _bytes(storage)
+            for start, length in own:
+                _bytes(fresh)[start : start + length].copy_(source[start : start + length])
         else:
-            name, _, crc = records[pointer - base]
-            fresh = torch.UntypedStorage(size)  # type: ignore[no-untyped-call]
-            view = memoryview(_bytes(fresh).numpy())  # type: ignore[arg-type]
-            mine.append((len(out), name, pointer - base, crc, view))
-            out.append(fresh)
+            reads += [(name, pointer - base, start, view[start : start + length]) for start, length in own]
+        if len(cut) > 1:
+            split.append((index, name, crc if base is not None and own[0][0] == cut[0][0] else -1))
+        else:
+            whole.append((index, name, crc, view))
+        out.append(fresh)
     if remote is not None:
-        remote.read_into([(name, view) for _, name, _, _, view in mine])
+        remote.read_into([(name, view, offset) for name, _, offset, view in reads])
     else:
         with _Reader(location.path) as reader:
-            for _, name, start, _, view in mine:
-                if not reader.read_into(view, start):
+            for name, start, offset, view in reads:
+                if not reader.read_into(view, start + offset):
                     raise damaged_record(location.url, name)
-    for index, name, _, crc, view in mine:
-        if verify and crc32(view) != crc:
+    for index, name, crc, view in whole:
+        if verify and base is not None and crc32(view) != crc:
             raise damaged_record(location.url, name)
         out[index] = out[index].to(device=device)
     if verify and base is None:
@@ -191,7 +214,7 @@ def _read_owned(
     elif verify and rank == 0 and remote is None:  # the records no tensor holds (data.pkl was checked as it was read)
         held = {pointer - base for pointer in pointers}  # type: ignore[operator]
         check_records(location, [start for start in sorted(records) if start not in held])
-    return out
+    return out, split
 
 
 class _Reader:
@@ -257,6 +280,10 @@ class _Reader:
                 return False
             done += got
         return True
+
+
+def _crc(storage: Any) -> int:
+    return crc32(memoryview(_bytes(storage).numpy()))  # type: ignore[arg-type]
 
 
 def _bytes(storage: Any) -> torch.Tensor:

@@ -184,25 +184,28 @@ class RemoteZip:
         finally:
             os.unlink(path)
 
-    def read_into(self, wanted: list[tuple[str, memoryview]]) -> None:
-        """Each named record's data into its view, in ranged GETs of at most `RANGE_BYTES`,
-        `RANGES_AT_ONCE` in flight (a record's first range from its header on, the header checked)."""
-        ranges = []  # (name, first byte, end, view)
-        for name, view in wanted:
-            header, start, size, _ = self.records[name]
-            cuts = [header, *range(start + RANGE_BYTES, start + size, RANGE_BYTES), start + size]
-            ranges += [(name, a, b, view) for a, b in zip(cuts, cuts[1:])]
+    def read_into(self, wanted: list[tuple[str, memoryview, int]]) -> None:
+        """Each named record's data from ``offset`` on into its view (``len(view)`` bytes: the whole
+        record, or a piece of it another rank's pieces complete), in ranged GETs of at most
+        `RANGE_BYTES`, `RANGES_AT_ONCE` in flight (a record's first range from its header on, the
+        header checked)."""
+        ranges = []  # (name, first byte, end, view, the view's first byte in the object)
+        for name, view, offset in wanted:
+            header, start, _, _ = self.records[name]
+            first, end = start + offset, start + offset + len(view)
+            cuts = [header if offset == 0 else first, *range(first + RANGE_BYTES, end, RANGE_BYTES), end]
+            ranges += [(name, a, b, view, first) for a, b in zip(cuts, cuts[1:])]
         fs, path = self.location.fs, self.location.path
         for batch in _batches(ranges):
             got = fs.cat_ranges([path] * len(batch), [r[1] for r in batch], [r[2] for r in batch],
                                 batch_size=RANGES_AT_ONCE, on_error="raise")  # fmt: skip
-            for (name, a, b, view), blob in zip(batch, got):
+            for (name, a, b, view, first), blob in zip(batch, got):
                 header, start, _, _ = self.records[name]
-                if a == header:
+                if a == header and first == start:
                     blob, a = self._after_header(name, blob), start
                 if len(blob) != b - a:
                     raise CheckpointFormatError(f"{self.location.url} ended early while {name} was read")
-                view[a - start : b - start] = blob
+                view[a - first : b - first] = blob
                 report_progress(len(blob))
 
 
