@@ -13,7 +13,8 @@ with nothing summed, and ends it with other weights. So every save and snapshot 
   changed since (a backward added to it), and when a restore put it there; a ``.grad`` of None, or
   the one the last step consumed, is closed: whatever the loop does with it next (``zero_grad``), it
   adds nothing to the weights. A ``.grad`` no step was seen to consume is open when no optimizer of
-  the state ever stepped its parameter (the first window), else closed (ckptools began watching
+  the state holds state for its parameter (never stepped: the first window; a plain SGD holds none, so
+  its parameters count as never stepped), else closed (ckptools began watching
   after the loop's first steps), and a warning says so once.
 - **Kept as each rank's own.** The open gradients of the state's models are saved under
   ``ckptools.gradients`` in `PerRank`'s layout (one dict per rank, ``{entry: {parameter: grad}}``),

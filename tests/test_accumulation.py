@@ -175,3 +175,29 @@ def test_one_process_keeps_its_open_window_too(tmp_path):
     opt.step()
     path = ck.save(tmp_path / "stepped.pt", {"model": model, "opt": opt})
     assert GRADIENTS_KEY not in torch.load(path, weights_only=True)  # consumed by the step: not kept
+
+
+_LATE = """
+import warnings, torch
+stepped = torch.nn.Linear(3, 2); fresh = torch.nn.Linear(3, 2)
+opt = torch.optim.SGD(list(stepped.parameters()) + list(fresh.parameters()), lr=0.1, momentum=0.9)
+stepped(torch.ones(1, 3)).sum().backward(); opt.step()
+stepped(torch.ones(1, 3)).sum().backward()  # a second window opened before ckptools watched any step
+fresh(torch.ones(1, 3)).sum().backward()  # never stepped: whatever it holds, no step consumed it
+import ckptools as ck  # the watch starts here
+from ckptools.gradients import GRADIENTS_KEY
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    path = ck.save({path!r}, {{"stepped": stepped, "fresh": fresh, "opt": opt}})
+kept = torch.load(path, weights_only=True)[GRADIENTS_KEY]["ckptools.per_rank"][0]
+print(sorted(kept), sorted(kept["fresh"]), any("no optimizer step was seen" in str(w.message) for w in said))
+"""
+
+
+def test_gradients_before_ckptools_watched_a_step_are_said_and_a_never_stepped_model_keeps_its_own(tmp_path):
+    import subprocess
+
+    code = _LATE.format(path=str(tmp_path / "late.pt"))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split("\n")[-2] == "['fresh'] ['bias', 'weight'] True", out.stdout + out.stderr[-2000:]
