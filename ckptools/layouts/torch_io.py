@@ -236,6 +236,8 @@ def _torchs_mmap_branch(handle: IO[bytes], archive: TorchZip, map_location: Any,
     import torch
     import torch.serialization as ts
 
+    from ..devices import registered_with_cuda  # imports torch: a file is read without it elsewhere
+
     open_reader, load, mmap_options, map_shared = (getattr(ts, name) for name in _MMAP_PIECES)
     handle.seek(0)
     with open_reader(handle) as reader:
@@ -243,8 +245,9 @@ def _torchs_mmap_branch(handle: IO[bytes], archive: TorchZip, map_location: Any,
         size = os.fstat(handle.fileno()).st_size
         overall = torch.UntypedStorage.from_file(mapped_path(handle), shared, size)
         try:
-            return load(reader, map_location, pickle_module, overall_storage=_Claimed(overall, archive),
-                        encoding="utf-8")  # fmt: skip
+            with registered_with_cuda(overall, map_location):  # host-to-device copies at pinned speed
+                return load(reader, map_location, pickle_module, overall_storage=_Claimed(overall, archive),
+                            encoding="utf-8")  # fmt: skip
         except BaseException:
             tls = getattr(ts, "_serialization_tls", None)
             if tls is not None:  # torch's _load leaves it set when a load fails (reset only on success)
