@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import os
@@ -56,7 +57,9 @@ def warn(message: str, *, once: str | None = None, all_ranks: bool = False) -> N
             return
         _warned.add(once)
     level, frame = 1, sys._getframe()
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+    while frame.f_back is not None and (
+        frame.f_code.co_filename.startswith(_INTERNAL) or frame.f_code.co_filename == contextlib.__file__
+    ):  # the user's line, past ckptools and the context managers it enters through
         level, frame = level + 1, frame.f_back
     # The record first: under "-W error" the warning raises, and the log still says what happened.
     # Only where logging is set up (otherwise logging's last-resort handler would print the message

@@ -23,7 +23,7 @@ from .. import log
 from ..errors import CheckpointError
 from ..storage import pid_alive
 from . import group
-from .group import collective_timeout, default_store, get_rank, get_world_size
+from .group import collective_timeout, default_store, found_node, get_rank, get_world_size
 
 __all__ = ["ENV", "arrival_timeout", "arrive", "barrier", "checked_in", "entered"]
 
@@ -102,6 +102,8 @@ def _check_in(store: Any, name: str, world: int) -> None:
     said = store.get(verdict).decode()
     if said == "ok":
         _forget(store, f"{base}/{_count - 1}", rank)
+        if "LOCAL_RANK" not in os.environ and _count == 1:  # every rank wrote where it runs, before it came
+            found_node([json.loads(store.get(f"{base}/who/{r}"))[0] for r in range(world)])
         return
     kind, _, detail = said.partition(":")
     if kind == "dead":

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import datetime
 import os
 import pickle
@@ -19,17 +20,20 @@ from typing import Any
 
 import torch
 
+from .. import log
 from ..errors import CheckpointError
 
 __all__ = [
     "barrier",
     "dist_ready",
+    "found_node",
     "get_local_rank",
     "get_rank",
     "get_world_size",
     "is_main_process",
     "local_world_size",
     "set_timeout",
+    "spawn_parent",
 ]
 
 # torchrun's agent: the parent that started this process (None when torchrun did not). Read once, at
@@ -59,6 +63,31 @@ def launcher_gone() -> bool:
     """
     parent = launcher()
     return parent is not None and os.getppid() != parent
+
+
+def spawn_parent() -> int | None:
+    """The pid of the ``torch.multiprocessing.spawn`` parent that started this process, or None.
+
+    torch's ``mp.spawn`` has each worker receive SIGINT when its parent dies (``PR_SET_PDEATHSIG``, set
+    before the worker's function runs): that tells its workers from another launcher's children. Ask
+    it from inside the worker's function, on its main thread (Linux; None elsewhere).
+
+    Examples:
+        >>> spawn_parent() is None  # not a worker of mp.spawn
+        True
+    """
+    import ctypes
+    import signal
+
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    found = ctypes.c_int(0)
+    if prctl(2, ctypes.byref(found), 0, 0, 0) != 0:  # PR_GET_PDEATHSIG
+        return None
+    parent = os.getppid()
+    return parent if found.value == int(signal.SIGINT) and parent != 1 else None
 
 
 def dist_ready() -> bool:
@@ -98,7 +127,9 @@ def get_local_rank() -> int:
         >>> ck.get_local_rank()
         0
     """
-    value = os.environ.get("LOCAL_RANK", "0")
+    value = os.environ.get("LOCAL_RANK")
+    if value is None:  # mp.spawn and other launchers: as found from the ranks' hosts, once known
+        return _NODE[0][0] if _NODE else 0
     try:
         return int(value)
     except ValueError as err:
@@ -106,18 +137,49 @@ def get_local_rank() -> int:
 
 
 def local_world_size(default: int) -> int:
-    """How many ranks run on this node: torchrun's ``LOCAL_WORLD_SIZE``, else ``default`` (unset, or
-    not an integer).
+    """How many ranks run on this node: torchrun's ``LOCAL_WORLD_SIZE``, else as found from the ranks'
+    hosts (`found_node`), else ``default`` (not yet known, or not an integer).
 
     Examples:
         >>> import os
         >>> local_world_size(3) if "LOCAL_WORLD_SIZE" not in os.environ else 3
         3
     """
+    if "LOCAL_WORLD_SIZE" not in os.environ and _NODE:
+        return _NODE[0][1]
     try:
         return int(os.environ.get("LOCAL_WORLD_SIZE", ""))
     except ValueError:
         return default
+
+
+# (local rank, ranks on this node) as found from every rank's host (`found_node`), where the launcher
+# did not say (no LOCAL_RANK: mp.spawn, a hand-written launcher).
+_NODE: list[tuple[int, int]] = []
+
+
+def found_node(hosts: list[str]) -> tuple[int, int] | None:
+    """Take this rank's node from every rank's host name (by rank), where ``LOCAL_RANK`` is unset:
+    its place among the ranks of its host and their number, then what `get_local_rank` and
+    `local_world_size` give; None (nothing changed) where the launcher said it. Rank 0 warns once.
+
+    Examples:
+        >>> found_node(["a"]) if "LOCAL_RANK" not in os.environ else (0, 1)
+        (0, 1)
+    """
+    if "LOCAL_RANK" in os.environ or _NODE:
+        return None
+    rank = get_rank()
+    same = [r for r, host in enumerate(hosts) if host == hosts[rank]]
+    _NODE.append((same.index(rank), len(same)))
+    if rank == 0 and len(hosts) > 1:
+        log.warn(
+            f"LOCAL_RANK is not set (a launcher other than torchrun: mp.spawn?), so ckptools took each rank's node "
+            f"from its host name: {len(set(hosts))} node(s), {len(same)} rank(s) on rank 0's. Set LOCAL_RANK and "
+            "LOCAL_WORLD_SIZE in each process to say it yourself",
+            once="node-guessed",
+        )
+    return _NODE[0]
 
 
 def is_main_process() -> bool:
@@ -215,7 +277,8 @@ _settling = False
 
 
 def _let_collective_threads_settle() -> None:
-    time.sleep(_SETTLE_SECONDS)
+    with contextlib.suppress(KeyboardInterrupt):  # mp.spawn's workers get SIGINT when their parent dies
+        time.sleep(_SETTLE_SECONDS)
 
 
 def settle_at_exit() -> None:

@@ -41,7 +41,7 @@ import subprocess
 import sys
 
 from .. import log
-from ..collective.group import get_local_rank, launcher
+from ..collective.group import launcher, spawn_parent
 from ..errors import NodeMemoryError
 from ..storage import NODE_MARK, abandoned_tmps, open_local, process_start, remove
 from ..text import human_size
@@ -73,7 +73,7 @@ FIXES = (
 )
 
 # Folders this process wrote snapshots into; removed when the job ends normally.
-_REGISTERED: set[str] = set()
+_REGISTERED: set[str] = set()  # the folders this rank, its node's lowest, releases at the job's end
 # Folders this process started a keeper for.
 _KEEPERS: set[str] = set()
 # Folders whose pages this process has told about (`note_pages`).
@@ -155,7 +155,7 @@ def watch(folder: str) -> None:
     with contextlib.suppress(FileExistsError):
         os.mkdir(pids, 0o700)
     watched = [os.getpid()]
-    agent = launcher()
+    agent = launcher() or spawn_parent()  # torchrun's agent, or mp.spawn's parent
     if agent is not None:  # the agent outlives a failed attempt and restarts it
         watched.append(agent)
     for pid in watched:
@@ -204,20 +204,20 @@ def prepare(folder: str, prefix: str, directory: str, keep_last: int | None) -> 
 
 
 def register(folder: str) -> None:
-    """Remember ``folder`` for `release` at the job's normal end."""
+    """Remember ``folder`` for `release` at the job's normal end: this rank is its node's lowest (the
+    ranks that share the folder are a node: `group_nodes`), so it removes it."""
     _REGISTERED.add(folder)
 
 
 def release_folders() -> list[str]:
     """Remove the node-memory folders this process wrote snapshots into; the folders removed.
 
-    Called by `ckptools.exit_process` and `Preemption.exit` on one rank per node, after every
-    rank's last checkpoint call: a job that ended normally leaves no memory behind.
+    Called by `ckptools.exit_process` and `Preemption.exit` on every rank, after every rank's last
+    checkpoint call: each folder goes by the hand of the node's lowest rank that shares it, who
+    registered it (never ``LOCAL_RANK``, which a launcher other than torchrun does not set): a job that
+    ended normally leaves no memory behind.
     """
     removed: list[str] = []
-    if get_local_rank() != 0:  # the node's ranks share the folder: one of them removes it
-        _REGISTERED.clear()
-        return removed
     for folder in sorted(_REGISTERED):
         with contextlib.suppress(FileNotFoundError):
             shutil.rmtree(folder)

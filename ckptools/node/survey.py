@@ -43,8 +43,9 @@ class Survey:
     def bring(self, path: str, step: int) -> None:
         """Collective: the nodes without the snapshot ``path`` of ``step`` (replaced, or killed
         mid-copy) receive it from a node that has it, into their own memory."""
-        register(self.folder)
         leaders = [ranks[0] for ranks in self.nodes]
+        if get_rank() in leaders:
+            register(self.folder)
         lacking = [leader for leader, have in zip(leaders, self.newest) if have != step]
         if lacking:
             source = next(leader for leader, have in zip(leaders, self.newest) if have == step)

@@ -16,7 +16,7 @@ from typing import Any, NoReturn
 
 from .. import log
 from ..collective.arrival import arrive, checked_in
-from ..collective.group import get_rank, launcher_gone, max_over_ranks
+from ..collective.group import get_rank, launcher_gone, max_over_ranks, spawn_parent
 from ..lifecycle import end_job
 from .process import leave
 
@@ -153,6 +153,11 @@ class Preemption:
         if threading.current_thread() is not threading.main_thread():
             raise ValueError("Preemption() installs signal handlers, which Python allows from the main thread only")
         self.signals = tuple(signal.Signals(s) for s in signals)
+        # Under mp.spawn the parent's death reaches each worker as SIGINT (torch's PR_SET_PDEATHSIG): the
+        # scheduler's SIGTERM to the job's first process, or its kill, is then this job's preemption.
+        self._spawned_by = spawn_parent() if signal.SIGTERM in self.signals else None
+        if self._spawned_by is not None and signal.SIGINT not in self.signals:
+            self.signals = (*self.signals, signal.SIGINT)
         self.check_every = check_every
         self.grace_seconds = float(grace_seconds)
         self._exit_code = exit_code
@@ -184,7 +189,8 @@ class Preemption:
     def _handle(self, signum: int, frame: Any) -> None:
         # Runs on the main thread between two bytecodes: record, nothing else (no I/O, no locks).
         if self.received is None:
-            self.received = signum
+            # mp.spawn's parent died (its SIGTERM, mostly) or Ctrl-C: the stop the launcher was told of
+            self.received = signal.SIGTERM if signum == signal.SIGINT and self._spawned_by else signum
             self.received_at = time.monotonic()
 
     def _start_watchdog(self) -> None:
@@ -282,6 +288,8 @@ class Preemption:
         if self.received is None and launcher_gone():
             self.received = signal.SIGHUP  # the launcher hung up: as good as a signal to stop
             self._orphaned = True
+        elif self.received is None and self._spawned_by is not None and os.getppid() != self._spawned_by:
+            self.received = signal.SIGTERM  # mp.spawn's parent is gone (its SIGINT to us may come late)
         agreed = max_over_ranks(int(self.received or 0))
         if agreed:
             self.stop_signal = agreed

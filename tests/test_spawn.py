@@ -1,0 +1,80 @@
+"""The tutorials' own launcher, ``torch.multiprocessing.spawn`` (issue 59): PyTorch's ``multigpu.py`` ported
+(tests/user_scripts/multigpu_spawn.py: MASTER_ADDR/PORT by hand, ``init_process_group(rank=, world_size=)``,
+no torchrun), launched as a container's first process (tests/_spawn_launch.py reaps the orphaned workers).
+
+- SIGTERM to the parent (what Kubernetes and ``kill PID`` send): torch hands each worker SIGINT as the
+  parent dies, `ck.Preemption` takes it as the launcher's SIGTERM, every rank saves the step reached and
+  leaves with 143, no traceback; the relaunch ends bit-identical to an uninterrupted run.
+- The parent alone killed (SIGKILL), no Preemption in the script: the workers die, and the keeper (which
+  watches the parent as it watches torchrun's agent) persists the newest snapshot; the relaunch resumes
+  at most one step behind, bit-identical.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _dist import free_port
+
+HERE = os.path.dirname(__file__)
+SCRIPT = os.path.join(HERE, "user_scripts", "multigpu_spawn.py")
+LAUNCH = os.path.join(HERE, "_spawn_launch.py")
+
+
+def _launch(run_dir: str, signum: int = 0, after: str = "", *extra: str, grace: str = "600") -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CKPTOOLS_KEEPER_GRACE=grace)
+    if signum:
+        env["STEP_PAUSE"] = "0.1"  # a signal lands mid-epoch, not between the epochs' saves
+    cmd = [sys.executable, LAUNCH, str(signum), after, "--", sys.executable, SCRIPT, run_dir, str(free_port()), *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _same_weights(a: str, b: str) -> bool:
+    x, y = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    return x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+
+
+def _steps(run_dir: str) -> list[int]:
+    return sorted(int(m[1]) for m in (re.fullmatch(r"ckpt-(\d+)\.pt", n) for n in os.listdir(run_dir)) if m)
+
+
+def test_sigterm_to_the_spawn_parent_saves_the_step_reached_and_every_rank_leaves_with_143(tmp_path):
+    reference = _launch(str(tmp_path / "reference"))
+    assert reference["parent"] == 0, reference["stderr"][-3000:]  # its workers reaped by the parent itself
+    run = str(tmp_path / "run")
+    stopped = _launch(run, 15, "step 5")
+    assert stopped["parent"] == -15 and stopped["workers"] == [143, 143], stopped["stderr"][-3000:]
+    assert "Traceback" not in stopped["stderr"] and "KeyboardInterrupt" not in stopped["stderr"], stopped["stderr"]
+    reached = int(re.findall(r"^step (\d+)$", stopped["stdout"], re.M)[-1])
+    assert _steps(run) == [reached], (_steps(run), reached)  # the preemption's save of the step reached
+    resumed = _launch(run)
+    assert f"resumed at step {reached}" in resumed["stdout"], resumed["stdout"][-2000:]
+    assert _same_weights(str(tmp_path / "reference" / "final.pt"), os.path.join(run, "final.pt"))
+
+
+@pytest.mark.slow  # make interop: the keeper's grace and a relaunch
+def test_the_keeper_persists_when_only_the_spawn_parent_is_killed(tmp_path):
+    assert _launch(str(tmp_path / "reference"))["parent"] == 0
+    run = str(tmp_path / "run")
+    killed = _launch(run, 9, "step 5", "--no-preemption", grace="1")
+    assert killed["parent"] == -9 and "Traceback" not in killed["stderr"], killed["stderr"][-3000:]
+    import time
+
+    deadline = time.monotonic() + 60
+    while not _steps(run) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _steps(run) and _steps(run)[-1] >= 5, _steps(run)  # the keeper's copy: at most one step lost
+    resumed = _launch(run)
+    assert re.search(r"resumed at step (\d+)", resumed["stdout"]), resumed["stdout"][-2000:]
+    assert _same_weights(str(tmp_path / "reference" / "final.pt"), os.path.join(run, "final.pt"))
