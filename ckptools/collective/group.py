@@ -118,7 +118,8 @@ def get_world_size() -> int:
 
 
 def get_local_rank() -> int:
-    """Return this process's rank on its node, from ``LOCAL_RANK`` (set by torchrun), else 0.
+    """Return this process's rank on its node, from ``LOCAL_RANK`` (set by torchrun); without it (``mp.spawn``)
+    as found from the ranks' host names at ckptools' first collective call, else 0.
 
     Use it to pick the GPU (``cuda:LOCAL_RANK``), never to decide who writes.
 
