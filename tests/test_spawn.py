@@ -78,3 +78,50 @@ def test_the_keeper_persists_when_only_the_spawn_parent_is_killed(tmp_path):
     resumed = _launch(run)
     assert re.search(r"resumed at step (\d+)", resumed["stdout"]), resumed["stdout"][-2000:]
     assert _same_weights(str(tmp_path / "reference" / "final.pt"), os.path.join(run, "final.pt"))
+
+
+def _two_nodes(run_dir: str, memory: str, kill_after: str = "") -> list[str]:
+    """Nodes 0 and 1 of a 4-rank job, each an ``mp.spawn`` launch of 2 workers with a node memory of its
+    own (two machines, simulated); with ``kill_after``, both parents are killed (SIGKILL) once rank 0
+    printed that line, and their workers die of their SIGINT. Each launch's output, once its workers ended."""
+    import signal
+
+    port = str(free_port())
+    procs = []
+    for node in (0, 1):
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CKPTOOLS_KEEPER_GRACE="600", NODE=str(node),
+                   NNODES="2", CKPTOOLS_NODE_MEMORY=os.path.join(memory, f"node{node}"))  # fmt: skip
+        os.makedirs(env["CKPTOOLS_NODE_MEMORY"], exist_ok=True)
+        extra = []
+        if kill_after:
+            env["STEP_PAUSE"], extra = "0.1", ["--no-preemption"]
+        procs.append(subprocess.Popen([sys.executable, SCRIPT, run_dir, port, *extra], stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True, env=env))  # fmt: skip
+    out = [""]
+    if kill_after:
+        for line in procs[0].stdout:
+            out[0] += line
+            if line.startswith(kill_after):
+                for proc in procs:
+                    os.kill(proc.pid, signal.SIGKILL)
+                break
+    texts = []
+    for proc, before in zip(procs, [out[0], ""]):
+        text, _ = proc.communicate(timeout=240)  # EOF: every worker of that launch is gone
+        texts.append(before + text)
+    return texts
+
+
+@pytest.mark.slow  # make interop: three 4-rank jobs
+def test_two_simulated_nodes_under_spawn_snapshot_and_restore_from_each_nodes_memory(tmp_path):
+    reference = _two_nodes(str(tmp_path / "reference"), str(tmp_path / "memory-reference"))
+    assert "Traceback" not in "".join(reference), reference
+    run, memory = str(tmp_path / "run"), str(tmp_path / "memory")
+    _two_nodes(run, memory, kill_after="step 5")
+    durable = max(_steps(run), default=0)  # the first epoch's save (4 steps of 4 ranks): older than the kill
+    assert durable < 5, _steps(run)
+    resumed = _two_nodes(run, memory)
+    steps = {int(s) for text in resumed for s in re.findall(r"resumed at step (\d+)", text)}
+    assert len(steps) == 1 and steps.pop() >= 5, resumed  # every rank the same step, from node memory
+    assert _same_weights(str(tmp_path / "reference" / "final.pt"), os.path.join(run, "final.pt"))
+    assert os.listdir(os.path.join(memory, "node0")) == [] and os.listdir(os.path.join(memory, "node1")) == []

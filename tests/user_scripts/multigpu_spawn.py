@@ -7,6 +7,9 @@ guide's three lines in the batch loop.
 
     python multigpu_spawn.py RUN_DIR PORT [--no-preemption]
 
+With NODE and NNODES set, this launch is node NODE of NNODES (``rank = node * 2 + local``, as the
+tutorial's multi-node form computes it), the others launched beside it with the same PORT.
+
 Each rank prints ``[rank R pid P]`` once; rank 0 prints ``step N`` after each step and saves the final
 weights to RUN_DIR/final.pt.
 """
@@ -58,8 +61,7 @@ class Trainer:
         if ckpt is not None:
             self.steps = ckpt["steps"]
             self.epochs_run = train_data.sampler.epoch
-            if gpu_id == 0:
-                print(f"resumed at step {self.steps}", flush=True)
+            print(f"[rank {torch.distributed.get_rank()}] resumed at step {self.steps}", flush=True)
 
     def _run_batch(self, source, targets):
         self.optimizer.zero_grad()
@@ -74,7 +76,7 @@ class Trainer:
             self._run_batch(source, targets)
             self.steps += 1
             self.manager.snapshot({**self.state, "steps": self.steps}, self.steps)
-            if self.gpu_id == 0:
+            if torch.distributed.get_rank() == 0:
                 print("step", self.steps, flush=True)
             if self.preemption is not None and self.preemption.should_stop():
                 self.manager.save({**self.state, "steps": self.steps}, self.steps)
@@ -87,7 +89,8 @@ class Trainer:
                 self.manager.save({**self.state, "steps": self.steps}, self.steps)
 
 
-def main(rank, world_size, run_dir, port, preempt, total_epochs=4, batch_size=16):
+def main(local, world_size, run_dir, port, preempt, total_epochs=4, batch_size=16):
+    rank = int(os.environ.get("NODE", "0")) * 2 + local
     ddp_setup(rank, world_size, port)
     print(f"[rank {rank} pid {os.getpid()}]", flush=True)
     preemption = ck.Preemption() if preempt else None
@@ -96,7 +99,7 @@ def main(rank, world_size, run_dir, port, preempt, total_epochs=4, batch_size=16
     model = torch.nn.Linear(20, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, sampler=ck.ResumableDistributedSampler(dataset))
-    trainer = Trainer(model, loader, optimizer, rank, 1, run_dir, preemption)
+    trainer = Trainer(model, loader, optimizer, local, 1, run_dir, preemption)
     if os.environ.get("STEP_PAUSE"):  # slow steps, so that a signal lands mid-epoch
         import time
 
@@ -109,6 +112,6 @@ def main(rank, world_size, run_dir, port, preempt, total_epochs=4, batch_size=16
 
 
 if __name__ == "__main__":
-    world_size = 2
+    world_size = 2 * int(os.environ.get("NNODES", "1"))
     run_dir, port = sys.argv[1], int(sys.argv[2])
-    mp.spawn(main, args=(world_size, run_dir, port, "--no-preemption" not in sys.argv), nprocs=world_size)
+    mp.spawn(main, args=(world_size, run_dir, port, "--no-preemption" not in sys.argv), nprocs=2)
