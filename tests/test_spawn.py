@@ -1,5 +1,5 @@
 """The tutorials' own launcher, ``torch.multiprocessing.spawn`` (issue 59): PyTorch's ``multigpu.py`` ported
-(tests/user_scripts/multigpu_spawn.py: MASTER_ADDR/PORT by hand, ``init_process_group(rank=, world_size=)``,
+(examples/train_spawn.py: MASTER_ADDR/PORT by hand, ``init_process_group(rank=, world_size=)``,
 no torchrun), launched as a container's first process (tests/_spawn_launch.py reaps the orphaned workers).
 
 - SIGTERM to the parent (what Kubernetes and ``kill PID`` send): torch hands each worker SIGINT as the
@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _dist import free_port
 
 HERE = os.path.dirname(__file__)
-SCRIPT = os.path.join(HERE, "user_scripts", "multigpu_spawn.py")
+SCRIPT = os.path.join(HERE, os.pardir, "examples", "train_spawn.py")
 LAUNCH = os.path.join(HERE, "_spawn_launch.py")
 
 

@@ -5,13 +5,13 @@ with the smallest change: its ``ddp_setup`` (MASTER_ADDR and MASTER_PORT by hand
 (a node-memory snapshot every step, a save every epoch), the sampler resumable, and the preemption
 guide's three lines in the batch loop.
 
-    python multigpu_spawn.py RUN_DIR PORT [--no-preemption]
+    python examples/train_spawn.py RUN_DIR PORT [--no-preemption]
 
 With NODE and NNODES set, this launch is node NODE of NNODES (``rank = node * 2 + local``, as the
 tutorial's multi-node form computes it), the others launched beside it with the same PORT.
 
 Each rank prints ``[rank R pid P]`` once; rank 0 prints ``step N`` after each step and saves the final
-weights to RUN_DIR/final.pt.
+weights to RUN_DIR/final.pt. STEP_PAUSE (seconds) slows each step: the tests signal it mid-epoch.
 """
 
 import os
