@@ -125,3 +125,42 @@ def test_two_simulated_nodes_under_spawn_snapshot_and_restore_from_each_nodes_me
     assert len(steps) == 1 and steps.pop() >= 5, resumed  # every rank the same step, from node memory
     assert _same_weights(str(tmp_path / "reference" / "final.pt"), os.path.join(run, "final.pt"))
     assert os.listdir(os.path.join(memory, "node0")) == [] and os.listdir(os.path.join(memory, "node1")) == []
+
+
+IMAGENET = os.path.join(HERE, "user_scripts", "imagenet_spawn.py")
+
+
+def _imagenet(out_dir: str, signum: int = 0, after: str = "", resume: bool = False) -> dict:
+    os.makedirs(out_dir, exist_ok=True)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CKPTOOLS_KEEPER_GRACE="600")
+    if signum:
+        env["STEP_PAUSE"] = "0.1"
+    args = [out_dir, "--dist-url", f"tcp://127.0.0.1:{free_port()}"]
+    if resume:
+        args += ["--resume", os.path.join(out_dir, "checkpoint.pth.tar")]
+    cmd = [sys.executable, LAUNCH, str(signum), after, "--", sys.executable, IMAGENET, *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow  # make interop: five launches
+def test_the_imagenet_main_worker_under_spawn_preempted_or_killed_resumes_bit_identical(tmp_path):
+    """pytorch/examples' ImageNet shape (main_worker(gpu, ngpus_per_node, args), StepLR, GradScaler,
+    --resume, a best copy): SIGTERM to the parent mid-epoch saves the step reached (143 on every rank); so
+    does SIGKILL of the parent (its death reaches the workers as SIGINT all the same); both end bit-identical."""
+    assert _imagenet(str(tmp_path / "reference"))["parent"] == 0
+    reference = str(tmp_path / "reference" / "final.pt")
+    preempted = str(tmp_path / "preempted")
+    stopped = _imagenet(preempted, 15, "step 8")
+    assert stopped["workers"] == [143, 143] and "Traceback" not in stopped["stderr"], stopped["stderr"][-3000:]
+    resumed = _imagenet(preempted, resume=True)
+    reached = int(re.findall(r"^step (\d+)$", stopped["stdout"], re.M)[-1])
+    assert f"step {reached})" in resumed["stdout"], resumed["stdout"][-2000:]  # mid-epoch: the step it stopped at
+    assert _same_weights(reference, os.path.join(preempted, "final.pt"))
+    killed = str(tmp_path / "killed")
+    assert _imagenet(killed, 9, "step 8")["workers"] == [143, 143]
+    assert os.path.exists(os.path.join(killed, "checkpoint.pth.tar"))
+    resumed = _imagenet(killed, resume=True)
+    assert "=> loaded checkpoint" in resumed["stdout"], resumed["stdout"][-2000:]
+    assert _same_weights(reference, os.path.join(killed, "final.pt"))
