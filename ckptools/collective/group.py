@@ -32,6 +32,7 @@ __all__ = [
     "get_world_size",
     "is_main_process",
     "local_world_size",
+    "node_of",
     "set_timeout",
     "spawn_parent",
 ]
@@ -159,24 +160,30 @@ def local_world_size(default: int) -> int:
 _NODE: list[tuple[int, int]] = []
 
 
-def found_node(hosts: list[str]) -> tuple[int, int] | None:
-    """Take this rank's node from every rank's host name (by rank), where ``LOCAL_RANK`` is unset:
-    its place among the ranks of its host and their number, then what `get_local_rank` and
-    `local_world_size` give; None (nothing changed) where the launcher said it. Rank 0 warns once.
+def node_of(hosts: list[str], rank: int) -> tuple[int, int]:
+    """``rank``'s place among the ranks of its host, and their number (``hosts``: every rank's, by rank).
 
     Examples:
-        >>> found_node(["a"]) if "LOCAL_RANK" not in os.environ else (0, 1)
-        (0, 1)
+        >>> node_of(["a", "b", "a"], 2)
+        (1, 2)
     """
+    same = [r for r, host in enumerate(hosts) if host == hosts[rank]]
+    return same.index(rank), len(same)
+
+
+def found_node(hosts: list[str]) -> tuple[int, int] | None:
+    """Take this rank's node from every rank's host name (by rank) where ``LOCAL_RANK`` is unset
+    (`node_of`); what `get_local_rank` and `local_world_size` give from then on; None (nothing changed)
+    where the launcher said it or it is known already. Rank 0 warns once that it had to guess."""
     if "LOCAL_RANK" in os.environ or _NODE:
         return None
     rank = get_rank()
-    same = [r for r, host in enumerate(hosts) if host == hosts[rank]]
-    _NODE.append((same.index(rank), len(same)))
+    _NODE.append(node_of(hosts, rank))
+    same = _NODE[0][1]
     if rank == 0 and len(hosts) > 1:
         log.warn(
             f"LOCAL_RANK is not set (a launcher other than torchrun: mp.spawn?), so ckptools took each rank's node "
-            f"from its host name: {len(set(hosts))} node(s), {len(same)} rank(s) on rank 0's. Set LOCAL_RANK and "
+            f"from its host name: {len(set(hosts))} node(s), {same} rank(s) on rank 0's. Set LOCAL_RANK and "
             "LOCAL_WORLD_SIZE in each process to say it yourself",
             once="node-guessed",
         )
