@@ -12,7 +12,14 @@ judge, whether it is whole and how it knows:
    names them, or holding a file only the Trainer writes: ``training_args.bin``,
    ``rng_state*.pth``, ``trainer_state.json``) is whole only with a ``trainer_state.json`` that
    reads, which the Trainer writes after everything else.
-3. With ``verify``, every other file by its kind: torch zips by every record's CRC-32 (and the
+3. Accelerate's expected set: a folder ``save_state`` wrote (holding ``random_states_<rank>.pkl``,
+   ``optimizer*.bin``, ``scheduler*.bin``, ``sampler*.bin`` or ``dl_state_dict*.bin``) is whole only
+   with a model file, a ``random_states_<rank>.pkl`` for every rank from 0 to the highest found (each
+   a complete pickle stream: the last files ``save_state`` writes, one per process), an
+   ``optimizer*.bin`` where a ``scheduler*.bin`` is, and no temporary file inside. How many processes
+   wrote it is recorded nowhere: a missing last rank's file is not seen without a manifest, and the
+   verdict says so.
+4. With ``verify``, every other file by its kind: torch zips by every record's CRC-32 (and the
    records the pickle names: `ckptools.layouts.torch_io.verify_torch_file`), safetensors files by
    their structure and the CRC-32s ckptools stores in them, JSON files by parsing. A file that
    none of this covers (a pickle, a tokenizer model, a legacy torch file) is named as not
@@ -23,12 +30,14 @@ from __future__ import annotations
 
 import json
 import os
+import pickletools
 import re
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import IO
 
 from ..codecs.safetensors import verify_safetensors
+from ..codecs.torchzip import ZIP_MAGIC
 from ..errors import CheckpointError
 from ..storage import TMP_MARKER, atomic_write, crc32_range, open_local
 from ..text import plural
@@ -43,6 +52,7 @@ __all__ = [
     "check_folder",
     "file_crc32",
     "folder_files",
+    "is_accelerate_folder",
     "is_trainer_folder",
     "write_manifest",
 ]
@@ -53,6 +63,13 @@ _TRAINER_FOLDER = re.compile(r"^checkpoint-\d+$")
 # Names only the Trainer writes (optimizer.pt and scheduler.pt are too common to tell anything).
 _TRAINER_FILES = re.compile(r"^(training_args\.bin|rng_state(_\d+)?\.pth)$")
 _PICKLE = b"\x80"  # the first byte of a pickle stream (protocol 2 and later): a legacy torch file
+# What Accelerator.save_state writes beside the model (accelerate/utils/constants.py), by name.
+_ACCELERATE_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
+_ACCELERATE_STATE = re.compile(r"^(optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.bin$")
+_ACCELERATE_MODEL = re.compile(
+    r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$|^(model\.safetensors|pytorch_model\.bin)\.index\.json$"
+)
+_TEMPORARY = re.compile(r"(\.tmp|\.temp|\.part|~)$|^\.?tmp|\.tmp\.", re.I)
 
 
 @dataclass
@@ -124,6 +141,18 @@ def is_trainer_folder(folder: str, names: Collection[str]) -> bool:
     return any(_TRAINER_FILES.match(n) for n in names) or TRAINER_STATE in names
 
 
+def is_accelerate_folder(names: Collection[str]) -> bool:
+    """Whether a folder holding ``names`` was written by Accelerate's ``save_state`` (by its files).
+
+    Examples:
+        >>> is_accelerate_folder(["model.safetensors", "random_states_0.pkl"])
+        True
+        >>> is_accelerate_folder(["model.safetensors"])
+        False
+    """
+    return any(_ACCELERATE_RNG.match(n) or _ACCELERATE_STATE.match(n) for n in names)
+
+
 def check_folder(folder: str, *, verify: bool = True, skip: Collection[str] = ()) -> FolderCheck:
     """Judge whether ``folder`` is whole (see the module docstring for how).
 
@@ -152,6 +181,10 @@ def check_folder(folder: str, *, verify: bool = True, skip: Collection[str] = ()
             return found
     elif is_trainer_folder(folder, names):
         found.problem = _check_trainer_state(folder, names)
+        if found.problem is not None:
+            return found
+    elif is_accelerate_folder(names):
+        found.problem = _check_accelerate(folder, names, found)
         if found.problem is not None:
             return found
     if not verify:
@@ -201,6 +234,52 @@ def _check_trainer_state(folder: str, names: Collection[str]) -> str | None:
             json.loads(f.read().decode("utf-8"))
     except (CheckpointError, OSError, ValueError) as err:
         return f"no {MANIFEST}, and {TRAINER_STATE} (the Trainer's last file) does not read ({err})"
+    return None
+
+
+def _check_accelerate(folder: str, names: list[str], found: FolderCheck) -> str | None:
+    """Accelerate's expected set (module docstring, 3.); why the folder is not whole, or None."""
+    temporary = [n for n in os.listdir(folder) if _TEMPORARY.search(n) or TMP_MARKER in n]
+    if temporary:
+        return f"{', '.join(sorted(temporary)[:3])} is a temporary file: a save_state that did not finish"
+    if not any(_ACCELERATE_MODEL.match(n) for n in names):
+        return "no model file (model.safetensors, pytorch_model.bin or their shards), which save_state writes first"
+    ranks = sorted(int(m[1]) for m in map(_ACCELERATE_RNG.match, names) if m)
+    if not ranks:
+        return "no random_states_<rank>.pkl: save_state writes one per process, last, so it did not finish"
+    missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
+    if missing:
+        return (
+            f"random_states_{missing[0]}.pkl is missing (the folder has rank {ranks[-1]}'s): save_state did not finish"
+        )
+    for rank in ranks:
+        name = f"random_states_{rank}.pkl"
+        with open_local(os.path.join(folder, name)) as f:
+            data = f.read()
+        if data[:4] == ZIP_MAGIC:  # torch.save's zip (Accelerate since 0.2x): every record's CRC-32
+            try:
+                verify_torch_file(os.path.join(folder, name))
+            except CheckpointError as err:
+                return f"{err}; save_state did not finish".replace(os.path.join(folder, name), name)
+            found.checksummed.add(name)
+            continue
+        try:
+            for _ in pickletools.genops(data):  # a bare pickle, parsed, never run: one cut short has no STOP
+                pass
+        except (ValueError, EOFError) as err:
+            return f"{name} is cut short ({len(data)} bytes: {err}); save_state did not finish"
+    optimizers = any(n.startswith("optimizer") and _ACCELERATE_STATE.match(n) for n in names)
+    if not optimizers and any(n.startswith("scheduler") and _ACCELERATE_STATE.match(n) for n in names):
+        return "a scheduler*.bin without any optimizer*.bin, which save_state writes before it"
+    found.said.append(
+        f"Accelerate's files: a model file, {'random_states_0' if len(ranks) == 1 else f'random_states_0..{ranks[-1]}'}"
+        ".pkl complete"
+        + ("" if optimizers else ", no optimizer*.bin (an Accelerator without an optimizer writes none)")
+    )
+    found.not_checksummed["(the number of processes)"] = (
+        f"recorded nowhere: {len(ranks)} random_states files, and a missing last one cannot be told without a "
+        f"{MANIFEST}"
+    )
     return None
 
 

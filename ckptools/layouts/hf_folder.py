@@ -20,7 +20,7 @@ from ..errors import CheckpointFormatError, CheckpointLayoutError
 from ..storage import Location
 from ..view import CheckpointView, Verification
 from .base import Layout, Transform
-from .folder_check import check_folder, is_trainer_folder
+from .folder_check import check_folder, is_accelerate_folder, is_trainer_folder
 from .sharded import rename_in_folder, weights_layout
 
 # What Accelerator.save_state writes beside the model (accelerate/utils/constants.py).
@@ -68,8 +68,11 @@ class HuggingFaceFolder(Layout):
     def open(self, location: Location, *, trust_code: bool) -> CheckpointView:
         folder = location.path.rstrip("/") or "/"
         names = set(os.listdir(folder))
-        if not any(n in names for n in MODEL_FILES) and is_trainer_folder(folder, names):
-            # A Trainer's checkpoint-N/ a kill cut short before its model file: not whole, not of another kind
+        if not any(n in names for n in MODEL_FILES) and (
+            is_trainer_folder(folder, names) or is_accelerate_folder(names)
+        ):
+            # A Trainer's checkpoint-N/ or a save_state folder a kill cut short before its model file: not whole,
+            # not of another kind
             problem = check_folder(folder, verify=False).problem
             if problem is not None:
                 raise CheckpointFormatError(f"{folder}: {problem}; the folder is not a whole checkpoint")
