@@ -119,7 +119,7 @@ interop: $(INTEROP_STAMP) lightning-suite
 		tests/test_spawn.py::test_the_keeper_persists_when_only_the_spawn_parent_is_killed \
 		tests/test_spawn.py::test_two_simulated_nodes_under_spawn_snapshot_and_restore_from_each_nodes_memory \
 		tests/test_spawn.py::test_the_imagenet_main_worker_under_spawn_preempted_or_killed_resumes_bit_identical \
-		tests/test_accelerate_folders.py
+		tests/test_accelerate_folders.py tests/test_accelerate_state.py
 
 # lightning-suite: Lightning's own checkpointing tests (third_party/lightning_tests, from its 2.6.5 tag) with each
 # ckptools plugin as every strategy's default CheckpointIO; the few that examine TorchCheckpointIO itself are

@@ -93,6 +93,7 @@ def test_every_docstring_example_runs(tmp_path, monkeypatch, name):
     if name.startswith("ckptools.integrations."):
         # Each needs its framework, an optional extra (`interop`): without it, its import says so.
         framework = {
+            "ckptools.integrations.accelerate": "torch",  # takes the Accelerator it is given: imports no accelerate
             "ckptools.integrations.lightning": "pytorch_lightning",
             "ckptools.integrations.lightning_resume": "pytorch_lightning",
             "ckptools.integrations.lightning_snapshots": "pytorch_lightning",
@@ -132,6 +133,7 @@ def test_the_api_reference_documents_every_public_name():
     # trainer_snapshots' from transformers.
     integrations = sorted((ROOT / "ckptools" / "integrations").glob("[a-z]*.py"))
     assert [p.stem for p in integrations] == [
+        "accelerate",
         "lightning",
         "lightning_resume",
         "lightning_snapshots",
