@@ -28,6 +28,7 @@ from .errors import (
     MissingClassError,
     NodeMemoryError,
     NotChecksummedError,
+    ReplicaMismatchError,
     UnsafeCheckpointError,
     UnsafeStateError,
 )
@@ -43,7 +44,7 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .manager import CheckpointManager
     from .per_rank import PerRank
     from .read import load, load_state_dict
-    from .saving import async_save, save, save_weights
+    from .saving import async_save, check_replicas, save, save_weights
     from .state_dict import add_prefix, strip_prefix, unwrap_model
     from .training.loader import ResumableDataLoader
     from .training.preemption import Preemption
@@ -89,6 +90,7 @@ _LAZY = {
     "rename_checkpoint": ".converting",
     "resolve_map_location": ".devices",
     "save": ".saving",
+    "check_replicas": ".saving",
     "save_weights": ".saving",
     "strip_prefix": ".state_dict",
     "to_cpu": ".devices",
@@ -110,6 +112,7 @@ __all__ = [
     "NotChecksummedError",
     "PerRank",
     "Preemption",
+    "ReplicaMismatchError",
     "ResumableDataLoader",
     "ResumableDistributedSampler",
     "SeededDataset",
@@ -120,6 +123,7 @@ __all__ = [
     "add_prefix",
     "async_save",
     "barrier",
+    "check_replicas",
     "convert",
     "convert_to_safetensors",
     "diff",

@@ -35,6 +35,7 @@ __all__ = [
     "KeyMismatchError",
     "MissingClassError",
     "NotChecksummedError",
+    "ReplicaMismatchError",
     "UnsafeCheckpointError",
     "UnsafeStateError",
 ]
@@ -93,6 +94,20 @@ class NodeMemoryError(CheckpointError):
     """`CheckpointManager.snapshot` cannot keep its snapshots in the node-memory folder: too
     little free space for two slots (the message names the sizes and the fixes: a larger
     ``/dev/shm``, a memory-backed Kubernetes ``emptyDir``, another ``snapshot_dir``)."""
+
+
+class ReplicaMismatchError(CheckpointError):
+    """A tensor DDP keeps equal on every rank differs between ranks: nothing of the save was written.
+
+    Attributes:
+        where: the first that differs (``model.fc1.weight``, ``opt.param_groups``).
+        differ: the ranks whose copy disagrees with rank 0's.
+    """
+
+    def __init__(self, message: str, *, where: str = "", differ: list[int] | None = None) -> None:
+        super().__init__(message)
+        self.where = where
+        self.differ = differ or []
 
 
 class UnsafeStateError(UnsafeCheckpointError, TypeError):

@@ -231,6 +231,7 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None = None,
         writers: str = "auto",
         budget: float | None = None,
+        check_replicas: bool = True,
     ) -> str | None:
         """Copy ``state`` into node memory as the snapshot of ``step`` (collective, like `save`).
 
@@ -254,11 +255,15 @@ class CheckpointManager:
                 INFO with that bound ("a kill loses at most N steps, about S s"). Without a budget, INFO
                 says once when snapshots stall more than a tenth of the loop's time. The one default of
                 every snapshot taker (NodeSnapshots, CkptoolsCallback too): None.
+            check_replicas: False to skip comparing DDP's replicas first (by default a rotating 1/25 of
+                their bytes per call, every byte within 25 calls; `ckptools.check_replicas`).
 
         Returns:
             The snapshot's path (on this node), or None for a call the budget skipped.
 
         Raises:
+            ReplicaMismatchError: DDP's replicas differ (every rank; nothing copied, the previous
+                snapshot stays the newest and the keeper never persists this one).
             NodeMemoryError: a node's folder cannot hold two snapshots of ``state`` (on every
                 rank, naming the sizes and the fixes); nothing was copied.
             CheckpointError: the previous snapshot's commit failed, or this one's failed with
@@ -270,7 +275,8 @@ class CheckpointManager:
         if budget is not None and not 0 < budget <= 1:
             raise ValueError(f"budget must be a fraction of the loop's time in (0, 1], or None; got {budget!r}")
         try:
-            return self._node.take(state, step, blocking=blocking, metadata=metadata, writers=writers, budget=budget)
+            return self._node.take(state, step, blocking=blocking, metadata=metadata, writers=writers, budget=budget,
+                                   check_replicas=check_replicas)  # fmt: skip
         except Orphaned as gone:
             # Training on alone would only fail later (the store the agent held is gone) or never end:
             # the ranks leave together now, and the keeper copies the newest snapshot into the folder.

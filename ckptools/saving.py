@@ -16,7 +16,7 @@ import torch
 from . import log
 from .collective import agree
 from .collective.arrival import checked_in
-from .collective.group import all_gather_object, get_rank
+from .collective.group import all_gather_object, get_rank, get_world_size
 from .devices import to_cpu
 from .layouts import TORCH_FILE, writer_for
 from .lifecycle import finish_pending
@@ -44,7 +44,7 @@ from .write import (
 # Who writes when the caller does not say; see `save`.
 DEFAULT_WRITERS = "auto"
 
-__all__ = ["async_save", "save", "save_weights"]
+__all__ = ["async_save", "check_replicas", "save", "save_weights"]
 
 
 @checked_in("ck.save")
@@ -55,6 +55,7 @@ def save(
     metadata: Mapping[str, Any] | None = None,
     writers: str = DEFAULT_WRITERS,
     verify_replicas: bool = False,
+    check_replicas: bool = True,
 ) -> str:
     """Save a training checkpoint; collective: every rank calls it, and rank 0 or every rank writes.
 
@@ -67,15 +68,18 @@ def save(
     raises the same error. With no process group it is a plain atomic save; missing parent
     folders are created (local paths).
     ``writers="all"`` has every rank write its share of what DDP keeps equal into the one file
-    (``"auto"``: where every rank sees the folder); ``verify_replicas=True`` checks that those
-    replicas agree first. What is stored, and why: docs/guarantees.md; who writes: docs/guides/writers.md.
+    (``"auto"``: where every rank sees the folder). Under DDP the replicas are compared first
+    (`ckptools.check_replicas`'s judgement on a rotating 1/25 of the bytes per call, every byte within 25
+    calls; all of them with ``verify_replicas=True``): a difference raises `ReplicaMismatchError` on every
+    rank and nothing is written. What is stored, and why: docs/guarantees.md; who writes: docs/guides/writers.md.
 
     Args:
         path: file path or fsspec URL (``s3://bucket/run/step_100.pt``, ``memory://...``).
         state: names mapped to objects to store.
         metadata: extra plain values (str, int, float, bool, None, lists/dicts of them).
         writers: ``"auto"``, ``"all"`` or ``"rank0"``, the same on every rank.
-        verify_replicas: check that the shared tensors are equal on every rank first.
+        verify_replicas: compare every byte of the replicated tensors between the ranks first.
+        check_replicas: False to skip the comparison (by default a rotating sample, see above).
 
     Returns:
         ``path`` as a string.
@@ -83,7 +87,8 @@ def save(
     Raises:
         UnsafeStateError: a value the checkpoint could not be loaded back with (every rank,
             nothing written; also a ``TypeError``).
-        CheckpointError: writing failed on some rank, the replicas differ, or ``"all"`` was
+        ReplicaMismatchError: the replicas differ (every rank, nothing written).
+        CheckpointError: writing failed on some rank, or ``"all"`` was
             asked for a directory not every rank sees (raised on every rank).
         TypeError: ``state`` is not a mapping of string names or names ``__ckptools__``.
         ValueError: ``writers`` is none of the three.
@@ -95,7 +100,8 @@ def save(
         >>> ck.save("/tmp/ckpt.pt", {"model": model, "optimizer": opt, "step": 10})
         '/tmp/ckpt.pt'
     """
-    return save_with_hooks(path, state, metadata=metadata, writers=writers, verify_replicas=verify_replicas)
+    return save_with_hooks(path, state, metadata=metadata, writers=writers, verify_replicas=verify_replicas,
+                           check_replicas=check_replicas)  # fmt: skip
 
 
 @checked_in("ck.save_weights")
@@ -148,10 +154,11 @@ def save_with_hooks(
     before_write: Callable[[], None] | None = None,
     writers: str = DEFAULT_WRITERS,
     verify_replicas: bool = False,
+    check_replicas: bool = True,
 ) -> str:
     """`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
     check_writers(writers)
-    start = _begin(path, state, metadata, verify_replicas)
+    start = _begin(path, state, metadata, verify_replicas, check_replicas)
     state = start.state  # as saved (`as_saved`): a ZeRO optimizer as its ZeroEntry, open gradients
     planned = _shares(start, state, before_write, writers)
     if planned is None:
@@ -198,22 +205,25 @@ def _shares(
     return plan_shares(start.location, state, start.payload(state), before_write, writers, on_cpu=on_cpu)
 
 
-def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, verify: bool) -> _Start:
+def _begin(
+    path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, verify: bool, check: bool
+) -> _Start:
     """The collective part every save opens with: finish a save in flight, check the
     arguments, gather every rank's part (its RNG, before rank 0 does anything that could draw from
-    it; its `PerRank` values) and, with ``verify``, every rank's CRC-32s of the replicated tensors
-    (the same exchange)."""
+    it; its `PerRank` values) and every rank's digests of the replicated tensors (all with ``verify``,
+    a rotating sample with ``check``: `ckptools.write.replicas`), in the same exchange."""
     finish_pending()
     started = time.monotonic()
     path, user_meta = checked_args(path, state, metadata)
     # Each rank's ZeRO partition, described (metadata, never a tensor), rides the same exchange.
-    gathered = all_gather_object(opening(state, digests=replica_digests(state) if verify else None))
+    digests = replica_digests(state, sample=not verify) if verify or check else None
+    gathered = all_gather_object(opening(state, digests=digests))
     agreement = agree.saving(path)
     agreement.raise_first(gathered, lambda reply: reply.problem)
-    if verify:  # every rank has every rank's digests: the same verdict everywhere, no exchange
+    if digests is not None:  # every rank has every rank's digests: the same verdict everywhere, no exchange
         failure = compare_replicas([reply.digests for reply in gathered])
         if failure is not None:
-            raise agreement.failure(failure)
+            raise failure
     return _Start(path, user_meta, [reply.part for reply in gathered], started, as_saved(state, gathered))
 
 
@@ -243,6 +253,7 @@ def async_save(
     metadata: Mapping[str, Any] | None = None,
     writers: str = DEFAULT_WRITERS,
     verify_replicas: bool = False,
+    check_replicas: bool = True,
 ) -> AsyncSave:
     """Save like `save`, but return once the state is copied; the writers write in the background.
 
@@ -259,6 +270,7 @@ def async_save(
         metadata: as for `save`.
         writers: as for `save`.
         verify_replicas: as for `save`.
+        check_replicas: as for `save`.
 
     Returns:
         An `AsyncSave` handle: ``wait()`` (collective) returns the path on every rank or
@@ -273,7 +285,8 @@ def async_save(
         >>> handle.wait()
         '/tmp/async.pt'
     """
-    return async_save_with_hooks(path, state, metadata=metadata, writers=writers, verify_replicas=verify_replicas)
+    return async_save_with_hooks(path, state, metadata=metadata, writers=writers, verify_replicas=verify_replicas,
+                                 check_replicas=check_replicas)  # fmt: skip
 
 
 def async_save_with_hooks(
@@ -285,11 +298,12 @@ def async_save_with_hooks(
     after_write: Callable[[], None] | None = None,
     writers: str = DEFAULT_WRITERS,
     verify_replicas: bool = False,
+    check_replicas: bool = True,
 ) -> AsyncSave:
     """`async_save`; ``before_write``/``after_write`` run on rank 0 around the write (file I/O),
     in its writer thread (``before_write`` on the main thread with ``writers="all"``)."""
     check_writers(writers)
-    start = _begin(path, state, metadata, verify_replicas)
+    start = _begin(path, state, metadata, verify_replicas, check_replicas)
     state = start.state  # as saved (`as_saved`): a ZeRO optimizer as its ZeroEntry, open gradients
     planned = _shares(start, state, before_write, writers, on_cpu=True)
     handle = AsyncSave(start.path, start.started, shared=planned is not None)
@@ -306,3 +320,26 @@ def async_save_with_hooks(
         handle.start(lambda: write_share_in_background(start.location, plan, pairs, handle), after_write)
     set_pending(handle)
     return handle
+
+
+@checked_in("ck.check_replicas")
+def check_replicas(state: Mapping[str, Any]) -> int:
+    """Compare every byte DDP keeps equal on every rank (collective): a DDP model's parameters, a plain
+    optimizer's state for them and its parameter groups; the number of digests compared per rank (0
+    without DDP). Saves and snapshots compare a rotating sample of the same by default; this is the
+    whole comparison, at any moment (after ``optimizer.step()`` in a debug run).
+
+    Raises:
+        ReplicaMismatchError: on every rank, naming the first tensor that differs and which ranks
+            disagree with rank 0.
+
+    Examples:
+        >>> import torch, ckptools as ck
+        >>> ck.check_replicas({"model": torch.nn.Linear(2, 2)})  # not DDP: nothing replicated
+        0
+    """
+    digests = replica_digests(state, sample=False)
+    failure = compare_replicas(all_gather_object(digests)) if get_world_size() > 1 else None
+    if failure is not None:
+        raise failure
+    return len(digests)

@@ -64,6 +64,7 @@ class NodeMemory:
         metadata: Mapping[str, Any] | None = None,
         writers: str = "auto",
         budget: float | None = None,
+        check_replicas: bool = True,
     ) -> str | None:
         """Collective: `CheckpointManager.snapshot` (see there); `ckptools.node.Orphaned` on every rank
         when some rank's torchrun agent is gone."""
@@ -83,7 +84,7 @@ class NodeMemory:
         path = write_snapshot(
             self.slots, file_name(self.prefix, step), state, metadata=metadata, writers=writers, blocking=blocking,
             prepare=functools.partial(prepare, self.folder, self.prefix, self.directory, self.keep_last),
-            cadence=proposal,
+            cadence=proposal, check_replicas=check_replicas,
         )  # fmt: skip
         if path is None:  # inside an accumulation window over several nodes (`write_snapshot`): skipped
             return None

@@ -45,10 +45,12 @@ from ..write import (
     build_payload,
     check_writers,
     checked_args,
+    compare_replicas,
     finish,
     locate,
     make_plan,
     opening,
+    replica_digests,
     whole_storage,
     write_directory,
 )
@@ -83,6 +85,7 @@ def write_snapshot(
     blocking: bool = False,
     prepare: Callable[[], None] | None = None,
     cadence: list[int] | None = None,
+    check_replicas: bool = True,
 ) -> str | None:
     """Collective: copy ``state`` into every node's memory as the snapshot ``name`` in the folder of
     ``slots`` (this process's slots of it: the stager the copy goes into).
@@ -92,7 +95,9 @@ def write_snapshot(
     window over several nodes (`ckptools.gradients`). ``prepare`` runs on every node's leader before the
     copy (the keeper's start). ``writers="rank0"``: each node's leader copies everything.
     ``cadence``: ``[n]``, this rank's proposal (calls to skip after this one), replaced by rank 0's,
-    agreed in the opening exchange (`CheckpointManager.snapshot`'s budget).
+    agreed in the opening exchange (`CheckpointManager.snapshot`'s budget). ``check_replicas``: DDP's
+    replicas compared on a rotating sample first (`ckptools.write.replicas`); `ReplicaMismatchError` on
+    every rank, nothing copied, when they differ.
 
     Examples:
         >>> from ckptools.node.slots import NodeSlots
@@ -111,8 +116,9 @@ def write_snapshot(
     except NodeMemoryError as err:  # not this user's alone: said on every rank, after the exchange
         token, refused = "", str(err)
     proposal = cadence[0] if cadence else 0
+    digests = replica_digests(state, sample=True) if check_replicas else None
     brought = opening(state, token=token, previous=previous, orphaned=launcher_gone(), cadence=proposal,
-                      folder=refused)  # fmt: skip
+                      folder=refused, digests=digests)  # fmt: skip
     gathered = all_gather_object(brought)
     unusable = first_failure(gathered, lambda reply: reply.folder)
     if unusable is not None:
@@ -127,6 +133,10 @@ def write_snapshot(
     if not orphaned:
         previous_commit.raise_first(gathered, lambda reply: reply.previous)
     Agreement(f"the snapshot {path}", failed="was not taken").raise_first(gathered, lambda reply: reply.problem)
+    if digests is not None:  # the same verdict on every rank: nothing copied, the previous snapshot the newest
+        mismatch = compare_replicas([reply.digests for reply in gathered])
+        if mismatch is not None:
+            raise mismatch
     state = as_saved(state, gathered)
     split = writers != "rank0"
     owned = has_partitions(state) or has_gradients(state)

@@ -8,6 +8,8 @@ payload.py           what a save puts into the file (each entry's state, ckptool
 pickling.py          ``data.pkl`` as ``torch.save`` pickles it, its storages named in order
 plan.py              ``writers="all"``'s plan: the records at planned offsets, who writes which
                      storage, what is replicated
+replicas.py          the replicas compared before anything is written: digests (a rotating
+                     sample, or all), one verdict on every rank
 zip_writer.py        the temporary file, each storage's ``pwrite``, the directory and the rename
 commit.py            the one commit protocol (plan, write, report, finish) every writer follows:
                      rank 0 alone (`write_alone`), every rank its share, a snapshot's commit
@@ -35,7 +37,8 @@ from ..storage import Location, PathLike, resolve
 from .async_save import AsyncSave, finish_pending, pending, release_staging_buffers, set_pending, stage
 from .commit import FILE, Gathered, Stored, Target, finish, write_alone
 from .payload import Opening, as_saved, build_payload, checked_args, opening, rank_part
-from .plan import Plan, Share, check_writers, choose, compare_replicas, make_plan, replica_digests
+from .plan import Plan, Share, check_writers, choose, make_plan
+from .replicas import compare_replicas, replica_digests
 from .shares import locate, plan_shares, write_and_commit, write_share_in_background
 from .staging import Stager, StagingBuffers, copy_bytes, whole_storage
 from .writer_thread import BackgroundWriter

@@ -55,9 +55,8 @@ from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointError
 from ..gradients import has_gradients, owned_gradients, owned_refusal
 from ..state_dict import unwrap_model
-from ..storage import Location, crc32, streams_multipart
+from ..storage import Location, streams_multipart
 from ..zero import has_partitions, is_zero, owned_tensors, refusal
-from .payload import state_entry
 from .pickling import pickle_payload
 
 __all__ = ["WRITERS", "Plan", "choose", "make_plan"]
@@ -213,33 +212,6 @@ def host_bytes(storage: torch.UntypedStorage) -> memoryview:
     if storage.nbytes() == 0:
         return memoryview(b"")
     return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())  # type: ignore[arg-type]
-
-
-def replica_digests(state: Mapping[str, Any]) -> list[tuple[tuple[Any, ...], int]]:
-    """Each replicated tensor's place and the CRC-32 of its bytes as this rank holds it
-    (``verify_replicas``; a full read of them, on the CPU)."""
-    entries = {name: state_entry(obj) for name, obj in state.items() if isinstance(obj, DistributedDataParallel)}
-    entries.update({name: state_entry(obj) for name, obj in state.items() if _plain_optimizer(obj)})
-    found = []
-    for where, tensor in replicated_tensors(state, entries):
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8) if tensor.numel() else tensor.new_empty(0)
-        found.append((where, crc32(host_bytes(data.cpu().untyped_storage()))))
-    return found
-
-
-def compare_replicas(gathered: list[list[tuple[tuple[Any, ...], int]]]) -> str | None:
-    """Which replicated tensor differs between rank 0 and another rank, if any."""
-    for rank, theirs in enumerate(gathered[1:], start=1):
-        for (where, mine), (other_where, other) in zip(gathered[0], theirs):
-            if where != other_where or mine != other:
-                return (
-                    f"{describe(where)} differs between rank 0 and rank {rank}, although DDP keeps it equal on "
-                    "every rank (was one rank's copy changed outside the training step?); nothing was written. "
-                    "Make the replicas agree, or save without verify_replicas to store rank 0's"
-                )
-        if len(theirs) != len(gathered[0]):
-            return f"rank {rank} holds {len(theirs)} replicated tensors, rank 0 {len(gathered[0])}: the states differ"
-    return None
 
 
 def _plain_optimizer(obj: Any) -> bool:

@@ -1,0 +1,115 @@
+"""DDP's replicas compared before a save or a snapshot commits anything.
+
+Under ``DistributedDataParallel`` every rank holds the same parameters and the same optimizer state, bit
+for bit. A copy changed on one rank alone (a flipped bit in one GPU's memory, a rank-dependent bug) is
+otherwise saved as if nothing happened: rank 0's copy, or with ``writers="all"`` a mosaic of every rank's.
+Each rank brings digests of its replicated tensors (`ckptools.write.plan.replicated_tensors`: a DDP
+model's parameters, a plain optimizer's state for them) and of its optimizers' parameter groups to the
+exchange every save and snapshot opens with, and every rank judges the same replies alike: a difference
+raises `ReplicaMismatchError` on every rank before anything is written.
+
+- **By default, a rotating sample.** The replicated bytes, laid end to end in the state's order (the same
+  on every rank), are cut into `SAMPLE_CALLS` equal ranges; each call digests one range, the next call the
+  next: every byte is compared within `SAMPLE_CALLS` calls, at 1/`SAMPLE_CALLS` of a full pass per call.
+  The parameter groups (``lr``, ``betas``, ...) are compared at every call.
+- **In full** with ``verify_replicas=True`` (`ckptools.save`) or `ckptools.check_replicas`.
+- **The digest**: CRC-32 of a CPU tensor's bytes; on a GPU the 64-bit sum of its bytes read as integers,
+  computed there (a flipped bit changes it; no copy to the host).
+
+Never compared: buffers (BatchNorm's running statistics differ per rank until DDP's next broadcast),
+`PerRank` values, RNG states, a ZeRO optimizer's partitions (each rank's own), a model that is not
+wrapped in DDP.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from ..errors import ReplicaMismatchError
+from ..storage import crc32
+from .payload import state_entry
+from .plan import _plain_optimizer, replicated_tensors
+
+__all__ = ["SAMPLE_CALLS", "compare_replicas", "replica_digests"]
+
+SAMPLE_CALLS = 25
+_CALLS = [0]  # this process's sampled calls so far: the same count on every rank (collective calls)
+
+Digest = tuple[str, int, int, int]  # (where, first byte, bytes, digest)
+
+
+def _name(where: tuple[Any, ...]) -> str:
+    """``model.fc1.weight``, ``opt.state[3].exp_avg`` for a replicated tensor's place."""
+    name, *keys = where
+    if len(keys) == 3 and keys[0] == "state":
+        return f"{name}.state[{keys[1]}].{keys[2]}"
+    return ".".join([str(name), *map(str, keys)])
+
+
+def _digest(tensor: torch.Tensor, start: int, length: int) -> int:
+    flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)[start : start + length]
+    if flat.device.type == "cpu":
+        return crc32(memoryview(flat.numpy()))  # type: ignore[arg-type]  # its bytes where they are: no copy
+    # On the GPU: the bytes' sum as 64-bit integers, where they are (one flipped bit changes it).
+    return int(flat.to(torch.int64).sum().item())
+
+
+def replica_digests(state: Mapping[str, Any], *, sample: bool) -> list[Digest]:
+    """This rank's digests of its replicated bytes (all, or this call's range with ``sample``) and of
+    its optimizers' parameter groups, in an order the same on every rank; empty without DDP."""
+    if not any(isinstance(obj, DistributedDataParallel) for obj in state.values()):
+        return []
+    entries = {name: state_entry(obj) for name, obj in state.items() if isinstance(obj, DistributedDataParallel)}
+    entries.update({name: state_entry(obj) for name, obj in state.items() if _plain_optimizer(obj)})
+    tensors = [(where, t) for where, t in replicated_tensors(state, entries) if t.numel()]
+    sizes = [t.numel() * t.element_size() for _, t in tensors]
+    total = sum(sizes)
+    first, end = 0, total
+    if sample:
+        call = _CALLS[0] % SAMPLE_CALLS
+        _CALLS[0] += 1
+        first, end = call * total // SAMPLE_CALLS, (call + 1) * total // SAMPLE_CALLS
+    found: list[Digest] = []
+    at = 0
+    for (where, tensor), size in zip(tensors, sizes):
+        lo, hi = max(first, at), min(end, at + size)
+        if lo < hi:
+            found.append((_name(where), lo - at, hi - lo, _digest(tensor, lo - at, hi - lo)))
+        at += size
+    for name, obj in state.items():
+        if _plain_optimizer(obj):
+            groups = [{k: v for k, v in group.items() if k != "params"} for group in entries[name]["param_groups"]]
+            found.append((f"{name}.param_groups", 0, 0, crc32(pickle.dumps(repr(groups)))))
+    return found
+
+
+def compare_replicas(gathered: list[list[Digest]]) -> ReplicaMismatchError | None:
+    """What every rank raises when a replicated tensor (or a parameter group) differs between ranks:
+    the first that does, the ranks that agree with rank 0 and those that do not; None when all agree."""
+    mine = gathered[0]
+    for rank, theirs in enumerate(gathered[1:], start=1):
+        if len(theirs) != len(mine) or [d[:3] for d in theirs] != [d[:3] for d in mine]:
+            return ReplicaMismatchError(
+                f"rank {rank} holds other replicated tensors than rank 0 ({len(theirs)} against {len(mine)}): the "
+                "ranks passed different models or optimizers; nothing was written"
+            )
+    for index, (where, start, length, digest) in enumerate(mine):
+        differ = [rank for rank, theirs in enumerate(gathered) if theirs[index][3] != digest]
+        if differ:
+            agree = [rank for rank in range(len(gathered)) if rank not in differ]
+            span = f" (bytes {start}..{start + length})" if length else ""
+            return ReplicaMismatchError(
+                f"{where}{span} differs between ranks, although DDP keeps it equal on every rank: rank(s) "
+                f"{', '.join(map(str, differ))} disagree with rank 0 (rank(s) {', '.join(map(str, agree))} agree). A "
+                "copy changed on some rank alone (a faulty GPU's memory, an update that depends on the rank); "
+                "nothing of this save was written and the previous checkpoints stay the newest: restart from them "
+                "(and look at the disagreeing rank's device), or pass check_replicas=False to save anyway",
+                where=where,
+                differ=differ,
+            )
+    return None

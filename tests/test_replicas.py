@@ -1,0 +1,122 @@
+"""DDP replicas that stopped being identical are caught before they are saved (issue 58): a bit flipped on one
+rank in a parameter, an optimizer moment or a parameter group's lr makes save, snapshot and check_replicas raise
+`ReplicaMismatchError` on every rank, naming the tensor and the ranks, with nothing written; a healthy run
+with BatchNorm, dropout and per-rank batches raises nothing. Real gloo ranks."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from _dist import run_ranks
+
+import ckptools as ck
+
+
+def _trained(rank: int, steps: int = 2):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.ReLU(), torch.nn.Dropout(0.1),
+                              torch.nn.Linear(16, 4))  # fmt: skip
+    model = torch.nn.parallel.DistributedDataParallel(net)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    torch.manual_seed(100 + rank)  # per-rank batches and dropout
+    for _ in range(steps):
+        model(torch.randn(8, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return model, opt
+
+
+def _flip(tensor: torch.Tensor) -> None:
+    with torch.no_grad():
+        tensor.view(-1)[3:4].view(torch.int32).bitwise_xor_(1 << 20)
+
+
+def _caught(rank: int, world: int, folder: str, what: str) -> dict:
+    model, opt = _trained(rank)
+    state = {"model": model, "opt": opt}
+    manager = ck.CheckpointManager(os.path.join(folder, "run"), snapshot_dir=os.path.join(folder, "shm"))
+    manager.save(state, step=1)  # healthy: compared, written
+    if rank == 1:
+        if what == "parameter":
+            _flip(model.module[0].weight)
+        elif what == "moment":
+            _flip(opt.state[opt.param_groups[0]["params"][0]]["exp_avg"])
+        else:
+            opt.param_groups[0]["lr"] = 0.0100001
+    said: dict[str, object] = {}
+    try:
+        ck.check_replicas(state)
+    except ck.ReplicaMismatchError as err:
+        said["check"] = (err.where, err.differ, str(err))
+    for name, call in (("save", lambda: manager.save(state, step=2, verify_replicas=True)),
+                       ("all", lambda: ck.save(os.path.join(folder, "all.pt"), state, writers="all",
+                                               verify_replicas=True))):  # fmt: skip
+        try:
+            call()
+        except ck.ReplicaMismatchError as err:
+            said[name] = err.where
+    for calls, step in enumerate(range(3, 3 + 30), start=1):  # the default: a rotating sample, every byte in 25
+        try:
+            manager.snapshot(state, step=step, blocking=True)
+        except ck.ReplicaMismatchError as err:
+            said["snapshot"] = (err.where, calls)
+            break
+    said["files"] = sorted(os.listdir(os.path.join(folder, "run")))
+    said["snapshots"] = [s for s, _ in manager.snapshots()]
+    manager.close()
+    return said
+
+
+def _check(results: list[dict], where: str, world: int) -> None:
+    agree = ", ".join(str(r) for r in range(world) if r != 1)
+    for said in results:
+        check_where, differ, text = said["check"]
+        assert check_where.startswith(where) and differ == [1], said
+        assert "rank(s) 1 disagree with rank 0" in text and f"rank(s) {agree} agree" in text, text
+        assert said["save"].startswith(where) and said["all"].startswith(where), said
+        assert said["snapshot"][0].startswith(where) and said["snapshot"][1] <= 25, said
+        assert said["files"] == ["ckpt-0000000001.pt"], said  # nothing of the refused saves
+        caught_at = 2 + said["snapshot"][1]  # the step whose snapshot found it: not taken, the one before the newest
+        assert said["snapshots"][-1:] == ([caught_at - 1] if caught_at > 3 else []), said
+
+
+def test_a_bit_flipped_in_one_ranks_parameter_is_caught_on_every_rank_at_3_ranks(tmp_path):
+    _check(run_ranks(_caught, 3, str(tmp_path), "parameter"), "model.0.weight", 3)
+
+
+def test_a_bit_flipped_in_an_optimizer_moment_is_caught(tmp_path):
+    _check(run_ranks(_caught, 2, str(tmp_path), "moment"), "opt.state[0].exp_avg", 2)
+
+
+def test_a_learning_rate_changed_on_one_rank_is_caught_at_the_first_call(tmp_path):
+    results = run_ranks(_caught, 2, str(tmp_path), "lr")
+    _check(results, "opt.param_groups", 2)
+    assert all(r["snapshot"][1] == 1 for r in results), results  # parameter groups: every call
+
+
+def _healthy(rank: int, world: int, folder: str) -> list[str]:
+    import warnings
+
+    model, opt = _trained(rank, steps=0)
+    manager = ck.CheckpointManager(os.path.join(folder, "run"), snapshot_dir=os.path.join(folder, "shm"))
+    torch.manual_seed(100 + rank)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(20):
+            model(torch.randn(8, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            manager.snapshot({"model": model, "opt": opt}, step=step)
+        manager.save({"model": model, "opt": opt}, step=20)
+        assert ck.check_replicas({"model": model, "opt": opt}) > 0
+    manager.close()
+    return [str(w.message) for w in said]
+
+
+def test_a_healthy_run_with_batchnorm_dropout_and_per_rank_batches_raises_and_warns_nothing(tmp_path):
+    assert run_ranks(_healthy, 2, str(tmp_path)) == [[], []]
