@@ -255,8 +255,8 @@ class CheckpointManager:
                 INFO with that bound ("a kill loses at most N steps, about S s"). Without a budget, INFO
                 says once when snapshots stall more than a tenth of the loop's time. The one default of
                 every snapshot taker (NodeSnapshots, CkptoolsCallback too): None.
-            check_replicas: False to skip comparing DDP's replicas first (by default a rotating 1/25 of
-                their bytes per call, every byte within 25 calls; `ckptools.check_replicas`).
+            check_replicas: False to skip comparing DDP's replicas first (by default a rotating 1/50 of
+                their bytes per call, every byte within 50 calls; `ckptools.check_replicas`).
 
         Returns:
             The snapshot's path (on this node), or None for a call the budget skipped.

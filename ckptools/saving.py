@@ -69,7 +69,7 @@ def save(
     folders are created (local paths).
     ``writers="all"`` has every rank write its share of what DDP keeps equal into the one file
     (``"auto"``: where every rank sees the folder). Under DDP the replicas are compared first
-    (`ckptools.check_replicas`'s judgement on a rotating 1/25 of the bytes per call, every byte within 25
+    (`ckptools.check_replicas`'s judgement on a rotating 1/50 of the bytes per call, every byte within 50
     calls; all of them with ``verify_replicas=True``): a difference raises `ReplicaMismatchError` on every
     rank and nothing is written. What is stored, and why: docs/guarantees.md; who writes: docs/guides/writers.md.
 

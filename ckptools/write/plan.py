@@ -183,7 +183,7 @@ def replicated_tensors(state: Mapping[str, Any], entries: Mapping[str, Any]) -> 
             for key, tensor in entries[name].items():
                 if key in names and plain(tensor):
                     yield (name, key), tensor
-        elif _plain_optimizer(obj):
+        elif plain_optimizer(obj):
             index, indices = 0, set()
             for group in obj.param_groups:
                 for param in group["params"]:
@@ -214,7 +214,7 @@ def host_bytes(storage: torch.UntypedStorage) -> memoryview:
     return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())  # type: ignore[arg-type]
 
 
-def _plain_optimizer(obj: Any) -> bool:
+def plain_optimizer(obj: Any) -> bool:
     # ZeroRedundancyOptimizer shards its state: a rank holds only its own part.
     return isinstance(obj, torch.optim.Optimizer) and not is_zero(obj)
 

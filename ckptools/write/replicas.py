@@ -33,11 +33,11 @@ from torch.nn.parallel import DistributedDataParallel
 from ..errors import ReplicaMismatchError
 from ..storage import crc32
 from .payload import state_entry
-from .plan import _plain_optimizer, replicated_tensors
+from .plan import plain_optimizer, replicated_tensors
 
 __all__ = ["SAMPLE_CALLS", "compare_replicas", "replica_digests"]
 
-SAMPLE_CALLS = 25
+SAMPLE_CALLS = 50
 _CALLS = [0]  # this process's sampled calls so far: the same count on every rank (collective calls)
 
 Digest = tuple[str, int, int, int]  # (where, first byte, bytes, digest)
@@ -65,7 +65,7 @@ def replica_digests(state: Mapping[str, Any], *, sample: bool) -> list[Digest]:
     if not any(isinstance(obj, DistributedDataParallel) for obj in state.values()):
         return []
     entries = {name: state_entry(obj) for name, obj in state.items() if isinstance(obj, DistributedDataParallel)}
-    entries.update({name: state_entry(obj) for name, obj in state.items() if _plain_optimizer(obj)})
+    entries.update({name: state_entry(obj) for name, obj in state.items() if plain_optimizer(obj)})
     tensors = [(where, t) for where, t in replicated_tensors(state, entries) if t.numel()]
     sizes = [t.numel() * t.element_size() for _, t in tensors]
     total = sum(sizes)
@@ -82,7 +82,7 @@ def replica_digests(state: Mapping[str, Any], *, sample: bool) -> list[Digest]:
             found.append((_name(where), lo - at, hi - lo, _digest(tensor, lo - at, hi - lo)))
         at += size
     for name, obj in state.items():
-        if _plain_optimizer(obj):
+        if plain_optimizer(obj):
             groups = [{k: v for k, v in group.items() if k != "params"} for group in entries[name]["param_groups"]]
             found.append((f"{name}.param_groups", 0, 0, crc32(pickle.dumps(repr(groups)))))
     return found
