@@ -221,3 +221,17 @@ def test_the_reader_reads_any_range_exactly(tmp_path, monkeypatch):
                 out = bytearray(length)
                 assert reader.read_into(memoryview(out), offset) and bytes(out) == data[offset : offset + length]
             assert not reader.read_into(memoryview(bytearray(10)), 49_995)  # the file ends first
+
+
+def test_pieces_cover_every_byte_once_and_split_few_large_storages_evenly():
+    from ckptools.collective.tree import pieces_of
+
+    for sizes, world in (([3 << 20] * 3, 2), ([3 << 20, 0, 3 << 20, 3 << 20], 2), ([100 << 20, 1 << 20, 5], 4)):
+        pieces = pieces_of(sizes, world)
+        for index, size in enumerate(sizes):  # each storage's pieces tile it, in order
+            mine = sorted((start, length) for i, start, length, _ in pieces if i == index)
+            assert sum(length for _, length in mine) == size and all(
+                a + n == b for (a, n), (b, _) in zip(mine, mine[1:])
+            ), (sizes, index, mine)
+        load = [sum(p[2] for p in pieces if p[3] == rank) for rank in range(world)]
+        assert max(load) <= sum(sizes) / world + 4096, (sizes, load)

@@ -134,7 +134,7 @@ def _read_once(
     nccl = torch.distributed.get_backend() == "nccl"
     comm = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
     share_pieces(storages, pieces, comm_device=comm)  # on the GPU with nccl: straight into each rank's own
-    if verify and len(pieces) > len(storages):  # the same on every rank
+    if verify and len({p[0] for p in pieces}) < len(pieces):  # a storage in several pieces (the same on every rank)
         # A storage read by several ranks is whole only now: its first reader checks its CRC-32.
         damaged = next((name for index, name, crc in split if crc >= 0 and crc != _crc(storages[index])), None)
         agreement.on_every_rank(None if damaged is None else damaged_record(location.url, damaged))
