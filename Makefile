@@ -116,6 +116,7 @@ interop: $(INTEROP_STAMP) lightning-suite
 		tests/test_zero.py::test_saved_on_four_ranks_resumed_on_two tests/test_kill_matrix.py tests/test_user_scripts.py \
 		tests/test_dist.py::test_a_script_ending_with_destroy_process_group_never_aborts_at_exit \
 		tests/test_read_once.py::test_saved_on_two_ranks_read_once_by_three tests/test_accumulation_kills.py \
+		tests/test_spawn.py::test_sigterm_to_the_spawn_parent_saves_the_step_reached_and_every_rank_leaves_with_143 \
 		tests/test_spawn.py::test_the_keeper_persists_when_only_the_spawn_parent_is_killed \
 		tests/test_spawn.py::test_two_simulated_nodes_under_spawn_snapshot_and_restore_from_each_nodes_memory \
 		tests/test_spawn.py::test_the_imagenet_main_worker_under_spawn_preempted_or_killed_resumes_bit_identical \
