@@ -113,16 +113,27 @@ def _is_open(param: torch.Tensor) -> bool | None:
     return seen[1]() is not grad or grad._version != seen[2]
 
 
+def _copied(grad: torch.Tensor) -> bool:
+    """Whether a save writes a copy of ``grad`` rather than ``grad`` itself: where it views a larger
+    storage (DDP's ``gradient_as_bucket_view``: each would otherwise carry the whole bucket)."""
+    return grad.untyped_storage().nbytes() != grad.nbytes or bool(grad.storage_offset()) or not grad.is_contiguous()
+
+
 def _kept(grad: torch.Tensor) -> torch.Tensor:
-    """The tensor a save writes for ``grad``: itself, or a copy when it views a larger storage (DDP's
-    ``gradient_as_bucket_view``: each would otherwise carry the whole bucket)."""
+    """The tensor a save writes for ``grad`` (`_copied`)."""
     grad = grad.detach()
-    if grad.untyped_storage().nbytes() != grad.nbytes or grad.storage_offset() or not grad.is_contiguous():
-        return grad.clone(memory_format=torch.contiguous_format)
-    return grad
+    return grad.clone(memory_format=torch.contiguous_format) if _copied(grad) else grad
+
+
+def _kept_meta(grad: torch.Tensor) -> TensorMeta:
+    """`_kept`'s tensor described, without making the copy (the opening exchange needs only this)."""
+    if _copied(grad):
+        return tensor_meta(torch.empty_like(grad, device="meta", memory_format=torch.contiguous_format))
+    return tensor_meta(grad)
 
 
 def _open_gradients(state: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """The open gradients of the state's models, as they are (``{entry: {parameter: grad}}``)."""
     found: dict[str, dict[str, torch.Tensor]] = {}
     stepped = {id(param) for obj in state.values() if isinstance(obj, torch.optim.Optimizer)
                for param, values in getattr(obj, "state", {}).items() if values}  # fmt: skip
@@ -152,7 +163,7 @@ def _open_gradients(state: Mapping[str, Any]) -> dict[str, dict[str, torch.Tenso
                     f"state[{name!r}] has sparse gradients in an open accumulation window ({', '.join(sparse[:3])}), "
                     "which ckptools cannot keep; save or snapshot after optimizer.step() (once the window closed)"
                 )
-            found[name] = {key: _kept(grad) for key, grad in grads.items() if grad is not None}
+            found[name] = {key: grad for key, grad in grads.items() if grad is not None}
     return found
 
 
@@ -169,7 +180,7 @@ def describe_gradients(state: Mapping[str, Any]) -> tuple[dict[str, dict[str, Te
         found = _open_gradients(state)
     except CheckpointError as err:
         return None, str(err)
-    described = {name: {key: tensor_meta(grad) for key, grad in grads.items()} for name, grads in found.items()}
+    described = {name: {key: _kept_meta(grad) for key, grad in grads.items()} for name, grads in found.items()}
     return described or None, None
 
 
@@ -200,7 +211,8 @@ def with_gradients(state: Mapping[str, Any], gathered: list[Any]) -> Mapping[str
         return state
     if GRADIENTS_KEY in state:
         raise TypeError(f"{GRADIENTS_KEY!r} is reserved for ckptools' own entry; rename that entry of state")
-    return {**state, GRADIENTS_KEY: GradientsEntry(_open_gradients(state), [dict(g or {}) for g in gathered])}
+    own = {name: {key: _kept(grad) for key, grad in grads.items()} for name, grads in _open_gradients(state).items()}
+    return {**state, GRADIENTS_KEY: GradientsEntry(own, [dict(g or {}) for g in gathered])}
 
 
 def has_gradients(state: Mapping[str, Any]) -> bool:
