@@ -34,7 +34,6 @@ __all__ = [
     "local_world_size",
     "node_of",
     "set_timeout",
-    "spawn_parent",
 ]
 
 # torchrun's agent: the parent that started this process (None when torchrun did not). Read once, at
@@ -64,31 +63,6 @@ def launcher_gone() -> bool:
     """
     parent = launcher()
     return parent is not None and os.getppid() != parent
-
-
-def spawn_parent() -> int | None:
-    """The pid of the ``torch.multiprocessing.spawn`` parent that started this process, or None.
-
-    torch's ``mp.spawn`` has each worker receive SIGINT when its parent dies (``PR_SET_PDEATHSIG``, set
-    before the worker's function runs): that tells its workers from another launcher's children. Ask
-    it from inside the worker's function, on its main thread (Linux; None elsewhere).
-
-    Examples:
-        >>> spawn_parent() is None  # not a worker of mp.spawn
-        True
-    """
-    import ctypes
-    import signal
-
-    try:
-        prctl = ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-    found = ctypes.c_int(0)
-    if prctl(2, ctypes.byref(found), 0, 0, 0) != 0:  # PR_GET_PDEATHSIG
-        return None
-    parent = os.getppid()
-    return parent if found.value == int(signal.SIGINT) and parent != 1 else None
 
 
 def dist_ready() -> bool:

@@ -13,7 +13,7 @@ from .. import log
 from ..errors import CheckpointError
 from .group import dist_ready, get_local_rank, local_world_size, set_timeout, settle_at_exit
 
-__all__ = ["gpu_of", "init_distributed", "local_gpu"]
+__all__ = ["gpu_of", "init_distributed", "libc_prctl", "local_gpu", "spawn_parent"]
 
 
 def _refuse_while_a_child_imports_main() -> None:
@@ -175,3 +175,47 @@ def gpu_of(local_rank: int, local_world: int, gpus: int) -> tuple[int, bool]:
         ((1, False), (0, True), (1, True))
     """
     return local_rank % gpus, local_world > gpus
+
+
+def libc_prctl() -> Any:
+    """libc's ``prctl`` (Linux), looked up once per process, else None.
+
+    Look it up before DataLoader workers are forked (`ckptools.Preemption.protect` does): ``ctypes.CDLL``
+    is a ``dlopen``, which takes the dynamic loader's lock, and a worker forked while another thread of
+    the rank held that lock would wait for it forever. A forked worker then only calls what it inherited.
+    """
+    if not _PRCTL:
+        import ctypes
+
+        try:
+            _PRCTL.append(ctypes.CDLL(None, use_errno=True).prctl)
+        except (OSError, AttributeError):
+            _PRCTL.append(None)  # not Linux
+    return _PRCTL[0]
+
+
+_PRCTL: list[Any] = []
+
+
+def spawn_parent() -> int | None:
+    """The pid of the ``torch.multiprocessing.spawn`` parent that started this process, or None.
+
+    torch's ``mp.spawn`` has each worker receive SIGINT when its parent dies (``PR_SET_PDEATHSIG``, set
+    before the worker's function runs): that tells its workers from another launcher's children. Ask
+    it from inside the worker's function, on its main thread (Linux; None elsewhere).
+
+    Examples:
+        >>> spawn_parent() is None  # not a worker of mp.spawn
+        True
+    """
+    import ctypes
+    import signal
+
+    prctl = libc_prctl()
+    if prctl is None:
+        return None
+    found = ctypes.c_int(0)
+    if prctl(2, ctypes.byref(found), 0, 0, 0) != 0:  # PR_GET_PDEATHSIG
+        return None
+    parent = os.getppid()
+    return parent if found.value == int(signal.SIGINT) and parent != 1 else None

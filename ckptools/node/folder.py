@@ -41,7 +41,8 @@ import subprocess
 import sys
 
 from .. import log
-from ..collective.group import launcher, spawn_parent
+from ..collective.group import launcher
+from ..collective.launch import spawn_parent
 from ..errors import NodeMemoryError
 from ..storage import NODE_MARK, abandoned_tmps, open_local, process_start, remove
 from ..text import human_size

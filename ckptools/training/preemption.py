@@ -16,34 +16,14 @@ from typing import Any, NoReturn
 
 from .. import log
 from ..collective.arrival import arrive, checked_in
-from ..collective.group import get_rank, launcher_gone, max_over_ranks, spawn_parent
+from ..collective.group import get_rank, launcher_gone, max_over_ranks
+from ..collective.launch import libc_prctl, spawn_parent
 from ..lifecycle import end_job
 from .process import leave
 
 __all__ = ["Preemption"]
 
 DEFAULT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
-
-
-def _prctl() -> Any:
-    """libc's ``prctl``, looked up once in the process that configures the loader (Linux), else None.
-
-    Looked up *before* DataLoader workers are forked: ``ctypes.CDLL`` is a ``dlopen``, which takes
-    the dynamic loader's lock, and a worker forked while another thread of the rank held that lock
-    would wait for it forever. A forked worker then only calls the function it inherited.
-    """
-    global _PRCTL
-    if _PRCTL is None:
-        import ctypes
-
-        try:
-            _PRCTL = ctypes.CDLL(None, use_errno=True).prctl
-        except (OSError, AttributeError):
-            _PRCTL = False  # not Linux: torch's watchdog still ends an orphaned worker within 5 s
-    return _PRCTL or None
-
-
-_PRCTL: Any = None
 
 
 def _die_with_parent() -> None:
@@ -53,9 +33,9 @@ def _die_with_parent() -> None:
     dies (a crash, ``kill -9``, ``os._exit``), its gloo connections stay open until its orphaned
     workers notice (torch's watchdog polls every 5 s), so the other ranks find out seconds late.
     Ignoring SIGTERM (below) must not make workers outlive their rank either. Runs in the worker:
-    it imports nothing and opens no library (see `_prctl`; a spawned worker looks it up afresh).
+    it imports nothing and opens no library (see `libc_prctl`; a spawned worker looks it up afresh).
     """
-    prctl = _prctl()
+    prctl = libc_prctl()
     if prctl is None:
         return
     prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
@@ -335,7 +315,7 @@ class Preemption:
             )
         inner = loader.worker_init_fn
         if not isinstance(inner, _IgnoreSignals):
-            _prctl()  # here, in the rank, not in a forked worker (see there)
+            libc_prctl()  # here, in the rank, not in a forked worker (see there)
             loader.worker_init_fn = _IgnoreSignals(tuple(int(s) for s in self.signals), inner)
         return loader
 
