@@ -29,6 +29,7 @@ from .. import log
 from ..collective.agree import Agreement
 from ..errors import CheckpointFormatError
 from ..layouts import MANIFEST, check_folder, write_manifest
+from ..storage import fsync_dir
 
 __all__ = ["latest_complete_state", "load_state", "save_state"]
 
@@ -94,11 +95,7 @@ def _seal(partial: str, final: str, total_limit: int | None) -> None:
         os.rename(final, aside)
     os.rename(partial, final)
     parent = os.path.dirname(final)
-    fd = os.open(parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(parent)
     if aside is not None:
         shutil.rmtree(aside, ignore_errors=True)
     if total_limit is not None:
