@@ -58,7 +58,9 @@ def _run(script: str, run_dir: Path, nproc: int, kills: list[int], *extra: str) 
         if kill is not None and (run_dir / "final.pt").exists():
             # Under load this process can read a step's line long after the ranks printed it: the run
             # went on to its end (final.pt written) and the kill found at most torchrun tearing down.
-            # Nothing is left to resume; the weights are judged as they are.
+            # Nothing is left to resume; the weights are judged as they are. The scripts rename final.pt
+            # into place: a kill while it was written leaves none, and the relaunch resumes (CI once
+            # read a torn final.pt here).
             print(f"{script}: the run had ended before launch {n}'s kill at step {kill} (exit {code})")
             break
         expected = -signal.SIGKILL if kill is not None else 0

@@ -94,7 +94,10 @@ def main(run_dir, save_every=1, total_epochs=5, batch_size=16):
     trainer = Trainer(model, loader, optimizer, save_every, run_dir)
     trainer.train(total_epochs)
     if ck.is_main_process():
-        torch.save(trainer.model.module.state_dict(), os.path.join(run_dir, "final.pt"))
+        # The test harness's file, whole or absent: a kill that lands while it is written leaves a run
+        # to resume, never a torn final.pt taken for the end of the run.
+        torch.save(trainer.model.module.state_dict(), os.path.join(run_dir, "final.pt.partial"))
+        os.replace(os.path.join(run_dir, "final.pt.partial"), os.path.join(run_dir, "final.pt"))
     ck.exit_process(0)
 
 

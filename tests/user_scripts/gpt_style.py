@@ -120,7 +120,10 @@ def main(out_dir):
         if iter_num >= max_iters:
             break
     if master_process:
-        torch.save(raw.state_dict(), os.path.join(out_dir, "final.pt"))
+        # The test harness's file, whole or absent: a kill that lands while it is written leaves a run
+        # to resume, never a torn final.pt taken for the end of the run.
+        torch.save(raw.state_dict(), os.path.join(out_dir, "final.pt.partial"))
+        os.replace(os.path.join(out_dir, "final.pt.partial"), os.path.join(out_dir, "final.pt"))
     ck.exit_process(0)
 
 

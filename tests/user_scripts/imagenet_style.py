@@ -100,7 +100,10 @@ def main(args):
         if is_best and ck.is_main_process():
             shutil.copyfile(resume, os.path.join(args.output_dir, "model_best.pth"))
     if ck.is_main_process():
-        torch.save(model_without_ddp.state_dict(), os.path.join(args.output_dir, "final.pt"))
+        # The test harness's file, whole or absent: a kill that lands while it is written leaves a run
+        # to resume, never a torn final.pt taken for the end of the run.
+        torch.save(model_without_ddp.state_dict(), os.path.join(args.output_dir, "final.pt.partial"))
+        os.replace(os.path.join(args.output_dir, "final.pt.partial"), os.path.join(args.output_dir, "final.pt"))
     ck.exit_process(0)
 
 

@@ -55,7 +55,10 @@ def main(run_dir, literal):
                     manager.save({**state, "step": step}, step)
                 dist.barrier()
     if rank == 0:
-        torch.save(model.module.state_dict(), os.path.join(run_dir, "final.pt"))
+        # The test harness's file, whole or absent: a kill that lands while it is written leaves a run
+        # to resume, never a torn final.pt taken for the end of the run.
+        torch.save(model.module.state_dict(), os.path.join(run_dir, "final.pt.partial"))
+        os.replace(os.path.join(run_dir, "final.pt.partial"), os.path.join(run_dir, "final.pt"))
     ck.exit_process(0)
 
 
