@@ -52,8 +52,10 @@ __all__ = [
     "accumulation_counter",
     "describe_gradients",
     "has_gradients",
+    "open_gradients",
     "owned_gradients",
     "owned_refusal",
+    "put_back_gradients",
     "restore_counter",
     "restore_gradients",
     "track",
@@ -211,7 +213,7 @@ def with_gradients(state: Mapping[str, Any], gathered: list[Any]) -> Mapping[str
         return state
     if GRADIENTS_KEY in state:
         raise TypeError(f"{GRADIENTS_KEY!r} is reserved for ckptools' own entry; rename that entry of state")
-    own = {name: {key: _kept(grad) for key, grad in grads.items()} for name, grads in _open_gradients(state).items()}
+    own = open_gradients(state)
     return {**state, GRADIENTS_KEY: GradientsEntry(own, [dict(g or {}) for g in gathered])}
 
 
@@ -272,8 +274,34 @@ def restore_gradients(ckpt: Mapping[str, Any], state: Mapping[str, Any], path: s
             once="gradients-resized",
         )
         return False
+    return put_back_gradients(values[get_rank()] or {}, state, path)
+
+
+def open_gradients(state: Mapping[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's open gradients of the state's models, as a save writes them (``{entry:
+    {parameter: grad}}``; empty when every window is closed), for a writer of its own files.
+
+    Raises:
+        CheckpointError: a model holds sparse gradients in an open window.
+
+    Examples:
+        >>> open_gradients({"step": 3})
+        {}
+    """
+    track()
+    return {name: {key: _kept(grad) for key, grad in grads.items()} for name, grads in _open_gradients(state).items()}
+
+
+def put_back_gradients(own: Mapping[str, Mapping[str, torch.Tensor]], state: Mapping[str, Any], path: str) -> bool:
+    """Put ``own`` (`open_gradients`' shape, read back) into ``.grad`` of the state's models, each open
+    until a step consumes it; whether any were.
+
+    Raises:
+        CheckpointFormatError: a saved gradient has no parameter, or another shape (naming ``path``).
+    """
+    track()
     restored = False
-    for name, grads in (values[get_rank()] or {}).items():
+    for name, grads in own.items():
         obj = state.get(name)
         if not isinstance(obj, torch.nn.Module):
             continue

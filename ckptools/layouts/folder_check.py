@@ -39,7 +39,7 @@ from typing import IO
 from ..codecs.safetensors import verify_safetensors
 from ..codecs.torchzip import ZIP_MAGIC
 from ..errors import CheckpointError
-from ..storage import TMP_MARKER, atomic_write, crc32_range, open_local
+from ..storage import TMP_MARKER, atomic_write, crc32_range, fsync_dir, open_local
 from ..text import plural
 from .named import writer_for
 from .safetensors_file import SAFETENSORS_FILE
@@ -122,16 +122,29 @@ def write_manifest(folder: str) -> str:
         'ckptools-manifest.json'
     """
     files = {}
+    folders = {folder}
     for name in folder_files(folder):
         if name != MANIFEST:
             path = os.path.join(folder, name)
             files[name] = {"bytes": os.path.getsize(path), "crc32": file_crc32(path)}
+            _fsync_file(path)  # the writer (torch.save, safetensors) left it in the page cache only
+            folders.add(os.path.dirname(path))
+    for directory in folders:  # their names too, before the manifest says they are there
+        fsync_dir(directory)
     text = json.dumps({"format": 1, "files": files}, indent=1, sort_keys=True).encode()
 
     def write(f: IO[bytes]) -> None:
         f.write(text)
 
     return atomic_write(os.path.join(folder, MANIFEST), write)
+
+
+def _fsync_file(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def is_trainer_folder(folder: str, names: Collection[str]) -> bool:

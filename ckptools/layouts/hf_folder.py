@@ -80,7 +80,12 @@ class HuggingFaceFolder(Layout):
         extras = {n: what for n in sorted(names) for pat, what in _ACCELERATE_EXTRAS.items() if fnmatch.fnmatch(n, pat)}
         inner_loc = location.absolute.child(model)
         view = weights_layout(model).open(inner_loc, trust_code=trust_code)
-        kind = "Accelerate save_state folder" if extras else "Hugging Face folder"
+        if extras:
+            kind = "Accelerate save_state folder"
+        elif "config.json" in names:
+            kind = "Hugging Face folder"
+        else:  # accelerator.save_model's, or a save_pretrained / save_state cut short: say what it is not
+            kind = "folder of bare weights (no config.json for from_pretrained, no training state to resume)"
         for other in (n for n in MODEL_FILES if n in names and n != model):  # say which one was read
             extras[other] = f"also a model file; {model} was read"
         for n in sorted(names):  # Accelerate's further models: model_1.safetensors, pytorch_model_1.bin

@@ -10,6 +10,7 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -17,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch.utils.data
 
-__all__ = ["lend_generator", "loader_iterator"]
+__all__ = ["lend_generator", "lent_generator", "loader_iterator"]
 
 T = TypeVar("T")
 
@@ -55,8 +56,25 @@ def lend_generator(
     global torch RNG when it has none: a run resumed mid-epoch would draw it at another point of
     the restored stream than the uninterrupted run, and every random number after it would differ.
     """
-    if loader.generator is not None:
+    with lent_generator(loader, key=key):
         return make(loader)
+
+
+@contextlib.contextmanager
+def lent_generator(loader: Any, *, key: tuple[int, int, int]) -> Iterator[None]:
+    """`lend_generator`'s loan for a block: whatever makes ``loader``'s iterator inside it draws the
+    workers' base seed from the generator of ``key`` (a loader with a generator of its own keeps it).
+
+    Examples:
+        >>> import torch
+        >>> loader = torch.utils.data.DataLoader(range(4))
+        >>> with lent_generator(loader, key=(0, 0, 0)):
+        ...     loader.generator is not None
+        True
+    """
+    if loader.generator is not None:
+        yield
+        return
     # The base seed is drawn when the iterator is made, and only then: the generator is lent for
     # that moment, so the user's DataLoader is left as it was. One seed per (seed, epoch, rank),
     # from a string seed: CPython hashes it with SHA-512, the same on every machine and Python
@@ -64,6 +82,6 @@ def lend_generator(
     seed = random.Random("ckptools/{}/{}/{}".format(*key)).getrandbits(63)
     loader.generator = torch.Generator().manual_seed(seed)
     try:
-        return make(loader)
+        yield
     finally:
         loader.generator = None
