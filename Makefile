@@ -7,7 +7,7 @@ PY := $(VENV)/bin/python
 TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden dist docs lightning-suite gpu compat
+.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden dist docs lightning-suite accelerate-suite gpu compat
 
 $(STAMP): pyproject.toml Makefile ckptools/_version.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -93,7 +93,7 @@ $(INTEROP_STAMP): $(STAMP)
 		'huggingface_hub>=0.30,<1.0' 'tokenizers>=0.21,<0.23'
 	touch $(INTEROP_STAMP)
 
-interop: $(INTEROP_STAMP) lightning-suite
+interop: $(INTEROP_STAMP) lightning-suite accelerate-suite
 	$(PY) tests/interop/make_golden.py build/golden --transformers4 build/transformers4
 	CKPTOOLS_GOLDEN=build/golden $(PY) -m pytest -q -p no:cacheprovider -n auto --dist load --maxschedchunk 1 \
 		tests/test_interop.py tests/test_real_files.py tests/test_lightning.py tests/test_lightning_resume.py \
@@ -120,7 +120,12 @@ interop: $(INTEROP_STAMP) lightning-suite
 		tests/test_spawn.py::test_the_keeper_persists_when_only_the_spawn_parent_is_killed \
 		tests/test_spawn.py::test_two_simulated_nodes_under_spawn_snapshot_and_restore_from_each_nodes_memory \
 		tests/test_spawn.py::test_the_imagenet_main_worker_under_spawn_preempted_or_killed_resumes_bit_identical \
-		tests/test_accelerate_folders.py tests/test_accelerate_state.py
+		tests/test_accelerate_folders.py tests/test_accelerate_state.py tests/test_accelerate_attach.py
+
+# accelerate-suite: Accelerate's own checkpointing tests (third_party/accelerate_tests) with every Accelerator
+# attached to ckptools; the session fails unless ckptools sealed the folders they saved.
+accelerate-suite: $(INTEROP_STAMP)
+	cd third_party/accelerate_tests && $(CURDIR)/$(PY) -m pytest -q -s
 
 # lightning-suite: Lightning's own checkpointing tests (third_party/lightning_tests, from its 2.6.5 tag) with each
 # ckptools plugin as every strategy's default CheckpointIO; the few that examine TorchCheckpointIO itself are

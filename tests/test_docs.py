@@ -94,6 +94,7 @@ def test_every_docstring_example_runs(tmp_path, monkeypatch, name):
         # Each needs its framework, an optional extra (`interop`): without it, its import says so.
         framework = {
             "ckptools.integrations.accelerate": "torch",  # takes the Accelerator it is given: imports no accelerate
+            "ckptools.integrations.accelerate_data": "accelerate",
             "ckptools.integrations.lightning": "pytorch_lightning",
             "ckptools.integrations.lightning_resume": "pytorch_lightning",
             "ckptools.integrations.lightning_snapshots": "pytorch_lightning",
@@ -134,6 +135,7 @@ def test_the_api_reference_documents_every_public_name():
     integrations = sorted((ROOT / "ckptools" / "integrations").glob("[a-z]*.py"))
     assert [p.stem for p in integrations] == [
         "accelerate",
+        "accelerate_data",
         "lightning",
         "lightning_resume",
         "lightning_snapshots",

@@ -26,6 +26,10 @@ SCRIPTS = Path(__file__).resolve().parent / "user_scripts"
 def _launch(script: str, run_dir: Path, nproc: int, *extra: str) -> list[str]:
     if nproc == 0:  # plain python, no launcher
         return [sys.executable, str(SCRIPTS / script), str(run_dir), *extra]
+    if script.startswith("accelerate_"):  # Accelerate's launcher, as its examples are run
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}",
+                "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", str(SCRIPTS / script),
+                str(run_dir), *extra]  # fmt: skip
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "--max-restarts=0", str(SCRIPTS / script), str(run_dir), *extra]  # fmt: skip
 
@@ -81,6 +85,7 @@ CASES = {
     "gpt_style.py": (2, 40),  # a save every 5 iterations, a batch fetched ahead
     "rank0_barrier.py": (2, 60),  # a save every 6 steps, then a barrier
     "no_launcher.py": (0, 60),  # plain python: a group of one
+    "accelerate_cv.py": (2, 18),  # accelerate launch, a save_state every step, 2 batches a window
 }
 
 
@@ -88,6 +93,8 @@ CASES = {
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("script", sorted(CASES))
 def test_a_ported_script_killed_at_random_steps_ends_bit_identical(tmp_path, script):
+    if script.startswith("accelerate_"):
+        pytest.importorskip("accelerate")
     nproc, steps = CASES[script]
     kills = _kills(script, steps, 2)
     straight = _run(script, tmp_path / "straight", nproc, [])

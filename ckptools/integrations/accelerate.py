@@ -12,6 +12,14 @@ latest`` picks and ``load_state`` loads without a word (it logs the missing RNG 
   short: the judgement ``ckpt verify`` makes), then has Accelerate load it.
 - `latest_complete_state` is the newest whole folder under a parent (``step_N``, ``epoch_N``,
   ``checkpoint_N``: a number at the end of the name), for ``--resume_from_checkpoint``.
+- `attach` makes the accelerator's own ``save_state`` / ``load_state`` these (a script keeps its calls):
+  with ``ProjectConfiguration(automatic_checkpoint_naming=True)`` ``save_state()`` names the folder
+  as Accelerate does and prunes to ``total_limit`` after it is whole, and ``load_state()`` loads the
+  newest whole one and numbers the next save after it; a ``load_state`` of a torn folder raises
+  (Accelerate's load pre-hook).
+- Open gradient-accumulation windows (`ckptools.gradients`): each process's gradients summed since the
+  last optimizer step go into ``ckptools-gradients-<rank>.pt`` in the folder, and back into ``.grad``
+  at the load; Accelerate's ``step`` (the position in the window) is in its own RNG file.
 
 Collective like ``save_state`` itself: every process calls them. The folder must be one every process
 sees (a shared filesystem, or one node).
@@ -25,13 +33,20 @@ import re
 import shutil
 from typing import Any
 
+import torch
+
 from .. import log
 from ..collective.agree import Agreement
-from ..errors import CheckpointFormatError
+from ..collective.group import get_rank, get_world_size
+from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from ..gradients import open_gradients, put_back_gradients
 from ..layouts import MANIFEST, check_folder, write_manifest
 from ..storage import fsync_dir
 
-__all__ = ["latest_complete_state", "load_state", "save_state"]
+__all__ = ["attach", "latest_complete_state", "load_state", "save_state"]
+
+GRADIENTS_FILE = "ckptools-gradients-{rank}.pt"
+_ORIGINALS = "_ckptools_originals"  # on an attached Accelerator: its own (save_state, load_state)
 
 PARTIAL = ".ckptools-partial"
 _NUMBERED = re.compile(r"^(?!\.).*?(\d+)$")
@@ -61,6 +76,13 @@ def save_state(accelerator: Any, output_dir: str, *, total_limit: int | None = N
         >>> save_state(accelerator, "run/step_100", total_limit=3)  # doctest: +SKIP
         'run/step_100'
     """
+    originals = getattr(accelerator, _ORIGINALS, None)
+    return _whole(accelerator, originals[0] if originals else None, output_dir, total_limit, kwargs)
+
+
+def _whole(accelerator: Any, inner: Any, output_dir: str, total_limit: int | None, kwargs: dict[str, Any]) -> str:
+    """`save_state`: ``inner`` is the accelerator's own ``save_state`` when `attach` replaced it (its
+    pre-hook then writes the gradients), else None."""
     final = os.path.abspath(output_dir).rstrip("/")
     partial = _partial(final)
     agreement = Agreement(f"saving the Accelerate state {final}", tail="; earlier folders are untouched")
@@ -68,12 +90,119 @@ def save_state(accelerator: Any, output_dir: str, *, total_limit: int | None = N
     accelerator.wait_for_everyone()
     error: BaseException | None = None
     try:
-        accelerator.save_state(partial, **kwargs)
+        if inner is not None:
+            inner(partial, **kwargs)
+        else:
+            accelerator.save_state(partial, **kwargs)
+            _save_gradients(accelerator, partial)
     except Exception as err:  # noqa: BLE001 - raised on every rank below
         error = err
     agreement.on_every_rank(error)  # every process's files are in (its random_states last)
     agreement.on_rank0(lambda: _seal(partial, final, total_limit))
     return output_dir
+
+
+def _state_of(accelerator: Any) -> dict[str, Any]:
+    """The accelerator's models and optimizers, named as `ckptools.gradients` sees a state."""
+    state: dict[str, Any] = {f"model_{i}": m for i, m in enumerate(accelerator._models)}
+    state.update({f"optimizer_{i}": o for i, o in enumerate(accelerator._optimizers)})
+    return state
+
+
+def _save_gradients(accelerator: Any, folder: str) -> None:
+    """Every process: its open accumulation window's gradients into ``folder`` (nothing when closed)."""
+    own = open_gradients(_state_of(accelerator))
+    if own:
+        path = os.path.join(folder, GRADIENTS_FILE.format(rank=get_rank()))
+        torch.save({"world_size": get_world_size(), "gradients": own}, path)
+
+
+def _load_gradients(accelerator: Any, folder: str) -> None:
+    """Every process: its gradients saved in ``folder``, back into ``.grad`` (`_save_gradients`)."""
+    path = os.path.join(folder, GRADIENTS_FILE.format(rank=get_rank()))
+    if not os.path.exists(path):
+        return
+    saved = torch.load(path, map_location="cpu", weights_only=True)
+    if int(saved["world_size"]) != get_world_size():
+        log.warn(
+            f"{folder} was saved inside a gradient-accumulation window by {saved['world_size']} processes, and this "
+            f"job has {get_world_size()}: each process's gradients summed so far cannot be shared out again, so they "
+            "are dropped and that window ends with other weights than an uninterrupted run's",
+            once="accelerate-gradients-resized",
+        )
+        return
+    put_back_gradients(saved["gradients"], _state_of(accelerator), path)
+
+
+def _refuse_torn(input_dir: str) -> None:
+    problem = check_folder(input_dir, verify=False).problem
+    if problem is not None:
+        raise CheckpointFormatError(
+            f"{input_dir}: {problem}; the folder is not a whole Accelerate state, and nothing was loaded: resume "
+            "from another (latest_complete_state(parent) gives the newest whole one)"
+        )
+
+
+def attach(accelerator: Any) -> Any:
+    """Make ``accelerator.save_state`` / ``load_state`` whole or absent (see the module); ``accelerator``.
+
+    Call it once, on every process, after making the Accelerator; the script's own calls stay as
+    they are. ``save_state(dir)`` is `save_state`; with automatic checkpoint naming, ``save_state()``
+    writes ``project_dir/checkpoints/checkpoint_<iteration>`` and keeps ``total_limit`` whole ones.
+    ``load_state(dir)`` refuses a torn folder; ``load_state()`` (automatic naming) loads the newest
+    whole one and numbers the next save after it.
+
+    Examples:
+        >>> from ckptools.integrations.accelerate import attach
+        >>> accelerator = attach(Accelerator(project_config=ProjectConfiguration(  # doctest: +SKIP
+        ...     project_dir="run", automatic_checkpoint_naming=True, total_limit=3)))
+    """
+    if getattr(accelerator, _ORIGINALS, None) is not None:
+        return accelerator
+    own_save, own_load = accelerator.save_state, accelerator.load_state
+    setattr(accelerator, _ORIGINALS, (own_save, own_load))
+    config = accelerator.project_configuration
+
+    def save(output_dir: str | None = None, **kwargs: Any) -> str:
+        if not config.automatic_checkpoint_naming:
+            if output_dir is None:
+                raise ValueError("save_state() needs an output_dir, or automatic_checkpoint_naming in the project")
+            return _whole(accelerator, own_save, output_dir, None, kwargs)
+        final = os.path.join(accelerator.project_dir, "checkpoints", f"checkpoint_{accelerator.save_iteration}")
+        if os.path.exists(final) and check_folder(final, verify=False).problem is None:  # as Accelerate refuses
+            raise ValueError(
+                f"Checkpoint directory {final} ({accelerator.save_iteration}) already exists. Please manually "
+                "override `self.save_iteration` with what iteration to start with."
+            )
+        if os.path.exists(final):  # torn (Accelerate's own save killed, before attach): replaced once whole
+            log.warn(f"{final} is not whole ({check_folder(final, verify=False).problem}): this save replaces it")
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        config.automatic_checkpoint_naming = False  # its own save_state would prune first, and name it itself
+        try:
+            return _whole(accelerator, own_save, final, config.total_limit, kwargs)
+        finally:
+            config.automatic_checkpoint_naming = True
+
+    def load(input_dir: str | None = None, **kwargs: Any) -> None:
+        if input_dir is not None or not config.automatic_checkpoint_naming:
+            own_load(input_dir, **kwargs)
+            return
+        parent = os.path.join(accelerator.project_dir, "checkpoints")
+        newest = latest_complete_state(parent)
+        if newest is None:
+            raise CheckpointNotFoundError(f"{parent}: no whole checkpoint_<N> folder to load; start from scratch")
+        own_load(newest, **kwargs)
+        config.iteration = int(_NUMBERED.match(os.path.basename(newest)).group(1)) + 1  # type: ignore[union-attr]
+
+    accelerator.register_save_state_pre_hook(lambda models, weights, folder: _save_gradients(accelerator, folder))
+    accelerator.register_load_state_pre_hook(lambda models, folder: _before_load(accelerator, folder))
+    accelerator.save_state, accelerator.load_state = save, load
+    return accelerator
+
+
+def _before_load(accelerator: Any, input_dir: str) -> None:
+    _refuse_torn(input_dir)
+    _load_gradients(accelerator, input_dir)
 
 
 def _clear(parent: str) -> None:
@@ -127,13 +256,13 @@ def load_state(accelerator: Any, input_dir: str, **kwargs: Any) -> None:
         >>> from ckptools.integrations.accelerate import load_state
         >>> load_state(accelerator, latest_complete_state("run"))  # doctest: +SKIP
     """
-    problem = check_folder(input_dir, verify=False).problem
-    if problem is not None:
-        raise CheckpointFormatError(
-            f"{input_dir}: {problem}; the folder is not a whole Accelerate state, and nothing was loaded: resume "
-            "from another (latest_complete_state(parent) gives the newest whole one)"
-        )
+    originals = getattr(accelerator, _ORIGINALS, None)
+    if originals is not None:  # attached: its pre-hook refuses a torn folder and puts the gradients back
+        originals[1](input_dir, **kwargs)
+        return
+    _refuse_torn(input_dir)
     accelerator.load_state(input_dir, **kwargs)
+    _load_gradients(accelerator, input_dir)
 
 
 def latest_complete_state(parent: str, *, verify: bool = False) -> str | None:

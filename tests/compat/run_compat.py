@@ -44,6 +44,10 @@ SLOW = [
     "tests/test_transformers_snapshots.py",
     "tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind",
     "tests/test_zero.py::test_saved_on_four_ranks_resumed_on_two",
+    "tests/test_accelerate_attach.py",
+    "tests/test_accelerate_state.py",
+    "tests/test_accelerate_folders.py",
+    "tests/test_user_scripts.py::test_a_ported_script_killed_at_random_steps_ends_bit_identical[accelerate_cv.py]",
 ]
 
 

@@ -1,0 +1,147 @@
+"""``ckptools.integrations.accelerate.attach`` with Accelerate itself (issue 57): the script's own
+``accelerator.save_state`` / ``load_state`` calls, whole or absent; automatic checkpoint naming and
+``total_limit`` pruning only after the new folder is whole; a torn folder refused by ``load_state``
+itself; an open accumulation window's gradients kept. One process per case, each in a fresh
+interpreter (Accelerate's state is one per process). Needs accelerate: `make interop`.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("accelerate")
+pytestmark = pytest.mark.slow  # fresh interpreters importing Accelerate: `make interop`
+
+
+def _python(code: str, *args: str) -> str:
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+PREAMBLE = """
+import os, shutil, sys, warnings, torch
+from accelerate import Accelerator
+from accelerate.utils import ProjectConfiguration
+from ckptools import CheckpointFormatError
+from ckptools.integrations.accelerate import attach
+root = sys.argv[1]
+def make(**kw):
+    accelerator = attach(Accelerator(cpu=True, **kw))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.2), torch.nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return (accelerator, *accelerator.prepare(model, optimizer))
+def batch(i):
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(3, 4, generator=g)
+"""
+
+NAMING = (
+    PREAMBLE
+    + """
+config = ProjectConfiguration(project_dir=root, automatic_checkpoint_naming=True, total_limit=2)
+accelerator, model, optimizer = make(project_config=config)
+for i in range(3):
+    model(batch(i)).sum().backward(); optimizer.step(); optimizer.zero_grad()
+    accelerator.save_state()
+folder = os.path.join(root, "checkpoints")
+print("after three:", sorted(os.listdir(folder)))
+print("manifests:", all(os.path.exists(os.path.join(folder, n, "ckptools-manifest.json")) for n in os.listdir(folder)))
+# Accelerate's own save killed inside checkpoint_3 before ckptools was attached: a torn folder of the next name.
+shutil.copytree(os.path.join(folder, "checkpoint_2"), os.path.join(folder, "checkpoint_3"))
+os.remove(os.path.join(folder, "checkpoint_3", "ckptools-manifest.json"))
+os.remove(os.path.join(folder, "checkpoint_3", "random_states_0.pkl"))
+try:
+    accelerator.load_state(os.path.join(folder, "checkpoint_3"))
+    print("loaded the torn folder")
+except CheckpointFormatError as err:
+    print("refused:", err)
+again, model2, optimizer2 = make(project_config=ProjectConfiguration(
+    project_dir=root, automatic_checkpoint_naming=True, total_limit=2))
+with warnings.catch_warnings(record=True):
+    warnings.simplefilter("always")
+    again.load_state()
+same = zip(model.state_dict().values(), model2.state_dict().values())
+print("same weights:", all(torch.equal(a, b) for a, b in same))
+print("next iteration:", again.save_iteration)
+with warnings.catch_warnings(record=True) as said:
+    warnings.simplefilter("always")
+    again.save_state()
+print("replaced torn:", any("is not whole" in str(w.message) for w in said))
+print("after the relaunch's save:", sorted(os.listdir(folder)))
+print("whole:", os.path.exists(os.path.join(folder, "checkpoint_3", "random_states_0.pkl")))
+"""
+)
+
+
+def test_automatic_naming_prunes_after_the_new_folder_is_whole_and_loads_the_newest_whole_one(tmp_path):
+    out = _python(NAMING, str(tmp_path))
+    assert "after three: ['checkpoint_1', 'checkpoint_2']" in out and "manifests: True" in out, out
+    assert "refused:" in out and "no random_states_<rank>.pkl" in out and "nothing was loaded" in out, out
+    # load_state() skipped the torn checkpoint_3 for the newest whole one, and numbers the next save after it.
+    assert "same weights: True" in out and "next iteration: 3" in out, out
+    assert "replaced torn: True" in out and "after the relaunch's save: ['checkpoint_2', 'checkpoint_3']" in out, out
+    assert "whole: True" in out, out
+
+
+WINDOW = (
+    PREAMBLE
+    + """
+accelerator, model, optimizer = make(gradient_accumulation_steps=2)
+for i in range(3):  # batches 0 and 1 close a window; batch 2 opens the next
+    with accelerator.accumulate(model):
+        model(batch(i)).sum().backward(); optimizer.step(); optimizer.zero_grad()
+grads = [p.grad.clone() for p in model.parameters()]
+accelerator.save_state(os.path.join(root, "step_3"))
+print("files:", sorted(n for n in os.listdir(os.path.join(root, "step_3")) if n.startswith("ckptools-")))
+with accelerator.accumulate(model):  # the window's second batch: the uninterrupted run's step
+    model(batch(3)).sum().backward(); optimizer.step(); optimizer.zero_grad()
+straight = [t.clone() for t in model.state_dict().values()]
+torch.manual_seed(123)  # the relaunch: another process's RNG, restored by load_state
+again, model2, optimizer2 = make(gradient_accumulation_steps=2)
+again.load_state(os.path.join(root, "step_3"))
+print("gradients back:", all(p.grad is not None and torch.equal(a, p.grad) for a, p in zip(grads, model2.parameters())))
+print("step back:", again.step)
+with again.accumulate(model2):
+    model2(batch(3)).sum().backward(); optimizer2.step(); optimizer2.zero_grad()
+print("bit-identical:", all(torch.equal(a, b) for a, b in zip(straight, model2.state_dict().values())))
+"""
+)
+
+
+def test_a_save_state_inside_an_accumulation_window_keeps_its_gradients_and_resumes_bit_identical(tmp_path):
+    out = _python(WINDOW, str(tmp_path))
+    assert "files: ['ckptools-gradients-0.pt', 'ckptools-manifest.json']" in out, out
+    assert "gradients back: True" in out and "step back: 3" in out and "bit-identical: True" in out, out
+
+
+def test_without_the_gradients_the_same_resume_ends_with_other_weights(tmp_path):
+    """The window's sums are what makes it exact: the same script with the gradients file removed."""
+    code = WINDOW.replace(
+        'again.load_state(os.path.join(root, "step_3"))',
+        'os.remove(os.path.join(root, "step_3", "ckptools-gradients-0.pt")); '
+        'os.remove(os.path.join(root, "step_3", "ckptools-manifest.json")); '
+        'again.load_state(os.path.join(root, "step_3"))',
+    )
+    out = _python(code, str(tmp_path))
+    assert "gradients back: False" in out and "bit-identical: False" in out, out
+
+
+def test_the_module_functions_on_an_attached_accelerator_are_the_same_save_once(tmp_path):
+    code = (
+        PREAMBLE
+        + """
+from ckptools.integrations.accelerate import load_state, save_state
+accelerator, model, optimizer = make()
+save_state(accelerator, os.path.join(root, "step_1"))
+load_state(accelerator, os.path.join(root, "step_1"))
+print(sorted(os.listdir(root)), accelerator.save_iteration)
+"""
+    )
+    assert "['step_1'] 1" in _python(code, str(tmp_path))  # one save_state ran: one iteration counted
+    assert not os.path.exists(tmp_path / ".step_1.ckptools-partial")
