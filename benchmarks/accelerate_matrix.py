@@ -11,7 +11,8 @@ the example's own resume (the newest ``step_N`` folder, ``skip_first_batches``),
 ported script (`attach`, `resumable`, ``ck.SeededDataset``). A cell says whether the final weights are
 bit-identical to the straight run's, and the most steps a kill lost (the last step the killed launch
 printed, less the step the relaunch resumed from). The table is printed as Markdown
-(docs/guides/accelerate.md holds it).
+(docs/guides/accelerate.md holds it). ``--every N`` spaces the ``save_state`` folders N steps apart and
+adds ckptools' node-memory snapshots every step to the second column (``--snapshots``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,12 @@ ROWS: list[tuple[str, list[int], int | None]] = [
 MODES = {"Accelerate alone": ["--accelerate-only"], "with ckptools": []}
 
 
+def _spaced(every: int) -> dict[str, list[str]]:
+    """The columns of ``--every N``: a save_state every N steps, and with ckptools a snapshot every step."""
+    spaced = ["--checkpointing_steps", str(every)]
+    return {"Accelerate alone": ["--accelerate-only", *spaced], "with ckptools' snapshots": ["--snapshots", *spaced]}
+
+
 def _lost(log: str) -> int:
     """The most steps a kill lost: per relaunch, the killed launch's last printed step less the resumed one."""
     worst = 0
@@ -66,18 +73,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", default=None)
     parser.add_argument("--rows", type=int, nargs="*", help="which rows (0-based; default: all)")
+    parser.add_argument("--every", type=int, default=None, help="a save_state every N steps, snapshots every step")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="accelerate-matrix-"))
+    modes = _spaced(args.every) if args.every else MODES
     straight = {
-        mode: _run(SCRIPT, root / f"straight-{i}", 2, [], *extra) for i, (mode, extra) in enumerate(MODES.items())
+        mode: _run(SCRIPT, root / f"straight-{i}", 2, [], *extra) for i, (mode, extra) in enumerate(modes.items())
     }
-    print("| run | " + " | ".join(MODES) + " |")
-    print("|---|" + "---|" * len(MODES))
+    print("| run | " + " | ".join(modes) + " |")
+    print("|---|" + "---|" * len(modes))
     for r, (what, kills, in_save) in enumerate(ROWS):
         if args.rows and r not in args.rows:
             continue
         cells = []
-        for i, (mode, extra) in enumerate(MODES.items()):
+        for i, (mode, extra) in enumerate(modes.items()):
             run_dir = root / f"row{r}-{i}"
             try:
                 final = (

@@ -95,6 +95,8 @@ def test_every_docstring_example_runs(tmp_path, monkeypatch, name):
         framework = {
             "ckptools.integrations.accelerate": "torch",  # takes the Accelerator it is given: imports no accelerate
             "ckptools.integrations.accelerate_data": "accelerate",
+            "ckptools.integrations.accelerate_snapshots": "torch",  # takes the Accelerator it is given
+            "ckptools.integrations._memory_folders": "torch",
             "ckptools.integrations.lightning": "pytorch_lightning",
             "ckptools.integrations.lightning_resume": "pytorch_lightning",
             "ckptools.integrations.lightning_snapshots": "pytorch_lightning",
@@ -136,6 +138,7 @@ def test_the_api_reference_documents_every_public_name():
     assert [p.stem for p in integrations] == [
         "accelerate",
         "accelerate_data",
+        "accelerate_snapshots",
         "lightning",
         "lightning_resume",
         "lightning_snapshots",

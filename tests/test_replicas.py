@@ -120,3 +120,65 @@ def _healthy(rank: int, world: int, folder: str) -> list[str]:
 
 def test_a_healthy_run_with_batchnorm_dropout_and_per_rank_batches_raises_and_warns_nothing(tmp_path):
     assert run_ranks(_healthy, 2, str(tmp_path)) == [[], []]
+
+
+def _amp(rank: int, world: int, folder: str) -> list[str]:
+    """Mixed precision as a CPU user writes it: bfloat16 autocast and a GradScaler in the state."""
+    import warnings
+
+    model, opt = _trained(rank, steps=0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    state = {"model": model, "opt": opt, "scaler": scaler}
+    manager = ck.CheckpointManager(os.path.join(folder, "run"), snapshot_dir=os.path.join(folder, "shm"))
+    torch.manual_seed(100 + rank)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(20):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(torch.randn(8, 8)).float().sum()
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            manager.snapshot(state, step=step)
+        manager.save(state, step=20, verify_replicas=True)
+    manager.close()
+    return [str(w.message) for w in said]
+
+
+def test_a_healthy_mixed_precision_run_with_a_grad_scaler_raises_and_warns_nothing(tmp_path):
+    assert run_ranks(_amp, 2, str(tmp_path)) == [[], []]
+
+
+def _zero(rank: int, world: int, folder: str) -> dict:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model, _ = _trained(rank, steps=0)
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=1e-2)
+    torch.manual_seed(100 + rank)
+    for _ in range(2):
+        model(torch.randn(8, 8)).sum().backward()
+        zero.step()
+        zero.zero_grad()
+    state = {"model": model, "opt": zero}
+    said: dict[str, object] = {"healthy": ck.check_replicas(state)}
+    if rank == 1:  # a moment of rank 1's own partition: each rank's own, never compared
+        own = next(iter(zero.optim.state.values()))
+        _flip(own["exp_avg"])
+    said["partition flipped"] = ck.check_replicas(state)
+    ck.save(os.path.join(folder, "zero.pt"), state, verify_replicas=True)  # written: nothing replicated differs
+    if rank == 1:
+        _flip(model.module[4].weight)
+    try:
+        ck.save(os.path.join(folder, "zero-2.pt"), state, verify_replicas=True)
+    except ck.ReplicaMismatchError as err:
+        said["caught"] = (err.where, err.differ)
+    said["files"] = sorted(os.listdir(folder))
+    return said
+
+
+def test_zero_partitions_are_never_compared_and_the_replicated_parameters_are(tmp_path):
+    for said in run_ranks(_zero, 2, str(tmp_path)):
+        assert said["healthy"] > 0 and said["partition flipped"] == said["healthy"], said
+        assert said["caught"] == ("model.4.weight", [1]), said
+        assert "zero-2.pt" not in said["files"] and "zero.pt" in said["files"], said

@@ -238,6 +238,9 @@ def test_on_two_nodes_every_rank_resumes_from_one_step_and_a_replaced_node_recei
                     "'cpu:0', which torch refuses), the Trainer's own included")  # fmt: skip
     nodes = tmp_path / "nodes"
     monkeypatch.setenv("NODE_MEMORY_PER_RANK", str(nodes))
+    # The relaunch comes first, and reads node memory: under load it starts later than the default grace
+    # (10 s), and the keeper had persisted checkpoint-13/ and released node memory before it looked.
+    monkeypatch.setenv("CKPTOOLS_KEEPER_GRACE", "60")
     script, out, kill = _script(tmp_path), tmp_path / "run", 13
     _killed_at_pause(_launch(script, out, "fresh", 2, 24, 10, pause_at=kill))
     assert sorted(os.listdir(nodes)) == ["node0", "node1"]

@@ -25,17 +25,14 @@ from __future__ import annotations
 
 import math
 import os
-import time
 from typing import Any
 
 from .. import log
-from ..collective.agree import Agreement
-from ..collective.group import all_gather_object, get_rank, get_world_size
 from ..layouts import MANIFEST, check_folder, write_manifest
 from ..manager import CheckpointManager
-from ..node import checkpoint_names, readable, seal, survey_nodes, watch
 from ..training.seeded import SeededDataset
 from . import installed, release_numbers, trainer_snapshots
+from ._memory_folders import FolderKind, from_node_memory, newest_snapshot  # noqa: F401 - re-exported: tests and users import it here
 from .trainer_snapshots import CHECKPOINT_FOLDER, snapshot_to_folder
 
 try:
@@ -45,7 +42,10 @@ except ImportError as err:
 
 __all__ = ["MANIFEST", "CkptoolsCallback", "latest_complete_checkpoint", "snapshot_to_folder", "write_manifest"]
 
-_WAIT_FOR_FOLDER = 600.0  # seconds a node's other ranks wait for its local rank 0 to write a snapshot out
+# The Trainer's snapshots, written out as its checkpoint-N/ folders on a relaunch.
+_TRAINER_FOLDERS = FolderKind(
+    trainer_snapshots.PREFIX, "checkpoint-{}".format, snapshot_to_folder, "latest_complete_checkpoint"
+)
 
 # The oldest releases whose Trainer resumes mid-epoch bit-identically (tests/test_transformers.py,
 # `make compat`): with accelerate 1.6 the skipped batches of the resumed epoch come from another
@@ -178,13 +178,7 @@ def latest_complete_checkpoint(output_dir: str, *, verify: bool = True) -> str |
         True
     """
     on_disk = _newest_complete_folder(output_dir, verify)
-    if get_world_size() > 1:  # a process group: every rank resumes from the same step
-        from_memory = _agreed_from_node_memory(output_dir, on_disk[0] if on_disk else -1)
-    elif not os.path.isdir(output_dir):
-        return None
-    else:
-        _warn_if_nodes_cannot_agree()
-        from_memory = _from_node_memory(output_dir, on_disk[0] if on_disk else -1)
+    from_memory = from_node_memory(output_dir, _TRAINER_FOLDERS, on_disk[0] if on_disk else -1)
     return from_memory if from_memory is not None else on_disk[1] if on_disk else None
 
 
@@ -204,112 +198,6 @@ def _newest_complete_folder(output_dir: str, verify: bool) -> tuple[int, str] | 
             return step, folder
         log.warn(f"skipped {folder}: {problem}", all_ranks=True)
     return None
-
-
-def _warn_if_nodes_cannot_agree() -> None:
-    """Several nodes but no process group yet: each node can only decide from its own memory."""
-    try:
-        world, local = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("LOCAL_WORLD_SIZE", "0"))
-    except ValueError:
-        return
-    if 0 < local < world:
-        log.warn(
-            "latest_complete_checkpoint was called before the process group exists, on several nodes: each node "
-            "decides from its own node memory, and after a kill between two nodes' copies they could resume from "
-            "different steps. Call it once the Trainer is made (its TrainingArguments start the process group)",
-            once="hf_nodes_without_group",
-        )
-
-
-def _agreed_from_node_memory(output_dir: str, newer_than: int) -> str | None:
-    """Collective: the ``checkpoint-N/`` folder written from the newest snapshot of any node when it is
-    newer than every rank's newest complete folder (``newer_than``, this rank's), else None on every rank.
-
-    Rank 0 chooses, as `CheckpointManager.restore` does: a node without that snapshot (replaced, or
-    killed between another node's copy and its own) receives it first, so every rank resumes from the
-    same step. Rank 0 writes the folder out first (once, where the nodes share ``output_dir``), then each
-    other node's lowest rank where its ``output_dir`` does not show it (a node-local folder).
-    """
-    manager = CheckpointManager(output_dir, prefix=trainer_snapshots.PREFIX)
-    names = checkpoint_names(manager.prefix)
-
-    def newest_step() -> int | None:
-        found = manager.snapshots()  # sealed first by the survey
-        return found[-1][0] if found else None
-
-    nodes = survey_nodes(manager.snapshot_dir, newest_step, names)
-    disk = max(all_gather_object(newer_than))
-    snapshot = max((step for step in nodes.newest if step is not None), default=None)
-
-    def choose() -> int | None:
-        if snapshot is not None and not os.path.isdir(output_dir):  # the run's folder was removed: stale
-            log.warn(f"node memory holds snapshots of {output_dir} (up to step {snapshot}) but that folder is gone: "
-                     "they are not resumed from, and are released", once="hf_run_folder_removed")  # fmt: skip
-            return -1
-        return snapshot if snapshot is not None and snapshot > disk else None
-
-    chosen = Agreement(f"choosing a checkpoint in {output_dir}").on_rank0(choose, send=True)
-    nodes.release_unused(used=chosen != -1 and (not nodes.made_here or chosen is not None))
-    if chosen is None or chosen == -1:
-        return None
-    step, rank = chosen, get_rank()
-    # Named in node memory as in the run's folder: the same name on every node.
-    path = os.path.join(manager.snapshot_dir, os.path.basename(manager.path_for(step)))
-    nodes.bring(path, step)
-    folder = os.path.join(output_dir, f"checkpoint-{step}")
-    writing = Agreement(f"writing the snapshot of step {step} out as {folder}")
-    writing.on_rank0(lambda: trainer_snapshots.snapshot_to_folder(path, output_dir))
-    error: BaseException | None = None
-    if rank != 0 and rank == next(ranks for ranks in nodes.nodes if rank in ranks)[0]:
-        try:
-            if _incomplete(folder, verify=False) is not None:
-                trainer_snapshots.snapshot_to_folder(path, output_dir)
-        except Exception as err:  # noqa: BLE001 - raised on every rank by on_every_rank
-            error = err
-    writing.on_every_rank(error)
-    missing = [r for r, ok in enumerate(all_gather_object(_incomplete(folder, verify=False) is None)) if not ok]
-    if missing:  # a folder of that step was there before, not whole: every rank takes its newest folder
-        log.warn(f"the snapshot of step {step} in node memory was not written out: {folder} exists and is not "
-                 f"complete on rank(s) {missing}; remove it to resume from the snapshot")  # fmt: skip
-        return None
-    if rank == 0:
-        log.logger.info("wrote the snapshot of step %d in node memory out as %s", step, folder)
-    return folder
-
-
-def _from_node_memory(output_dir: str, newer_than: int) -> str | None:
-    """The ``checkpoint-N/`` folder written from this node's newest snapshot of ``output_dir``'s run when
-    it is newer than step ``newer_than``, or None (one process, or no process group yet)."""
-    manager = CheckpointManager(output_dir, prefix=trainer_snapshots.PREFIX)
-    if not readable(manager.snapshot_dir):  # absent, or not this user's alone (said once)
-        return None
-    watch(manager.snapshot_dir)  # first: the keeper of a job that died must not release it while this process reads it
-    found = newest_snapshot(manager)
-    if found is None or found[0] <= newer_than:
-        return None
-    step, path = found
-    folder = os.path.join(output_dir, f"checkpoint-{step}")
-    if os.environ.get("LOCAL_RANK", "0") != "0":  # the node's local rank 0 writes it: wait for it
-        deadline = time.monotonic() + _WAIT_FOR_FOLDER
-        while time.monotonic() < deadline and _incomplete(folder, verify=False) is not None:
-            time.sleep(0.1)
-    if not os.path.isdir(folder):
-        trainer_snapshots.snapshot_to_folder(path, output_dir)
-    if _incomplete(folder, verify=False) is not None:  # a folder of that step was there before, not whole
-        log.warn(f"the snapshot of step {step} in node memory was not written out: {folder} exists and is not "
-                 "complete; remove it to resume from the snapshot", all_ranks=True)  # fmt: skip
-        return None
-    if get_rank() == 0:
-        log.logger.info("wrote the snapshot of step %d in node memory out as %s", step, folder)
-    return folder
-
-
-def newest_snapshot(manager: CheckpointManager) -> tuple[int, str] | None:
-    """``(step, path)`` of the newest of ``manager``'s snapshots in this node's memory (a copy every rank
-    finished whose commit a kill cut short is sealed first), or None."""
-    seal(manager.snapshot_dir, checkpoint_names(manager.prefix))
-    found = manager.snapshots()
-    return found[-1] if found else None
 
 
 def _incomplete(folder: str, verify: bool) -> str | None:

@@ -21,6 +21,7 @@ sealing.py           a copy every rank finished whose commit a kill cut short, s
 keeper.py            the keeper process: a dead job's newest snapshot persisted (no torch)
 names.py             the numbered files' names, the folder's default name (no torch)
 trainer_folder.py    an HF Trainer's snapshot written out as its ``checkpoint-N/`` folder
+accelerate_folder.py an Accelerator's snapshot written out as the folder ``save_state`` writes
 memory.py            `NodeMemory`: a manager's snapshots as one object (take, list, survey)
 ===================  ==========================================================================
 
@@ -35,11 +36,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers
+    from .accelerate_folder import ACCELERATE_STATE, newest_whole_state, snapshot_to_state_folder
     from .cadence import Cadence
     from .commits import finish_snapshot
     from .folder import group_nodes, node_token, register, start_keeper, watch
     from .memory import NodeMemory
     from .names import (
+        ACCELERATE_PREFIX,
         LIGHTNING_PREFIX,
         TRAINER_FOLDER,
         TRAINER_PREFIX,
@@ -55,6 +58,10 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers
     from .trainer_folder import newest_folder_step, snapshot_to_folder
 
 _LAZY = {
+    "ACCELERATE_PREFIX": ".names",
+    "ACCELERATE_STATE": ".accelerate_folder",
+    "newest_whole_state": ".accelerate_folder",
+    "snapshot_to_state_folder": ".accelerate_folder",
     "Cadence": ".cadence",
     "Orphaned": ".snapshot",
     "Survey": ".survey",
@@ -84,6 +91,8 @@ _LAZY = {
 }
 
 __all__ = [
+    "ACCELERATE_PREFIX",
+    "ACCELERATE_STATE",
     "LIGHTNING_PREFIX",
     "TRAINER_FOLDER",
     "TRAINER_PREFIX",
@@ -98,6 +107,7 @@ __all__ = [
     "finish_snapshot",
     "group_nodes",
     "newest_folder_step",
+    "newest_whole_state",
     "node_token",
     "readable",
     "register",
@@ -106,6 +116,7 @@ __all__ = [
     "sealable",
     "settle",
     "snapshot_to_folder",
+    "snapshot_to_state_folder",
     "start_keeper",
     "survey_nodes",
     "watch",

@@ -36,7 +36,7 @@ from ..errors import CheckpointError
 from ..layouts import verify_torch_file
 from ..storage import atomic_write, join, list_files, open_local, private_problem, process_of_mine, remove, resolve
 from . import sealing
-from .names import TRAINER_PREFIX, checkpoint_names
+from .names import ACCELERATE_PREFIX, TRAINER_PREFIX, checkpoint_names
 
 __all__ = ["PIDS", "main", "persist"]
 
@@ -91,8 +91,8 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
     pattern = checkpoint_names(prefix)
     sealing.seal(folder, pattern, warn=lambda text: print(f"ckptools keeper: {text}", file=sys.stderr, flush=True))
     snapshots = sorted((int(m.group(1)), n) for n in os.listdir(folder) if (m := pattern.fullmatch(n)))
-    trainer = prefix == TRAINER_PREFIX
-    listed = [] if trainer else list_files(directory)  # the Trainer's folders: snapshot_to_folder compares
+    folders = prefix in (TRAINER_PREFIX, ACCELERATE_PREFIX)  # written out as folders: their writer compares
+    listed = [] if folders else list_files(directory)
     durable = sorted((int(m.group(1)), n) for n in listed if (m := pattern.fullmatch(n)))
     newest = durable[-1][0] if durable else -1
     for step, name in reversed(snapshots):
@@ -104,10 +104,14 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
         except CheckpointError as err:
             print(f"ckptools keeper: skipping snapshot {source}: {err}", file=sys.stderr, flush=True)
             continue
-        if trainer:  # written out as the Trainer's checkpoint-N/ folder (torch is imported only now)
+        if prefix == TRAINER_PREFIX:  # written out as the Trainer's checkpoint-N/ folder (torch is imported only now)
             from .trainer_folder import snapshot_to_folder
 
             return snapshot_to_folder(source, directory)
+        if prefix == ACCELERATE_PREFIX:  # as the folder Accelerate's save_state writes (step_N/)
+            from .accelerate_folder import snapshot_to_state_folder
+
+            return snapshot_to_state_folder(source, directory)
         target = join(directory, name)
         taken: list[int] = []
 

@@ -23,6 +23,7 @@ from ..errors import NodeMemoryError
 from ..storage import make_private, private_problem
 
 __all__ = [
+    "ACCELERATE_PREFIX",
     "ENV",
     "LIGHTNING_PREFIX",
     "TRAINER_FOLDER",
@@ -46,6 +47,9 @@ TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
 # persists are named as Lightning names its own last checkpoints, last*.ckpt (last-snapshot-0000000123.ckpt),
 # the only files Lightning's ckpt_path="last" finds beside its callbacks' own.
 LIGHTNING_PREFIX = "last-snapshot"
+# An Accelerator's snapshots (ckptools.integrations.accelerate_snapshots): the keeper writes them out as the
+# folders Accelerate's save_state writes (ckptools.node.accelerate_folder), named as the snapshot says.
+ACCELERATE_PREFIX = "accelerate-snapshot"
 _SUFFIXES = {LIGHTNING_PREFIX: ".ckpt"}  # every other prefix: .pt
 
 

@@ -24,7 +24,7 @@ from ..layouts import load_file, write_manifest
 from ..storage import fresh_tmp, fsync_dir, resolve
 from .names import TRAINER_FOLDER
 
-__all__ = ["newest_folder_step", "snapshot_to_folder"]
+__all__ = ["newest_folder_step", "save_fsynced", "snapshot_to_folder", "unshared"]
 
 
 def newest_folder_step(output_dir: str) -> int:
@@ -74,23 +74,23 @@ def snapshot_to_folder(snapshot: str, output_dir: str) -> str | None:
 def _write_folder(folder: str, data: dict[str, Any]) -> None:
     from safetensors.torch import save_file
 
-    save_file(_unshared(data["model"]), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    save_file(unshared(data["model"]), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     for key, file in (("config", "config.json"), ("generation_config", "generation_config.json")):
         if data.get(key) is not None:
             _write_text(os.path.join(folder, file), data[key])
-    _save(data["optimizer"], os.path.join(folder, "optimizer.pt"))
-    _save(data["scheduler"], os.path.join(folder, "scheduler.pt"))
+    save_fsynced(data["optimizer"], os.path.join(folder, "optimizer.pt"))
+    save_fsynced(data["scheduler"], os.path.join(folder, "scheduler.pt"))
     if data.get("scaler") is not None:
-        _save(data["scaler"], os.path.join(folder, "scaler.pt"))
+        save_fsynced(data["scaler"], os.path.join(folder, "scaler.pt"))
     streams = data["__ckptools__"]["rng"]
     world = int(data.get("world_size") or len(streams))
     for rank, rng in enumerate(streams):
         file = "rng_state.pth" if world <= 1 else f"rng_state_{rank}.pth"
-        _save(_trainer_rng(rng, world, data.get("cuda_device")), os.path.join(folder, file))
+        save_fsynced(_trainer_rng(rng, world, data.get("cuda_device")), os.path.join(folder, file))
     _write_text(os.path.join(folder, "trainer_state.json"), data["trainer_state"])
 
 
-def _unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The weights safetensors can store: a tensor that another name already stores (tied weights)
     is left out, as ``save_pretrained`` does (loading one fills both); any other overlap is copied."""
     kept: dict[str, torch.Tensor] = {}
@@ -125,7 +125,8 @@ def _trainer_rng(rng: dict[str, Any], world: int, cuda_device: int | None) -> di
     return out
 
 
-def _save(obj: Any, path: str) -> None:
+def save_fsynced(obj: Any, path: str) -> None:
+    """``torch.save(obj, path)``, the file fsynced before it returns."""
     with open(path, "wb") as f:
         torch.save(obj, f)
         f.flush()

@@ -6,17 +6,21 @@ flip drawn in ``__getitem__``, as torchvision's transforms draw them), Adam(W) w
 dropout; plus ``gradient_accumulation_steps=2`` through ``accelerator.accumulate``. Synthetic images stand
 in for the Oxford pets, a small CNN for timm's ResNet (no downloads here). The lines marked ``# ckptools``
 are the port; ``--accelerate-only`` runs the example's own resume instead (the folder's step number, the
-epoch worked out from it, ``skip_first_batches``) for the guide's comparison.
+epoch worked out from it, ``skip_first_batches``) for the guide's comparison; ``--snapshots`` adds ckptools'
+node-memory snapshots every step (``--checkpointing_steps`` then spaces the durable folders out).
 
     accelerate launch --multi_gpu --num_processes 2 accelerate_cv.py OUTPUT_DIR [--accelerate-only]
 
 Rank 0 prints ``resumed from NAME``, ``step N`` after each step's work (before its save: a kill on that
-line may land inside the save) and writes the final weights to OUTPUT_DIR/final.pt.
+line may land inside the save) and writes the final weights to OUTPUT_DIR/final.pt. With
+ACCELERATE_CV_PAUSE_AT=N every process stops after step N's snapshot is committed (rank 0 prints
+``paused at N``), for a kill at a known step.
 """
 
 import argparse
 import os
 import re
+import time
 
 import numpy as np
 import torch
@@ -28,6 +32,7 @@ from torch.utils.data import DataLoader, Dataset
 import ckptools as ck  # ckptools
 from ckptools.integrations.accelerate import attach, latest_complete_state  # ckptools
 from ckptools.integrations.accelerate_data import resumable  # ckptools
+from ckptools.integrations.accelerate_snapshots import Snapshots  # ckptools (--snapshots)
 
 
 class PetsDataset(Dataset):
@@ -105,12 +110,16 @@ def training_function(config, args):
     if not args.accelerate_only:
         train_dataloader = resumable(accelerator, train_dataloader)  # ckptools: the epoch's place is in the state
 
+    snapshots = Snapshots(accelerator, args.output_dir) if args.snapshots else None  # ckptools: node memory
+
     overall_step = 0
     starting_epoch = 0
     resume_step = None
     if args.resume_from_checkpoint:
         path = args.resume_from_checkpoint
-        if path == "latest":
+        if path == "latest" and snapshots is not None:
+            path = snapshots.latest()  # ckptools: node memory's newer step written out as step_N/ first
+        elif path == "latest":
             path = latest_complete_state(args.output_dir) if not args.accelerate_only else _newest(args.output_dir)
         if path is not None:
             accelerator.load_state(path)
@@ -145,6 +154,13 @@ def training_function(config, args):
             accelerator.print(f"step {overall_step}")
             if isinstance(checkpointing_steps, int) and overall_step % checkpointing_steps == 0:
                 accelerator.save_state(os.path.join(args.output_dir, f"step_{overall_step}"))
+            if snapshots is not None:
+                snapshots.take(overall_step)  # ckptools: every step, into node memory
+            if overall_step == int(os.environ.get("ACCELERATE_CV_PAUSE_AT", -1)):  # the tests' kill at a known step
+                if snapshots is not None:
+                    snapshots.manager.wait()
+                accelerator.print(f"paused at {overall_step}")
+                time.sleep(3600)
         model.eval()
         accurate, num_elems = 0, 0
         for batch in eval_dataloader:
@@ -159,6 +175,8 @@ def training_function(config, args):
         if checkpointing_steps == "epoch":
             accelerator.save_state(os.path.join(args.output_dir, f"epoch_{epoch}"))
 
+    if snapshots is not None:
+        snapshots.close()
     accelerator.wait_for_everyone()
     if accelerator.is_main_process:
         final = os.path.join(args.output_dir, "final.pt")  # whole or absent: the test harness's file
@@ -183,6 +201,7 @@ def main():
     parser.add_argument("--checkpointing_steps", type=str, default="1")
     parser.add_argument("--resume_from_checkpoint", type=str, default="latest")
     parser.add_argument("--accelerate-only", dest="accelerate_only", action="store_true")
+    parser.add_argument("--snapshots", action="store_true", help="ckptools' node-memory snapshots every step")
     args = parser.parse_args()
     os.makedirs(args.output_dir, exist_ok=True)
     training_function({"lr": 3e-2, "num_epochs": 3, "seed": 42, "batch_size": 8}, args)

@@ -1,0 +1,98 @@
+"""An Accelerator's state in node memory every step: a kill -9 loses at most one step.
+
+`Snapshots.take(step)` copies what ``accelerator.save_state`` would write at that step into node memory
+(`ckptools.CheckpointManager.snapshot`: two slots, the copy is the stall, the commit in the background,
+the keeper): the prepared models' weights, the optimizers', schedulers' and grad scaler's states, the
+objects registered for checkpointing (a `ckptools.integrations.accelerate_data.ResumableLoader`'s place
+in the epoch), every process's random streams, Accelerate's ``step`` and an open accumulation window's
+gradients. It is written out as the folder Accelerate's ``save_state`` writes (``step_N/``,
+`ckptools.node.accelerate_folder`): by `Snapshots.latest` on a relaunch, when node memory holds a step
+newer than every whole folder, and by the keeper when the job died and nobody relaunched it. Either way
+``accelerator.load_state(folder)`` reads it as its own.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from ..manager import CheckpointManager
+from ..node import ACCELERATE_PREFIX, ACCELERATE_STATE, newest_whole_state, snapshot_to_state_folder
+from ._memory_folders import FolderKind, from_node_memory
+
+__all__ = ["Snapshots"]
+
+
+class Snapshots:
+    """Node-memory snapshots of ``accelerator``'s state for the run folder ``output_dir`` (see the module).
+
+    Args:
+        accelerator: the ``accelerate.Accelerator``, after ``prepare`` and ``register_for_checkpointing``.
+        output_dir: where the script's ``save_state`` folders are (``args.output_dir``).
+        name: the folder a snapshot is written out as, ``{step}`` its step: the script's own naming of its
+            ``save_state`` folders (complete_cv_example's ``step_{step}``).
+        budget: the fraction of the loop's time snapshots may stall it (`ckptools.CheckpointManager.snapshot`'s).
+
+    Collective like ``save_state``: every process makes it and calls `take` and `latest` at the same steps.
+
+    Examples:
+        >>> from ckptools.integrations.accelerate_snapshots import Snapshots
+        >>> snapshots = Snapshots(accelerator, args.output_dir)  # doctest: +SKIP
+        >>> path = snapshots.latest()  # node memory's newer step written out first  # doctest: +SKIP
+        >>> snapshots.take(overall_step)  # after each step  # doctest: +SKIP
+    """
+
+    def __init__(
+        self, accelerator: Any, output_dir: str, *, name: str = "step_{step}", budget: float | None = None
+    ) -> None:
+        if "{step}" not in name or os.sep in name:
+            raise ValueError(f"name must be a folder name holding {{step}} (step_{{step}}), got {name!r}")
+        self.accelerator = accelerator
+        self.output_dir = output_dir
+        self.name = name
+        self.budget = budget
+        self.manager = CheckpointManager(output_dir, prefix=ACCELERATE_PREFIX)
+
+    def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The snapshot's state (what ``save_state`` writes) and how its folder is laid out."""
+        acc = self.accelerator
+        state: dict[str, Any] = {f"model_{i}": m for i, m in enumerate(acc._models)}
+        state.update({f"optimizer_{i}": o for i, o in enumerate(acc._optimizers)})
+        state.update({f"scheduler_{i}": s for i, s in enumerate(acc._schedulers)})
+        state.update({f"custom_{i}": c for i, c in enumerate(acc._custom_objects)})
+        if acc.scaler is not None:
+            state["scaler"] = acc.scaler
+        state["accelerator"] = acc  # its step: the position in an accumulation window
+        layout = {
+            "name": self.name,
+            "models": len(acc._models),
+            "optimizers": len(acc._optimizers),
+            "schedulers": len(acc._schedulers),
+            "customs": len(acc._custom_objects),
+            "safe_serialization": True,
+        }
+        return state, layout
+
+    def take(self, step: int, *, blocking: bool = False) -> str | None:
+        """Snapshot the state at ``step`` into node memory (`ckptools.CheckpointManager.snapshot`); its path,
+        or None when the budget skipped this step."""
+        state, layout = self._state()
+        return self.manager.snapshot(
+            state, step, blocking=blocking, metadata={ACCELERATE_STATE: layout}, budget=self.budget
+        )
+
+    def latest(self) -> str | None:
+        """The folder to resume from: node memory's newest snapshot written out as ``name`` when it is newer
+        than every whole folder of ``output_dir``, else the newest whole folder, or None (collective where
+        a process group exists: every process gets the same folder)."""
+        newest = newest_whole_state(self.output_dir, self.name)
+        kind = FolderKind(ACCELERATE_PREFIX, lambda step: self.name.format(step=step), snapshot_to_state_folder,
+                          "Snapshots.latest")  # fmt: skip
+        from_memory = from_node_memory(self.output_dir, kind, newest)
+        if from_memory is not None:
+            return from_memory
+        return os.path.join(self.output_dir, self.name.format(step=newest)) if newest >= 0 else None
+
+    def close(self) -> None:
+        """Wait for the snapshot in flight, release node memory at the job's normal end (`CheckpointManager.close`)."""
+        self.manager.close()
