@@ -25,19 +25,24 @@ import torch.distributed as dist
 from ckptools.write.replicas import SAMPLE_CALLS, replica_digests
 
 
-def _state(numel: int) -> dict:
+def _state(numel: int, device: str = "cpu") -> dict:
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, max(numel // (1024 * 4), 1), bias=False) for _ in range(4)])
-    return {"model": torch.nn.parallel.DistributedDataParallel(model)}
+    return {"model": torch.nn.parallel.DistributedDataParallel(model.to(device))}
 
 
 def _measure(state: dict, repeat: int) -> dict[str, float]:
+    """Medians: the copy floor (into host buffers; from a GPU into pinned ones, as a snapshot copies) and the
+    digests of one sampled call and of every byte."""
     tensors = [p.detach() for p in state["model"].parameters()]
-    buffers = [torch.empty_like(t) for t in tensors]
+    cuda = tensors[0].is_cuda
+    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
     times: dict[str, list[float]] = {"floor": [], "sampled": [], "whole": []}
     for _ in range(repeat):
         start = time.perf_counter()
         for b, t in zip(buffers, tensors):
-            b.copy_(t)
+            b.copy_(t, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         times["floor"].append(time.perf_counter() - start)
         start = time.perf_counter()
         replica_digests(state, sample=True)

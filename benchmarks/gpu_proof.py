@@ -141,6 +141,15 @@ def _figures(gib: float, repeat: int, out: str) -> None:
         add("ck.async_save stall / sync ck.save", a["ck_stall"], "ck.save (sync)", a["sync"], "<= 0.1")
     except Exception as err:  # noqa: BLE001
         errors.append(f"bench_async: {type(err).__name__}: {err}")
+    try:  # issue 58: DDP's replicas compared, the digest computed where the tensors are
+        import bench_replicas
+
+        r = bench_replicas._measure(bench_replicas._state(int(gib * 2**30) // 4, device), max(3, repeat))
+        add(f"replicas compared, one sampled call (1/{bench_replicas.SAMPLE_CALLS} of the bytes), {gib:g} GiB",
+            r["sampled"], d2h, r["floor"], "<= 0.02x the floor (issue 58)")  # fmt: skip
+        add("replicas compared, every byte (verify_replicas)", r["whole"], d2h, r["floor"])
+    except Exception as err:  # noqa: BLE001
+        errors.append(f"bench_replicas: {type(err).__name__}: {err}")
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         if os.environ.get("CKPTOOLS_BENCH_MEMORY_DIR"):
