@@ -145,3 +145,49 @@ print(sorted(os.listdir(root)), accelerator.save_iteration)
     )
     assert "['step_1'] 1" in _python(code, str(tmp_path))  # one save_state ran: one iteration counted
     assert not os.path.exists(tmp_path / ".step_1.ckptools-partial")
+
+
+class _Noisy(__import__("torch").utils.data.Dataset):
+    """Random augmentation in __getitem__, as torchvision's transforms draw it."""
+
+    def __len__(self) -> int:
+        return 20
+
+    def __getitem__(self, i: int):  # type: ignore[no-untyped-def]
+        import torch
+
+        return torch.tensor([float(i)]) + torch.rand(1)
+
+
+def test_a_resumable_loader_resumes_mid_epoch_with_the_same_batches_and_the_next_epochs_order():
+    """In one process, workers reading ahead: the batches after the 3 taken, and the whole next epoch, are
+    those of a loader never stopped, bit for bit; the state is what custom_checkpoint_<i>.pkl holds."""
+    import io
+
+    import torch
+
+    import ckptools as ck
+    from ckptools.integrations.accelerate_data import ResumableLoader
+
+    def loader():  # type: ignore[no-untyped-def]
+        data = ck.SeededDataset(_Noisy(), seed=7)
+        return torch.utils.data.DataLoader(data, batch_size=4, shuffle=True, num_workers=2)
+
+    straight = ResumableLoader(loader(), seed=7)
+    whole = [[b.clone() for b in straight] for _ in range(2)]
+    killed = ResumableLoader(loader(), seed=7)
+    it = iter(killed)
+    taken = [next(it).clone() for _ in range(3)]
+    buffer = io.BytesIO()
+    torch.save(killed.state_dict(), buffer)  # as Accelerate's save_custom_state writes it
+    buffer.seek(0)
+    resumed = ResumableLoader(loader(), seed=0)  # the seed comes back with the state
+    resumed.load_state_dict(torch.load(buffer, weights_only=True))
+    assert resumed.epoch == 0
+    rest = [b.clone() for b in resumed]
+    assert resumed.epoch == 1
+    after = [b.clone() for b in resumed]
+    assert [torch.equal(a, b) for a, b in zip(taken + rest, whole[0])] == [True] * 5 and len(rest) == 2
+    assert len(after) == 5 and all(torch.equal(a, b) for a, b in zip(after, whole[1]))
+    # Each epoch its own draws: item i's augmentation is seeded from (seed, epoch, i), the epoch carried by the index.
+    assert not torch.equal(torch.cat(whole[0]).sort(0).values, torch.cat(whole[1]).sort(0).values)

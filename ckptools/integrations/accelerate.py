@@ -39,7 +39,7 @@ from .. import log
 from ..collective.agree import Agreement
 from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
-from ..gradients import open_gradients, put_back_gradients
+from ..gradients import open_gradients, put_back_gradients, track
 from ..layouts import MANIFEST, check_folder, write_manifest
 from ..storage import fsync_dir
 
@@ -159,6 +159,7 @@ def attach(accelerator: Any) -> Any:
     """
     if getattr(accelerator, _ORIGINALS, None) is not None:
         return accelerator
+    track()  # from the loop's first optimizer step on: what each step consumed, for the windows' gradients
     own_save, own_load = accelerator.save_state, accelerator.load_state
     setattr(accelerator, _ORIGINALS, (own_save, own_load))
     config = accelerator.project_configuration

@@ -138,6 +138,13 @@ class ResumableLoader:
     def __len__(self) -> int:
         return len(self.loader)
 
+    def __getattr__(self, name: str) -> Any:
+        # The prepared loader's own attributes (batch_size, dataset, total_batch_size, ...); never this
+        # wrapper's (absent only while it is being made).
+        if name.startswith("_") or name in ("loader", "seed"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
     def _generator(self) -> torch.Generator | None:
         generator = getattr(self._sampler, "generator", None)
         return generator if isinstance(generator, torch.Generator) else None

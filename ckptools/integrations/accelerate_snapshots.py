@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..gradients import track
 from ..manager import CheckpointManager
 from ..node import ACCELERATE_PREFIX, ACCELERATE_STATE, newest_whole_state, snapshot_to_state_folder
 from ._memory_folders import FolderKind, from_node_memory
@@ -52,6 +53,7 @@ class Snapshots:
         self.name = name
         self.budget = budget
         self.manager = CheckpointManager(output_dir, prefix=ACCELERATE_PREFIX)
+        track()  # from the loop's first optimizer step on: an open window's gradients are told apart
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The snapshot's state (what ``save_state`` writes) and how its folder is laid out."""
