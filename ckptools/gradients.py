@@ -52,6 +52,7 @@ __all__ = [
     "accumulation_counter",
     "describe_gradients",
     "has_gradients",
+    "mark_restored",
     "open_gradients",
     "owned_gradients",
     "owned_refusal",
@@ -79,10 +80,12 @@ def _after_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> Non
             grad = param.grad
             if _RESTORED:
                 _RESTORED.pop(id(param), None)
-            if grad is None:
-                consumed.pop(id(param), None)
-            else:
-                consumed[id(param)] = (ref(param), ref(grad), grad._version)
+            # No gradient at the step (a parameter the loss did not reach): one that appears later is unconsumed.
+            consumed[id(param)] = (
+                ref(param),
+                None if grad is None else ref(grad),
+                0 if grad is None else grad._version,
+            )
 
 
 def track() -> None:
@@ -112,7 +115,31 @@ def _is_open(param: torch.Tensor) -> bool | None:
     seen = _CONSUMED.get(id(param))
     if seen is None or seen[0]() is not param:
         return None
+    if seen[1] is None:  # it had no gradient at the last step (or the restore): all it holds came since
+        return True
     return seen[1]() is not grad or grad._version != seen[2]
+
+
+def mark_restored(state: Mapping[str, Any]) -> None:
+    """A restore of ``state``: its models' gradients as they are now are consumed (nothing summed since
+    the restore is in them), so a resumed process whose first window is open keeps that window's sums
+    at its next save, whether or not it has stepped yet. `put_back_gradients` then marks the saved ones open.
+
+    Examples:
+        >>> import torch
+        >>> mark_restored({"model": torch.nn.Linear(2, 2)})
+    """
+    ref = weakref.ref
+    for obj in state.values():
+        if isinstance(obj, torch.nn.Module):
+            for param in unwrap_model(obj).parameters():
+                grad = param.grad
+                _CONSUMED[id(param)] = (
+                    ref(param),
+                    None if grad is None else ref(grad),
+                    0 if grad is None else grad._version,
+                )
+                _RESTORED.pop(id(param), None)
 
 
 def _copied(grad: torch.Tensor) -> bool:
@@ -262,6 +289,7 @@ def restore_gradients(ckpt: Mapping[str, Any], state: Mapping[str, Any], path: s
         CheckpointFormatError: a saved gradient has no parameter, or another shape.
     """
     track()
+    mark_restored(state)
     entry = ckpt.get(GRADIENTS_KEY)
     if not isinstance(entry, Mapping) or not isinstance(entry.get(PER_RANK_KEY), list):
         return False

@@ -191,3 +191,29 @@ def test_a_resumable_loader_resumes_mid_epoch_with_the_same_batches_and_the_next
     assert len(after) == 5 and all(torch.equal(a, b) for a, b in zip(after, whole[1]))
     # Each epoch its own draws: item i's augmentation is seeded from (seed, epoch, i), the epoch carried by the index.
     assert not torch.equal(torch.cat(whole[0]).sort(0).values, torch.cat(whole[1]).sort(0).values)
+
+
+RESUMED = (
+    PREAMBLE
+    + """
+accelerator, model, optimizer = make(gradient_accumulation_steps=2)
+for i in range(2):  # one whole window
+    with accelerator.accumulate(model):
+        model(batch(i)).sum().backward(); optimizer.step(); optimizer.zero_grad()
+accelerator.save_state(os.path.join(root, "step_2"))  # closed: nothing to keep
+again, model2, optimizer2 = make(gradient_accumulation_steps=2)
+again.load_state(os.path.join(root, "step_2"))
+with again.accumulate(model2):  # the resumed process opens the next window; no step of its own yet
+    model2(batch(2)).sum().backward(); optimizer2.step(); optimizer2.zero_grad()
+again.save_state(os.path.join(root, "step_3"))
+print("files:", sorted(n for n in os.listdir(os.path.join(root, "step_3")) if n.startswith("ckptools-")))
+"""
+)
+
+
+def test_a_resumed_process_keeps_the_window_it_opened_before_its_first_step(tmp_path):
+    """The second kill of a run: resumed from a closed window, killed after the next window's first batch.
+    The optimizer holds (loaded) state and this process has not stepped: its gradients are still this
+    window's sums (it was CI's accelerate_cv failure: the save at step 17 after a resume from step 16)."""
+    out = _python(RESUMED, str(tmp_path))
+    assert "files: ['ckptools-gradients-0.pt', 'ckptools-manifest.json']" in out, out

@@ -177,6 +177,32 @@ def test_one_process_keeps_its_open_window_too(tmp_path):
     assert GRADIENTS_KEY not in torch.load(path, weights_only=True)  # consumed by the step: not kept
 
 
+def test_a_resumed_process_keeps_the_window_it_opened_before_its_first_step(tmp_path):
+    """The second kill of a run: restored where a window had closed, the next window's first batch summed,
+    saved before this process's first step. Its optimizer holds (restored) state and no step of this process
+    consumed anything: the gradients are that window's sums, and the save keeps them."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = tiny_net(1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    x = torch.randn(4, 8)
+    model(x).sum().backward()
+    opt.step()
+    opt.zero_grad()  # a window closed
+    closed = ck.save(tmp_path / "closed.pt", {"model": model, "opt": opt})
+    fresh = tiny_net(2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    ck.load(closed, {"model": fresh, "opt": fresh_opt})
+    fresh(x).sum().backward()  # the next window's first batch
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        path = ck.save(tmp_path / "open.pt", {"model": fresh, "opt": fresh_opt})
+    kept = torch.load(path, weights_only=True)[GRADIENTS_KEY]["ckptools.per_rank"][0]["model"]
+    assert all(torch.equal(kept[n], p.grad) for n, p in fresh.named_parameters()), sorted(kept)
+    assert not any("no optimizer step was seen" in str(w.message) for w in said)
+
+
 _LATE = """
 import warnings, torch
 stepped = torch.nn.Linear(3, 2); fresh = torch.nn.Linear(3, 2)

@@ -39,7 +39,7 @@ from .. import log
 from ..collective.agree import Agreement
 from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
-from ..gradients import open_gradients, put_back_gradients, track
+from ..gradients import mark_restored, open_gradients, put_back_gradients, track
 from ..layouts import MANIFEST, check_folder, write_manifest
 from ..storage import fsync_dir
 
@@ -119,6 +119,7 @@ def _save_gradients(accelerator: Any, folder: str) -> None:
 
 def _load_gradients(accelerator: Any, folder: str) -> None:
     """Every process: its gradients saved in ``folder``, back into ``.grad`` (`_save_gradients`)."""
+    mark_restored(_state_of(accelerator))  # whatever the models hold now was summed before this resume
     path = os.path.join(folder, GRADIENTS_FILE.format(rank=get_rank()))
     if not os.path.exists(path):
         return

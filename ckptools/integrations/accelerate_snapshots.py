@@ -8,7 +8,8 @@ in the epoch), every process's random streams, Accelerate's ``step`` and an open
 gradients. It is written out as the folder Accelerate's ``save_state`` writes (``step_N/``,
 `ckptools.node.accelerate_folder`): by `Snapshots.latest` on a relaunch, when node memory holds a step
 newer than every whole folder, and by the keeper when the job died and nobody relaunched it. Either way
-``accelerator.load_state(folder)`` reads it as its own.
+``accelerator.load_state(folder)`` reads it as its own. A `Snapshots` attaches its accelerator
+(`ckptools.integrations.accelerate.attach`): that ``load_state`` puts a window's gradients back.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ..gradients import track
 from ..manager import CheckpointManager
 from ..node import ACCELERATE_PREFIX, ACCELERATE_STATE, newest_whole_state, snapshot_to_state_folder
 from ._memory_folders import FolderKind, from_node_memory
+from .accelerate import attach
 
 __all__ = ["Snapshots"]
 
@@ -53,7 +54,8 @@ class Snapshots:
         self.name = name
         self.budget = budget
         self.manager = CheckpointManager(output_dir, prefix=ACCELERATE_PREFIX)
-        track()  # from the loop's first optimizer step on: an open window's gradients are told apart
+        # Its folders hold an open window's gradients: the accelerator's load_state puts them back (attach).
+        attach(accelerator)
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The snapshot's state (what ``save_state`` writes) and how its folder is laid out."""
