@@ -191,6 +191,14 @@ def test_a_resumable_loader_resumes_mid_epoch_with_the_same_batches_and_the_next
     assert len(after) == 5 and all(torch.equal(a, b) for a, b in zip(after, whole[1]))
     # Each epoch its own draws: item i's augmentation is seeded from (seed, epoch, i), the epoch carried by the index.
     assert not torch.equal(torch.cat(whole[0]).sort(0).values, torch.cat(whole[1]).sort(0).values)
+    # Saved at the epoch's last batch, before the loop left it: the resumed pass is empty, the next is epoch 1.
+    last = ResumableLoader(loader(), seed=7)
+    it = iter(last)
+    _ = [next(it) for _ in range(5)]
+    at_end = ResumableLoader(loader(), seed=0)
+    at_end.load_state_dict(last.state_dict())
+    assert [b for b in at_end] == [] and at_end.epoch == 1
+    assert all(torch.equal(a, b) for a, b in zip(list(at_end), whole[1]))
 
 
 RESUMED = (

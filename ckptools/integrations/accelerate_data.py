@@ -191,6 +191,13 @@ class ResumableLoader:
         epoch = self._epoch
         self._start = generator.get_state() if generator is not None else None
         self._consumed, self._inside = skip, True
+        if skip and skip >= len(self.loader):  # saved after the pass's last batch: the pass is over
+            # Not iterated (an empty prepared loader yields None in Accelerate 1.7); its order is drawn all the
+            # same, so the next epoch's draws from the generator where the uninterrupted run's did.
+            for _ in self._sampler:
+                pass
+            self._finished(epoch)
+            return
         if skip:
             self._warn_unseeded()
         source = self.loader
@@ -205,6 +212,9 @@ class ResumableLoader:
             self._consumed += 1  # before the loop has it: a save while it works on it counts it
             yield batch
             batch = next(it, _END)
+        self._finished(epoch)
+
+    def _finished(self, epoch: int) -> None:
         self._inside, self._consumed, self._epoch = False, 0, epoch + 1
         if hasattr(self.loader, "iteration"):
             self.loader.iteration = epoch + 1
