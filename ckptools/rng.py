@@ -52,22 +52,40 @@ def _cuda_in_use() -> bool:
     return torch.cuda.is_available() and bool(torch.cuda.is_initialized())  # type: ignore[no-untyped-call]
 
 
+def python_state(entry: dict[str, Any]) -> tuple[Any, ...]:
+    """``random.getstate()``'s tuple from `get_rng_state`'s ``"python"`` entry.
+
+    Examples:
+        >>> python_state(get_rng_state()["python"]) == random.getstate()
+        True
+    """
+    return (int(entry["version"]), tuple(int(x) for x in entry["state"].tolist()), entry["gauss"])
+
+
+def numpy_state(entry: dict[str, Any]) -> tuple[Any, ...]:
+    """``numpy.random.get_state()``'s tuple from `get_rng_state`'s ``"numpy"`` entry (the keys as uint32).
+
+    Examples:
+        >>> numpy_state(get_rng_state()["numpy"])[0]
+        'MT19937'
+    """
+    import numpy as np
+
+    keys = np.asarray(entry["keys"].cpu().numpy(), dtype=np.uint32)
+    return (entry["kind"], keys, int(entry["pos"]), int(entry["has_gauss"]), float(entry["cached_gaussian"]))
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     """Restore RNG states captured by `get_rng_state` (missing parts are left alone).
 
     CUDA states are restored for as many devices as both the checkpoint and this machine have.
     """
     if "python" in state:
-        py = state["python"]
-        random.setstate((int(py["version"]), tuple(int(x) for x in py["state"].tolist()), py["gauss"]))
+        random.setstate(python_state(state["python"]))
     if "torch" in state:
         torch.set_rng_state(state["torch"].cpu().to(torch.uint8))
     if "numpy" in state and _np is not None:
-        npst = state["numpy"]
-        keys = _np.asarray(npst["keys"].cpu().numpy(), dtype=_np.uint32)
-        _np.random.set_state(
-            (npst["kind"], keys, int(npst["pos"]), int(npst["has_gauss"]), float(npst["cached_gaussian"]))
-        )
+        _np.random.set_state(numpy_state(state["numpy"]))
     if "cuda" in state and torch.cuda.is_available():
         for index, cuda_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
             torch.cuda.set_rng_state(cuda_state.cpu().to(torch.uint8), index)

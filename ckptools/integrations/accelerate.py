@@ -41,11 +41,11 @@ from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..gradients import mark_restored, open_gradients, put_back_gradients, track
 from ..layouts import MANIFEST, check_folder, write_manifest
+from ..node import ACCELERATE_GRADIENTS
 from ..storage import fsync_dir
 
 __all__ = ["attach", "latest_complete_state", "load_state", "save_state"]
 
-GRADIENTS_FILE = "ckptools-gradients-{rank}.pt"
 _ORIGINALS = "_ckptools_originals"  # on an attached Accelerator: its own (save_state, load_state)
 
 PARTIAL = ".ckptools-partial"
@@ -102,8 +102,9 @@ def _whole(accelerator: Any, inner: Any, output_dir: str, total_limit: int | Non
     return output_dir
 
 
-def _state_of(accelerator: Any) -> dict[str, Any]:
-    """The accelerator's models and optimizers, named as `ckptools.gradients` sees a state."""
+def state_of(accelerator: Any) -> dict[str, Any]:
+    """The accelerator's models and optimizers, named as `ckptools.gradients` sees a state (and as
+    `ckptools.integrations.accelerate_snapshots` snapshots them: the names its folders' gradients carry)."""
     state: dict[str, Any] = {f"model_{i}": m for i, m in enumerate(accelerator._models)}
     state.update({f"optimizer_{i}": o for i, o in enumerate(accelerator._optimizers)})
     return state
@@ -111,16 +112,16 @@ def _state_of(accelerator: Any) -> dict[str, Any]:
 
 def _save_gradients(accelerator: Any, folder: str) -> None:
     """Every process: its open accumulation window's gradients into ``folder`` (nothing when closed)."""
-    own = open_gradients(_state_of(accelerator))
+    own = open_gradients(state_of(accelerator))
     if own:
-        path = os.path.join(folder, GRADIENTS_FILE.format(rank=get_rank()))
+        path = os.path.join(folder, ACCELERATE_GRADIENTS.format(rank=get_rank()))
         torch.save({"world_size": get_world_size(), "gradients": own}, path)
 
 
 def _load_gradients(accelerator: Any, folder: str) -> None:
     """Every process: its gradients saved in ``folder``, back into ``.grad`` (`_save_gradients`)."""
-    mark_restored(_state_of(accelerator))  # whatever the models hold now was summed before this resume
-    path = os.path.join(folder, GRADIENTS_FILE.format(rank=get_rank()))
+    mark_restored(state_of(accelerator))  # whatever the models hold now was summed before this resume
+    path = os.path.join(folder, ACCELERATE_GRADIENTS.format(rank=get_rank()))
     if not os.path.exists(path):
         return
     saved = torch.load(path, map_location="cpu", weights_only=True)
@@ -132,7 +133,7 @@ def _load_gradients(accelerator: Any, folder: str) -> None:
             once="accelerate-gradients-resized",
         )
         return
-    put_back_gradients(saved["gradients"], _state_of(accelerator), path)
+    put_back_gradients(saved["gradients"], state_of(accelerator), path)
 
 
 def _refuse_torn(input_dir: str) -> None:

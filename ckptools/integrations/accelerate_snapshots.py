@@ -20,7 +20,7 @@ from typing import Any
 from ..manager import CheckpointManager
 from ..node import ACCELERATE_PREFIX, ACCELERATE_STATE, newest_whole_state, snapshot_to_state_folder
 from ._memory_folders import FolderKind, from_node_memory
-from .accelerate import attach
+from .accelerate import attach, state_of
 
 __all__ = ["Snapshots"]
 
@@ -60,8 +60,7 @@ class Snapshots:
     def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The snapshot's state (what ``save_state`` writes) and how its folder is laid out."""
         acc = self.accelerator
-        state: dict[str, Any] = {f"model_{i}": m for i, m in enumerate(acc._models)}
-        state.update({f"optimizer_{i}": o for i, o in enumerate(acc._optimizers)})
+        state = state_of(acc)
         state.update({f"scheduler_{i}": s for i, s in enumerate(acc._schedulers)})
         state.update({f"custom_{i}": c for i, c in enumerate(acc._custom_objects)})
         if acc.scaler is not None:

@@ -36,7 +36,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers
-    from .accelerate_folder import ACCELERATE_STATE, newest_whole_state, snapshot_to_state_folder
+    from .accelerate_folder import (
+        ACCELERATE_GRADIENTS,
+        ACCELERATE_STATE,
+        newest_whole_state,
+        snapshot_to_state_folder,
+    )
     from .cadence import Cadence
     from .commits import finish_snapshot
     from .folder import group_nodes, node_token, register, start_keeper, watch
@@ -60,6 +65,7 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers
 _LAZY = {
     "ACCELERATE_PREFIX": ".names",
     "ACCELERATE_STATE": ".accelerate_folder",
+    "ACCELERATE_GRADIENTS": ".accelerate_folder",
     "newest_whole_state": ".accelerate_folder",
     "snapshot_to_state_folder": ".accelerate_folder",
     "Cadence": ".cadence",
@@ -91,6 +97,7 @@ _LAZY = {
 }
 
 __all__ = [
+    "ACCELERATE_GRADIENTS",
     "ACCELERATE_PREFIX",
     "ACCELERATE_STATE",
     "LIGHTNING_PREFIX",

@@ -20,12 +20,14 @@ from typing import Any
 
 from ..layouts import check_folder, load_file, write_manifest
 from ..per_rank import PER_RANK_KEY as PER_RANK
+from ..rng import numpy_state, python_state
 from ..storage import fresh_tmp, fsync_dir, resolve
 from .trainer_folder import save_fsynced, unshared
 
-__all__ = ["ACCELERATE_STATE", "newest_whole_state", "snapshot_to_state_folder"]
+__all__ = ["ACCELERATE_GRADIENTS", "ACCELERATE_STATE", "newest_whole_state", "snapshot_to_state_folder"]
 
 ACCELERATE_STATE = "ckptools.accelerate"  # the snapshot's metadata entry: what to write out, and the name
+ACCELERATE_GRADIENTS = "ckptools-gradients-{rank}.pt"  # a process's open window, in an Accelerate folder
 GRADIENTS_ENTRY = "ckptools.gradients"  # ckptools.gradients.GRADIENTS_KEY, as the snapshot holds it
 
 
@@ -117,24 +119,16 @@ def _write_folder(folder: str, data: dict[str, Any], layout: dict[str, Any]) -> 
         for rank, own in enumerate(gradients[PER_RANK]):
             if own:  # ckptools.integrations.accelerate's file of an open window
                 save_fsynced(
-                    {"world_size": world, "gradients": own}, os.path.join(folder, f"ckptools-gradients-{rank}.pt")
+                    {"world_size": world, "gradients": own},
+                    os.path.join(folder, ACCELERATE_GRADIENTS.format(rank=rank)),
                 )
 
 
 def _accelerate_rng(rng: dict[str, Any], step: int) -> dict[str, Any]:
     """One process's streams (`ckptools.rng`'s form) as ``save_accelerator_state`` writes them."""
-    import numpy as np
-
-    python = rng["python"]
-    out: dict[str, Any] = {
-        "step": step,
-        "random_state": (python["version"], tuple(int(x) for x in python["state"].tolist()), python["gauss"]),
-        "torch_manual_seed": rng["torch"],
-    }
+    out: dict[str, Any] = {"step": step, "random_state": python_state(rng["python"]), "torch_manual_seed": rng["torch"]}
     if "numpy" in rng:
-        n = rng["numpy"]
-        keys = n["keys"].numpy().astype(np.uint32)
-        out["numpy_random_seed"] = (n["kind"], keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"]))
+        out["numpy_random_seed"] = numpy_state(rng["numpy"])
     if "cuda" in rng:  # every device's, as torch.cuda.get_rng_state_all() gives them
         out["torch_cuda_manual_seed"] = rng["cuda"]
     return out

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..layouts import load_file, write_manifest
+from ..rng import numpy_state, python_state
 from ..storage import fresh_tmp, fsync_dir, resolve
 from .names import TRAINER_FOLDER
 
@@ -109,17 +110,9 @@ def unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def _trainer_rng(rng: dict[str, Any], world: int, cuda_device: int | None) -> dict[str, Any]:
     """One rank's streams (`ckptools.rng`'s form) as ``Trainer._save_rng_state`` writes them."""
-    import numpy as np
-
-    python = rng["python"]
-    out: dict[str, Any] = {
-        "python": (python["version"], tuple(int(x) for x in python["state"].tolist()), python["gauss"]),
-        "cpu": rng["torch"],
-    }
+    out: dict[str, Any] = {"python": python_state(rng["python"]), "cpu": rng["torch"]}
     if "numpy" in rng:
-        n = rng["numpy"]
-        keys = n["keys"].numpy().astype(np.uint32)
-        out["numpy"] = (n["kind"], keys, int(n["pos"]), int(n["has_gauss"]), float(n["cached_gaussian"]))
+        out["numpy"] = numpy_state(rng["numpy"])
     if "cuda" in rng:  # several processes: every device's (get_rng_state_all); one: the current device's
         out["cuda"] = rng["cuda"] if world > 1 else rng["cuda"][cuda_device or 0]
     return out
