@@ -250,6 +250,61 @@ def test_a_normal_end_releases_node_memory_and_a_crash_is_persisted_by_the_keepe
     assert ck.CheckpointManager(run).restore({})["__ckptools__"]["metadata"]["step"] == 7
 
 
+WRITER = """
+import os, sys
+folder, i = sys.argv[1], 0
+print("writing", flush=True)
+while True:  # what a keeper starting late does: a file created by name in the folder
+    try:
+        os.close(os.open(os.path.join(folder, f"late-{i}"), os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileNotFoundError:
+        sys.exit(0)
+    i += 1
+"""
+
+
+def test_the_normal_end_removes_node_memory_while_another_process_still_writes_into_it(tmp_path, monkeypatch):
+    """Seen in CI: the relaunch's keeper started late (under load) and created its lock file in the
+    folder while the job's normal end emptied it; the last rmdir failed with "Directory not empty" and
+    rank 0 exited 1 after a whole run. The release takes the folder out of its name first."""
+    from ckptools.node import folder as node_folder
+    from ckptools.node.names import claim
+
+    monkeypatch.setattr(node_folder, "_REGISTERED", set())  # what this process's other tests left is theirs
+    memory = str(tmp_path / "node-memory" / "ckptools-me-0123")
+    claim(memory)
+    for i in range(3000):  # enough that emptying it takes a while
+        open(os.path.join(memory, f"f{i}"), "wb").close()
+    writer = subprocess.Popen([sys.executable, "-c", WRITER, memory], stdout=subprocess.PIPE, text=True)
+    assert writer.stdout is not None and writer.stdout.readline().strip() == "writing"
+    node_folder.register(memory)
+    try:
+        assert node_folder.release_folders() == [memory]
+    finally:
+        writer.kill() if writer.poll() is None and os.path.isdir(memory) else None
+    assert writer.wait(timeout=30) == 0  # it found no folder to write into: none was made again
+    assert os.listdir(tmp_path / "node-memory") == []  # nothing left under another name either
+
+
+def test_what_a_killed_release_left_under_another_name_goes_and_a_link_of_that_name_is_not_followed(tmp_path):
+    """A release killed while it emptied the folder leaves ``FOLDER.released-*`` holding memory; the next
+    job's first snapshot removes it. A link of that name (another user's trap) is not followed."""
+    from ckptools.node.names import claim, sweep_released
+
+    memory = str(tmp_path / "ckptools-me-0123")
+    claim(memory)
+    left = memory + ".released-0a1b2c"
+    claim(left)
+    open(os.path.join(left, "ckpt-0000000003.pt"), "wb").close()
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep").write_text("x")
+    os.symlink(precious, memory + ".released-ffffff")
+    assert sweep_released(memory) == [left]
+    assert not os.path.exists(left) and (precious / "keep").read_text() == "x"
+    assert os.path.islink(memory + ".released-ffffff") and os.path.isdir(memory)
+
+
 def test_the_default_folder_is_in_node_memory_and_per_run(tmp_path, monkeypatch):
     monkeypatch.delenv("CKPTOOLS_NODE_MEMORY", raising=False)
     a, b = ck.CheckpointManager(tmp_path / "a"), ck.CheckpointManager(tmp_path / "b")

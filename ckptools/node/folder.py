@@ -47,7 +47,7 @@ from ..errors import NodeMemoryError
 from ..storage import NODE_MARK, abandoned_tmps, open_local, process_start, remove
 from ..text import human_size
 from .keeper import PIDS
-from .names import ENV, claim
+from .names import ENV, claim, discard, sweep_released
 
 __all__ = [
     "ENV",
@@ -193,6 +193,7 @@ def prepare(folder: str, prefix: str, directory: str, keep_last: int | None) -> 
     a killed snapshot's temporaries removed, the run folder made (it exists from the first snapshot on: a
     restore tells a removed run by it), the job registered for the keeper, and the keeper started."""
     register(folder)
+    sweep_released(folder)
     for leftover in abandoned_tmps(folder, f".{prefix}-"):
         try:
             remove(leftover)
@@ -220,8 +221,7 @@ def release_folders() -> list[str]:
     """
     removed: list[str] = []
     for folder in sorted(_REGISTERED):
-        with contextlib.suppress(FileNotFoundError):
-            shutil.rmtree(folder)
+        if discard(folder):
             removed.append(folder)
     _REGISTERED.clear()
     return removed

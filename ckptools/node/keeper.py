@@ -26,6 +26,7 @@ gone and exits at once. Run by hand: ``python -m ckptools.node.keeper FOLDER DIR
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
@@ -36,7 +37,7 @@ from ..errors import CheckpointError
 from ..layouts import verify_torch_file
 from ..storage import atomic_write, join, list_files, open_local, private_problem, process_of_mine, remove, resolve
 from . import sealing
-from .names import ACCELERATE_PREFIX, TRAINER_PREFIX, checkpoint_names
+from .names import ACCELERATE_PREFIX, TRAINER_PREFIX, checkpoint_names, discard
 
 __all__ = ["PIDS", "main", "persist"]
 
@@ -179,7 +180,8 @@ def main(argv: list[str] | None = None) -> int:
             if written is not None:
                 print(f"ckptools keeper: the job is gone; persisted {written}", file=sys.stderr, flush=True)
             if not _job_alive(args.folder):  # no relaunch registered meanwhile
-                shutil.rmtree(args.folder, ignore_errors=True)
+                with contextlib.suppress(OSError):  # said by nobody: the keeper has no one to tell
+                    discard(args.folder)
             return 0
         time.sleep(args.poll)
     return 0

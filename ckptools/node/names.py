@@ -13,9 +13,13 @@ Examples:
 from __future__ import annotations
 
 import contextlib
+import errno
+import glob
 import hashlib
 import os
 import re
+import secrets
+import shutil
 import tempfile
 
 from .. import log
@@ -126,3 +130,49 @@ def readable(folder: str) -> bool:
         return True
     log.warn(f"{_refusal(folder, problem)}; its snapshots were not read", once=f"node memory {folder}", all_ranks=True)
     return False
+
+
+def discard(folder: str) -> bool:
+    """Remove the node-memory ``folder`` and everything in it; whether it was there.
+
+    Renamed out of its name first, then emptied: a process that writes into it by name while it goes
+    (a keeper starting late creates its lock, a rank registers its pid) then finds no folder, instead
+    of adding a file between the listing and the last ``rmdir`` (which failed the job's normal end
+    with "Directory not empty"). Where the rename is refused (a parent that is not writable), it is
+    emptied in place, again while files keep appearing.
+
+    Example:
+        >>> discard("/dev/shm/ckptools-alice-0123abcd")  # doctest: +SKIP
+        True
+    """
+    gone = f"{folder}.released-{secrets.token_hex(6)}"  # unguessable: nobody made it first
+    try:
+        os.rename(folder, gone)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        gone = folder
+    for _ in range(100):
+        try:
+            shutil.rmtree(gone)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError as err:
+            if err.errno != errno.ENOTEMPTY:
+                raise
+    shutil.rmtree(gone)
+    return True
+
+
+def sweep_released(folder: str) -> list[str]:
+    """Remove what a release of ``folder`` killed while it emptied it left under another name
+    (``discard``'s ``FOLDER.released-*``); the paths removed. Only this user's own folders go: a link or
+    another user's folder of that name is left alone, never followed."""
+    removed = []
+    for released in sorted(glob.glob(glob.escape(folder) + ".released-*")):
+        if os.path.isdir(released) and not os.path.islink(released) and private_problem(released) is None:
+            with contextlib.suppress(OSError):
+                shutil.rmtree(released)
+                removed.append(released)
+    return removed
