@@ -3,9 +3,9 @@ brought to the nodes that lack it (`transfer.send_file`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,7 +17,7 @@ from ..storage import join, list_files, resolve
 from . import sealing
 from .commits import COMMITS
 from .folder import group_nodes, node_token, register, watch
-from .names import readable
+from .names import discard, readable
 from .transfer import send_file
 
 __all__ = ["Survey", "newest_snapshot", "snapshots_in", "survey_nodes"]
@@ -38,7 +38,8 @@ class Survey:
         made for the token only, or the snapshots of a run that was removed, hold nothing to keep)."""
         node = next(ranks for ranks in self.nodes if get_rank() in ranks)
         if self.usable and not used and get_rank() == node[0]:
-            shutil.rmtree(self.folder, ignore_errors=True)
+            with contextlib.suppress(OSError):  # left for the keeper or the next job: nothing depends on it
+                discard(self.folder)
 
     def bring(self, path: str, step: int) -> None:
         """Collective: the nodes without the snapshot ``path`` of ``step`` (replaced, or killed
