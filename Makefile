@@ -97,7 +97,7 @@ interop: $(INTEROP_STAMP) lightning-suite accelerate-suite
 	$(PY) tests/interop/make_golden.py build/golden --transformers4 build/transformers4
 	CKPTOOLS_GOLDEN=build/golden $(PY) -m pytest -q -p no:cacheprovider -n auto --dist load --maxschedchunk 1 \
 		tests/test_interop.py tests/test_real_files.py tests/test_lightning.py tests/test_lightning_resume.py \
-		tests/test_transformers.py tests/test_transformers_snapshots.py \
+		tests/test_transformers.py tests/test_transformers_snapshots.py tests/test_replicas_frameworks.py \
 		tests/test_docs.py::test_every_python_snippet_runs \
 		tests/test_snapshot.py tests/test_s3.py::test_a_dead_jobs_snapshot_is_persisted_to_s3_by_the_keeper \
 		tests/test_s3.py::test_writer_killed_mid_upload_leaves_previous_intact \

@@ -231,7 +231,7 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None = None,
         writers: str = "auto",
         budget: float | None = None,
-        check_replicas: bool = True,
+        check_replicas: bool | Mapping[str, Any] = True,
     ) -> str | None:
         """Copy ``state`` into node memory as the snapshot of ``step`` (collective, like `save`).
 
@@ -256,7 +256,9 @@ class CheckpointManager:
                 says once when snapshots stall more than a tenth of the loop's time. The one default of
                 every snapshot taker (NodeSnapshots, CkptoolsCallback too): None.
             check_replicas: False to skip comparing DDP's replicas first (by default a rotating 1/50 of
-                their bytes per call, every byte within 50 calls; `ckptools.check_replicas`).
+                their bytes per call, every byte within 50 calls; `ckptools.check_replicas`); a mapping
+                of live objects to compare instead of ``state``'s, each model in it a replica (for a
+                ``state`` of state dicts: the integrations pass the model and its optimizers).
 
         Returns:
             The snapshot's path (on this node), or None for a call the budget skipped.

@@ -16,7 +16,7 @@ import torch
 from . import log
 from .collective import agree
 from .collective.arrival import checked_in
-from .collective.group import all_gather_object, get_rank, get_world_size
+from .collective.group import all_gather_object, get_rank
 from .devices import to_cpu
 from .layouts import TORCH_FILE, writer_for
 from .lifecycle import finish_pending
@@ -29,6 +29,7 @@ from .write import (
     check_writers,
     checked_args,
     choose,
+    compare_now,
     compare_replicas,
     opening,
     plan_shares,
@@ -338,8 +339,4 @@ def check_replicas(state: Mapping[str, Any]) -> int:
         >>> ck.check_replicas({"model": torch.nn.Linear(2, 2)})  # not DDP: nothing replicated
         0
     """
-    digests = replica_digests(state, sample=False)
-    failure = compare_replicas(all_gather_object(digests)) if get_world_size() > 1 else None
-    if failure is not None:
-        raise failure
-    return len(digests)
+    return compare_now(state, sample=False, declared=False)

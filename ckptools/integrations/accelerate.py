@@ -43,6 +43,7 @@ from ..gradients import mark_restored, open_gradients, put_back_gradients, track
 from ..layouts import MANIFEST, check_folder, write_manifest
 from ..node import ACCELERATE_GRADIENTS
 from ..storage import fsync_dir
+from ..write import compare_now
 
 __all__ = ["attach", "latest_complete_state", "load_state", "save_state"]
 
@@ -110,6 +111,14 @@ def state_of(accelerator: Any) -> dict[str, Any]:
     return state
 
 
+def replicas_of(accelerator: Any) -> dict[str, Any]:
+    """The accelerator's models and optimizers when every process holds them alike (DDP: a ``MULTI_*``
+    distributed type; its ``_models`` are the modules DDP wraps), else nothing: FSDP's and DeepSpeed's
+    are each process's own shards."""
+    kind = getattr(accelerator, "distributed_type", None)
+    return state_of(accelerator) if str(getattr(kind, "value", kind)).startswith("MULTI_") else {}
+
+
 def _save_gradients(accelerator: Any, folder: str) -> None:
     """Every process: its open accumulation window's gradients into ``folder`` (nothing when closed)."""
     own = open_gradients(state_of(accelerator))
@@ -145,14 +154,16 @@ def _refuse_torn(input_dir: str) -> None:
         )
 
 
-def attach(accelerator: Any) -> Any:
+def attach(accelerator: Any, *, check_replicas: bool = True) -> Any:
     """Make ``accelerator.save_state`` / ``load_state`` whole or absent (see the module); ``accelerator``.
 
     Call it once, on every process, after making the Accelerator; the script's own calls stay as
     they are. ``save_state(dir)`` is `save_state`; with automatic checkpoint naming, ``save_state()``
     writes ``project_dir/checkpoints/checkpoint_<iteration>`` and keeps ``total_limit`` whole ones.
     ``load_state(dir)`` refuses a torn folder; ``load_state()`` (automatic naming) loads the newest
-    whole one and numbers the next save after it.
+    whole one and numbers the next save after it. Under DDP each ``save_state`` first compares the
+    processes' replicas (`ckptools.check_replicas`'s rotating sample; ``check_replicas=False`` skips it):
+    `ReplicaMismatchError` on every process, nothing written, when one copy changed alone.
 
     Examples:
         >>> from ckptools.integrations.accelerate import attach
@@ -167,6 +178,10 @@ def attach(accelerator: Any) -> Any:
     config = accelerator.project_configuration
 
     def save(output_dir: str | None = None, **kwargs: Any) -> str:
+        # Every process calls save_state: DDP's replicas compared first (a rotating sample), so a copy
+        # changed on one process alone raises ReplicaMismatchError everywhere before anything is written.
+        if check_replicas:
+            compare_now(replicas_of(accelerator), sample=True, declared=True)
         if not config.automatic_checkpoint_naming:
             if output_dir is None:
                 raise ValueError("save_state() needs an output_dir, or automatic_checkpoint_naming in the project")

@@ -20,7 +20,7 @@ from typing import Any
 from ..manager import CheckpointManager
 from ..node import ACCELERATE_PREFIX, ACCELERATE_STATE, newest_whole_state, snapshot_to_state_folder
 from ._memory_folders import FolderKind, from_node_memory
-from .accelerate import attach, state_of
+from .accelerate import attach, replicas_of, state_of
 
 __all__ = ["Snapshots"]
 
@@ -34,6 +34,9 @@ class Snapshots:
         name: the folder a snapshot is written out as, ``{step}`` its step: the script's own naming of its
             ``save_state`` folders (complete_cv_example's ``step_{step}``).
         budget: the fraction of the loop's time snapshots may stall it (`ckptools.CheckpointManager.snapshot`'s).
+        check_replicas: under DDP, compare the processes' replicas of the models and optimizers before each
+            snapshot and ``save_state`` (`ckptools.check_replicas`'s rotating sample; `ReplicaMismatchError`
+            on every process, nothing kept, when one copy changed alone). False skips it.
 
     Collective like ``save_state``: every process makes it and calls `take` and `latest` at the same steps.
 
@@ -45,7 +48,13 @@ class Snapshots:
     """
 
     def __init__(
-        self, accelerator: Any, output_dir: str, *, name: str = "step_{step}", budget: float | None = None
+        self,
+        accelerator: Any,
+        output_dir: str,
+        *,
+        name: str = "step_{step}",
+        budget: float | None = None,
+        check_replicas: bool = True,
     ) -> None:
         if "{step}" not in name or os.sep in name:
             raise ValueError(f"name must be a folder name holding {{step}} (step_{{step}}), got {name!r}")
@@ -53,9 +62,10 @@ class Snapshots:
         self.output_dir = output_dir
         self.name = name
         self.budget = budget
+        self.check_replicas = check_replicas
         self.manager = CheckpointManager(output_dir, prefix=ACCELERATE_PREFIX)
         # Its folders hold an open window's gradients: the accelerator's load_state puts them back (attach).
-        attach(accelerator)
+        attach(accelerator, check_replicas=check_replicas)
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The snapshot's state (what ``save_state`` writes) and how its folder is laid out."""
@@ -80,9 +90,9 @@ class Snapshots:
         """Snapshot the state at ``step`` into node memory (`ckptools.CheckpointManager.snapshot`); its path,
         or None when the budget skipped this step."""
         state, layout = self._state()
-        return self.manager.snapshot(
-            state, step, blocking=blocking, metadata={ACCELERATE_STATE: layout}, budget=self.budget
-        )
+        replicas = replicas_of(self.accelerator) if self.check_replicas else False
+        return self.manager.snapshot(state, step, blocking=blocking, metadata={ACCELERATE_STATE: layout},
+                                     budget=self.budget, check_replicas=replicas)  # fmt: skip
 
     def latest(self) -> str | None:
         """The folder to resume from: node memory's newest snapshot written out as ``name`` when it is newer

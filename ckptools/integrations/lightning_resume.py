@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+from collections.abc import Mapping
 from typing import Any
 
 from .. import log, rng
@@ -37,6 +38,7 @@ from ..collective.group import all_gather_object, get_world_size
 from ..errors import CheckpointError
 from ..read import restore_rank_rng
 from ..training.loader import ResumableDataLoader
+from ..write import compare_replicas, plain_optimizer, replica_digests, replica_module
 from . import NEEDS_LIGHTNING, installed, lightning_classes, release_numbers
 
 __all__ = ["ExactResume"]
@@ -140,10 +142,15 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
     resumable (a warning: mid-epoch resumes restart or skip the epoch) or that was built for another
     number of ranks (an error).
 
-    **Fabric**: put it in the state you save and load, beside the loader; ``fabric.load`` puts the
-    streams back at once (call it last, right before the loop)::
+    Under DDP the same exchange compares the ranks' replicas of the model and the optimizers (a rotating
+    sample, `ckptools.check_replicas`; ``check_replicas=False`` skips it): when one rank's copy changed
+    alone, `ReplicaMismatchError` on every rank before anything is written.
 
-        resume = ExactResume()
+    **Fabric**: put it in the state you save and load, beside the loader; ``fabric.load`` puts the
+    streams back at once (call it last, right before the loop). Give it the model and the optimizer
+    (``compare``) for the replicas' comparison; Fabric has no trainer to find them in::
+
+        resume = ExactResume(compare={"model": model, "optimizer": optimizer})
         state = {"model": model, "optimizer": optimizer, "loader": loader, "rng": resume}
         fabric.save(path, state)  # every rank, as Fabric requires
         fabric.load(path, state)
@@ -155,9 +162,13 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
         >>> trainer.fit(model, ckpt_path="last")  # doctest: +SKIP
     """
 
-    def __init__(self) -> None:
+    def __init__(self, compare: Mapping[str, Any] | None = None, *, check_replicas: bool = True) -> None:
         check_lightning_version()
         super().__init__()
+        # DDP's replicas compared in the checkpoint's exchange: the Trainer's (setup), or Fabric's objects.
+        self._compare = dict(compare) if compare is not None else None
+        self.check_replicas = check_replicas
+        self._trainer: Any = None
         self._restored: dict[str, Any] | None = None  # the checkpoint's state, until training starts
         self._before_validation: tuple[Any, Any] | None = None
         self._lent: list[Any] = []  # validation loaders lent a generator between the restore and the first batch
@@ -171,9 +182,23 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
     @checked_in("ExactResume.state_dict")
     def state_dict(self) -> dict[str, Any]:
         """Every rank's random streams, by rank: a collective (Lightning makes a checkpoint on
-        every rank, Fabric's ``save`` runs on every rank), of weights-only types."""
-        states = all_gather_object(rng.get_rng_state())
+        every rank, Fabric's ``save`` runs on every rank), of weights-only types. Under DDP the same
+        exchange compares the replicas (a rotating sample, `ckptools.check_replicas`): when they differ,
+        `ReplicaMismatchError` on every rank before anything is written."""
+        skip = COMPARED_BY_SNAPSHOT[0] or not self.check_replicas
+        objects = None if skip else replicas_to_compare(self._trainer, self._compare)
+        digests = replica_digests(objects, sample=True) if objects else None
+        gathered = all_gather_object((rng.get_rng_state(), digests))
+        if digests is not None:
+            failure = compare_replicas([theirs for _, theirs in gathered])
+            if failure is not None:
+                raise failure
+        states = [state for state, _ in gathered]
         return {"rng": states, "world_size": len(states)}
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        """Remember the ``Trainer``: its DDP model and optimizers are compared as each checkpoint is made."""
+        self._trainer = trainer
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Put this rank's streams back now (Fabric's ``load``); inside ``fit`` once more when
@@ -246,6 +271,22 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
             "the checkpoint ExactResume restores",
             skip="take ExactResume out of the callbacks to resume without them",
         )
+
+
+COMPARED_BY_SNAPSHOT = [False]  # True while NodeSnapshots makes its checkpoint: the snapshot compares them
+
+
+def replicas_to_compare(trainer: Any, objects: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The live objects DDP keeps alike on every rank: a ``Trainer``'s DDP-wrapped model and its
+    optimizers, or Fabric's (its modules' DDP, its optimizers); empty under another strategy."""
+    if objects is not None:  # Fabric: _FabricModule wraps DDP (_forward_module), _FabricOptimizer the optimizer
+        found = {name: getattr(obj, "_forward_module", obj) for name, obj in objects.items()}
+        found = {name: getattr(obj, "optimizer", obj) if plain_optimizer(obj) else obj for name, obj in found.items()}
+        return {name: obj for name, obj in found.items() if replica_module(obj) or plain_optimizer(obj)}
+    model = getattr(getattr(trainer, "strategy", None), "model", None)
+    if not replica_module(model):
+        return {}
+    return {"model": model, **{f"optimizer_{i}": opt for i, opt in enumerate(trainer.optimizers)}}
 
 
 def _load_the_stashed_loader_states(trainer: Any) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 from ..manager import CheckpointManager
 from ..node import checkpoint_names, seal, watch
 from . import LIGHTNING_PREFIX, NEEDS_LIGHTNING, lightning_classes
+from .lightning_resume import COMPARED_BY_SNAPSHOT, replicas_to_compare
 
 __all__ = ["NodeSnapshots"]
 
@@ -44,6 +45,9 @@ class NodeSnapshots(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  
         budget: the fraction of the loop's time the snapshots may stall it (``0.02``: 2 %), as
             `ckptools.CheckpointManager.snapshot`'s: calls beyond it are skipped alike on every rank, and
             each change of cadence is logged with the steps a kill then loses. None (the default): every call.
+        check_replicas: under DDP, compare the ranks' replicas of the model and the optimizers before each
+            snapshot (`ckptools.check_replicas`'s rotating sample): `ReplicaMismatchError` on every rank
+            and nothing kept when one copy changed alone. False skips it.
 
     Examples:
         >>> from ckptools.integrations.lightning import NodeSnapshots  # doctest: +SKIP
@@ -52,8 +56,11 @@ class NodeSnapshots(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  
         >>> trainer.fit(model, ckpt_path="last")  # doctest: +SKIP
     """
 
-    def __init__(self, dirpath: Any, *, every_n_train_steps: int = 1, budget: float | None = None) -> None:
+    def __init__(
+        self, dirpath: Any, *, every_n_train_steps: int = 1, budget: float | None = None, check_replicas: bool = True
+    ) -> None:
         super().__init__(os.fspath(dirpath), filename=PREFIX)
+        self.check_replicas = check_replicas
         if every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be at least 1, got {every_n_train_steps}")
         self.every_n_train_steps = every_n_train_steps
@@ -79,8 +86,13 @@ class NodeSnapshots(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  
         step = trainer.global_step
         if step == 0 or step % self.every_n_train_steps or getattr(trainer, "sanity_checking", False):
             return
-        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        self.manager.snapshot(checkpoint, step, budget=self.budget)
+        COMPARED_BY_SNAPSHOT[0] = True  # the snapshot compares DDP's replicas, ExactResume need not
+        try:
+            checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        finally:
+            COMPARED_BY_SNAPSHOT[0] = False
+        replicas = replicas_to_compare(trainer) if self.check_replicas else False
+        self.manager.snapshot(checkpoint, step, budget=self.budget, check_replicas=replicas)
 
     def on_exception(self, trainer: Any, *_: Any, **__: Any) -> None:
         """Nothing: the newest snapshot is at most one step old (Lightning's would save a file here)."""

@@ -28,9 +28,11 @@ import os
 from typing import Any
 
 from .. import log
+from ..collective.group import get_world_size
 from ..layouts import MANIFEST, check_folder, write_manifest
 from ..manager import CheckpointManager
 from ..training.seeded import SeededDataset
+from ..write import compare_now
 from . import installed, release_numbers, trainer_snapshots
 from ._memory_folders import FolderKind, from_node_memory, newest_snapshot  # noqa: F401 - re-exported: tests and users import it here
 from .trainer_snapshots import CHECKPOINT_FOLDER, snapshot_to_folder
@@ -88,16 +90,23 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
     newest resumed from by `latest_complete_checkpoint`); ``budget``: the fraction of the loop's time
     they may stall it, as `ckptools.CheckpointManager.snapshot`'s (the default None: every n-th step).
 
+    Under DDP, before each save and snapshot, the ranks' replicas of the model and the optimizer are
+    compared (`ckptools.check_replicas`'s rotating sample; ``check_replicas=False`` skips it): when one
+    rank's copy changed alone, `ReplicaMismatchError` on every rank and nothing written.
+
     Examples:
         >>> from ckptools.integrations.transformers import CkptoolsCallback  # doctest: +SKIP
         >>> trainer = Trainer(model, args, train_dataset=data, callbacks=[CkptoolsCallback()])  # doctest: +SKIP
     """
 
-    def __init__(self, *, snapshot_every: int | None = None, budget: float | None = None) -> None:
+    def __init__(
+        self, *, snapshot_every: int | None = None, budget: float | None = None, check_replicas: bool = True
+    ) -> None:
         if snapshot_every is not None and snapshot_every < 1:
             raise ValueError(f"snapshot_every must be at least 1 (or None: no snapshots), got {snapshot_every}")
         self.snapshot_every = snapshot_every
         self.budget = budget
+        self.check_replicas = check_replicas
         self._manager: CheckpointManager | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -126,13 +135,26 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
         every = self.snapshot_every
         if every is None or state.global_step % every:
-            return control
+            return self._before_a_save(control, kwargs)
         if self._manager is None:
             self._manager = CheckpointManager(args.output_dir, prefix=trainer_snapshots.PREFIX)
         taken = trainer_snapshots.capture(
             args, state, control, kwargs["model"], kwargs["optimizer"], kwargs["lr_scheduler"]
         )
-        self._manager.snapshot(taken, state.global_step, budget=self.budget)
+        replicas = _ddp_replicas(kwargs) if self.check_replicas else False
+        if self._manager.snapshot(taken, state.global_step, budget=self.budget, check_replicas=replicas) is None:
+            return self._before_a_save(control, kwargs)  # skipped: nothing was compared
+        return control
+
+    def on_epoch_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+        return self._before_a_save(control, kwargs)
+
+    def _before_a_save(self, control: Any, kwargs: dict[str, Any]) -> Any:
+        """Every rank, when the Trainer saves next (``control.should_save``, set by its flow callback, which
+        runs first): DDP's replicas compared before ``_save_checkpoint`` writes anything."""
+        replicas = _ddp_replicas(kwargs) if self.check_replicas and control.should_save else None
+        if replicas:
+            compare_now(replicas, sample=True, declared=True)
         return control
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -149,6 +171,24 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
             if os.path.isdir(folder):
                 write_manifest(folder)
         return control
+
+
+def _ddp_replicas(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The model and optimizer every rank holds alike when the Trainer runs DDP (its callbacks see the
+    module DDP wraps, so it is declared a replica); empty under FSDP, DeepSpeed or one process."""
+    model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+    if get_world_size() < 2 or model is None or optimizer is None:
+        return {}
+    try:
+        from accelerate.state import AcceleratorState
+    except ImportError:
+        return {}
+    kind = AcceleratorState._shared_state.get("distributed_type")  # the Trainer's accelerator's, once made
+    if not str(getattr(kind, "value", kind)).startswith("MULTI_"):  # MULTI_GPU, MULTI_CPU, ...: DDP
+        return {}
+    if getattr(model, "is_parallelizable", False) and getattr(model, "model_parallel", False):
+        return {}  # split over devices, not replicated
+    return {"model": model, "optimizer": optimizer}
 
 
 def _seeded(loader: Any) -> SeededDataset[Any] | None:

@@ -64,7 +64,7 @@ class NodeMemory:
         metadata: Mapping[str, Any] | None = None,
         writers: str = "auto",
         budget: float | None = None,
-        check_replicas: bool = True,
+        check_replicas: bool | Mapping[str, Any] = True,
     ) -> str | None:
         """Collective: `CheckpointManager.snapshot` (see there); `ckptools.node.Orphaned` on every rank
         when some rank's torchrun agent is gone."""

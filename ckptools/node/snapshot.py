@@ -50,7 +50,7 @@ from ..write import (
     locate,
     make_plan,
     opening,
-    replica_digests,
+    what_to_compare,
     whole_storage,
     write_directory,
 )
@@ -85,7 +85,7 @@ def write_snapshot(
     blocking: bool = False,
     prepare: Callable[[], None] | None = None,
     cadence: list[int] | None = None,
-    check_replicas: bool = True,
+    check_replicas: bool | Mapping[str, Any] = True,
 ) -> str | None:
     """Collective: copy ``state`` into every node's memory as the snapshot ``name`` in the folder of
     ``slots`` (this process's slots of it: the stager the copy goes into).
@@ -96,8 +96,9 @@ def write_snapshot(
     copy (the keeper's start). ``writers="rank0"``: each node's leader copies everything.
     ``cadence``: ``[n]``, this rank's proposal (calls to skip after this one), replaced by rank 0's,
     agreed in the opening exchange (`CheckpointManager.snapshot`'s budget). ``check_replicas``: DDP's
-    replicas compared on a rotating sample first (`ckptools.write.replicas`); `ReplicaMismatchError` on
-    every rank, nothing copied, when they differ.
+    replicas compared on a rotating sample first (`ckptools.write.replicas`; a mapping: the live objects
+    compared instead of ``state``'s, `what_to_compare`); `ReplicaMismatchError` on every rank, nothing
+    copied, when they differ.
 
     Examples:
         >>> from ckptools.node.slots import NodeSlots
@@ -116,7 +117,7 @@ def write_snapshot(
     except NodeMemoryError as err:  # not this user's alone: said on every rank, after the exchange
         token, refused = "", str(err)
     proposal = cadence[0] if cadence else 0
-    digests = replica_digests(state, sample=True) if check_replicas else None
+    digests = what_to_compare(state, check_replicas)
     brought = opening(state, token=token, previous=previous, orphaned=launcher_gone(), cadence=proposal,
                       folder=refused, digests=digests)  # fmt: skip
     gathered = all_gather_object(brought)

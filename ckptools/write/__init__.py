@@ -37,8 +37,8 @@ from ..storage import Location, PathLike, resolve
 from .async_save import AsyncSave, finish_pending, pending, release_staging_buffers, set_pending, stage
 from .commit import FILE, Gathered, Stored, Target, finish, write_alone
 from .payload import Opening, as_saved, build_payload, checked_args, opening, rank_part
-from .plan import Plan, Share, check_writers, choose, make_plan
-from .replicas import compare_replicas, replica_digests
+from .plan import Plan, Share, check_writers, choose, make_plan, plain_optimizer, replica_module
+from .replicas import compare_now, compare_replicas, replica_digests, what_to_compare
 from .shares import locate, plan_shares, write_and_commit, write_share_in_background
 from .staging import Stager, StagingBuffers, copy_bytes, whole_storage
 from .writer_thread import BackgroundWriter
@@ -61,6 +61,7 @@ __all__ = [
     "check_writers",
     "checked_args",
     "choose",
+    "compare_now",
     "compare_replicas",
     "copy_bytes",
     "finish",
@@ -69,12 +70,15 @@ __all__ = [
     "make_plan",
     "opening",
     "pending",
+    "plain_optimizer",
     "plan_shares",
     "rank_part",
     "release_staging_buffers",
     "replica_digests",
+    "replica_module",
     "set_pending",
     "stage",
+    "what_to_compare",
     "whole_storage",
     "write_alone",
     "write_and_commit",

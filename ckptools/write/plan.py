@@ -156,19 +156,22 @@ def describe(where: tuple[Any, ...]) -> str:
 # --- rank 0: the plan -----------------------------------------------------------------------------
 
 
-def replicated_tensors(state: Mapping[str, Any], entries: Mapping[str, Any]) -> Iterator[tuple[tuple[Any, ...], Any]]:
+def replicated_tensors(
+    state: Mapping[str, Any], entries: Mapping[str, Any], *, declared: bool = False
+) -> Iterator[tuple[tuple[Any, ...], Any]]:
     """The tensors every rank holds alike, each with where it sits (entry, then keys), in an
     order that depends only on the structure of ``state`` (the same on every rank).
 
     Replicated are the parameters of a ``DistributedDataParallel`` model (not those it was told
     to ignore) and an optimizer's state for those parameters. Buffers are not (BatchNorm
     statistics differ per rank), nor is anything else. ``entries`` are the state's entries as
-    saved (`state_entry`; rank 0's payload).
+    saved (`state_entry`; rank 0's payload). ``declared``: every module of ``state`` is a replica (the
+    caller knows DDP wraps it: an integration that sees the module DDP wraps, not DDP itself).
     """
     params: set[int] = set()
     for obj in state.values():
-        if isinstance(obj, DistributedDataParallel):
-            ignored = set(getattr(obj, "parameters_to_ignore", ()) or ())
+        if replica_module(obj, declared):
+            ignored = ignored_parameters(obj)
             for name, param in unwrap_model(obj).named_parameters(remove_duplicate=False):
                 if name not in ignored:
                     params.add(id(param))
@@ -177,8 +180,8 @@ def replicated_tensors(state: Mapping[str, Any], entries: Mapping[str, Any]) -> 
         return type(tensor) in (torch.Tensor, torch.nn.Parameter) and tensor.layout == torch.strided
 
     for name, obj in state.items():
-        if isinstance(obj, DistributedDataParallel):
-            ignored = set(getattr(obj, "parameters_to_ignore", ()) or ())
+        if replica_module(obj, declared):
+            ignored = ignored_parameters(obj)
             names = {n for n, _ in unwrap_model(obj).named_parameters(remove_duplicate=False)} - ignored
             for key, tensor in entries[name].items():
                 if key in names and plain(tensor):
@@ -212,6 +215,21 @@ def host_bytes(storage: torch.UntypedStorage) -> memoryview:
     if storage.nbytes() == 0:
         return memoryview(b"")
     return memoryview(torch.empty(0, dtype=torch.uint8).set_(storage).numpy())  # type: ignore[arg-type]
+
+
+def ignored_parameters(model: torch.nn.Module) -> set[str]:
+    """The parameters DDP was told to leave alone (each rank's own): DDP's ``parameters_to_ignore``, or for
+    the module it wraps what DDP reads them from (``_ddp_params_and_buffers_to_ignore``)."""
+    names = getattr(model, "parameters_to_ignore", None)
+    if names is None:
+        names = getattr(unwrap_model(model), "_ddp_params_and_buffers_to_ignore", None)
+    return set(names or ())
+
+
+def replica_module(obj: Any, declared: bool = False) -> bool:
+    """Whether ``obj`` is a model whose parameters every rank holds alike: DDP's, or with ``declared``
+    any module (`replicated_tensors`)."""
+    return isinstance(obj, DistributedDataParallel) or (declared and isinstance(obj, torch.nn.Module))
 
 
 def plain_optimizer(obj: Any) -> bool:

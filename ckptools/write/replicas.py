@@ -28,14 +28,13 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 
 from ..errors import ReplicaMismatchError
 from ..storage import crc32
 from .payload import state_entry
-from .plan import plain_optimizer, replicated_tensors
+from .plan import plain_optimizer, replica_module, replicated_tensors
 
-__all__ = ["SAMPLE_CALLS", "compare_replicas", "replica_digests"]
+__all__ = ["SAMPLE_CALLS", "compare_now", "compare_replicas", "replica_digests", "what_to_compare"]
 
 SAMPLE_CALLS = 50
 _CALLS = [0]  # this process's sampled calls so far: the same count on every rank (collective calls)
@@ -59,14 +58,15 @@ def _digest(tensor: torch.Tensor, start: int, length: int) -> int:
     return int(flat.to(torch.int64).sum().item())
 
 
-def replica_digests(state: Mapping[str, Any], *, sample: bool) -> list[Digest]:
+def replica_digests(state: Mapping[str, Any], *, sample: bool, declared: bool = False) -> list[Digest]:
     """This rank's digests of its replicated bytes (all, or this call's range with ``sample``) and of
-    its optimizers' parameter groups, in an order the same on every rank; empty without DDP."""
-    if not any(isinstance(obj, DistributedDataParallel) for obj in state.values()):
+    its optimizers' parameter groups, in an order the same on every rank; empty without DDP.
+    ``declared``: every module of ``state`` is a replica (`ckptools.write.plan.replicated_tensors`)."""
+    if not any(replica_module(obj, declared) for obj in state.values()):
         return []
-    entries = {name: state_entry(obj) for name, obj in state.items() if isinstance(obj, DistributedDataParallel)}
+    entries = {name: state_entry(obj) for name, obj in state.items() if replica_module(obj, declared)}
     entries.update({name: state_entry(obj) for name, obj in state.items() if plain_optimizer(obj)})
-    tensors = [(where, t) for where, t in replicated_tensors(state, entries) if t.numel()]
+    tensors = [(where, t) for where, t in replicated_tensors(state, entries, declared=declared) if t.numel()]
     sizes = [t.numel() * t.element_size() for _, t in tensors]
     total = sum(sizes)
     first, end = 0, total
@@ -113,3 +113,32 @@ def compare_replicas(gathered: list[list[Digest]]) -> ReplicaMismatchError | Non
                 differ=differ,
             )
     return None
+
+
+def what_to_compare(state: Mapping[str, Any], check_replicas: bool | Mapping[str, Any]) -> list[Digest] | None:
+    """A save's or snapshot's digests for its opening exchange, by its ``check_replicas``: None (False: not
+    compared), the state's own sampled (True), or a mapping's (live objects the caller declares replicated:
+    an integration whose state holds state dicts passes the model and its optimizers)."""
+    if check_replicas is False:
+        return None
+    if check_replicas is True:
+        return replica_digests(state, sample=True)
+    return replica_digests(check_replicas, sample=True, declared=True)
+
+
+def compare_now(objects: Mapping[str, Any], *, sample: bool, declared: bool) -> int:
+    """Collective: compare the replicas of ``objects`` between the ranks now (all their bytes, or this
+    call's range with ``sample``; ``declared`` as for `replica_digests`); the digests compared per rank.
+    `ckptools.check_replicas`, and an integration that saves through another library's code (the Trainer's
+    ``_save_checkpoint``) before that code writes anything.
+
+    Raises:
+        ReplicaMismatchError: on every rank, as `compare_replicas` says.
+    """
+    from ..collective.group import all_gather_object, get_world_size
+
+    digests = replica_digests(objects, sample=sample, declared=declared)
+    failure = compare_replicas(all_gather_object(digests)) if get_world_size() > 1 else None
+    if failure is not None:
+        raise failure
+    return len(digests)
