@@ -89,8 +89,24 @@ def test_a_bit_flipped_in_one_ranks_parameter_is_caught_on_every_rank_at_3_ranks
     _check(run_ranks(_caught, 3, str(tmp_path), "parameter"), "model.0.weight", 3)
 
 
-def test_a_bit_flipped_in_an_optimizer_moment_is_caught(tmp_path):
-    _check(run_ranks(_caught, 2, str(tmp_path), "moment"), "opt.state[0].exp_avg", 2)
+def _relaunched(rank: int, world: int, folder: str) -> tuple[int, int]:
+    """A relaunch after the refusal: the step it restores, and the digests `check_replicas` then compares."""
+    model, opt = _trained(rank, steps=0)
+    state = {"model": model, "opt": opt}
+    manager = ck.CheckpointManager(os.path.join(folder, "run"), snapshot_dir=os.path.join(folder, "shm"))
+    restored = manager.restore(state)
+    assert restored is not None
+    compared = ck.check_replicas(state)  # every rank loaded the same checkpoint: the replicas agree again
+    manager.close()
+    return int(restored["__ckptools__"]["metadata"]["step"]), compared
+
+
+def test_a_bit_flipped_in_an_optimizer_moment_is_caught_and_a_relaunch_restores_the_last_step_taken(tmp_path):
+    results = run_ranks(_caught, 2, str(tmp_path), "moment")
+    _check(results, "opt.state[0].exp_avg", 2)
+    caught_at = 2 + results[0]["snapshot"][1]
+    last_taken = caught_at - 1 if caught_at > 3 else 1  # the snapshot before the refused one, or the save of step 1
+    assert [step for step, _ in run_ranks(_relaunched, 2, str(tmp_path))] == [last_taken, last_taken]
 
 
 def test_a_learning_rate_changed_on_one_rank_is_caught_at_the_first_call(tmp_path):
