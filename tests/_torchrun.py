@@ -151,6 +151,66 @@ def job_processes(pid: int) -> list[int]:
     return [pid, *_descendants(pid)]
 
 
+def kill_job(pid: int, signum: int = signal.SIGKILL) -> list[int]:
+    """Send ``signum`` to every process of the job at one moment, as a scheduler's kill of the job does;
+    the processes signalled.
+
+    The tree is stopped (SIGSTOP) and listed again until no process is new, then signalled (and let run
+    on for a signal other than SIGKILL): a process forked between a listing and its parent's kill would
+    outlive the job. A DataLoader worker forked so would run forever, holding the launch's output pipe
+    (CI hung 900 s on one): torch's worker notes its parent's pid after its set-up, so a parent gone by
+    then is never missed.
+    """
+    stopped: list[int] = []
+    while True:
+        new = [p for p in job_processes(pid) if p not in stopped]
+        if not new:
+            break
+        for p in new:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGSTOP)
+        stopped += new
+    for p in stopped:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signum)
+    if signum != signal.SIGKILL:
+        for p in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGCONT)
+    return stopped
+
+
+def read_rest(stream: Any, within: float = 120.0) -> str:
+    """What is left to read of a launch's output pipe once its processes are gone (``within`` s at most).
+
+    A process still holding the pipe open (one that outlived a kill of the job) would block a plain
+    ``read()`` until the test's timeout; this fails at once and names it.
+    """
+    rest: list[str] = []
+    reader = threading.Thread(target=lambda: rest.append(stream.read()), daemon=True)
+    reader.start()
+    reader.join(within)
+    if reader.is_alive():
+        raise AssertionError(f"the launch's output is still open {within:.0f} s after it ended, held by: "
+                             f"{_holders(stream.fileno())}")  # fmt: skip
+    return rest[0]
+
+
+def _holders(fd: int) -> str:
+    """The processes with the pipe ``fd`` reads open (pid, state and command line)."""
+    target = f"pipe:[{os.fstat(fd).st_ino}]"
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if any(os.readlink(f"/proc/{pid}/fd/{n}") == target for n in os.listdir(f"/proc/{pid}/fd")):
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+                found.append(f"{pid} ({_proc_state(int(pid))}) {cmd}")
+    return "; ".join(found) or "no process found"
+
+
 def rank_processes(pid: int) -> list[int]:
     """The rank processes torchrun started (its direct children)."""
     out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout.split()

@@ -8,7 +8,6 @@ accelerate: `make interop`.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import re
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from _same import same_tree
-from _torchrun import job_processes, keepers_left
+from _torchrun import keepers_left, kill_job
 from test_user_scripts import _launch, _run
 
 import ckptools as ck
@@ -68,9 +67,7 @@ def _killed_when_paused(out: Path, step: int) -> None:
         for line in proc.stdout:
             log.write(line)
             if line.strip() == f"paused at {step}":
-                for pid in job_processes(proc.pid):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(pid, signal.SIGKILL)
+                kill_job(proc.pid)
                 break
         assert proc.wait(timeout=120) == -signal.SIGKILL, (out / "launches.txt").read_text()[-3000:]
 

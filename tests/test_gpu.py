@@ -25,7 +25,7 @@ import warnings
 import pytest
 import torch
 from _dist import free_port, run_ranks
-from _torchrun import job_processes, ok, torchrun, torchrun_signalled
+from _torchrun import kill_job, ok, torchrun, torchrun_signalled
 
 import ckptools as ck
 from ckptools.saving import async_save_with_hooks as _async_save
@@ -275,7 +275,7 @@ def test_two_processes_sharing_one_gpu_killed_with_kill_9_resume_from_node_memor
     The loop snapshots every step into node memory; kill -9 of every process of the job right after a
     logged step; the same command resumes at most one step behind, and ends bit-identical to an
     uninterrupted run of the same two processes."""
-    from test_train_ddp_e2e import ROOT, _signal, assert_bit_identical
+    from test_train_ddp_e2e import ROOT, assert_bit_identical
 
     args = ["--save-every-steps", "1000", "--snapshot-every", "1", "--log-every", "1", "--amp"]
     reference = ok(torchrun(_launch_args(tmp_path / "ref", 2, *args), cwd=ROOT, timeout=240))
@@ -284,7 +284,7 @@ def test_two_processes_sharing_one_gpu_killed_with_kill_9_resume_from_node_memor
         assert "processes on this node share 1 GPU(s)" in reference
     run = tmp_path / "run"
     launch = _launch_args(run, 2, *args, "--step-seconds", "0.05")
-    kill = _signal(job_processes, signal.SIGKILL)
+    kill = kill_job
     first, _ = torchrun_signalled(launch, cwd=ROOT, when="step 23 loss", send=kill, timeout=240)
     assert first.returncode != 0 and "done after" not in first.stdout, first.stdout[-3000:]
     last = max(int(n) for n in re.findall(r"step (\d+) loss", first.stdout))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 from _dist import free_port
-from _torchrun import computed_once, job_processes, keepers_left, ok, rank_processes, torchrun_signalled
+from _torchrun import computed_once, job_processes, keepers_left, kill_job, ok, rank_processes, torchrun_signalled
 from _torchrun import torchrun as _launch
 from safetensors.torch import load_file
 from torch.distributed.run import get_args_parser
@@ -332,7 +332,7 @@ def test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behin
     args = ["--num-workers", "2", "--save-every-steps", "1000", "--snapshot-every", "1", "--log-every", "1",
             "--step-seconds", "0.05"]  # fmt: skip
     launch = ["--standalone", "--nproc-per-node=2", "--max-restarts=0", SCRIPT, "--ckpt-dir", str(tmp_path), *args]
-    first, _ = torchrun_signalled(launch, cwd=ROOT, when="step 23 loss", send=_signal(job_processes, signal.SIGKILL))
+    first, _ = torchrun_signalled(launch, cwd=ROOT, when="step 23 loss", send=kill_job)
     assert first.returncode != 0 and "step 23 loss" in first.stdout, first.stdout[-3000:]
     assert "done after" not in first.stdout
     memory = ck.CheckpointManager(tmp_path).snapshot_dir
@@ -354,7 +354,7 @@ def test_kill_9_of_the_whole_job_not_relaunched_leaves_the_newest_step_in_the_fo
     monkeypatch.setenv("CKPTOOLS_KEEPER_GRACE", "2")
     args = ["--save-every-steps", "1000", "--snapshot-every", "1", "--log-every", "1", "--step-seconds", "0.05"]
     launch = ["--standalone", "--nproc-per-node=2", "--max-restarts=0", SCRIPT, "--ckpt-dir", str(tmp_path), *args]
-    first, _ = torchrun_signalled(launch, cwd=ROOT, when="step 23 loss", send=_signal(job_processes, signal.SIGKILL))
+    first, _ = torchrun_signalled(launch, cwd=ROOT, when="step 23 loss", send=kill_job)
     killed = time.monotonic()
     last = max(int(n) for n in re.findall(r"step (\d+) loss", first.stdout))
     memory = ck.CheckpointManager(tmp_path).snapshot_dir
@@ -406,7 +406,7 @@ def test_kill_9_at_random_moments_never_tears_a_snapshot_and_every_relaunch_is_b
             timer: list[threading.Timer] = []
 
             def arm(pid: int, delay: float = rng.uniform(0.0, 0.6), timer: list = timer) -> None:
-                timer.append(threading.Timer(delay, _signal(job_processes, signal.SIGKILL), [pid]))
+                timer.append(threading.Timer(delay, kill_job, [pid]))
                 timer[0].start()
 
             # Armed at the first training step, so the kill lands among steps and snapshot copies.

@@ -6,12 +6,10 @@ Whole Trainer launches, each importing transformers: `make interop` runs them.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import random
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -23,7 +21,7 @@ import torch
 pytest.importorskip("transformers", reason="the interop extra (transformers) is not installed")
 
 from _same import TinyClassifier, assert_same_tree
-from _torchrun import computed_once, job_processes, keepers_left
+from _torchrun import computed_once, keepers_left, kill_job
 
 import ckptools as ck
 from ckptools.integrations.trainer_snapshots import PREFIX
@@ -130,9 +128,7 @@ def _killed_at_pause(proc: subprocess.Popen) -> str:
     for line in proc.stdout:
         said.append(line)
         if line.strip() == "paused":
-            for pid in job_processes(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            kill_job(proc.pid)
             break
     proc.wait(timeout=60)
     assert "paused\n" in said, "".join(said)[-5000:]
