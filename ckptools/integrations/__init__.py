@@ -13,7 +13,7 @@ from typing import Any
 
 from ..node import LIGHTNING_PREFIX  # NodeSnapshots' files: the keeper persists them under Lightning's names
 
-__all__ = ["LIGHTNING_PREFIX", "NEEDS_LIGHTNING", "installed", "lightning_classes", "release_numbers"]
+__all__ = ["LIGHTNING_PREFIX", "NEEDS_LIGHTNING", "installed", "lightning_classes", "release_numbers", "replicated"]
 
 
 NEEDS_LIGHTNING = "ckptools.integrations.lightning needs Lightning: pip install pytorch-lightning (or lightning)"
@@ -34,6 +34,17 @@ def lightning_classes(name: str, *modules: str) -> list[Any]:
         except ImportError:
             continue
     return found
+
+
+def replicated(distributed_type: Any) -> bool:
+    """Whether Accelerate's ``distributed_type`` keeps a whole replica of the model in every process:
+    DDP's ``MULTI_GPU``, ``MULTI_CPU``, ``MULTI_XPU``, ..., not FSDP's or DeepSpeed's shards.
+
+    Examples:
+        >>> replicated("MULTI_CPU"), replicated("FSDP"), replicated(None)
+        (True, False, False)
+    """
+    return str(getattr(distributed_type, "value", distributed_type)).startswith("MULTI_")
 
 
 def release_numbers(version: str) -> tuple[int, ...]:

@@ -44,6 +44,7 @@ from ..layouts import MANIFEST, check_folder, write_manifest
 from ..node import ACCELERATE_GRADIENTS
 from ..storage import fsync_dir
 from ..write import compare_now
+from . import replicated
 
 __all__ = ["attach", "latest_complete_state", "load_state", "save_state"]
 
@@ -115,8 +116,7 @@ def replicas_of(accelerator: Any) -> dict[str, Any]:
     """The accelerator's models and optimizers when every process holds them alike (DDP: a ``MULTI_*``
     distributed type; its ``_models`` are the modules DDP wraps), else nothing: FSDP's and DeepSpeed's
     are each process's own shards."""
-    kind = getattr(accelerator, "distributed_type", None)
-    return state_of(accelerator) if str(getattr(kind, "value", kind)).startswith("MULTI_") else {}
+    return state_of(accelerator) if replicated(getattr(accelerator, "distributed_type", None)) else {}
 
 
 def _save_gradients(accelerator: Any, folder: str) -> None:

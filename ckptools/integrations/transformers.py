@@ -33,7 +33,7 @@ from ..layouts import MANIFEST, check_folder, write_manifest
 from ..manager import CheckpointManager
 from ..training.seeded import SeededDataset
 from ..write import compare_now
-from . import installed, release_numbers, trainer_snapshots
+from . import installed, release_numbers, replicated, trainer_snapshots
 from ._memory_folders import FolderKind, from_node_memory, newest_snapshot  # noqa: F401 - re-exported: tests and users import it here
 from .trainer_snapshots import CHECKPOINT_FOLDER, snapshot_to_folder
 
@@ -183,8 +183,7 @@ def _ddp_replicas(kwargs: dict[str, Any]) -> dict[str, Any]:
         from accelerate.state import AcceleratorState
     except ImportError:
         return {}
-    kind = AcceleratorState._shared_state.get("distributed_type")  # the Trainer's accelerator's, once made
-    if not str(getattr(kind, "value", kind)).startswith("MULTI_"):  # MULTI_GPU, MULTI_CPU, ...: DDP
+    if not replicated(AcceleratorState._shared_state.get("distributed_type")):  # the Trainer's accelerator's
         return {}
     if getattr(model, "is_parallelizable", False) and getattr(model, "model_parallel", False):
         return {}  # split over devices, not replicated
