@@ -18,7 +18,7 @@ import signal
 import time
 
 import pytest
-from _torchrun import computed_once, job_processes, keepers_left, ok, rank_processes, torchrun_signalled
+from _torchrun import computed_once, job_processes, keepers_left, kill_job, ok, rank_processes, torchrun_signalled
 from test_train_ddp_e2e import ROOT, SCRIPT, assert_bit_identical, torchrun
 
 import ckptools as ck
@@ -38,7 +38,7 @@ TOPOLOGIES = {
     "agent alone": lambda pid: _kill([pid], signal.SIGKILL),
     "every rank alone": lambda pid: _kill(rank_processes(pid), signal.SIGKILL),
     "one rank": lambda pid: _kill(rank_processes(pid)[-1:], signal.SIGKILL),
-    "the whole tree": lambda pid: _kill(job_processes(pid), signal.SIGKILL),
+    "the whole tree": kill_job,
     "SIGTERM to the agent": lambda pid: _kill([pid], signal.SIGTERM),
     "a rank stuck in a collective": lambda pid: _kill(rank_processes(pid)[-1:], signal.SIGSTOP),
 }
@@ -86,17 +86,21 @@ def _alive(pid: int) -> bool:
 @pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
 def test_nobody_relaunches_and_the_newest_step_reaches_the_run_folder(tmp_path, monkeypatch, topology):
     monkeypatch.setenv("CKPTOOLS_KEEPER_GRACE", str(GRACE))
+    said = tmp_path / "keeper.log"  # what the keeper did, for the messages below
+    monkeypatch.setenv("CKPTOOLS_KEEPER_LOG", str(said))
     run = tmp_path / "run"
     last, _, out = _killed(run, topology)
     gone = time.monotonic()
     memory = ck.CheckpointManager(run).snapshot_dir
     while os.path.exists(memory) and time.monotonic() - gone < GRACE + 30:
         time.sleep(0.2)
-    assert not os.path.exists(memory), f"{topology}: node memory still held {GRACE + 30} s after the job was gone"
+    keeper = said.read_text() if said.exists() else "(the keeper said nothing)"
+    held = f"{topology}: node memory still held {GRACE + 30} s after the job was gone; {keeper}"
+    assert not os.path.exists(memory), held
     steps = [s for s, _ in ck.CheckpointManager(run).checkpoints()]
     preempted = re.findall(r"preempted at step (\d+)", out)
     newest = int(preempted[0]) if preempted else last - 1
-    assert steps and steps[-1] >= newest, (topology, last, steps, out[-3000:])
+    assert steps and steps[-1] >= newest, f"{topology}: last step {last}, run folder {steps}\n{keeper}\n{out[-3000:]}"
     assert keepers_left(memory) == [], f"{topology}: the keeper did not exit within 10 s of releasing node memory"
     if topology == "agent alone":  # the ranks left by themselves, with that step kept
         # Whichever noticed the agent gone first: the step's snapshot (committed without the store), or,

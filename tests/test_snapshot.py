@@ -11,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 
 import pytest
@@ -225,7 +226,8 @@ def test_a_normal_end_releases_node_memory_and_a_crash_is_persisted_by_the_keepe
     run at once.)"""
     script = tmp_path / "job.py"
     script.write_text(textwrap.dedent(SCRIPT))
-    env = dict(os.environ, CKPTOOLS_KEEPER_GRACE="1")
+    said = tmp_path / "keeper.log"  # CKPTOOLS_KEEPER_LOG: what the keepers did, else said nowhere
+    env = dict(os.environ, CKPTOOLS_KEEPER_GRACE="1", CKPTOOLS_KEEPER_LOG=str(said))
     jobs = {}
     for how in ("normal", "crash"):
         memory, run = tmp_path / how / "node-memory", tmp_path / how / "run"
@@ -248,6 +250,79 @@ def test_a_normal_end_releases_node_memory_and_a_crash_is_persisted_by_the_keepe
     persisted = torch.load(run / "ckpt-0000000007.pt", weights_only=True)
     assert persisted["w"].tolist() == [1.0] * 4 and persisted["__ckptools__"]["metadata"]["step"] == 7
     assert ck.CheckpointManager(run).restore({})["__ckptools__"]["metadata"]["step"] == 7
+    log = said.read_text()
+    assert f"persisted {run / 'ckpt-0000000007.pt'}" in log and f"released {jobs['crash'][1]}" in log, log
+    assert "keeping " in log and os.stat(said).st_mode & 0o777 == 0o600, log
+
+
+FIRST_LAUNCH = """
+import os, sys, torch, ckptools as ck, ckptools.node.folder
+ckptools.node.folder.start_keeper = lambda *args: None  # the test runs this folder's keeper itself
+manager = ck.CheckpointManager(sys.argv[1], snapshot_dir=sys.argv[2])
+manager.snapshot({"w": torch.ones(4)}, 7, blocking=True)
+os._exit(1)  # killed
+"""
+
+RELAUNCH = """
+import os, sys, torch, ckptools as ck
+from ckptools.node.folder import watch
+manager = ck.CheckpointManager(sys.argv[1], snapshot_dir=sys.argv[2])
+watch(sys.argv[2])  # what its first snapshot does first: the job registered for the keeper
+print("registered", flush=True)
+sys.stdin.readline()
+manager.snapshot({"w": torch.full((4,), 2.0)}, 9, blocking=True)  # its keeper finds the folder kept: it leaves
+print("taken", flush=True)
+sys.stdin.readline()
+os._exit(1)  # killed in turn
+"""
+
+
+def test_a_relaunch_that_registers_while_the_keeper_persists_is_kept_by_that_keeper(tmp_path, monkeypatch, capsys):
+    """The keeper, at the end of its grace, persists the dead job's snapshot; a relaunch that registers
+    during that copy keeps the node memory, and its own keeper, finding this one alive, leaves. This one
+    then watches the relaunch: killed in turn, its newer snapshot is persisted and the memory released
+    (the keeper used to exit there, leaving the relaunch's snapshots to nobody)."""
+    from ckptools.node import keeper
+
+    memory, run = tmp_path / "node-memory", tmp_path / "run"
+    env = dict(os.environ, CKPTOOLS_KEEPER_GRACE="60")
+    (tmp_path / "first.py").write_text(FIRST_LAUNCH)
+    (tmp_path / "relaunch.py").write_text(RELAUNCH)
+    first = subprocess.run([sys.executable, str(tmp_path / "first.py"), str(run), str(memory)], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert first.returncode == 1 and "ckpt-0000000007.pt" in os.listdir(memory), first.stderr[-3000:]
+    relaunch: list[subprocess.Popen] = []
+    own = keeper.persist
+
+    def persist(*args):  # the relaunch registers while the dead job's snapshot is copied
+        if not relaunch:
+            proc = subprocess.Popen([sys.executable, str(tmp_path / "relaunch.py"), str(run), str(memory)], cwd=ROOT,
+                                    env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
+            relaunch.append(proc)
+            assert proc.stdout.readline() == "registered\n"
+        return own(*args)
+
+    monkeypatch.setattr(keeper, "persist", persist)
+    kept = threading.Thread(target=keeper.main, args=([str(memory), str(run), "--grace", "0.5", "--poll", "0.05"],))
+    kept.start()
+    deadline = time.monotonic() + 60
+    while not relaunch and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert relaunch, "the keeper did not persist within 60 s"
+    proc = relaunch[0]
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    assert proc.stdout.readline() == "taken\n"
+    assert kept.is_alive() and memory.exists(), capsys.readouterr().err  # kept for the relaunch, and watched
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    assert proc.wait(timeout=60) == 1
+    kept.join(60)
+    log = capsys.readouterr().err
+    assert not kept.is_alive() and not memory.exists(), log
+    assert sorted(os.listdir(run)) == ["ckpt-0000000007.pt", "ckpt-0000000009.pt"], log
+    assert torch.load(run / "ckpt-0000000009.pt", weights_only=True)["w"].tolist() == [2.0] * 4
+    assert "registered in" in log and "kept for it, and watched" in log and "released" in log, log
 
 
 WRITER = """
@@ -314,6 +389,54 @@ def test_the_default_folder_is_in_node_memory_and_per_run(tmp_path, monkeypatch)
         assert a.snapshot_dir.startswith("/dev/shm/ckptools-")
     monkeypatch.setenv("CKPTOOLS_NODE_MEMORY", str(tmp_path / "elsewhere"))
     assert ck.CheckpointManager(tmp_path / "a").snapshot_dir.startswith(str(tmp_path / "elsewhere"))
+
+
+def _orphaned_with_a_slow_share(rank: int, world: int, directory: str) -> tuple:
+    """Both ranks' agent gone (as after a kill of torchrun alone); rank 1 starts copying its share of the
+    node's slot a second late. The snapshot is committed without the store, checksummed by rank 0."""
+    from ckptools.layouts import verify_torch_file
+    from ckptools.node import Orphaned
+    from ckptools.node.slots import NodeSlots
+
+    node_snapshot.launcher_gone = lambda: True
+    if rank == 1:
+        stage = NodeSlots.stage
+
+        def late(self, items):
+            time.sleep(1.0)
+            return stage(self, items)
+
+        NodeSlots.stage = late
+    slots = NodeSlots(os.path.join(directory, "memory"), "ckpt")
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]))
+    state = {"model": model}  # its replicated weights: each rank copies a share (here about 2 MiB each)
+    try:
+        node_snapshot.write_snapshot(slots, "ckpt-0000000001.pt", state)
+    except Orphaned as gone:
+        committed = gone.committed
+    else:
+        raise AssertionError("not orphaned")
+    path = os.path.join(directory, "memory", "ckpt-0000000001.pt")
+    if rank != 0:
+        return committed, None, None
+    try:
+        verify_torch_file(path)
+        checked = "every CRC-32 matches"
+    except ck.CheckpointError as err:
+        checked = str(err)
+    weights = torch.load(path, weights_only=True)["model"]
+    return committed, checked, all(torch.equal(weights[k], v) for k, v in model.module.state_dict().items())
+
+
+def test_the_last_snapshot_of_a_job_whose_agent_died_is_checksummed_after_every_share_is_copied(tmp_path):
+    """torchrun's agent killed: the job's last snapshot is committed without the store, its node's leader
+    computing every record's CRC-32. It did so before the other ranks' shares were copied: under load
+    the "committed" snapshot failed its CRC-32s, the keeper skipped it and 7 steps were lost (CI)."""
+    results = run_ranks(_orphaned_with_a_slow_share, 2, str(tmp_path))
+    assert results[0] == (True, "every CRC-32 matches", True) and results[1][0] is True, results
 
 
 def _two_nodes(rank: int, world: int, directory: str) -> tuple:

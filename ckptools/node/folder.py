@@ -66,6 +66,7 @@ _NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 NODE_FILE = NODE_MARK  # the token that tells which ranks share this folder (and that it is node memory)
 # Seconds the keeper waits, once every process of the job is gone, for a relaunch (default 10).
 GRACE_ENV = "CKPTOOLS_KEEPER_GRACE"
+KEEPER_LOG_ENV = "CKPTOOLS_KEEPER_LOG"  # a file the keepers append what they did to (else nowhere)
 
 # What to do when the node memory is too small (every NodeMemoryError ends with it).
 FIXES = (
@@ -180,6 +181,8 @@ def start_keeper(folder: str, directory: str, prefix: str, keep_last: int | None
     cmd = [sys.executable, "-m", "ckptools.node.keeper", folder, directory, "--prefix", prefix, "--grace", grace]
     if keep_last is not None:
         cmd += ["--keep-last", str(keep_last)]
+    if os.environ.get(KEEPER_LOG_ENV):
+        cmd += ["--log", os.path.abspath(os.environ[KEEPER_LOG_ENV])]
     detach = (
         "import subprocess, sys; subprocess.Popen(sys.argv[1:], start_new_session=True, close_fds=True, "
         "stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)"

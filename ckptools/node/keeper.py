@@ -21,6 +21,8 @@ seconds (a torchrun restart re-registers well within it), it:
 
 A job that ends normally removes the folder itself (`ckptools.exit_process`): the keeper sees it
 gone and exits at once. Run by hand: ``python -m ckptools.node.keeper FOLDER DIRECTORY --prefix ckpt``.
+What it does and why (its start, what it persisted or skipped, a relaunch seen) goes to its stderr:
+nowhere when the job started it, unless ``$CKPTOOLS_KEEPER_LOG`` names a file (``--log``) to append it to.
 """
 
 from __future__ import annotations
@@ -76,8 +78,7 @@ def _not_ours(folder: str) -> bool:
     or removed, whatever it holds. A folder of this user's keeps its inode, so this is one ``lstat``."""
     problem = private_problem(folder)
     if problem is not None:
-        print(f"ckptools keeper: {folder} is not this user's alone ({problem}): nothing is persisted from it",
-              file=sys.stderr, flush=True)  # fmt: skip
+        _say(f"{folder} is not this user's alone ({problem}): nothing is persisted from it")
     return problem is not None
 
 
@@ -86,11 +87,10 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
     checkpoint there, then prune to ``keep_last``; the path written, or None."""
     if "://" not in directory and not os.path.isdir(directory):
         # The manager makes its folder at the first snapshot: gone now, it was removed (to start afresh).
-        print(f"ckptools keeper: the run folder {directory} was removed: nothing persisted, the snapshots in "
-              f"{folder} are released", file=sys.stderr, flush=True)  # fmt: skip
+        _say(f"the run folder {directory} was removed: nothing persisted, the snapshots in {folder} are released")
         return None
     pattern = checkpoint_names(prefix)
-    sealing.seal(folder, pattern, warn=lambda text: print(f"ckptools keeper: {text}", file=sys.stderr, flush=True))
+    sealing.seal(folder, pattern, warn=_say)
     snapshots = sorted((int(m.group(1)), n) for n in os.listdir(folder) if (m := pattern.fullmatch(n)))
     folders = prefix in (TRAINER_PREFIX, ACCELERATE_PREFIX)  # written out as folders: their writer compares
     listed = [] if folders else list_files(directory)
@@ -103,7 +103,7 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
         try:
             verify_torch_file(resolve(source).as_own())
         except CheckpointError as err:
-            print(f"ckptools keeper: skipping snapshot {source}: {err}", file=sys.stderr, flush=True)
+            _say(f"skipping snapshot {source}: {err}")
             continue
         if prefix == TRAINER_PREFIX:  # written out as the Trainer's checkpoint-N/ folder (torch is imported only now)
             from .trainer_folder import snapshot_to_folder
@@ -134,6 +134,18 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
     return None
 
 
+def _say(text: str) -> None:
+    print(f"ckptools keeper {time.strftime('%H:%M:%S')}: {text}", file=sys.stderr, flush=True)
+
+
+def _log_to(path: str) -> None:
+    """Append this process's stderr to ``path`` (made 0600, never through a link)."""
+    with contextlib.suppress(OSError):  # no log is no reason not to keep the snapshots
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | _NOFOLLOW, 0o600)
+        os.dup2(fd, 2)
+        os.close(fd)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Watch, persist at the breakpoint, release; see the module docstring."""
     p = argparse.ArgumentParser(prog="python -m ckptools.node.keeper", description=__doc__.splitlines()[0])
@@ -143,7 +155,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--keep-last", type=int, default=None)
     p.add_argument("--grace", type=float, default=10.0, help="seconds every watched process must stay gone")
     p.add_argument("--poll", type=float, default=0.2)
+    p.add_argument("--log", default=None, help="a file to append what the keeper says to (else its stderr)")
     args = p.parse_args(argv)
+    if args.log:
+        _log_to(args.log)
     if _not_ours(args.folder):
         return 1
     lock = os.path.join(args.folder, LOCK)
@@ -162,6 +177,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # released before the keeper started
     with os.fdopen(fd, "w") as f:
         f.write(str(os.getpid()))
+    _say(f"keeping {args.folder} for {args.directory} (pid {os.getpid()}, grace {args.grace:g} s)")
     gone_since: float | None = None
     while os.path.isdir(args.folder):
         if _not_ours(args.folder):  # gone and made again by someone else: nothing of it is read
@@ -174,14 +190,22 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 written = persist(args.folder, args.directory, args.prefix, args.keep_last)
             except Exception as err:  # noqa: BLE001 - said, and the snapshot kept: it is the newest state
-                print(f"ckptools keeper: could not persist {args.folder} into {args.directory}: {err}; the "
-                      "snapshot stays in node memory for a relaunch", file=sys.stderr, flush=True)  # fmt: skip
+                _say(f"could not persist {args.folder} into {args.directory}: {err}; the snapshot stays in node "
+                     "memory for a relaunch")  # fmt: skip
                 return 1
             if written is not None:
-                print(f"ckptools keeper: the job is gone; persisted {written}", file=sys.stderr, flush=True)
-            if not _job_alive(args.folder):  # no relaunch registered meanwhile
-                with contextlib.suppress(OSError):  # said by nobody: the keeper has no one to tell
-                    discard(args.folder)
+                _say(f"the job is gone; persisted {written}")
+            else:
+                _say(f"the job is gone; nothing in {args.folder} is newer than {args.directory}'s checkpoints")
+            if _job_alive(args.folder):
+                # A relaunch registered while this persisted: its own keeper found this one alive and
+                # left, so this one watches on (and persists the relaunch's newer snapshots in turn).
+                _say(f"a relaunch registered in {args.folder} meanwhile: kept for it, and watched")
+                gone_since = None
+                continue
+            with contextlib.suppress(OSError):  # said by nobody: the keeper has no one to tell
+                discard(args.folder)
+                _say(f"released {args.folder}")
             return 0
         time.sleep(args.poll)
     return 0

@@ -245,8 +245,13 @@ def _commit_orphaned(
     rank = get_rank()
     leader = rank == node[0]
     error: BaseException | None = None
+    # Every rank of the node copies its share into the leader's slot: the leader checksums the whole
+    # slot only once each has said its copy is done (checksummed earlier, a share still being copied
+    # under load made a "committed" snapshot whose records fail their CRC-32s: the keeper then skipped it).
+    done = all_gather_object(copy_error is None)
+    whole = all(done[r] for r in node)
     try:  # the one commit protocol, its reports gathered by a collective; the leader checksums the node's copy
-        crcs = crc32s(mapped, plan.shares) if leader and copy_error is None else {}
+        crcs = crc32s(mapped, plan.shares) if leader and whole else {}
         finish(plan, location, copy_error, crcs, Gathered(node[0], node), _Slot(slots))
         if leader:
             slots.recycle(path)
