@@ -120,7 +120,13 @@ interop: $(INTEROP_STAMP) lightning-suite accelerate-suite
 		tests/test_spawn.py::test_the_keeper_persists_when_only_the_spawn_parent_is_killed \
 		tests/test_spawn.py::test_two_simulated_nodes_under_spawn_snapshot_and_restore_from_each_nodes_memory \
 		tests/test_spawn.py::test_the_imagenet_main_worker_under_spawn_preempted_or_killed_resumes_bit_identical \
-		tests/test_accelerate_folders.py tests/test_accelerate_state.py tests/test_accelerate_attach.py
+		tests/test_accelerate_folders.py tests/test_accelerate_state.py tests/test_accelerate_attach.py \
+		tests/test_train_ddp_e2e.py::test_killed_and_restarted_by_torchrun_again_and_again_is_bit_exact \
+		tests/test_train_ddp_e2e.py::test_failed_launch_then_same_command_or_another_worker_count_resumes \
+		'tests/test_train_ddp_e2e.py::test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact[workers2-sigterm-to-torchrun-then-to-every-process-then-sigusr1-to-every-process-slurm]' \
+		tests/test_quickstart_e2e.py tests/test_zero.py::test_resumed_at_the_same_world_size_bit_exact_and_on_one_or_three_ranks \
+		tests/test_crash.py::test_kill_minus_9_during_background_saves_loses_nothing \
+		tests/test_replicas.py::test_a_bit_flipped_in_an_optimizer_moment_is_caught_and_a_relaunch_restores_the_last_step_taken
 
 # accelerate-suite: Accelerate's own checkpointing tests (third_party/accelerate_tests) with every Accelerator
 # attached to ckptools; the session fails unless ckptools sealed the folders they saved.

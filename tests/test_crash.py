@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 from _killer import kill_loop
 
@@ -29,6 +30,7 @@ def test_kill_minus_9_during_saves_loses_nothing(tmp_path):
     assert audit.saves_completed > 0
 
 
+@pytest.mark.slow  # a whole-run scenario: make interop (make test stays within its 5 minutes)
 def test_kill_minus_9_during_background_saves_loses_nothing(tmp_path):
     # The writer overwrites its live tensor the moment each async save returns, so a snapshot
     # that missed a byte shows up as a checkpoint holding the wrong data.

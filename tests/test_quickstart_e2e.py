@@ -147,6 +147,7 @@ def uninterrupted(tmp_path_factory):
 # The guide's script is killed with 2 DataLoader workers and held against its run with 0 (the
 # uninterrupted one); the README's runs with 0 both times. So each script and both worker
 # counts are in, without a third pair of launches.
+@pytest.mark.slow  # ~35 s each: make interop (make test stays within its 5 minutes)
 @pytest.mark.parametrize(("page", "num_workers"), [("guide", 2), ("readme", 0)])
 def test_quickstart_killed_and_relaunched_is_bit_exact(tmp_path, uninterrupted, page, num_workers):
     script = tmp_path / "train.py"

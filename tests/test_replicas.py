@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import sys
 
+import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -101,6 +102,7 @@ def _relaunched(rank: int, world: int, folder: str) -> tuple[int, int]:
     return int(restored["__ckptools__"]["metadata"]["step"]), compared
 
 
+@pytest.mark.slow  # a whole-run scenario: make interop (make test stays within its 5 minutes)
 def test_a_bit_flipped_in_an_optimizer_moment_is_caught_and_a_relaunch_restores_the_last_step_taken(tmp_path):
     results = run_ranks(_caught, 2, str(tmp_path), "moment")
     _check(results, "opt.state[0].exp_avg", 2)

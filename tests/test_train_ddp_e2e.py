@@ -62,6 +62,7 @@ def reference(tmp_path_factory):
     return get
 
 
+@pytest.mark.slow  # a whole-run scenario: make interop (make test stays within its 5 minutes)
 def test_killed_and_restarted_by_torchrun_again_and_again_is_bit_exact(tmp_path, reference):
     """One launch, four crashes: torchrun's attempt k loses a rank right after the k-th step of
     17 (right after the epoch-end save), 23 (between two saves), 24 (right before one) and 26
@@ -104,6 +105,7 @@ def test_unseeded_augmentation_in_workers_differs_after_a_resume_and_warns(tmp_p
         assert_bit_identical(uninterrupted, tmp_path / "resumed")
 
 
+@pytest.mark.slow  # a whole-run scenario: make interop (make test stays within its 5 minutes)
 def test_failed_launch_then_same_command_or_another_worker_count_resumes(tmp_path, reference):
     """A launch whose 2 DataLoader workers are spawned and persistent (alive across epochs) dies
     after step 23 and is not restarted. Run again as it was, it resumes from step 20; so does a
@@ -262,6 +264,7 @@ _SLURM_TORCHRUN = ("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",)
             ("--num-workers", "2"),
             (),
             id="workers2-sigterm-to-torchrun-then-to-every-process-then-sigusr1-to-every-process-slurm",
+            marks=pytest.mark.slow,  # ~40 s: make interop runs it (make test stays within 5 minutes)
         ),
         # Async saves every step of a ~55 MB state: the stop finds that step's save being
         # written, and must finish it before every rank exits.

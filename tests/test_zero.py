@@ -146,6 +146,7 @@ def _straight(rank: int, world: int, steps: int) -> dict:
     return {k: v.clone() for k, v in model.module.state_dict().items()}
 
 
+@pytest.mark.slow  # a whole-run scenario: make interop (make test stays within its 5 minutes)
 def test_resumed_at_the_same_world_size_bit_exact_and_on_one_or_three_ranks(tmp_path):
     run_ranks(_save_then_consolidate, 2, str(tmp_path), "save")
     resumed = run_ranks(_resume, 2, str(tmp_path), 2)
