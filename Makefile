@@ -103,8 +103,8 @@ interop: $(INTEROP_STAMP) lightning-suite accelerate-suite
 		tests/test_s3.py::test_writer_killed_mid_upload_leaves_previous_intact \
 		'tests/test_s3.py::test_every_rank_uploads_its_share_as_parts_of_one_upload[3]' \
 		tests/test_s3.py::test_a_rank_killed_mid_upload_leaves_the_previous_object_and_no_upload \
-		'tests/test_s3.py::test_a_restore_from_s3_reads_each_byte_once_between_the_ranks[2]' \
-		'tests/test_s3.py::test_the_managers_restore_from_s3_downloads_each_byte_once_between_the_ranks[2]' \
+		tests/test_s3.py::test_a_restore_from_s3_reads_each_byte_once_between_the_ranks \
+		tests/test_s3.py::test_the_managers_restore_from_s3_downloads_each_byte_once_between_the_ranks \
 		tests/test_s3.py::test_a_flipped_byte_in_an_object_read_once_is_one_clear_error_on_every_rank \
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind \
 		tests/test_train_ddp_e2e.py::test_kill_9_of_the_whole_job_not_relaunched_leaves_the_newest_step_in_the_folder \
@@ -126,7 +126,12 @@ interop: $(INTEROP_STAMP) lightning-suite accelerate-suite
 		'tests/test_train_ddp_e2e.py::test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact[workers2-sigterm-to-torchrun-then-to-every-process-then-sigusr1-to-every-process-slurm]' \
 		tests/test_quickstart_e2e.py tests/test_zero.py::test_resumed_at_the_same_world_size_bit_exact_and_on_one_or_three_ranks \
 		tests/test_crash.py::test_kill_minus_9_during_background_saves_loses_nothing \
-		tests/test_replicas.py::test_a_bit_flipped_in_an_optimizer_moment_is_caught_and_a_relaunch_restores_the_last_step_taken
+		tests/test_replicas.py::test_a_bit_flipped_in_an_optimizer_moment_is_caught_and_a_relaunch_restores_the_last_step_taken \
+		tests/test_replicas.py::test_a_bit_flipped_in_one_ranks_parameter_is_caught_on_every_rank_at_3_ranks \
+		tests/test_replicas.py::test_a_healthy_mixed_precision_run_with_a_grad_scaler_raises_and_warns_nothing \
+		tests/test_zero.py::test_zero_to_plain_adamw_and_back_through_ck_load tests/test_zero.py::test_a_save_sends_metadata_only_between_ranks \
+		tests/test_sampler.py::test_seeded_dataset_gives_every_item_the_same_draws_with_any_workers \
+		tests/test_dist.py::test_init_distributed_isolates_restart_attempts
 
 # accelerate-suite: Accelerate's own checkpointing tests (third_party/accelerate_tests) with every Accelerator
 # attached to ckptools; the session fails unless ckptools sealed the folders they saved.

@@ -57,6 +57,7 @@ def _attempt_worker(env: dict, queue) -> None:
     _exit_now(queue)
 
 
+@pytest.mark.slow  # ~10 s of processes: make interop (make test stays within its 5 minutes)
 def test_init_distributed_isolates_restart_attempts():
     # torchrun's agent hosts one store for every attempt; the failed attempt's keys stay in it.
     port = free_port()

@@ -163,6 +163,7 @@ def test_golden_lightning_hydra_checkpoint():
 # --- 2. trusted pickles whose classes are not importable -----------------------------------------
 
 
+@pytest.mark.slow  # ~10 s of processes: make interop (make test stays within its 5 minutes)
 def test_verify_trusting_a_file_whose_class_is_missing_is_not_damage(tmp_path):
     hydra = tmp_path / "hydra.ckpt"
     _hydra_ckpt(hydra)

@@ -86,6 +86,7 @@ def _check(results: list[dict], where: str, world: int) -> None:
         assert said["snapshots"][-1:] == ([caught_at - 1] if caught_at > 3 else []), said
 
 
+@pytest.mark.slow  # ~10 s of processes: make interop (make test stays within its 5 minutes)
 def test_a_bit_flipped_in_one_ranks_parameter_is_caught_on_every_rank_at_3_ranks(tmp_path):
     _check(run_ranks(_caught, 3, str(tmp_path), "parameter"), "model.0.weight", 3)
 
@@ -164,6 +165,7 @@ def _amp(rank: int, world: int, folder: str) -> list[str]:
     return [str(w.message) for w in said]
 
 
+@pytest.mark.slow  # ~10 s of processes: make interop (make test stays within its 5 minutes)
 def test_a_healthy_mixed_precision_run_with_a_grad_scaler_raises_and_warns_nothing(tmp_path):
     assert run_ranks(_amp, 2, str(tmp_path)) == [[], []]
 

@@ -383,7 +383,8 @@ def _bytes_read_by_rank(requests: list[dict], key: str) -> dict[int, int]:
     return read
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])  # 2: make interop
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow  # make interop runs both (make test stays within its 5 minutes)
 def test_a_restore_from_s3_reads_each_byte_once_between_the_ranks(s3_env, world):
     import s3fs
 
@@ -433,7 +434,8 @@ def _downloaded_by_rank(requests: list[dict], key: str, size: int) -> dict[int, 
     return read
 
 
-@pytest.mark.parametrize("world", [pytest.param(2, marks=pytest.mark.slow), 3])  # 2: make interop
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.slow  # make interop runs both (make test stays within its 5 minutes)
 def test_the_managers_restore_from_s3_downloads_each_byte_once_between_the_ranks(s3_env, world):
     """Issue 56 (1): choosing the checkpoint checked every record's CRC-32 on rank 0 by downloading the whole
     object, then the load read it again (200 % on rank 0). Now the choice reads the container in a few GETs

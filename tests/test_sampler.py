@@ -435,6 +435,7 @@ def _augmented(epochs=(0, 1), *, wrap=True, resume_after=None, **loader_kw):
     return seen
 
 
+@pytest.mark.slow  # ~10 s of processes: make interop (make test stays within its 5 minutes)
 def test_seeded_dataset_gives_every_item_the_same_draws_with_any_workers():
     expected = _augmented()
     assert len(expected) == 48 and len(set(expected.values())) == 48  # every item of every epoch its own draws

@@ -249,6 +249,7 @@ def test_a_snapshot_in_node_memory_holds_every_partition_and_restores_it(tmp_pat
     assert run_ranks(_snapshot_and_restore, 2, str(tmp_path)) == [True, True]
 
 
+@pytest.mark.slow  # ~10 s of processes: make interop (make test stays within its 5 minutes)
 def test_zero_to_plain_adamw_and_back_through_ck_load(tmp_path):
     run_ranks(_save_then_consolidate, 2, str(tmp_path), "save")
     # One process, a plain AdamW: what a user switching away from ZeRO does.
@@ -275,6 +276,7 @@ def _traffic(rank: int, world: int, directory: str) -> dict:
     return {"own": own, "ours": ours[0], "theirs": theirs[0]}
 
 
+@pytest.mark.slow  # ~10 s of processes: make interop (make test stays within its 5 minutes)
 def test_a_save_sends_metadata_only_between_ranks(tmp_path):
     results = run_ranks(_traffic, 2, str(tmp_path))
     for r in results:
