@@ -277,11 +277,15 @@ os._exit(1)  # killed in turn
 """
 
 
-def test_a_relaunch_that_registers_while_the_keeper_persists_is_kept_by_that_keeper(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("copy", ["persisted", "failed"])
+def test_a_relaunch_that_registers_while_the_keeper_persists_is_kept_by_that_keeper(
+    tmp_path, monkeypatch, capsys, copy
+):
     """The keeper, at the end of its grace, persists the dead job's snapshot; a relaunch that registers
     during that copy keeps the node memory, and its own keeper, finding this one alive, leaves. This one
     then watches the relaunch: killed in turn, its newer snapshot is persisted and the memory released
-    (the keeper used to exit there, leaving the relaunch's snapshots to nobody)."""
+    (the keeper used to exit there, leaving the relaunch's snapshots to nobody). So too when the copy
+    failed meanwhile (the relaunch's first snapshot recycles the file being copied)."""
     from ckptools.node import keeper
 
     memory, run = tmp_path / "node-memory", tmp_path / "run"
@@ -292,24 +296,28 @@ def test_a_relaunch_that_registers_while_the_keeper_persists_is_kept_by_that_kee
                            capture_output=True, text=True, timeout=120)  # fmt: skip
     assert first.returncode == 1 and "ckpt-0000000007.pt" in os.listdir(memory), first.stderr[-3000:]
     relaunch: list[subprocess.Popen] = []
+    persisted = threading.Event()  # the first persist has returned (or raised)
     own = keeper.persist
 
     def persist(*args):  # the relaunch registers while the dead job's snapshot is copied
-        if not relaunch:
+        if persisted.is_set():
+            return own(*args)
+        try:
             proc = subprocess.Popen([sys.executable, str(tmp_path / "relaunch.py"), str(run), str(memory)], cwd=ROOT,
                                     env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)  # fmt: skip
-            relaunch.append(proc)
-            assert proc.stdout.readline() == "registered\n"
-        return own(*args)
+            relaunch.append((proc, proc.stdout.readline()))
+            if copy == "failed":
+                raise FileNotFoundError(2, "No such file or directory", str(memory / "ckpt-0000000007.pt"))
+            return own(*args)
+        finally:
+            persisted.set()
 
     monkeypatch.setattr(keeper, "persist", persist)
     kept = threading.Thread(target=keeper.main, args=([str(memory), str(run), "--grace", "0.5", "--poll", "0.05"],))
     kept.start()
-    deadline = time.monotonic() + 60
-    while not relaunch and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert relaunch, "the keeper did not persist within 60 s"
-    proc = relaunch[0]
+    assert persisted.wait(60), "the keeper did not persist within 60 s"
+    proc, said = relaunch[0]
+    assert said == "registered\n"
     proc.stdin.write("\n")
     proc.stdin.flush()
     assert proc.stdout.readline() == "taken\n"
@@ -320,9 +328,10 @@ def test_a_relaunch_that_registers_while_the_keeper_persists_is_kept_by_that_kee
     kept.join(60)
     log = capsys.readouterr().err
     assert not kept.is_alive() and not memory.exists(), log
-    assert sorted(os.listdir(run)) == ["ckpt-0000000007.pt", "ckpt-0000000009.pt"], log
+    expected = ["ckpt-0000000007.pt", "ckpt-0000000009.pt"] if copy == "persisted" else ["ckpt-0000000009.pt"]
+    assert sorted(os.listdir(run)) == expected, log
     assert torch.load(run / "ckpt-0000000009.pt", weights_only=True)["w"].tolist() == [2.0] * 4
-    assert "registered in" in log and "kept for it, and watched" in log and "released" in log, log
+    assert "a relaunch registered" in log and "kept for it, and watched" in log and "released" in log, log
 
 
 WRITER = """

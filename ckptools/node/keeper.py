@@ -190,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 written = persist(args.folder, args.directory, args.prefix, args.keep_last)
             except Exception as err:  # noqa: BLE001 - said, and the snapshot kept: it is the newest state
+                if _job_alive(args.folder):  # a relaunch's snapshot may have recycled the file being copied
+                    _say(f"could not persist {args.folder} into {args.directory} ({err}); a relaunch registered "
+                         "meanwhile: kept for it, and watched")  # fmt: skip
+                    gone_since = None
+                    continue
                 _say(f"could not persist {args.folder} into {args.directory}: {err}; the snapshot stays in node "
                      "memory for a relaunch")  # fmt: skip
                 return 1
