@@ -78,9 +78,10 @@ def _proc_state(pid: int) -> str:
 def _stacks_and_kill(pid: int) -> str:
     """Python stacks of a hung launch and its workers (py-spy, where installed), then SIGKILL all.
 
-    torchrun starts its workers in sessions of their own, so the whole tree is collected first.
+    torchrun starts its workers in sessions of their own, so the whole tree is collected first; the kill
+    is `kill_job`'s (a process forked while the stacks were taken is killed too).
     """
-    pids = [pid, *_descendants(pid)]
+    pids = job_processes(pid)
     stacks = []
     spy = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
     gdb = shutil.which("gdb")
@@ -98,9 +99,7 @@ def _stacks_and_kill(pid: int) -> str:
                                         capture_output=True, text=True, timeout=60)  # fmt: skip
                 said.append("\n".join(line for line in native.stdout.splitlines() if line.startswith(("#", "Thread"))))
         stacks.append("\n".join(said))
-    for p in pids:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(p, signal.SIGKILL)
+    kill_job(pid)
     return "\n".join(stacks)
 
 
