@@ -40,9 +40,16 @@ def _context() -> Any:
     fresh, single-threaded process forked per rank (as clean as ``spawn``), without each rank paying
     the ~1.4 s of CPU that importing torch costs (dozens of ranks per ``make test``)."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "numpy", "ckptools", "ckptools.saving",
-                                "ckptools.read", "ckptools.manager", "_dist"])  # fmt: skip
+    ctx.set_forkserver_preload(_PRELOAD)
     return ctx
+
+
+# What the forkserver imports once, so that no rank imports it again: torch, ckptools, and what
+# the first DDP model imports lazily (torch._dynamo and the FSDP and DTensor modules it pulls in:
+# ~1.8 s of CPU per rank otherwise), pytest (every test module imports it).
+_PRELOAD = ["torch", "torch.distributed", "numpy", "ckptools", "ckptools.saving", "ckptools.read",
+            "ckptools.manager", "torch._dynamo", "torch.nn.parallel.distributed", "torch.optim", "pytest",
+            "fsspec.implementations.memory", "_dist", "_warm"]  # fmt: skip
 
 
 def _worker(
@@ -114,14 +121,26 @@ def run_ranks(
     timeout: float = 120,
     may_die: frozenset[int] = frozenset(),
     pg_timeout: float = 60,
+    fresh: str | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes; return results by rank.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks of one gloo group; return results by rank.
 
-    ``fn`` must be a module-level function (spawn pickles it by name). Any exception on any rank,
-    or a rank that does not report within ``timeout`` seconds, fails the calling test. Ranks in
-    ``may_die`` are allowed to vanish without reporting (their result is None); the others are
-    waited for. ``pg_timeout`` is the process group's collective timeout in seconds.
+    ``fn`` must be a module-level function (it is pickled by name). Any exception on any rank, or a
+    rank that does not report within ``timeout`` seconds, fails the calling test.
+
+    By default the ranks are this test process's warm ones (`_warm`: started once, reused by every
+    test, put back as a fresh rank between tests). ``fresh="why"`` starts new processes for this
+    call instead, for a test whose subject is a process's end or its group's making: ranks in
+    ``may_die`` may vanish without reporting (their result is None; the others are waited for), and
+    ``pg_timeout`` is the group's collective timeout in seconds; either needs a ``fresh`` reason.
+    ``CKPTOOLS_TEST_FRESH_RANKS=1`` makes every call fresh (to tell a test's fault from the pool's).
     """
+    if (may_die or pg_timeout != 60) and not fresh:
+        raise TypeError("run_ranks: may_die and pg_timeout need fresh ranks: say why with fresh='...'")
+    if not fresh and os.environ.get("CKPTOOLS_TEST_FRESH_RANKS") != "1":
+        import _warm
+
+        return _warm.run(fn, world_size, args, timeout)
     ctx = _context()
     queue = ctx.Queue()
     port = free_port()

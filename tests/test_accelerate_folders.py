@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.versions  # Accelerate's save_state folders
+
 pytest.importorskip("accelerate")
 
 WRITE = """

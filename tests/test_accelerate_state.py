@@ -18,6 +18,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _torchrun import ok, torchrun
 
+pytestmark = pytest.mark.versions  # Accelerate's save_state and load_state
+
 JOB = os.path.join(os.path.dirname(__file__), "_accelerate_state_job.py")
 
 

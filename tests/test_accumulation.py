@@ -24,6 +24,8 @@ from _same import tiny_net
 import ckptools as ck
 from ckptools.gradients import GRADIENTS_KEY
 
+pytestmark = pytest.mark.versions  # the optimizers' step hooks and DDP's gradient buckets
+
 BATCHES = 7
 
 

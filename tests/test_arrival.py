@@ -48,7 +48,15 @@ def _rank0_alone(rank: int, world: int, directory: str, then: str) -> dict:
 @pytest.mark.parametrize("then", ["leave", "barrier"])
 def test_a_save_under_if_rank_0_raises_within_the_bound_naming_the_ranks_and_the_fix(tmp_path, monkeypatch, then):
     monkeypatch.setenv(arrival.ENV, "3")
-    results = run_ranks(_rank0_alone, 3, str(tmp_path), then, may_die=frozenset({1, 2}), timeout=60)
+    results = run_ranks(
+        _rank0_alone,
+        3,
+        str(tmp_path),
+        then,
+        may_die=frozenset({1, 2}),
+        timeout=60,
+        fresh="ranks 1 and 2 never reach the save: they leave",
+    )
     got = results[0]
     assert got["error"] is not None and 3.0 <= got["seconds"] < 6.0, got
     for said in ("ck.save is collective", "Rank(s) 0 came to it, rank(s) 1, 2 (of 3) did not within 3 s",
@@ -108,7 +116,15 @@ def test_every_rank_that_came_raises_at_the_bound_of_the_first_arrival(tmp_path,
     """Rank 0 comes at once, rank 1 two seconds later, rank 2 never: ranks 0 and 1 raise together,
     when rank 0's bound is up (rank 1 waited two seconds less)."""
     monkeypatch.setenv(arrival.ENV, "4")
-    results = run_ranks(_staggered, 3, str(tmp_path), [0.0, 2.0, None], may_die=frozenset({2}), timeout=60)
+    results = run_ranks(
+        _staggered,
+        3,
+        str(tmp_path),
+        [0.0, 2.0, None],
+        may_die=frozenset({2}),
+        timeout=60,
+        fresh="rank 2 leaves without saving",
+    )
     first, second = results[0], results[1]
     assert "Rank(s) 0, 1 came to it, rank(s) 2 (of 3) did not within 4 s" in first["error"], first
     assert second["error"] == first["error"]
@@ -135,7 +151,9 @@ def _dies_mid_check_in(rank: int, world: int, directory: str) -> dict:
 
 def test_a_rank_that_dies_in_the_middle_of_its_check_in_is_noticed_within_seconds(tmp_path, monkeypatch):
     monkeypatch.setenv(arrival.ENV, "30")
-    results = run_ranks(_dies_mid_check_in, 2, str(tmp_path), may_die=frozenset({1}), timeout=60)
+    results = run_ranks(
+        _dies_mid_check_in, 2, str(tmp_path), may_die=frozenset({1}), timeout=60, fresh="rank 1 dies mid check-in"
+    )
     got = results[0]
     assert "ck.save is collective, and rank(s) 1 died before every rank had come to it" in got["error"], got
     assert got["seconds"] < 10, got  # noticed, not the 30 s bound

@@ -10,6 +10,8 @@ from _dist import run_ranks
 
 import ckptools as ck
 
+pytestmark = pytest.mark.versions  # torch's collectives over storages and DDP's buckets
+
 
 def _net() -> torch.nn.Module:
     torch.manual_seed(0)

@@ -22,6 +22,9 @@ from ckptools.codecs.trees import META_KEY
 from ckptools.storage import TMP_MARKER
 from ckptools.storage import host as _host
 
+# versions: torch.save and torch.load (weights_only), DDP, the optimizers', schedulers' and scalers' states
+pytestmark = pytest.mark.versions
+
 
 def _net() -> torch.nn.Module:
     torch.manual_seed(0)

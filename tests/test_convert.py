@@ -19,6 +19,8 @@ from ckptools.codecs.safetensors import (
 )
 from ckptools.layouts.safetensors_file import load_safetensors
 
+pytestmark = pytest.mark.versions  # torch's and safetensors' formats
+
 
 def _weights():
     torch.manual_seed(0)

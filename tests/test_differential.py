@@ -180,7 +180,8 @@ def test_the_generator_covers_what_it_claims():
     assert all(seen.values()), seen
 
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = [pytest.mark.versions, pytest.mark.filterwarnings("ignore::UserWarning")]
+# versions: checked against torch.load and safetensors
 
 
 def _official_file(seed: int) -> bytes:

@@ -15,6 +15,8 @@ from _dist import _exit_now, free_port, run_ranks
 
 import ckptools as ck
 
+pytestmark = pytest.mark.versions  # gloo's threads and init_process_group
+
 
 def test_no_process_group_is_rank_0_of_1_and_init_distributed_alone_makes_a_group_of_one(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)

@@ -56,6 +56,7 @@ def test_pages_have_the_snippets_this_test_expects():
     assert counted["README.md"] >= 1 and counted["docs/getting-started.md"] >= 2, counted
 
 
+@pytest.mark.versions  # the guides' snippets on each torch
 @pytest.mark.parametrize("page", [p for p in PAGES if _python_blocks(p)], ids=lambda p: p.relative_to(ROOT).as_posix())
 def test_every_python_snippet_runs(tmp_path, page):
     # A page about an optional framework (an `interop` extra) runs where that framework is installed.
@@ -87,6 +88,7 @@ def _modules() -> list[str]:
     ]
 
 
+@pytest.mark.versions  # the docstrings' examples on each torch
 @pytest.mark.parametrize("name", _modules())
 def test_every_docstring_example_runs(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)

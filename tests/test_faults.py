@@ -24,6 +24,8 @@ import ckptools as ck
 from ckptools.collective.group import all_gather_object as _all_gather_object
 from ckptools.storage import list_files
 
+pytestmark = pytest.mark.versions  # gloo's behaviour when a peer dies or hangs
+
 # A dead peer breaks gloo's connection at once; this is the bound the tests hold it to.
 DEAD_PEER_BOUND_S = 10.0
 PG_TIMEOUT_S = 5.0
@@ -172,7 +174,14 @@ def test_peer_death_or_hang_gives_bounded_error(tmp_path, scenario):
     victim, bound = PEER_SCENARIOS[scenario]
     survivor = 1 - victim
     results = run_ranks(
-        _peer_trouble, 2, str(tmp_path), scenario, may_die=frozenset({victim}), pg_timeout=PG_TIMEOUT_S, timeout=60
+        _peer_trouble,
+        2,
+        str(tmp_path),
+        scenario,
+        may_die=frozenset({victim}),
+        pg_timeout=PG_TIMEOUT_S,
+        timeout=60,
+        fresh="a peer dies or hangs",
     )
     got = results[survivor]
     print(f"\n{scenario}: rank {survivor} raised after {got['elapsed']:.2f} s (bound {bound:.0f} s)")

@@ -124,6 +124,7 @@ def test_relaunched_it_resumes_at_most_one_step_behind_bit_identical(tmp_path, m
     assert_bit_identical(reference, run)
 
 
+@pytest.mark.versions  # torchrun's agent and its store
 def test_the_agent_dies_while_a_snapshot_commits_and_the_next_snapshot_is_still_the_jobs_last(tmp_path, monkeypatch):
     """The race behind `agent alone`, made deterministic: the store goes (torchrun's agent held it)
     while step 2's snapshot commits, so that commit fails; then the agent is gone. Step 3's snapshot
@@ -183,6 +184,7 @@ def test_the_agent_dies_while_a_snapshot_commits_and_the_next_snapshot_is_still_
     assert keepers_left(memory) == []
 
 
+@pytest.mark.versions  # torchrun's agent and its store
 @pytest.mark.parametrize("then", ["relaunched", "nobody relaunches"])
 def test_a_kill_after_the_copy_and_before_its_commit_loses_no_step_of_it(tmp_path, monkeypatch, then):
     """kill -9 of every rank once step 2's snapshot returned on both, its commit not done (held back:

@@ -20,6 +20,8 @@ import zipfile
 import pytest
 import torch
 
+pytestmark = pytest.mark.versions  # Lightning's CheckpointIO and strategies
+
 pl = pytest.importorskip("pytorch_lightning", reason="the interop extra (pytorch-lightning) is not installed")
 
 from _s3 import BUCKET  # noqa: E402  # the bucket of the s3_env fixture (a moto S3 server)

@@ -14,6 +14,8 @@ import torch
 from _lightning_fit import FIT, logged, run_killed
 from _same import same_tree
 
+pytestmark = pytest.mark.versions  # Lightning's and Fabric's loops and their resume
+
 pl = pytest.importorskip("pytorch_lightning", reason="the interop extra (pytorch-lightning) is not installed")
 
 import ckptools as ck  # noqa: E402

@@ -8,6 +8,8 @@ import torch
 
 import ckptools as ck
 
+pytestmark = pytest.mark.versions  # the DataLoader's iterator and its workers
+
 
 class Augmented(torch.utils.data.Dataset):
     """Random augmentation in __getitem__, drawn from the fetching process's global streams."""

@@ -14,6 +14,8 @@ from _dist import run_ranks
 
 import ckptools as ck
 
+pytestmark = pytest.mark.versions  # signals in torch's DataLoader workers
+
 
 def _stop_step(rank: int, world: int, signalled: list[int], at: int, check_every: int, signum: int) -> dict:
     preemption = ck.Preemption(check_every=check_every)
@@ -245,7 +247,14 @@ def test_a_dead_ranks_protected_workers_die_with_it_and_the_others_find_out_at_o
     # Orphaned workers lingered until torch's watchdog noticed (it polls every 5 s), keeping what
     # they inherited from the rank open: in the reference loop (torchrun, 2 workers, a rank
     # crashing before a save) the survivor learned of the death ~5 s late (issue 22).
-    results = run_ranks(_rank_dies_with_workers, 2, str(tmp_path), may_die=frozenset({1}), timeout=60)
+    results = run_ranks(
+        _rank_dies_with_workers,
+        2,
+        str(tmp_path),
+        may_die=frozenset({1}),
+        timeout=60,
+        fresh="rank 1 crashes with its workers",
+    )
     assert results[0]["raised_after"] is not None and results[0]["raised_after"] < 2.0, results
     pids = [int(p) for p in (tmp_path / "workers").read_text().split()]
     assert len(pids) == 2

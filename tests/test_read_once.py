@@ -107,6 +107,7 @@ def _check(results: list[dict], world: int) -> None:
 # /proc/self/io counts what is read again.
 
 
+@pytest.mark.versions  # torch's storages, read in pieces
 def test_two_ranks_read_a_shared_file_once_bit_exact(tmp_path):
     _check(run_ranks(_once, 2, str(tmp_path), 2), 2)
 

@@ -27,6 +27,8 @@ from typer.testing import CliRunner
 import ckptools as ck
 from ckptools.cli import app
 
+pytestmark = pytest.mark.versions  # files torch and the frameworks write
+
 HERE = os.path.dirname(__file__)
 # Absolute: some tests run the CLI from another working directory.
 GOLDEN = os.path.abspath(os.environ.get("CKPTOOLS_GOLDEN") or os.path.join(HERE, "interop", "golden"))

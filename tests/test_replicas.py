@@ -17,6 +17,8 @@ from _dist import run_ranks
 
 import ckptools as ck
 
+pytestmark = pytest.mark.versions  # DDP's replicas, the GradScaler, ZeRO's partitions
+
 
 def _trained(rank: int, steps: int = 2):  # type: ignore[no-untyped-def]
     torch.manual_seed(0)

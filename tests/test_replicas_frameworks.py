@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _torchrun import keepers_left, ok, torchrun
 
+pytestmark = pytest.mark.versions  # the frameworks' save paths
+
 JOB = os.path.join(os.path.dirname(__file__), "_replicas_frameworks_job.py")
 
 # What each job leaves in its folder once the keeper is done: the save of step 2 (every 2 steps; step 4's was

@@ -4,9 +4,12 @@ import io
 import random
 
 import numpy as np
+import pytest
 import torch
 
 from ckptools import rng
+
+pytestmark = pytest.mark.versions  # torch's RNG states
 
 
 def _draw():

@@ -229,7 +229,9 @@ def test_a_rank_killed_mid_upload_leaves_the_previous_object_and_no_upload(s3_en
     import s3fs
 
     url = f"s3://{BUCKET}/died/ckpt.pt"
-    said = run_ranks(_a_rank_dies_mid_upload, 3, url, may_die=frozenset({1}), pg_timeout=20)
+    said = run_ranks(
+        _a_rank_dies_mid_upload, 3, url, may_die=frozenset({1}), pg_timeout=20, fresh="rank 1 is killed mid-upload"
+    )
     assert said[0] is not None and "collective with the other ranks failed" in said[0], said
     fs = s3fs.S3FileSystem()
     assert fs.call_s3("list_multipart_uploads", Bucket=BUCKET, Prefix="died").get("Uploads", []) == []  # aborted

@@ -14,6 +14,8 @@ import ckptools as ck
 from ckptools import log as _log
 from ckptools.rng import item_seeds as _item_seeds
 
+pytestmark = pytest.mark.versions  # the DataLoader's iterator, its workers and torchdata's loader
+
 DATA = TensorDataset(torch.arange(50))  # 50 samples over 2 ranks: 25 each, padded not dropped
 
 

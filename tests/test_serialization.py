@@ -10,6 +10,8 @@ from _corpus import tensor_record_offsets
 from ckptools.errors import CheckpointFormatError, UnsafeCheckpointError
 from ckptools.layouts.torch_io import load_file, save_file, verify_torch_file
 
+pytestmark = pytest.mark.versions  # torch's file formats, the legacy one included
+
 
 def test_verify_catches_every_flipped_byte_in_tensor_data(tmp_path):
     path = tmp_path / "c.pt"

@@ -55,6 +55,7 @@ def _manager(tmp_path, **kwargs) -> ck.CheckpointManager:
     return ck.CheckpointManager(tmp_path / "run", snapshot_dir=memory, **kwargs)
 
 
+@pytest.mark.versions  # torch's storages mapped from node memory
 def test_restore_takes_the_newest_of_node_memory_and_disk_bit_exact(tmp_path):
     manager = _manager(tmp_path)
     manager.save({**_state(1.0), "step": 10}, 10)

@@ -9,6 +9,8 @@ from torch.nn.modules.utils import consume_prefix_in_state_dict_if_present
 
 import ckptools as ck
 
+pytestmark = pytest.mark.versions  # torch's state_dict metadata and its prefix rules
+
 
 def _net() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.BatchNorm1d(3))

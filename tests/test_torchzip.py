@@ -21,6 +21,8 @@ from ckptools.codecs.pickles import loads
 from ckptools.codecs.torchzip import TorchZip, read_local_zip
 from ckptools.codecs.trees import tensor_info
 
+pytestmark = pytest.mark.versions  # torch's zip layout and pickles, read by ckptools' own codec
+
 
 def _checkpoint(path):
     torch.manual_seed(0)

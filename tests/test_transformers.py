@@ -20,6 +20,8 @@ pytest.importorskip("transformers", reason="the interop extra (transformers) is 
 import ckptools as ck
 from ckptools.integrations.transformers import MANIFEST, latest_complete_checkpoint, write_manifest
 
+pytestmark = pytest.mark.versions  # the HF Trainer's save and resume
+
 _TRAIN = """
 import os, signal, sys, torch
 from transformers import Trainer, TrainingArguments

@@ -27,7 +27,8 @@ import ckptools as ck
 from ckptools.integrations.trainer_snapshots import PREFIX
 from ckptools.layouts import check_folder
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.versions, pytest.mark.slow, pytest.mark.timeout(600)]
+# versions: the HF Trainer's save and resume
 
 # Dropout, the Trainer's shuffled order, augmentation through ck.SeededDataset, AdamW with a warm-up
 # schedule: every stream a resume must put back. 96 samples, batches of 8 per process; a durable

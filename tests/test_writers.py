@@ -97,6 +97,7 @@ def _assert_same(a, b, where="file"):
     assert_same_tree(a, b, where, ignore={"created_unix"}, strides=True)
 
 
+@pytest.mark.versions  # torch.load of what every rank wrote, DDP, BatchNorm, the GradScaler
 @pytest.mark.parametrize("world", [2, 3])
 def test_every_rank_writes_its_share_into_one_file_equal_to_rank0s(tmp_path, world):
     results = run_ranks(_same_files, world, str(tmp_path))
@@ -221,6 +222,7 @@ def test_a_writer_that_dies_or_fails_leaves_the_previous_checkpoint_and_every_ra
         how,
         may_die=frozenset({victim} if how == "kill" else ()),
         pg_timeout=20,
+        fresh="a writer is killed or fails",
     )
     survivors = [r for rank, r in enumerate(results) if not (how == "kill" and rank == victim)]
     for message, _ in survivors:
@@ -287,7 +289,16 @@ def _async_trouble(rank: int, world: int, directory: str, victim: int, how: str)
 @pytest.mark.parametrize(("victim", "how"), [(1, "kill"), (1, "fail"), (0, "fail")])
 def test_an_async_writer_that_dies_or_fails_leaves_the_previous_checkpoint(tmp_path, victim, how):
     may_die = frozenset({victim} if how == "kill" else ())
-    results = run_ranks(_async_trouble, 2, str(tmp_path), victim, how, may_die=may_die, pg_timeout=20)
+    results = run_ranks(
+        _async_trouble,
+        2,
+        str(tmp_path),
+        victim,
+        how,
+        may_die=may_die,
+        pg_timeout=20,
+        fresh="a writer is killed or fails",
+    )
     survivors = [r for rank, r in enumerate(results) if rank not in may_die]
     for message, _ in survivors:
         if how == "fail":  # every rank learns which rank failed, and why

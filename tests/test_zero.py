@@ -19,6 +19,8 @@ import ckptools as ck
 from ckptools.cli import app
 from ckptools.storage import TMP_MARKER
 
+pytestmark = pytest.mark.versions  # ZeroRedundancyOptimizer's partition attributes
+
 # Sizes that partition unevenly (the largest first, greedily): ranks own different counts.
 SHAPES = ((96, 64), (96,), (64, 96), (64,), (32, 64), (32,), (8, 32), (8,))
 
@@ -221,7 +223,9 @@ def _owner_dies_or_fails(rank: int, world: int, directory: str, how: str) -> str
 @pytest.mark.parametrize("how", ["kill", "fail"])
 def test_an_owner_killed_or_failing_mid_save_fails_it_on_every_rank_and_keeps_the_previous(tmp_path, how):
     may_die = frozenset({1} if how == "kill" else ())
-    said = run_ranks(_owner_dies_or_fails, 2, str(tmp_path), how, may_die=may_die, pg_timeout=20)
+    said = run_ranks(
+        _owner_dies_or_fails, 2, str(tmp_path), how, may_die=may_die, pg_timeout=20, fresh="an owner is killed or fails"
+    )
     if how == "kill":  # rank 0 learns of it from the broken group, not by waiting out a timeout
         assert "checkpoint collective with the other ranks failed" in said[0], said
     else:
