@@ -14,7 +14,11 @@ import sys
 import pytest
 
 pytest.importorskip("accelerate")
-pytestmark = [pytest.mark.versions, pytest.mark.slow]  # fresh interpreters importing Accelerate: `make interop`
+pytestmark = [
+    pytest.mark.versions,
+    pytest.mark.slow,
+    pytest.mark.interop,
+]  # fresh interpreters importing Accelerate: `make interop`
 # versions: Accelerate's save_state and load_state
 
 

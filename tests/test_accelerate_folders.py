@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.versions  # Accelerate's save_state folders
+pytestmark = [pytest.mark.versions, pytest.mark.interop]  # Accelerate's save_state folders
 
 pytest.importorskip("accelerate")
 

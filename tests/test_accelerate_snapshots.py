@@ -27,7 +27,7 @@ from ckptools.layouts import check_folder
 from ckptools.node import ACCELERATE_PREFIX
 
 pytest.importorskip("accelerate")
-pytestmark = [pytest.mark.versions, pytest.mark.slow]
+pytestmark = [pytest.mark.versions, pytest.mark.slow, pytest.mark.interop]
 # versions: Accelerate's state and its loaders
 
 SCRIPT, EVERY = "accelerate_cv.py", ["--snapshots", "--checkpointing_steps", "6"]

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from _torchrun import ok, torchrun
 
-pytestmark = pytest.mark.versions  # Accelerate's save_state and load_state
+pytestmark = [pytest.mark.versions, pytest.mark.interop]  # Accelerate's save_state and load_state
 
 JOB = os.path.join(os.path.dirname(__file__), "_accelerate_state_job.py")
 
@@ -34,6 +34,7 @@ def _weights(out: str) -> str:
     return found[0]
 
 
+@pytest.mark.compat  # Accelerate's save_state killed and resumed
 @pytest.mark.slow
 def test_a_save_state_killed_before_its_seal_is_never_resumed_from_and_the_relaunch_is_bit_identical(tmp_path):
     reference = _weights(ok(_run(str(tmp_path / "reference"))))

@@ -161,7 +161,12 @@ def test_ckptools_collectives_never_make_a_gloo_thread_take_the_gil(tmp_path):
     assert "ProcessGroupGloo" in control and "decref" in control, "the shim saw no gloo thread take the GIL"
 
 
-@pytest.mark.slow  # 60 torchrun launches: `make interop`
+# Launches per case of the exit test below: 8 in CI (16 in all: 93 % to see an abort that comes in 15 % of
+# exits, the rarest rate seen), 30 in `make stress`.
+EXIT_LAUNCHES = int(os.environ.get("CKPTOOLS_EXIT_LAUNCHES", "8"))
+
+
+@pytest.mark.slow  # 16 torchrun launches: `make interop` (60 in `make stress`)
 @pytest.mark.timeout(1200)
 @pytest.mark.parametrize("zero", [True, False], ids=["ZeroRedundancyOptimizer", "AdamW"])
 def test_a_script_ending_with_destroy_process_group_never_aborts_at_exit(tmp_path, zero):
@@ -169,7 +174,7 @@ def test_a_script_ending_with_destroy_process_group_never_aborts_at_exit(tmp_pat
     referenced at module level. A gloo thread releasing a collective's Work during interpreter
     finalization was made to exit inside a noexcept destructor: SIGABRT (exit -6), "terminate called
     without an active exception" (10 of 16 such runs here before; 2 of 13 in issue 44). ckptools' exit
-    handler lets those threads finish first: 30 launches, 0 aborts, each exit code 0."""
+    handler lets those threads finish first: `EXIT_LAUNCHES` launches, 0 aborts, each exit code 0."""
     import subprocess
     import sys
 
@@ -177,13 +182,13 @@ def test_a_script_ending_with_destroy_process_group_never_aborts_at_exit(tmp_pat
     env = dict(os.environ, OMP_NUM_THREADS="1")
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
     failed = []
-    for run in range(30):
+    for run in range(EXIT_LAUNCHES):
         proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
                                script, str(tmp_path / f"run{run}"), *(["--zero"] if zero else [])],
                               capture_output=True, text=True, env=env, timeout=120)  # fmt: skip
         if proc.returncode != 0 or "terminate called" in proc.stderr:
             failed.append((run, proc.returncode, proc.stderr[-1500:]))
-    assert failed == [], f"{len(failed)} of 30 launches failed at exit; the first: {failed[0]}"
+    assert failed == [], f"{len(failed)} of {EXIT_LAUNCHES} launches failed at exit; the first: {failed[0]}"
 
 
 def _hold_works(rank: int, world: int) -> tuple[int, int, int]:

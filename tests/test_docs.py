@@ -56,11 +56,22 @@ def test_pages_have_the_snippets_this_test_expects():
     assert counted["README.md"] >= 1 and counted["docs/getting-started.md"] >= 2, counted
 
 
+# A page about an optional framework (an `interop` extra) runs where that framework is installed.
+_FRAMEWORK_PAGES = {"lightning.md": "pytorch_lightning", "transformers.md": "transformers"}
+
+
 @pytest.mark.versions  # the guides' snippets on each torch
-@pytest.mark.parametrize("page", [p for p in PAGES if _python_blocks(p)], ids=lambda p: p.relative_to(ROOT).as_posix())
+@pytest.mark.parametrize(
+    "page",
+    [
+        pytest.param(p, marks=[pytest.mark.interop] if p.name in _FRAMEWORK_PAGES else [])
+        for p in PAGES
+        if _python_blocks(p)
+    ],
+    ids=lambda p: p.relative_to(ROOT).as_posix(),
+)
 def test_every_python_snippet_runs(tmp_path, page):
-    # A page about an optional framework (an `interop` extra) runs where that framework is installed.
-    framework = {"lightning.md": "pytorch_lightning", "transformers.md": "transformers"}.get(page.name)
+    framework = _FRAMEWORK_PAGES.get(page.name)
     if framework is not None and importlib.util.find_spec(framework) is None:
         pytest.skip(f"{framework} is not installed (the interop extra)")
     code = "\n".join(_python_blocks(page))
@@ -88,23 +99,32 @@ def _modules() -> list[str]:
     ]
 
 
+# The framework each integration needs, an optional extra (`interop`): without it, its import says so.
+_INTEGRATIONS = {
+    "ckptools.integrations.accelerate": "torch",  # takes the Accelerator it is given: imports no accelerate
+    "ckptools.integrations.accelerate_data": "accelerate",
+    "ckptools.integrations.accelerate_snapshots": "torch",  # takes the Accelerator it is given
+    "ckptools.integrations._memory_folders": "torch",
+    "ckptools.integrations.lightning": "pytorch_lightning",
+    "ckptools.integrations.lightning_resume": "pytorch_lightning",
+    "ckptools.integrations.lightning_snapshots": "pytorch_lightning",
+    "ckptools.integrations.transformers": "transformers",
+    "ckptools.integrations.trainer_snapshots": "torch",  # needs no transformers (the keeper imports it)
+}
+
+
 @pytest.mark.versions  # the docstrings' examples on each torch
-@pytest.mark.parametrize("name", _modules())
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(m, marks=[pytest.mark.interop] if _INTEGRATIONS.get(m, "torch") != "torch" else [])
+        for m in _modules()
+    ],
+)
 def test_every_docstring_example_runs(tmp_path, monkeypatch, name):
     monkeypatch.chdir(tmp_path)
     if name.startswith("ckptools.integrations."):
-        # Each needs its framework, an optional extra (`interop`): without it, its import says so.
-        framework = {
-            "ckptools.integrations.accelerate": "torch",  # takes the Accelerator it is given: imports no accelerate
-            "ckptools.integrations.accelerate_data": "accelerate",
-            "ckptools.integrations.accelerate_snapshots": "torch",  # takes the Accelerator it is given
-            "ckptools.integrations._memory_folders": "torch",
-            "ckptools.integrations.lightning": "pytorch_lightning",
-            "ckptools.integrations.lightning_resume": "pytorch_lightning",
-            "ckptools.integrations.lightning_snapshots": "pytorch_lightning",
-            "ckptools.integrations.transformers": "transformers",
-            "ckptools.integrations.trainer_snapshots": "torch",  # needs no transformers (the keeper imports it)
-        }[name]
+        framework = _INTEGRATIONS[name]
         if importlib.util.find_spec(framework) is None:
             with pytest.raises(ImportError, match="pip install"):
                 importlib.import_module(name)

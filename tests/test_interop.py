@@ -25,7 +25,10 @@ from typer.testing import CliRunner
 import ckptools as ck
 from ckptools.cli import app
 
-pytestmark = pytest.mark.versions  # files the frameworks wrote (DCP, transformers, Accelerate, Lightning)
+pytestmark = [
+    pytest.mark.versions,
+    pytest.mark.interop,
+]  # files the frameworks wrote (DCP, transformers, Accelerate, Lightning)
 
 HERE = os.path.dirname(__file__)
 # Absolute: some tests run the CLI from another working directory.

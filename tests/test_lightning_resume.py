@@ -14,7 +14,7 @@ import torch
 from _lightning_fit import FIT, logged, run_killed
 from _same import same_tree
 
-pytestmark = pytest.mark.versions  # Lightning's and Fabric's loops and their resume
+pytestmark = [pytest.mark.versions, pytest.mark.interop]  # Lightning's and Fabric's loops and their resume
 
 pl = pytest.importorskip("pytorch_lightning", reason="the interop extra (pytorch-lightning) is not installed")
 
@@ -44,11 +44,12 @@ def _seed() -> int:
 def test_one_process_killed_at_random_steps_resumes_bit_identical_and_without_it_does_not(tmp_path):
     """96 samples, batches of 8: 12 steps an epoch, 3 epochs; a checkpoint every 4 steps, so some
     are mid-epoch and some at an epoch's last batch. A kill at step 13 (resumed from the last
-    batch of epoch 0, which Lightning mis-counts) and at 3 random steps."""
+    batch of epoch 0, which Lightning mis-counts) and at a random step (3: CKPTOOLS_LIGHTNING_RANDOM_KILLS, `make
+    stress`)."""
     script = tmp_path / "fit.py"
     script.write_text(FIT)
     args = _RANDOM
-    kills = _kills(random.Random(_seed()), [13], 36, 3)
+    kills = _kills(random.Random(_seed()), [13], 36, int(os.environ.get("CKPTOOLS_LIGHTNING_RANDOM_KILLS", "1")))
     straight = run_killed(script, tmp_path / "straight", "exact", 1, args)
     resumed = run_killed(script, tmp_path / "resumed", "exact", 1, args, kills)
     assert same_tree(straight, resumed, key_order=False), f"kills at steps {kills}"
@@ -62,6 +63,7 @@ def test_one_process_killed_at_random_steps_resumes_bit_identical_and_without_it
     assert not exact, f"Lightning alone resumed exactly from kills at {kills}"
 
 
+@pytest.mark.compat  # Lightning 2.4 ends these fits with other weights: the floor
 @pytest.mark.slow  # 2-process DDP launches: `make interop`
 @pytest.mark.timeout(900)
 def test_two_ddp_processes_killed_at_random_steps_resume_bit_identical(tmp_path):

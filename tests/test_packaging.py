@@ -301,3 +301,17 @@ def test_no_module_is_over_450_lines():
     long = {str(p.relative_to(ROOT)): n for p in pathlib.Path(ROOT, "ckptools").rglob("*.py")
             if (n := len(p.read_text(encoding="utf-8").splitlines())) > 450}  # fmt: skip
     assert long == {}, long
+
+
+def test_ci_gives_each_target_the_share_docs_development_states_and_the_shares_fit_its_budget():
+    """.ci/run times each target against its share and warns past it; docs/development.md ("CI's budget") states the
+    same shares, and they add up to no more than the budget."""
+    run = pathlib.Path(ROOT, ".ci", "run").read_text(encoding="utf-8")
+    budget = int(re.search(r"^BUDGET=(\d+)$", run, re.M).group(1))
+    shares = {t: int(s) for t, s in re.findall(r"(\w+):(\d+)", re.search(r"^TARGETS=\((.*)\)$", run, re.M).group(1))}
+    text = pathlib.Path(ROOT, "docs", "development.md").read_text(encoding="utf-8")
+    table = text.split("## CI's budget", 1)[1].split("\n## ", 1)[0]
+    stated = {t: int(s.replace(",", "")) for t, s in re.findall(r"^\| `make (\w[\w-]*)` \| ([\d,]+) s \|", table, re.M)}
+    assert stated == shares, (stated, shares)
+    assert f"{budget:,} s" in table and sum(shares.values()) <= budget, (budget, shares)
+    assert list(shares) == ["test", "gpu", "dist", "interop", "compat"]  # what the README says CI runs, in order

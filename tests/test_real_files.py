@@ -27,7 +27,7 @@ from typer.testing import CliRunner
 import ckptools as ck
 from ckptools.cli import app
 
-pytestmark = pytest.mark.versions  # files torch and the frameworks write
+pytestmark = [pytest.mark.versions, pytest.mark.interop]  # files torch and the frameworks write
 
 HERE = os.path.dirname(__file__)
 # Absolute: some tests run the CLI from another working directory.

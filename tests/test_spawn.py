@@ -49,6 +49,7 @@ def _steps(run_dir: str) -> list[int]:
     return sorted(int(m[1]) for m in (re.fullmatch(r"ckpt-(\d+)\.pt", n) for n in os.listdir(run_dir)) if m)
 
 
+@pytest.mark.compat  # mp.spawn's signals
 @pytest.mark.slow  # make interop: three launches (make test stays within its time)
 def test_sigterm_to_the_spawn_parent_saves_the_step_reached_and_every_rank_leaves_with_143(tmp_path):
     reference = _launch(str(tmp_path / "reference"))

@@ -325,6 +325,7 @@ def test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact(tmp_path, ref
     assert_bit_identical(reference(model=model), tmp_path)
 
 
+@pytest.mark.compat  # torchrun, DataLoader workers and node memory
 @pytest.mark.slow
 def test_kill_9_of_the_whole_job_resumes_from_node_memory_at_most_one_step_behind(tmp_path, reference):
     """kill -9 of torchrun, both ranks and their DataLoader workers at once, right after step 23 is
@@ -384,6 +385,7 @@ def _whole(path: Path) -> bool:
 
 
 @pytest.mark.slow
+@pytest.mark.stress  # 50 kills (make stress); CI holds kill -9 of the whole job at a known step
 def test_kill_9_at_random_moments_never_tears_a_snapshot_and_every_relaunch_is_bit_exact(tmp_path, reference):
     """kill -9 of the whole job at random moments (also inside a snapshot's copy; CKPTOOLS_SNAPSHOT_KILLS,
     default 50, `make stress` runs 50), then the same command again, over and over: after every kill each

@@ -20,7 +20,7 @@ pytest.importorskip("transformers", reason="the interop extra (transformers) is 
 import ckptools as ck
 from ckptools.integrations.transformers import MANIFEST, latest_complete_checkpoint, write_manifest
 
-pytestmark = pytest.mark.versions  # the HF Trainer's save and resume
+pytestmark = [pytest.mark.versions, pytest.mark.interop]  # the HF Trainer's save and resume
 
 _TRAIN = """
 import os, signal, sys, torch
@@ -139,7 +139,7 @@ def test_killed_at_random_moments_of_saves_the_newest_whole_checkpoint_is_chosen
     assert straight.returncode == 0
     out, rng, kills, theirs_torn = tmp_path / "run", random.Random(2), 0, 0
     resume, done = "none", 0  # the folder to resume from, and its step
-    while kills < int(os.environ.get("CKPTOOLS_HF_KILLS", "6")) and done < 8:
+    while kills < int(os.environ.get("CKPTOOLS_HF_KILLS", "3")) and done < 8:  # `make stress`: 6
         proc = launch(out, resume)
         assert proc.stdout is not None
         wanted = rng.choice([step for step in (2, 4, 6, 8) if step > done])  # one of the saves still to come
@@ -297,7 +297,8 @@ def _trainer_run(script, out, workers: int, dataset: str, kills=()) -> dict:
 
 @pytest.mark.slow  # ~16 Trainer runs, each importing transformers: `make interop` runs it
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("workers", [0, 2])
+# compat: with accelerate 1.6 or transformers 4.57 this resume is not exact: the floors.
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.compat), 2])
 def test_killed_mid_epoch_the_trainers_resume_is_exact_with_augmentation_only_through_seeded_dataset(tmp_path, workers):
     """Two kills at random steps, at least one resumed from a mid-epoch checkpoint. The Trainer's
     own resume is exact with dropout and shuffling (it restores the streams and replays the order);

@@ -27,7 +27,7 @@ import ckptools as ck
 from ckptools.integrations.trainer_snapshots import PREFIX
 from ckptools.layouts import check_folder
 
-pytestmark = [pytest.mark.versions, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.versions, pytest.mark.slow, pytest.mark.timeout(600), pytest.mark.interop]
 # versions: the HF Trainer's save and resume
 
 # Dropout, the Trainer's shuffled order, augmentation through ck.SeededDataset, AdamW with a warm-up
@@ -199,7 +199,8 @@ def _resumes_on_several_cpu_processes() -> bool:
     return 'device.type != "cpu"' in inspect.getsource(Trainer._load_optimizer_and_scheduler)
 
 
-@pytest.mark.parametrize("procs", [1, 2])
+# compat (one process): the Trainer's state in node memory, killed and relaunched
+@pytest.mark.parametrize("procs", [pytest.param(1, marks=pytest.mark.compat), 2])
 def test_killed_and_relaunched_the_run_resumes_from_the_step_it_died_at_bit_identical(tmp_path_factory, tmp_path,
                                                                                      procs):  # fmt: skip
     """SIGKILL of the whole launch after a random step (not a checkpoint step, after one): the relaunch's

@@ -164,6 +164,7 @@ def test_resumed_at_the_same_world_size_bit_exact_and_on_one_or_three_ranks(tmp_
             assert r["asked"] == [r["spans"]], r
 
 
+@pytest.mark.compat  # ZeRO's partitions across world sizes
 @pytest.mark.slow  # four ranks and two: in `make interop`
 def test_saved_on_four_ranks_resumed_on_two(tmp_path):
     run_ranks(_save_then_consolidate, 4, str(tmp_path), "save")

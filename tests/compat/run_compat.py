@@ -1,22 +1,29 @@
-"""`make compat`: the test suite on both ends of the versions ckptools declares, each in a venv of its own.
+"""`make compat`: the tests that depend on the versions, on both ends of the range ckptools declares,
+each end in a venv of its own.
 
-    python tests/compat/run_compat.py            # both ends
-    python tests/compat/run_compat.py old        # one
+    python tests/compat/run_compat.py                  # both ends: the `versions` tests (make compat)
+    python tests/compat/run_compat.py old              # one end
+    python tests/compat/run_compat.py --full           # the fast suite and the slow integrations (compat-full)
+    python tests/compat/run_compat.py old --pin pytorch-lightning==2.4.0   # an end with one release changed
 
 Each end is a venv under ``build/compat/<end>`` holding exactly the pinned releases below (torch from
 the package index: its CUDA build, ~2.5 GB, which runs on the CPU as well), ckptools installed from
 this checkout (editable) with its test, docs and interop extras (the docs tests build the site).
-A venv is reused while the pins and ``pyproject.toml`` are unchanged (a stamp file records both).
-In it run the fast suite (``-m "not slow"``) and the slow tests that depend on the frameworks'
-internals most: Lightning's and the HF Trainer's killed-and-resumed fits, the reference loop
-killed and resumed on 2 ranks, and a ZeRO optimizer saved on 4 ranks resumed on 2.
+A venv is reused while the pins and ``pyproject.toml`` are unchanged (a stamp file records both); an end
+with a ``--pin`` gets a venv of its own beside it.
+
+What runs (docs/development.md, "The versions we claim"): the fast tests marked ``versions`` (they exercise
+torch's or a framework's internals that change between releases) and the whole-job tests marked
+``compat`` (the scenario whose failure set each floor, one per framework and launcher). Every other test
+runs once, in `make test` or `make interop`. ``--full`` runs what a release needs instead: the whole
+fast suite and the frameworks' kill-and-resume tests (`FULL_SLOW`).
 Prints, per end, the versions, the install time and each run's outcome; exits 1 if any run failed.
-Why these ends: docs/development.md ("The versions we claim").
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import subprocess
 import sys
@@ -35,9 +42,12 @@ ENDS: dict[str, list[str]] = {
 # ckptools' extras each venv holds: the tests', S3's, the docs' (the docs tests build the site), the frameworks'.
 EXTRAS = "dev,s3,docs,interop"
 
-# The slow tests that exercise the frameworks' and torch's internals (loop counters, Trainer resume,
-# torchrun and the DataLoader's iterator) end to end.
-SLOW = [
+# What `make compat` runs at each end.
+SELECTION = "(versions and not slow) or compat"
+
+# `--full` (make compat-full, before a release): the fast suite, then the slow tests that exercise the
+# frameworks' and torch's internals end to end.
+FULL_SLOW = [
     "tests/test_lightning.py",
     "tests/test_lightning_resume.py",
     "tests/test_transformers.py",
@@ -47,6 +57,8 @@ SLOW = [
     "tests/test_accelerate_attach.py",
     "tests/test_accelerate_state.py",
     "tests/test_accelerate_folders.py",
+    "tests/test_accelerate_snapshots.py",
+    "tests/test_replicas_frameworks.py",
     "tests/test_user_scripts.py::test_a_ported_script_killed_at_random_steps_ends_bit_identical[accelerate_cv.py]",
 ]
 
@@ -56,35 +68,57 @@ def _run(cmd: list[str], **kw: object) -> int:
     return subprocess.run(cmd, cwd=ROOT, **kw).returncode  # type: ignore[call-overload,no-any-return]
 
 
-def install(end: str) -> float:
-    """Make the venv of ``end`` hold exactly its pins; the seconds it took (0 when reused)."""
-    venv = ROOT / "build" / "compat" / end
+def pins(end: str, changed: list[str]) -> list[str]:
+    """The releases of ``end``, each of ``changed`` (``name==version``) in place of its own."""
+    names = {p.split("==")[0]: p for p in ENDS[end]}
+    for pin in changed:
+        name = pin.split("==")[0]
+        if name not in names:
+            raise SystemExit(f"compat: --pin {pin}: {name} is not one of {', '.join(names)}")
+        names[name] = pin
+    return list(names.values())
+
+
+def venv_of(end: str, changed: list[str]) -> Path:
+    if not changed:
+        return ROOT / "build" / "compat" / end
+    tag = hashlib.sha256(" ".join(sorted(changed)).encode()).hexdigest()[:8]
+    return ROOT / "build" / "compat" / f"{end}-pinned-{tag}"
+
+
+def install(end: str, releases: list[str], venv: Path) -> float:
+    """Make ``venv`` hold exactly ``releases``; the seconds it took (0 when reused)."""
     python = venv / "bin" / "python"
     stamp = venv / ".installed"
-    wanted = "\n".join([*ENDS[end], EXTRAS]) + "\n" + (ROOT / "pyproject.toml").read_text()
+    wanted = "\n".join([*releases, EXTRAS]) + "\n" + (ROOT / "pyproject.toml").read_text()
     if stamp.exists() and stamp.read_text() == wanted:
         return 0.0
     start = time.monotonic()
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     constraints = venv / "constraints.txt"
-    constraints.write_text("\n".join(ENDS[end]) + "\n")
-    pip = [str(python), "-m", "pip", "install", "-q"]
+    constraints.write_text("\n".join(releases) + "\n")
+    pip = [str(python), "-m", "pip", "install", "-q", "--no-compile"]  # bytecode at first import: a quarter less
     # torch first, alone: everything after it is held to it by the constraints.
-    if _run([*pip, "--upgrade", "pip"]) or _run([*pip, ENDS[end][0]]):
-        raise SystemExit(f"compat {end}: installing {ENDS[end][0]} failed")
-    if _run([*pip, "-c", str(constraints), "-e", f".[{EXTRAS}]", *ENDS[end][1:]]):
-        raise SystemExit(f"compat {end}: installing ckptools with {' '.join(ENDS[end][1:])} failed")
+    if _run([*pip, "--upgrade", "pip"]) or _run([*pip, releases[0]]):
+        raise SystemExit(f"compat {end}: installing {releases[0]} failed")
+    if _run([*pip, "-c", str(constraints), "-e", f".[{EXTRAS}]", *releases[1:]]):
+        raise SystemExit(f"compat {end}: installing ckptools with {' '.join(releases[1:])} failed")
     stamp.write_text(wanted)
     return time.monotonic() - start
 
 
-def check(end: str) -> list[tuple[str, bool, float]]:
-    """Run the fast suite and `SLOW` in the venv of ``end``: (what, passed, seconds) for each."""
-    python = str(ROOT / "build" / "compat" / end / "bin" / "python")
+def check(venv: Path, full: bool) -> list[tuple[str, bool, float]]:
+    """Run the selection (or, ``full``, the fast suite and `FULL_SLOW`) in ``venv``: (what, passed, seconds)."""
+    python = str(venv / "bin" / "python")
     pytest = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "auto", "--dist", "load"]
+    runs = (
+        [("fast suite", ["-m", "not slow", "--maxschedchunk", "2"]), ("slow integrations", FULL_SLOW)]
+        if full
+        else [("versions", ["-m", SELECTION, "--maxschedchunk", "1", "tests"])]
+    )
     outcomes = []
-    for what, args in (("fast suite", ["-m", "not slow", "--maxschedchunk", "2"]), ("slow integrations", SLOW)):
+    for what, args in runs:
         start = time.monotonic()
         passed = _run([*pytest, *args]) == 0
         outcomes.append((what, passed, time.monotonic() - start))
@@ -94,20 +128,25 @@ def check(end: str) -> list[tuple[str, bool, float]]:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("ends", nargs="*", help=f"which ends (default: all of {', '.join(ENDS)})")
-    ends = p.parse_args().ends or list(ENDS)
+    p.add_argument("--full", action="store_true", help="the whole fast suite and the slow integrations (a release)")
+    p.add_argument("--pin", action="append", default=[], metavar="NAME==VERSION",
+                   help="one release of the end changed (e.g. to show the tests fail below a floor)")  # fmt: skip
+    args = p.parse_args()
+    ends = args.ends or list(ENDS)
     if set(ends) - set(ENDS):
         p.error(f"unknown end(s) {', '.join(sorted(set(ends) - set(ENDS)))}: choose from {', '.join(ENDS)}")
     os.environ.pop("CKPTOOLS_GOLDEN", None)  # the committed golden files
     summary, failed = [], False
     for end in ends:
-        seconds = install(end)
-        outcomes = check(end)
+        releases, venv = pins(end, args.pin), venv_of(end, args.pin)
+        seconds = install(end, releases, venv)
+        outcomes = check(venv, args.full)
         failed |= not all(ok for _, ok, _ in outcomes)
-        summary.append((end, seconds, outcomes))
+        summary.append((end, releases, seconds, outcomes))
     print("\ncompat summary")
-    for end, seconds, outcomes in summary:
+    for end, releases, seconds, outcomes in summary:
         installed = f"installed in {seconds:.0f} s" if seconds else "venv reused"
-        print(f"  {end}: {' '.join(ENDS[end])} ({installed})")
+        print(f"  {end}: {' '.join(releases)} ({installed})")
         for what, ok, took in outcomes:
             print(f"    {what}: {'passed' if ok else 'FAILED'} in {took:.0f} s")
     return 1 if failed else 0
