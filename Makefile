@@ -36,7 +36,8 @@ e2e-loop: $(STAMP)
 # stress: kill -9 a saving process KILLS times (default 100) on local disk, as many times during
 # background (async) saves, and 10 times on S3; 2,000 bit flips; a snapshotting torchrun job killed 50 times at
 # random moments; the tutorials' ending 30 times a case; Lightning's, the HF Trainer's kill loops with 20, 5, 6
-# and 3 kills (CI: 4, 2, 3, 1); prints the kill count and the corrupt/lost counts, which must be 0.
+# and 3 kills (CI: 4, 2, 3, 1); prints the kill count and the corrupt/lost counts, which must be 0. Then the tests
+# marked `stress`, which CI does not run at all.
 stress: $(INTEROP_STAMP)
 	CKPTOOLS_KILLS=$${KILLS:-100} CKPTOOLS_S3_KILLS=$${S3_KILLS:-10} CKPTOOLS_FLIPS=$${FLIPS:-2000} \
 	CKPTOOLS_SNAPSHOT_KILLS=$${SNAPSHOT_KILLS:-50} CKPTOOLS_EXIT_LAUNCHES=30 CKPTOOLS_LIGHTNING_SAVER_KILLS=20 \
@@ -54,6 +55,8 @@ stress: $(INTEROP_STAMP)
 		tests/test_transformers.py::test_killed_at_random_moments_of_saves_the_newest_whole_checkpoint_is_chosen \
 		tests/test_lightning_resume.py::test_one_process_killed_at_random_steps_resumes_bit_identical_and_without_it_does_not \
 		tests/test_train_ddp_e2e.py::test_kill_9_at_random_moments_never_tears_a_snapshot_and_every_relaunch_is_bit_exact
+	# The tests marked `stress` (repeats of kinds CI holds: docs/development.md, "What left CI").
+	$(PY) -m pytest -q -p no:cacheprovider -n auto --timeout=7200 -m stress tests
 
 # fuzz: EXAMPLES (default 3000) mutated files per fuzz test, and generated state dicts per
 # differential test against torch and safetensors, instead of the default run's 40.
@@ -92,7 +95,8 @@ dist: $(STAMP)
 # interop: install transformers, accelerate and pytorch-lightning (torch held at the pin), write
 # fresh golden files with them into build/golden, and run what `make test` leaves out: the tests
 # marked `interop` (the frameworks' tests, the golden files' against the fresh ones, the Lightning
-# and HF guides' snippets) and those marked `slow` (whole-job scenarios), but for the `stress` ones.
+# and HF guides' snippets) and those marked `slow` (whole-job scenarios), but for the `stress` ones and the
+# slow ones marked `compat` (`make compat` runs those at both ends; the new end has these frameworks' releases).
 # `make golden` then replaces the committed files (tests/interop/golden) with the fresh ones.
 $(INTEROP_STAMP): $(STAMP)
 	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[dev,s3,docs,interop]'
@@ -104,7 +108,7 @@ $(INTEROP_STAMP): $(STAMP)
 interop: $(INTEROP_STAMP) lightning-suite accelerate-suite
 	$(PY) tests/interop/make_golden.py build/golden --transformers4 build/transformers4
 	CKPTOOLS_GOLDEN=build/golden $(PY) -m pytest -q -p no:cacheprovider -n auto --dist load --maxschedchunk 1 \
-		-m "(slow or interop) and not stress" tests
+		-m "(slow or interop) and not stress and not (slow and compat)" tests
 
 # accelerate-suite: Accelerate's own checkpointing tests (third_party/accelerate_tests) with every Accelerator
 # attached to ckptools; the session fails unless ckptools sealed the folders they saved.

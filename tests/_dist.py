@@ -134,6 +134,9 @@ def run_ranks(
     ``may_die`` may vanish without reporting (their result is None; the others are waited for), and
     ``pg_timeout`` is the group's collective timeout in seconds; either needs a ``fresh`` reason.
     ``CKPTOOLS_TEST_FRESH_RANKS=1`` makes every call fresh (to tell a test's fault from the pool's).
+    A pooled call ends as a job that ended normally (`ckptools.lifecycle.end_job`: its node memory
+    released), a fresh one as a job whose processes died (``os._exit``: node memory and its keeper
+    left for a relaunch); a test whose next call relaunches onto that memory makes this one fresh.
     """
     if (may_die or pg_timeout != 60) and not fresh:
         raise TypeError("run_ranks: may_die and pg_timeout need fresh ranks: say why with fresh='...'")

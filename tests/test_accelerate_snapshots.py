@@ -44,6 +44,9 @@ def _relaunches(log: str) -> list[tuple[int, int]]:
     return found
 
 
+# Repeats test_a_relaunch_after_kill_9_... below (the same script killed after a step's snapshot, resumed from
+# it) and tests/test_user_scripts.py's accelerate_cv.py killed at random steps: `make stress`.
+@pytest.mark.stress
 @pytest.mark.timeout(900)
 def test_killed_at_random_steps_resumes_at_most_one_step_behind_bit_identical(tmp_path):
     seed = int(os.environ.get("CKPTOOLS_KILL_SEED", random.randrange(1 << 30)))

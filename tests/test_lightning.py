@@ -509,8 +509,9 @@ def test_ddp_fit_killed_mid_save_again_and_again_always_leaves_a_loadable_last_c
     checkpoint dict (rank 0's `on_save_checkpoint` says when), then relaunched with ckpt_path="last",
     again and again (2 kills; CKPTOOLS_LIGHTNING_KILLS: `make stress` runs 5). With either plugin, last.ckpt
     always loads whole, its epoch never goes back (no completed epoch lost), and the run ends bit-identical to one
-    never killed. Lightning's own TorchCheckpointIO is run the same way beside them, and what it
-    left is reported."""
+    never killed. In `make stress` Lightning's own TorchCheckpointIO is run the same way beside them, and what it
+    left is reported (nothing is asserted of it: test_kill_minus_9_mid_save_never_tears_last_ckpt_lightnings_own_does
+    shows it tears)."""
     script = tmp_path / "fit.py"
     script.write_text(_DDP_FIT)
     epochs, kills = 8, int(os.environ.get("CKPTOOLS_LIGHTNING_KILLS", "2"))
@@ -533,7 +534,8 @@ def test_ddp_fit_killed_mid_save_again_and_again_always_leaves_a_loadable_last_c
     expected = torch.load(tmp_path / "straight" / "final.pt", weights_only=True)
     rng = random.Random(1)
     report = {}
-    for kind in ("sync", "async", "lightning"):
+    kinds = ("sync", "async", "lightning") if "CKPTOOLS_LIGHTNING_KILLS" in os.environ else ("sync", "async")
+    for kind in kinds:
         before = len(os.listdir(tmpdir))
         report[kind] = _kill_mid_save(launch, stderr, tmp_path / kind, kind, kills, rng, expected)
         report[kind]["temporaries left in TMPDIR"] = len(os.listdir(tmpdir)) - before

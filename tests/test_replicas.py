@@ -107,7 +107,14 @@ def _relaunched(rank: int, world: int, folder: str) -> tuple[int, int]:
 
 @pytest.mark.slow  # a whole-run scenario: make interop (make test stays within its 5 minutes)
 def test_a_bit_flipped_in_an_optimizer_moment_is_caught_and_a_relaunch_restores_the_last_step_taken(tmp_path):
-    results = run_ranks(_caught, 2, str(tmp_path), "moment")
+    results = run_ranks(
+        _caught,
+        2,
+        str(tmp_path),
+        "moment",
+        fresh="its ranks die with the job unended: the relaunch "
+        "restores from the node memory they leave (a pooled run's end releases it)",
+    )
     _check(results, "opt.state[0].exp_avg", 2)
     caught_at = 2 + results[0]["snapshot"][1]
     last_taken = caught_at - 1 if caught_at > 3 else 1  # the snapshot before the refused one, or the save of step 1

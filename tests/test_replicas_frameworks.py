@@ -68,6 +68,9 @@ def test_a_copy_changed_on_one_rank_is_refused_on_every_rank_and_the_last_good_s
     assert sorted(os.listdir(os.path.join(root, folder))) == names
 
 
+# A repeat of the refused jobs' first steps (their saves and snapshots of steps 1-2 are compared on every rank,
+# raise nothing and are kept) run to the end: `make stress`.
+@pytest.mark.stress
 @pytest.mark.parametrize("framework", list(LEFT))
 def test_a_healthy_job_on_each_framework_is_compared_and_raises_nothing(tmp_path, framework):
     said = ok(_run(framework, str(tmp_path / "run"), "healthy", str(tmp_path / "shm")))
