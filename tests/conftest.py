@@ -69,13 +69,20 @@ def _no_async_save_left():
     background.SAVES.stager.release()
 
 
-# The slowest tests (whole launches under torchrun, kill loops, moto) run first: with pytest-xdist
-# the last minutes of `make test` are then short tests that spread over every worker, instead of
-# one worker finishing a long end-to-end run while the others idle. The Makefile hands tests out
-# two at a time in this order (`--dist load --maxschedchunk 2`): `worksteal` gave the first half
-# of the list, every slow test, to one worker, and the other stole from its end.
+# The slowest tests run first: those marked `slow` (whole jobs, 20-110 s each), then the files of the
+# longest fast ones (launches under torchrun, kill loops, moto). With pytest-xdist the last minutes of a
+# run are then short tests that spread over every worker, instead of one worker finishing a long
+# end-to-end run while the others idle (`make compat` collected Lightning's 107 s kill loop late, `make
+# interop` ended on the ported scripts' 40 s kills). The Makefile hands tests out in this order
+# (`--dist load`, one or two at a time): `worksteal` gave the first half of the list, every slow test,
+# to one worker, and the other stole from its end.
 _SLOW_FIRST = ("test_train_ddp_e2e.py", "test_quickstart_e2e.py", "test_s3.py", "test_crash.py", "test_faults.py")
 
 
 def pytest_collection_modifyitems(config, items):
-    items.sort(key=lambda item: item.nodeid.split("::")[0].rsplit("/", 1)[-1] not in _SLOW_FIRST)
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("slow") is None,
+            item.nodeid.split("::")[0].rsplit("/", 1)[-1] not in _SLOW_FIRST,
+        )
+    )

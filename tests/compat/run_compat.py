@@ -10,7 +10,8 @@ Each end is a venv under ``build/compat/<end>`` holding exactly the pinned relea
 the package index: its CUDA build, ~2.5 GB, which runs on the CPU as well), ckptools installed from
 this checkout (editable) with its test, docs and interop extras (the docs tests build the site).
 A venv is reused while the pins and ``pyproject.toml`` are unchanged (a stamp file records both); an end
-with a ``--pin`` gets a venv of its own beside it.
+with a ``--pin`` gets a venv of its own beside it, the changed release installed over ckptools (whose declared
+range may exclude it: a release below a floor is the point).
 
 What runs (docs/development.md, "The versions we claim"): the fast tests marked ``versions`` (they exercise
 torch's or a framework's internals that change between releases) and the whole-job tests marked
@@ -28,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -86,28 +88,70 @@ def venv_of(end: str, changed: list[str]) -> Path:
     return ROOT / "build" / "compat" / f"{end}-pinned-{tag}"
 
 
-def install(end: str, releases: list[str], venv: Path) -> float:
-    """Make ``venv`` hold exactly ``releases``; the seconds it took (0 when reused)."""
-    python = venv / "bin" / "python"
+def _wanted(releases: list[str]) -> str:
+    """What a venv's stamp records: its releases, the extras and ``pyproject.toml``."""
+    return "\n".join([*releases, EXTRAS]) + "\n" + (ROOT / "pyproject.toml").read_text()
+
+
+def _reused(releases: list[str], venv: Path) -> bool:
     stamp = venv / ".installed"
-    wanted = "\n".join([*releases, EXTRAS]) + "\n" + (ROOT / "pyproject.toml").read_text()
-    if stamp.exists() and stamp.read_text() == wanted:
-        return 0.0
-    start = time.monotonic()
+    return stamp.exists() and stamp.read_text() == _wanted(releases)
+
+
+def install_torch(end: str, venv: Path) -> None:
+    """The venv and the end's torch, alone: the part of an install that may run beside another end's
+    (two pips on two cores; torch's wheel is most of the time)."""
+    python = venv / "bin" / "python"
     if not python.exists():
         subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    constraints = venv / "constraints.txt"
-    constraints.write_text("\n".join(releases) + "\n")
     # Bytecode compiled at install (pip's default): where PYTHONDONTWRITEBYTECODE is set (it is here), nothing
     # else ever writes it, and every process of the tests would compile torch afresh.
     pip = [str(python), "-m", "pip", "install", "-q"]
-    # torch first, alone: everything after it is held to it by the constraints.
-    if _run([*pip, "--upgrade", "pip"]) or _run([*pip, releases[0]]):
-        raise SystemExit(f"compat {end}: installing {releases[0]} failed")
-    if _run([*pip, "-c", str(constraints), "-e", f".[{EXTRAS}]", *releases[1:]]):
-        raise SystemExit(f"compat {end}: installing ckptools with {' '.join(releases[1:])} failed")
-    stamp.write_text(wanted)
-    return time.monotonic() - start
+    if _run([*pip, "--upgrade", "pip"]) or _run([*pip, ENDS[end][0]]):
+        raise SystemExit(f"compat {end}: installing {ENDS[end][0]} failed")
+
+
+def install_rest(end: str, releases: list[str], venv: Path) -> None:
+    """ckptools (editable, with its extras) and the end's frameworks, held to its torch by the constraints;
+    then each release ``releases`` changes (``--pin``), over them. One end at a time: an editable install
+    writes its metadata into this checkout."""
+    python = str(venv / "bin" / "python")
+    pip = [python, "-m", "pip", "install", "-q"]
+    constraints = venv / "constraints.txt"
+    constraints.write_text("\n".join(ENDS[end]) + "\n")
+    if _run([*pip, "-c", str(constraints), "-e", f".[{EXTRAS}]", *ENDS[end][1:]]):
+        raise SystemExit(f"compat {end}: installing ckptools with {' '.join(ENDS[end][1:])} failed")
+    changed = [pin for pin in releases if pin not in ENDS[end]]
+    if changed:
+        # Installed over ckptools, whose declared range may exclude them (the point: a floor's release
+        # below it); pip says so and goes on. The constraints hold every other release where it was.
+        pinned = venv / "constraints-pinned.txt"
+        pinned.write_text("\n".join(releases) + "\n")
+        if _run([*pip, "-c", str(pinned), *changed]):
+            raise SystemExit(f"compat {end}: installing {' '.join(changed)} failed")
+    names = [pin.split("==")[0] for pin in releases]
+    code = f"import importlib.metadata as m; print(' '.join(f'{{n}}=={{m.version(n)}}' for n in {names!r}))"
+    found = subprocess.run([python, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    if [pin.split("+")[0] for pin in found] != releases:  # torch says 2.6.0+cu124
+        raise SystemExit(f"compat {end}: the venv holds {' '.join(found)}, not {' '.join(releases)}")
+    (venv / ".installed").write_text(_wanted(releases))
+
+
+def install(ends: list[tuple[str, list[str], Path]]) -> dict[str, float]:
+    """Make each venv hold exactly its releases; the seconds each end's install took (0 when reused).
+    The torch installs run at once, one pip per end; the rest one end after the other."""
+    todo = [(end, releases, venv) for end, releases, venv in ends if not _reused(releases, venv)]
+    seconds = {end: 0.0 for end, _, _ in ends}
+    start = time.monotonic()
+    with ThreadPoolExecutor(max_workers=max(1, len(todo))) as pool:
+        for future in [pool.submit(install_torch, end, venv) for end, _, venv in todo]:
+            future.result()  # an install's SystemExit, raised here
+    torch_done = time.monotonic()
+    for end, releases, venv in todo:
+        began = time.monotonic()
+        install_rest(end, releases, venv)
+        seconds[end] = (torch_done - start) + (time.monotonic() - began)
+    return seconds
 
 
 def check(venv: Path, full: bool) -> list[tuple[str, bool, float]]:
@@ -139,15 +183,19 @@ def main() -> int:
         p.error(f"unknown end(s) {', '.join(sorted(set(ends) - set(ENDS)))}: choose from {', '.join(ENDS)}")
     os.environ.pop("CKPTOOLS_GOLDEN", None)  # the committed golden files
     summary, failed = [], False
-    for end in ends:
-        releases, venv = pins(end, args.pin), venv_of(end, args.pin)
-        seconds = install(end, releases, venv)
+    chosen = [(end, pins(end, args.pin), venv_of(end, args.pin)) for end in ends]
+    began = time.monotonic()
+    seconds = install(chosen)
+    installs = time.monotonic() - began
+    for end, releases, venv in chosen:
         outcomes = check(venv, args.full)
         failed |= not all(ok for _, ok, _ in outcomes)
-        summary.append((end, releases, seconds, outcomes))
+        summary.append((end, releases, seconds[end], outcomes))
     print("\ncompat summary")
-    for end, releases, seconds, outcomes in summary:
-        installed = f"installed in {seconds:.0f} s" if seconds else "venv reused"
+    if any(seconds.values()):
+        print(f"  installs: {installs:.0f} s (the torch installs side by side, then the rest one end at a time)")
+    for end, releases, installed_in, outcomes in summary:
+        installed = f"installed in {installed_in:.0f} s" if installed_in else "venv reused"
         print(f"  {end}: {' '.join(releases)} ({installed})")
         for what, ok, took in outcomes:
             print(f"    {what}: {'passed' if ok else 'FAILED'} in {took:.0f} s")
