@@ -190,6 +190,8 @@ def diff(
                 if tree:
                     why = f"only {side} holds them: {other} holds weights alone"
                     result["not_compared"][", ".join(sorted(tree))] = why
+    if any(what.startswith("the values of ") for what in result["not_compared"]):
+        result["all_compared"] = False  # meta tensors: their values are not there to compare
     for name in ("missing_in_b", "only_in_b", "changed"):
         result[name] = sorted(result[name])
     result["shape_or_dtype_mismatch"].sort(key=lambda m: m["name"])
@@ -230,8 +232,8 @@ def _compare_entries(ta: dict[str, Any], tb: dict[str, Any], result: dict[str, A
     for name in sorted(set(ta) & set(tb)):
         la: dict[str, Any] = {}
         lb: dict[str, Any] = {}
-        _collect(ta[name], name, la)
-        _collect(tb[name], name, lb)
+        _collect(ta[name], name, la, set())
+        _collect(tb[name], name, lb, set())
         if not la and not lb:  # an empty container on both sides
             la, lb = {name: ta[name]}, {name: tb[name]}
         _compare(la, lb, result, weights=False)
@@ -259,6 +261,7 @@ def _compare(wa: Mapping[str, Any], wb: Mapping[str, Any], result: dict[str, Any
     result["missing_in_b"] += sorted(set(na) - set(nb) - set(tied))
     result["only_in_b"] += sorted(set(nb) - set(na) - set(tied))
     order = {stored: i for i, stored in enumerate(wa)}
+    metas: list[str] = []
     for name in sorted(common, key=lambda n: order[na[n]]):
         ta, tb = wa[na[name]], wb[nb[name]]
         tensors = isinstance(ta, torch.Tensor), isinstance(tb, torch.Tensor)
@@ -278,6 +281,9 @@ def _compare(wa: Mapping[str, Any], wb: Mapping[str, Any], result: dict[str, Any
             continue
         if ta.numel() == 0:
             continue
+        if ta.is_meta or tb.is_meta:  # a meta tensor has a shape and a dtype (compared above), no values
+            metas.append(name)
+            continue
         if torch.equal(ta, tb):
             delta = 0.0
         elif ta.dtype.is_floating_point or ta.dtype.is_complex:
@@ -287,6 +293,10 @@ def _compare(wa: Mapping[str, Any], wb: Mapping[str, Any], result: dict[str, Any
         if delta != delta or delta > atol:  # NaN counts as different
             result["changed"].append(name)
         result["max_abs_diff"][name] = delta
+    if metas:
+        result["not_compared"][f"the values of {', '.join(metas)}"] = (
+            "a meta tensor holds none: compared by shape and dtype"
+        )
 
 
 def _compared_at(view: CheckpointView, key: str | None) -> Mapping[str, Any]:
@@ -298,20 +308,25 @@ def _compared_at(view: CheckpointView, key: str | None) -> Mapping[str, Any]:
     except CheckpointLayoutError:
         return view.weights()  # bare weights: no entries to look in, compared whole (an export)
     leaves: dict[str, Any] = {}
-    _collect(node, "", leaves)
+    _collect(node, "", leaves, set())
     if not leaves and not isinstance(node, (Mapping, list, tuple)):
         leaves[key] = node
     return leaves
 
 
-def _collect(node: Any, prefix: str, leaves: dict[str, Any]) -> None:
-    """Every leaf under ``node`` (a tensor, or a value in no container), by dotted name."""
+def _collect(node: Any, prefix: str, leaves: dict[str, Any], walked: set[int]) -> None:
+    """Every leaf under ``node`` (a tensor, or a value in no container), by dotted name; a container
+    reached twice (shared in the pickle) only under the first name (`walk_tree` says why)."""
+    if isinstance(node, (Mapping, list, tuple)):
+        if id(node) in walked:
+            return
+        walked.add(id(node))
     if isinstance(node, Mapping):
         for k, v in node.items():
-            _collect(v, f"{prefix}.{k}" if prefix else str(k), leaves)
+            _collect(v, f"{prefix}.{k}" if prefix else str(k), leaves, walked)
     elif isinstance(node, (list, tuple)):
         for i, v in enumerate(node):
-            _collect(v, f"{prefix}.{i}" if prefix else str(i), leaves)
+            _collect(v, f"{prefix}.{i}" if prefix else str(i), leaves, walked)
     elif prefix:
         leaves[prefix] = node
 

@@ -8,7 +8,8 @@ from typing import IO, Any, cast
 
 from ..errors import CheckpointFormatError, UnsafeCheckpointError
 from .dtypes import STORAGE_ITEMSIZE
-from .pickles import Global, PickleReader, StorageRef, loads
+from .parsed import Global, StorageRef
+from .pickles import PickleReader, loads
 
 
 class _LegacyReader(PickleReader):

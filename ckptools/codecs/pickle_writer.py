@@ -7,7 +7,7 @@ import io
 import pickle
 from typing import Any
 
-from .pickles import Call, Global, Opaque, StorageRef
+from .parsed import Call, Global, Opaque, StorageRef
 
 _PyPickler: Any = pickle._Pickler
 

@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Protocol
 
 from ..errors import CheckpointFormatError, UnsafeCheckpointError
 from .dtypes import DTYPE_ITEMSIZE, STORAGE_ITEMSIZE
+from .parsed import STORAGE_REBUILDS, Call, Global, Opaque, StorageRef, check_extents
 
 
 class Archive(Protocol):
@@ -67,42 +68,6 @@ def canonical(module: str, name: str) -> tuple[str, str]:
     if mapped is not None:
         return mapped
     return _compat_pickle.IMPORT_MAPPING.get(module, module), name
-
-
-class Global:
-    """A reference to an allowlisted global (``torch._utils._rebuild_tensor_v2``), never imported."""
-
-    __slots__ = ("module", "name")
-
-    def __init__(self, module: str, name: str) -> None:
-        self.module, self.name = module, name
-
-    def __call__(self, *args: Any) -> Call:
-        return Call(self, args)
-
-    def __repr__(self) -> str:
-        return f"{self.module}.{self.name}"
-
-
-class Call:
-    """What ``REDUCE`` of a `Global` would have built; kept as (func, args, BUILD state)."""
-
-    __slots__ = ("args", "func", "state")
-
-    def __init__(self, func: Global, args: tuple[Any, ...]) -> None:
-        self.func, self.args, self.state = func, args, None
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-
-class StorageRef:
-    """A persistent storage reference: ``('storage', type, key, location, numel)``."""
-
-    __slots__ = ("key", "location", "numel", "storage_type")
-
-    def __init__(self, storage_type: Global, key: str, location: str, numel: int) -> None:
-        self.storage_type, self.key, self.location, self.numel = storage_type, key, location, numel
 
 
 def _allowed(module: str, name: str) -> bool:
@@ -163,7 +128,21 @@ class PickleReader(PyUnpickler):  # type: ignore[misc]  # subclassing Any: see a
         reached = isinstance(target, (Global, type)) or (callable(target) and not isinstance(target, (Call, Opaque)))
         if reached:
             raise UnsafeCheckpointError(build_refusal(self._path, repr(target) if target is not None else "nothing"))
+        if isinstance(target, Call) and target.func.name in STORAGE_REBUILDS and self._set_storage(target):
+            return
         super().load_build()
+
+    def _set_storage(self, tensor: Call) -> bool:
+        """A ``BUILD`` onto a rebuilt tensor: torch's loaders call ``tensor.set_(*state)`` (legacy
+        pickles). ``(storage, offset, size, stride)`` becomes the tensor's own arguments, so every
+        reader here sees the tensor torch would build (and `check_extents` checks it); any other
+        state is kept on the call, where `check_extents` refuses it."""
+        state = self.stack[-1]
+        if not (isinstance(state, tuple) and len(state) == 4 and isinstance(state[0], StorageRef)):
+            return False
+        self.stack.pop()
+        tensor.args = (*state, *tensor.args[4:])
+        return True
 
     dispatch: ClassVar[dict[int, Any]] = dict(PyUnpickler.dispatch)
     dispatch[pickle.BUILD[0]] = load_build
@@ -251,57 +230,6 @@ def _note(found: list[str], module: str, name: str) -> None:
     module, name = canonical(module, name)
     if _refused(module, name) and f"{module}.{name}" not in found:
         found.append(f"{module}.{name}")
-
-
-class Opaque:
-    """An object of a class the strict reader refuses, in a lenient read: inert, never built.
-
-    Holds what the pickle said about it (class, constructor arguments, items, state), so reading
-    the *weights* of a file never needs the classes of its other entries (a Lightning
-    checkpoint's ``hyper_parameters`` holding a ``pathlib.Path`` or an ``argparse.Namespace``),
-    and `dumps` writes it back as it was read (``ckpt strip-module`` keeps such entries).
-    ``cls`` is None for the class reference itself.
-    """
-
-    __slots__ = ("args", "cls", "dictitems", "listitems", "module", "name", "newobj", "qualname", "state")
-
-    def __init__(self, module: str, qualname: str, cls: Opaque | None = None, args: tuple[Any, ...] = ()) -> None:
-        self.module, self.qualname, self.name = module, qualname, f"{module}.{qualname}"
-        self.cls, self.args, self.newobj = cls, args, False
-        self.state: Any = None
-        self.listitems: list[Any] = []
-        self.dictitems: list[tuple[Any, Any]] = []
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Opaque:
-        return Opaque(self.module, self.qualname, self, args)
-
-    def __setstate__(self, state: Any) -> None:
-        self.state = state
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        self.dictitems.append((key, value))
-
-    def append(self, value: Any) -> None:
-        self.listitems.append(value)
-
-    def extend(self, values: Any) -> None:
-        self.listitems.extend(values)
-
-    def __repr__(self) -> str:
-        return f"<{self.name}, not loaded>"
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        # Pickled as itself (a broadcast load sends the tree to every rank): the placeholder, not
-        # the class it stands for. (dumps() writes it back as the original object instead.)
-        fields = (self.cls, self.args, self.newobj, self.state, self.listitems, self.dictitems)
-        return (_opaque, (self.module, self.qualname, *fields))
-
-
-def _opaque(module: str, qualname: str, cls: Opaque | None, args: tuple[Any, ...], newobj: bool, state: Any,
-            listitems: list[Any], dictitems: list[tuple[Any, Any]]) -> Opaque:  # fmt: skip
-    made = Opaque(module, qualname, cls, args)
-    made.newobj, made.state, made.listitems, made.dictitems = newobj, state, listitems, dictitems
-    return made
 
 
 class LenientReader(PickleReader):
@@ -412,6 +340,7 @@ def _parse(reader: PickleReader, path: str, archive: Archive | None = None) -> A
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
             RecursionError, MemoryError, struct.error) as err:  # fmt: skip
         raise CheckpointFormatError(f"{path}: data.pkl is corrupt ({type(err).__name__}: {err})") from err
+    check_extents(tree, path)
     if archive is not None:
         archive.check_storages(reader.storages)
     return tree

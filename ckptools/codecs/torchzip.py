@@ -20,7 +20,7 @@ from ..storage import PathLike, copy_range, crc32, open_for_read, open_local, re
 from .dtypes import STORAGE_ITEMSIZE
 
 if TYPE_CHECKING:
-    from .pickles import StorageRef
+    from .parsed import StorageRef
 
 # The first bytes of every zip archive (a local file header).
 ZIP_MAGIC = b"PK\x03\x04"

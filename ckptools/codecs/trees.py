@@ -7,7 +7,8 @@ from typing import Any
 
 from ..errors import CheckpointFormatError, KeyMismatchError
 from .dtypes import DTYPE_ITEMSIZE, STORAGE_ITEMSIZE
-from .pickles import REBUILD_FUNCTIONS, Call, Global, StorageRef
+from .parsed import Call, Global, StorageRef
+from .pickles import REBUILD_FUNCTIONS
 
 # The entry ckptools adds to every checkpoint it writes.
 META_KEY = "__ckptools__"

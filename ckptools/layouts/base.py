@@ -101,8 +101,15 @@ def walk_tree(
     """
     tensors: list[TensorInfo] = []
     seen: set[Any] = set()
+    # A container the pickle shares (memoized, written once) is walked once, under the first name
+    # that reaches it: a file of a few KB can share lists so that its tree has 2^60 paths.
+    walked: set[int] = set()
 
     def walk(node: Any, prefix: str) -> None:
+        if isinstance(node, (Mapping, list, tuple)):
+            if id(node) in walked:
+                return
+            walked.add(id(node))
         info = describe(node)
         if info is not None:
             storage = info.pop("storage")

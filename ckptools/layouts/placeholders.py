@@ -14,7 +14,8 @@ from collections.abc import Mapping
 from typing import Any, ClassVar
 
 from .. import log
-from ..codecs.pickles import LenientReader, Opaque, PyUnpickler, canonical, hostile, loads_lenient
+from ..codecs.parsed import Opaque
+from ..codecs.pickles import LenientReader, PyUnpickler, canonical, hostile, loads_lenient
 from ..codecs.torchzip import open_local_zip
 from ..codecs.trees import locate_weights
 from ..errors import CheckpointFormatError, UnsafeCheckpointError

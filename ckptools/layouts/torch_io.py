@@ -144,6 +144,8 @@ def load_open(
     handle.seek(0)
     import torch  # only now: a file refused above is refused without it (a second saved for `ckpt`)
 
+    if weights_only and pickle_module is None and archive is not None and _protocol(handle, archive) > 2:
+        return _load_transcoded(handle, path, map_location)  # torch's weights-only unpickler reads protocol 2
     try:
         if mapped:  # only local zip files: storages are mapped, read when touched
             assert archive is not None  # zipped: scanned above
@@ -164,6 +166,56 @@ def load_open(
         raise failure from err
 
 
+def _newer_protocol(err: BaseException) -> bool:
+    """Whether torch's weights-only unpickler stopped at an opcode of pickle protocol 4 or 5
+    (``torch.save(..., pickle_protocol=4)``: FRAME, MEMOIZE, STACK_GLOBAL, ...), which it does not read."""
+    return isinstance(err, pickle.UnpicklingError) and "Unsupported operand" in str(err)
+
+
+def _protocol(handle: IO[bytes], archive: TorchZip) -> int:
+    """The pickle protocol ``data.pkl`` begins with (its PROTO opcode; 0 without one)."""
+    handle.seek(archive.starts[archive.pkl_index])
+    head = handle.read(2)
+    handle.seek(0)  # torch's loaders read the file from where the handle is
+    return head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 0
+
+
+def _load_transcoded(handle: IO[bytes], path: str, map_location: Any) -> Any:
+    """A zip whose ``data.pkl`` is pickle protocol 4 or 5, loaded weights-only all the same.
+
+    The file is valid: ``torch.save(obj, f, pickle_protocol=4)`` wrote it, and the newer opcodes
+    only frame, memoize and name globals (none runs anything). ckptools' strict reader parses it
+    (a refused global is refused here, as torch would), the tree is written back as protocol 2,
+    and torch's own weights-only unpickler reads that, through torch's zip loader: every judgment
+    torch makes of a file is made of this one too.
+    """
+    import io
+    import types
+
+    import torch.serialization as ts
+    from torch._weights_only_unpickler import Unpickler as Safe
+
+    from ..codecs.pickle_writer import dumps
+
+    handle.seek(0)
+    archive = TorchZip(path, handle)
+    data = dumps(loads(archive.read_pickle(handle), path, archive))
+
+    class Unpickler(Safe):
+        def __init__(self, file: IO[bytes], **kwargs: Any) -> None:
+            super().__init__(io.BytesIO(data), **kwargs)  # the protocol-2 copy of what ``file`` holds
+
+    handle.seek(0)
+    try:
+        with ts._open_zipfile_reader(handle) as reader:
+            unpickler = types.SimpleNamespace(Unpickler=Unpickler)
+            return ts._load(reader, map_location, unpickler, encoding="utf-8")  # type: ignore[no-untyped-call]
+    except CheckpointError:
+        raise
+    except Exception as err:
+        raise _failure(path, err, True) from err
+
+
 def _failure(path: str, err: Exception, weights_only: bool) -> CheckpointError:
     """The ckptools error for what ``torch.load`` of ``path`` raised."""
     if isinstance(err, pickle.UnpicklingError):
@@ -174,6 +226,12 @@ def _failure(path: str, err: Exception, weights_only: bool) -> CheckpointError:
             return UnsafeCheckpointError(build_refusal(path, f"a {built.group(1)}"))
         if _cuda_without_cuda(err):  # torch < 2.6 wraps it in its weights-only loader's error
             return _cuda_error(path)
+        if weights_only and _newer_protocol(err):  # a legacy (non-zip) file: only a zip is transcoded
+            return CheckpointFormatError(
+                f"{path} was pickled with protocol 4 or 5 in torch's legacy format, which torch's weights-only "
+                "reader does not read; the file is not damaged: re-save it with torch.save's defaults, or, only "
+                "for a file you trust, load it with trust_code=True (--trust-code)"
+            )
         return CheckpointFormatError(f"{path} is corrupt or not a torch checkpoint ({first_line(err)})")
     if isinstance(err, (ModuleNotFoundError, AttributeError)):
         missing = _missing_class(err)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..codecs.pickles import Opaque
+from ..codecs.parsed import Opaque
 from ..codecs.trees import LIGHTNING_VERSION_KEY, META_KEY, locate_weights
 
 __all__ = ["LIGHTNING_VERSION_KEY", "META_KEY", "loaded_weights", "placeholder_name"]
