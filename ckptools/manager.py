@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -11,8 +12,8 @@ from typing import Any
 from . import log
 from .collective.agree import Agreement
 from .collective.arrival import checked_in
-from .collective.group import get_rank
-from .errors import CheckpointError
+from .collective.group import all_gather_object, get_rank
+from .errors import CheckpointError, CheckpointFormatError, CheckpointLayoutError
 from .layouts import TORCH_FILE
 from .lifecycle import finish_pending
 from .node import NodeMemory, Orphaned, checkpoint_names, file_name
@@ -23,6 +24,13 @@ from .training.process import ORPHANED_EXIT, leave
 from .write import AsyncSave, pending, release_staging_buffers
 
 __all__ = ["CheckpointManager"]
+
+
+def _damage_on_some_rank(error: CheckpointError) -> bool:
+    """Collective, after a load raised on every rank: whether some rank found the file damaged (the
+    rank that read the damaged record raises its `CheckpointFormatError`, the others a message naming it)."""
+    own = isinstance(error, CheckpointFormatError) and not isinstance(error, CheckpointLayoutError)
+    return any(all_gather_object(own))
 
 
 class CheckpointManager:
@@ -297,7 +305,9 @@ class CheckpointManager:
         assert match is not None  # every path a manager lists matches its pattern
         return int(match.group(1))
 
-    def _choose_unless_removed(self, newest: list[int | None]) -> tuple[tuple[int, bool] | None, bool]:
+    def _choose_unless_removed(
+        self, newest: list[int | None], damaged: frozenset[tuple[int, bool]] = frozenset()
+    ) -> tuple[tuple[int, bool] | None, bool]:
         """Rank 0: `_choose`, unless node memory holds snapshots of a run whose (local) folder is gone:
         the folder exists from a run's first snapshot on, so it was removed (to start afresh), and those
         snapshots are stale. Then: no choice, and True (every node releases its snapshots)."""
@@ -310,27 +320,31 @@ class CheckpointManager:
                 once="run_folder_removed",
             )
             return None, True
-        return self._choose(newest), False
+        return self._choose(newest, damaged), False
 
-    def _choose(self, newest: list[int | None]) -> tuple[int, bool] | None:
+    def _choose(
+        self, newest: list[int | None], damaged: frozenset[tuple[int, bool]] = frozenset()
+    ) -> tuple[int, bool] | None:
         """Rank 0: the step of the newest good checkpoint, durable or a node's snapshot (a tie:
         the snapshot, which reads from memory), and whether it is a snapshot; None for none.
-        ``newest``: each node's newest whole snapshot (None for none)."""
-        snapshot = max((step for step in newest if step is not None), default=None)
-        listed = self.checkpoints()
+        ``newest``: each node's newest whole snapshot (None for none); ``damaged``: the choices a
+        load found damaged, ``(step, from node memory)``, skipped."""
+        snapshot = max((step for step in newest if step is not None and (step, True) not in damaged), default=None)
+        listed = [(step, path) for step, path in self.checkpoints() if (step, False) not in damaged]
         if snapshot is not None and (not listed or snapshot >= listed[-1][0]):
             return snapshot, True  # no durable file is newer: none is read to verify it
-        durable = self._newest_good()
+        durable = self._newest_good(damaged)
         if snapshot is not None and (durable is None or snapshot >= self._step_of(durable)):
             return snapshot, True  # the newer durable files were damaged
         return None if durable is None else (self._step_of(durable), False)
 
-    def _newest_good(self) -> str | None:
+    def _newest_good(self, damaged: frozenset[tuple[int, bool]] = frozenset()) -> str | None:
         """Rank 0, choosing what a restore loads: `latest`, except in an object store read in ranges, where
         each checkpoint's container is checked in a few GETs and the load that follows checks every record
         as the rank that reads it gets it (``verify=True``): the object is downloaded once between the
-        ranks, not once more by rank 0 to choose it."""
-        listed = self.checkpoints()
+        ranks, not once more by rank 0 to choose it. ``damaged``: as `_choose`'s (a local file is never
+        one: `latest` checked every CRC-32 before its load)."""
+        listed = [(step, path) for step, path in self.checkpoints() if (step, False) not in damaged]
         if not listed or not reads_in_ranges(resolve(listed[-1][1])):
             return self.latest()
         for _, path in reversed(listed):
@@ -387,28 +401,42 @@ class CheckpointManager:
         """
         finish_pending()
         nodes = self._node.survey()
-        chosen = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(
-            lambda: self._choose_unless_removed(nodes.newest), send=True
-        )
-        assert chosen is not None  # on_rank0 raised otherwise
-        choice, removed = chosen
-        nodes.release_unused(used=not removed and (not nodes.made_here or (choice is not None and choice[1])))
-        if choice is None:
-            if get_rank() == 0:
-                log.logger.info("no checkpoint in %s: starting fresh", self.directory)
-            return None
-        step, from_memory = choice
         # Restoring is resuming: the RNG comes back whatever the state holds (see ck.load).
         load_kwargs = {"restore_rng": True, **load_kwargs}
-        if not from_memory:
-            path = self.path_for(step)
-            if reads_in_ranges(resolve(path)):  # chosen by its container: every record checked as read
-                load_kwargs.setdefault("verify", True)
-            return load(path, state, **load_kwargs)
-        path = self._node.path_for(step)
-        nodes.bring(path, step)
-        if get_rank() == 0:
-            log.logger.info("restoring from the snapshot in node memory: %s", path)
-        if not load_kwargs.get("broadcast"):  # (deprecated) every node reads its own memory: faster than any exchange
-            load_kwargs.setdefault("read", "each")
-        return load(resolve(path).as_own(), state, **load_kwargs)  # the job's own file: no link, no other's
+        damaged: frozenset[tuple[int, bool]] = frozenset()  # (step, from node memory) a load found damaged
+        while True:
+            chosen = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(
+                functools.partial(self._choose_unless_removed, nodes.newest, damaged), send=True
+            )
+            assert chosen is not None  # on_rank0 raised otherwise
+            choice, removed = chosen
+            if not damaged:
+                nodes.release_unused(used=not removed and (not nodes.made_here or (choice is not None and choice[1])))
+            if choice is None:
+                if get_rank() == 0:
+                    log.logger.info("no checkpoint in %s: starting fresh", self.directory)
+                return None
+            step, from_memory = choice
+            if from_memory:
+                path = self._node.path_for(step)
+                nodes.bring(path, step)
+                if get_rank() == 0:
+                    log.logger.info("restoring from the snapshot in node memory: %s", path)
+                where: Any = resolve(path).as_own()  # the job's own file: no link, no other's
+                # (deprecated broadcast aside) every node reads its own memory: faster than any exchange
+                kwargs = load_kwargs if load_kwargs.get("broadcast") else {"read": "each", **load_kwargs}
+            else:
+                where = self.path_for(step)
+                kwargs = load_kwargs
+                if not reads_in_ranges(resolve(where)):
+                    return load(where, state, **kwargs)  # chosen by `latest`: every CRC-32 checked first
+            # A snapshot (its container checked by the survey) or an object chosen by its container: every
+            # record is checked as it is read, and a damaged one is a reason to choose again, as `latest`
+            # skips a damaged file on a local disk.
+            try:
+                return load(where, state, **{"verify": True, **kwargs})
+            except CheckpointError as err:
+                if not _damage_on_some_rank(err):
+                    raise
+                log.warn(f"skipping damaged {'snapshot' if from_memory else 'checkpoint'}: {err}", all_ranks=True)
+                damaged |= {(step, from_memory)}

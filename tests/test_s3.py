@@ -367,6 +367,8 @@ def _restores_from_s3(rank: int, world: int, url: str, verify: bool, manager: bo
         )
     except ck.CheckpointError as err:
         return str(err)
+    if ckpt is None:
+        return None  # a fresh start: no checkpoint (or none whole)
     expected = _big_ddp().state_dict()
     return ckpt["step"], all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
 
@@ -460,5 +462,7 @@ def test_the_managers_restore_from_s3_downloads_each_byte_once_between_the_ranks
     data = bytearray(fs.cat_file(f"{BUCKET}/{key}"))
     data[len(data) // 2] ^= 0x10  # inside a weight's record
     fs.pipe_file(f"{BUCKET}/{key}", bytes(data))
+    # Its only checkpoint damaged: every rank skips it, as latest() does on a local disk, and starts fresh
+    # (issue 65; a run with an older whole checkpoint resumes from it: the guarantees matrix's fallback cells).
     said = run_ranks(_restores_from_s3, world, run, True, True)
-    assert all(isinstance(text, str) and "is damaged (CRC-32 mismatch" in text for text in said), said
+    assert said == [None] * world, said

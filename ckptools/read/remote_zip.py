@@ -95,6 +95,11 @@ class _Ranges(io.RawIOBase):
         return data
 
 
+# The bytes a zip writer may put after a record's data: none, or a data descriptor (with or without
+# its signature; zip64: 8-byte sizes).
+_DESCRIPTORS = frozenset({0, 12, 16, 20, 24})
+
+
 class Unranged(Exception):
     """The object is not a zip, or its records do not lie one after another: it is not read in ranges
     (`ckptools.read.once` has rank 0 read it, whose reader says what it is)."""
@@ -126,26 +131,51 @@ class RemoteZip:
             self.records[info.filename] = (info.header_offset, end - info.file_size, info.file_size, info.CRC)
         names = [name for name in self.records if storage_key(name) is None]
         try:
-            self.small = dict(zip(names, self._fetch(names)))
+            blobs = self._fetch_raw(names)
+            self._after_descriptors(names, blobs)
+            self.small = {name: bytes(self.data_of(name, blob)) for name, blob in zip(names, blobs)}
         except CheckpointFormatError as err:  # a header elsewhere than where the layout puts it
             raise Unranged(str(err)) from err
         for name, data in self.small.items():
             if verify and crc32(data) != self.records[name][3]:
                 raise damaged_record(location.url, name)
 
-    def _fetch(self, names: list[str]) -> list[bytes]:
-        """Each named record's data, fetched with its header, the header checked."""
+    def _fetch_raw(self, names: list[str]) -> list[bytes]:
+        """Each named record's bytes from its local header to the next record's header (its data, and
+        the data descriptor a streaming writer puts after it)."""
         starts = [self.records[name][0] for name in names]
         ends = [self.records[name][1] + self.records[name][2] for name in names]
         fs = self.location.fs
         got = fs.cat_ranges([self.location.path] * len(names), starts, ends, batch_size=RANGES_AT_ONCE,
                             on_error="raise")  # fmt: skip
-        return [bytes(self.data_of(name, bytes(blob))) for name, blob in zip(names, got)]
+        return [bytes(blob) for blob in got]
+
+    def _after_descriptors(self, names: list[str], blobs: list[bytes]) -> None:
+        """Where each record's data starts, when a data descriptor follows each record's data.
+
+        ckptools' writer puts each record's data right before the next header; torch's own writer
+        (``torch.save``, ``writers="rank0"``) puts a 16-byte data descriptor there (its local headers
+        flag it). The small records, fetched header to next header, say how long the descriptor is;
+        one writer writes every record alike, and each storage's own header is checked again as its
+        first range is read (`_after_header`)."""
+        found = set()
+        for name, blob in zip(names, blobs):
+            header, start, size, _ = self.records[name]
+            if len(blob) < 30 or blob[:4] != b"PK\x03\x04":
+                raise CheckpointFormatError(f"{self.location.url}: record {name} is not where its header says")
+            n, m = struct.unpack("<HH", blob[26:30])
+            found.add(len(blob) - (30 + n + m) - size)
+        if len(found) != 1 or next(iter(found)) not in _DESCRIPTORS:
+            return  # no small record, or a layout this reader does not know: `data_of` says which record
+        trailing = found.pop()
+        if trailing:
+            for name, (header, start, size, crc) in self.records.items():
+                self.records[name] = (header, start - trailing, size, crc)
 
     def data_of(self, name: str, blob: bytes | memoryview) -> bytes | memoryview:
         """A record's data from ``blob`` (its bytes from its local header on), the header checked."""
         size = self.records[name][2]
-        data = self._after_header(name, blob)
+        data = self._after_header(name, blob)[:size]  # a data descriptor may follow
         if len(data) != size:
             raise CheckpointFormatError(f"{self.location.url} ended early while {name} was read")
         return data
