@@ -5,6 +5,12 @@ and tiny states; medians of interleaved runs. One process in a gloo group of one
 
     python benchmarks/bench_replicas.py [--gib 1] [--repeat 9]
 
+``--save``: what the full comparison every durable save now makes (issue 65) costs against the save itself:
+``ck.save`` of the same DDP state to a local file (written and fsynced) with the comparison and without
+(``check_replicas=False``), and the full digests alone, interleaved; medians and ratios.
+
+    python benchmarks/bench_replicas.py --save [--gib 1] [--repeat 7] [--dir DIR]
+
 ``--loop``: the steps/s of a DDP loop on 2 gloo ranks (spawned) that snapshots every step into node memory
 (``manager.snapshot``, the budget off), with the comparison (the default) and without
 (``check_replicas=False``), in interleaved blocks of 20 steps; the medians and their ratio.
@@ -50,6 +56,25 @@ def _measure(state: dict, repeat: int) -> dict[str, float]:
         start = time.perf_counter()
         replica_digests(state, sample=False)
         times["whole"].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _save_cost(state: dict, repeat: int, folder: str) -> dict[str, float]:
+    """Medians of interleaved rounds: ``ck.save`` compared (the default), not compared, and the digests."""
+    import ckptools as ck
+
+    path = os.path.join(folder, "bench-replicas.pt")
+    times: dict[str, list[float]] = {"compared": [], "not": [], "digests": []}
+    for _ in range(repeat):
+        for name in ("compared", "not", "digests"):
+            start = time.perf_counter()
+            if name == "digests":
+                replica_digests(state, sample=False)
+            else:
+                ck.save(path, state, check_replicas=name == "compared")
+            times[name].append(time.perf_counter() - start)
+            if os.path.exists(path):
+                os.unlink(path)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -100,6 +125,8 @@ def main() -> None:
     p.add_argument("--repeat", type=int, default=9)
     p.add_argument("--loop", action="store_true")
     p.add_argument("--mib", type=float, default=64.0)
+    p.add_argument("--save", action="store_true")
+    p.add_argument("--dir", default=os.environ.get("TMPDIR", "/tmp"))
     args = p.parse_args()
     if args.loop:
         import tempfile
@@ -116,6 +143,14 @@ def main() -> None:
     os.environ.setdefault("MASTER_PORT", "29577")
     dist.init_process_group("gloo", rank=0, world_size=1)
     torch.set_num_threads(1)
+    if args.save:
+        m = _save_cost(_state(int(args.gib * (1 << 30)) // 4), args.repeat, args.dir)
+        print(f"{args.gib:g} GiB DDP state, ck.save to {args.dir}: compared {m['compared']:.3f} s, not compared "
+              f"{m['not']:.3f} s ({(m['compared'] / m['not'] - 1) * 100:+.1f} %); the full digests alone "
+              f"{m['digests'] * 1000:.0f} ms ({m['digests'] / m['not'] * 100:.1f} % of the save); medians of "
+              f"{args.repeat} interleaved rounds", flush=True)  # fmt: skip
+        dist.destroy_process_group()
+        return
     for label, numel in ((f"{args.gib:g} GiB", int(args.gib * (1 << 30)) // 4), ("12 KiB", 3 * 1024)):
         m = _measure(_state(numel), args.repeat)
         print(f"{label}: copy floor {m['floor'] * 1000:.2f} ms; sampled digests {m['sampled'] * 1000:.2f} ms "

@@ -70,17 +70,17 @@ def save(
     folders are created (local paths).
     ``writers="all"`` has every rank write its share of what DDP keeps equal into the one file
     (``"auto"``: where every rank sees the folder). Under DDP the replicas are compared first
-    (`ckptools.check_replicas`'s judgement on a rotating 1/50 of the bytes per call, every byte within 50
-    calls; all of them with ``verify_replicas=True``): a difference raises `ReplicaMismatchError` on every
-    rank and nothing is written. What is stored, and why: docs/guarantees.md; who writes: docs/guides/writers.md.
+    (`ckptools.check_replicas`'s judgement on every replicated byte: a durable save is rare and disk-bound;
+    snapshots compare a rotating sample): a difference raises `ReplicaMismatchError` on every rank and
+    nothing is written. What is stored, and why: docs/guarantees.md; who writes: docs/guides/writers.md.
 
     Args:
         path: file path or fsspec URL (``s3://bucket/run/step_100.pt``, ``memory://...``).
         state: names mapped to objects to store.
         metadata: extra plain values (str, int, float, bool, None, lists/dicts of them).
         writers: ``"auto"``, ``"all"`` or ``"rank0"``, the same on every rank.
-        verify_replicas: compare every byte of the replicated tensors between the ranks first.
-        check_replicas: False to skip the comparison (by default a rotating sample, see above).
+        verify_replicas: kept for older callers: every save compares every replicated byte.
+        check_replicas: False to skip the comparison (see above).
 
     Returns:
         ``path`` as a string.
@@ -212,12 +212,14 @@ def _begin(
     """The collective part every save opens with: finish a save in flight, check the
     arguments, gather every rank's part (its RNG, before rank 0 does anything that could draw from
     it; its `PerRank` values) and every rank's digests of the replicated tensors (all with ``verify``,
-    a rotating sample with ``check``: `ckptools.write.replicas`), in the same exchange."""
+    all of them with ``check`` too: `ckptools.write.replicas`), in the same exchange."""
     finish_pending()
     started = time.monotonic()
     path, user_meta = checked_args(path, state, metadata)
     # Each rank's ZeRO partition, described (metadata, never a tensor), rides the same exchange.
-    digests = replica_digests(state, sample=not verify) if verify or check else None
+    # A durable save is rare and disk-bound: every replicated byte is compared (a snapshot, every step
+    # and memory-bound, compares a rotating sample: ckptools.node.snapshot).
+    digests = replica_digests(state, sample=False) if verify or check else None
     gathered = all_gather_object(opening(state, digests=digests))
     agreement = agree.saving(path)
     agreement.raise_first(gathered, lambda reply: reply.problem)
@@ -327,7 +329,7 @@ def async_save_with_hooks(
 def check_replicas(state: Mapping[str, Any]) -> int:
     """Compare every byte DDP keeps equal on every rank (collective): a DDP model's parameters, a plain
     optimizer's state for them and its parameter groups; the number of digests compared per rank (0
-    without DDP). Saves and snapshots compare a rotating sample of the same by default; this is the
+    without DDP). Saves compare the same by default, snapshots a rotating sample of it; this is the
     whole comparison, at any moment (after ``optimizer.step()`` in a debug run).
 
     Raises:

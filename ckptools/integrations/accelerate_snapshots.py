@@ -35,8 +35,8 @@ class Snapshots:
             ``save_state`` folders (complete_cv_example's ``step_{step}``).
         budget: the fraction of the loop's time snapshots may stall it (`ckptools.CheckpointManager.snapshot`'s).
         check_replicas: under DDP, compare the processes' replicas of the models and optimizers before each
-            snapshot and ``save_state`` (`ckptools.check_replicas`'s rotating sample; `ReplicaMismatchError`
-            on every process, nothing kept, when one copy changed alone). False skips it.
+            snapshot (`ckptools.check_replicas`'s rotating sample) and ``save_state`` (every byte;
+            `ReplicaMismatchError` on every process, nothing kept, when one copy changed alone). False skips it.
 
     Collective like ``save_state``: every process makes it and calls `take` and `latest` at the same steps.
 

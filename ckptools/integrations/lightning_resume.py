@@ -142,8 +142,8 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
     resumable (a warning: mid-epoch resumes restart or skip the epoch) or that was built for another
     number of ranks (an error).
 
-    Under DDP the same exchange compares the ranks' replicas of the model and the optimizers (a rotating
-    sample, `ckptools.check_replicas`; ``check_replicas=False`` skips it): when one rank's copy changed
+    Under DDP the same exchange compares the ranks' replicas of the model and the optimizers (every byte,
+    `ckptools.check_replicas`; ``check_replicas=False`` skips it): when one rank's copy changed
     alone, `ReplicaMismatchError` on every rank before anything is written.
 
     **Fabric**: put it in the state you save and load, beside the loader; ``fabric.load`` puts the
@@ -183,11 +183,11 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
     def state_dict(self) -> dict[str, Any]:
         """Every rank's random streams, by rank: a collective (Lightning makes a checkpoint on
         every rank, Fabric's ``save`` runs on every rank), of weights-only types. Under DDP the same
-        exchange compares the replicas (a rotating sample, `ckptools.check_replicas`): when they differ,
+        exchange compares the replicas (every byte, `ckptools.check_replicas`): when they differ,
         `ReplicaMismatchError` on every rank before anything is written."""
         skip = COMPARED_BY_SNAPSHOT[0] or not self.check_replicas
         objects = None if skip else replicas_to_compare(self._trainer, self._compare)
-        digests = replica_digests(objects, sample=True) if objects else None
+        digests = replica_digests(objects, sample=False) if objects else None  # a durable save: every byte
         gathered = all_gather_object((rng.get_rng_state(), digests))
         if digests is not None:
             failure = compare_replicas([theirs for _, theirs in gathered])

@@ -91,7 +91,8 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
     they may stall it, as `ckptools.CheckpointManager.snapshot`'s (the default None: every n-th step).
 
     Under DDP, before each save and snapshot, the ranks' replicas of the model and the optimizer are
-    compared (`ckptools.check_replicas`'s rotating sample; ``check_replicas=False`` skips it): when one
+    compared (every byte before a save, `ckptools.check_replicas`'s rotating sample before a snapshot;
+    ``check_replicas=False`` skips it): when one
     rank's copy changed alone, `ReplicaMismatchError` on every rank and nothing written.
 
     Examples:
@@ -154,7 +155,7 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
         runs first): DDP's replicas compared before ``_save_checkpoint`` writes anything."""
         replicas = _ddp_replicas(kwargs) if self.check_replicas and control.should_save else None
         if replicas:
-            compare_now(replicas, sample=True, declared=True)
+            compare_now(replicas, sample=False, declared=True)  # a durable save: every byte
         return control
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
