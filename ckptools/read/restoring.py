@@ -27,6 +27,7 @@ from ..state_dict import (
     tensor_identity,
     unwrap_model,
 )
+from ..write import adopt_layout
 from ..zero import prefetch_partition
 from .loaded import LIGHTNING_VERSION_KEY, META_KEY, loaded_weights, placeholder_name
 
@@ -211,6 +212,29 @@ def own_value(entry: Any, *, path: str, name: str) -> Any:
     return values[get_rank()]
 
 
+def _adopt_buckets(ckpt: Mapping[str, Any], state: Mapping[str, Any], path: str) -> None:
+    """Each DDP model of ``state`` reduces on the gradient buckets its saving run had
+    (`ckptools.write.buckets`): at 3 ranks or more the resume is then bit-exact; where that cannot be
+    done, a warning says why (at 2 ranks the layout changes no bit, and nothing is said)."""
+    meta = ckpt.get(META_KEY)
+    layouts = meta.get("ddp_buckets") if isinstance(meta, Mapping) else None
+    if not isinstance(layouts, Mapping):
+        return
+    for name, layout in layouts.items():
+        obj = state.get(name)
+        if obj is None:
+            continue
+        why = adopt_layout(obj, layout)
+        if why is not None and get_world_size() > 2:
+            log.warn(
+                f"{path}: DDP model {name!r} reduces its gradients on another bucket layout than the run that saved "
+                f"it ({why}): at {get_world_size()} ranks its weights may then differ from an uninterrupted run's "
+                "in the last bits. For a bit-exact resume, restore before the first step and leave the reducer as "
+                "DDP makes it (docs/guarantees.md, 'Bit-exact resume')",
+                once=f"buckets:{name}",
+            )
+
+
 def restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool, path: str) -> None:
     models = [name for name, obj in state.items() if isinstance(obj, torch.nn.Module)]
     lightning = _lightning_entries(ckpt, state, path)
@@ -256,6 +280,7 @@ def restore_all(ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool,
             raise CheckpointFormatError(
                 f"{path}: cannot restore entry {name!r} into {type(obj).__name__}: {err}{hint}"
             ) from err
+    _adopt_buckets(ckpt, state, path)
     restore_gradients(ckpt, state, path)  # an open accumulation window's sums, each rank its own
     # Each rank's own value of a per-rank entry, in the checkpoint returned too (where the world size allows).
     for name, entry in ckpt.items():

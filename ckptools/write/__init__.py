@@ -9,7 +9,8 @@ pickling.py          ``data.pkl`` as ``torch.save`` pickles it, its storages nam
 plan.py              ``writers="all"``'s plan: the records at planned offsets, who writes which
                      storage, what is replicated
 replicas.py          the replicas compared before anything is written: digests (a rotating
-                     sample, or all), one verdict on every rank
+                     sample for a snapshot, all for a durable save), one verdict on every rank
+buckets.py           DDP's rebuilt gradient buckets: recorded in a save, adopted by a restore
 zip_writer.py        the temporary file, each storage's ``pwrite``, the directory and the rename
 commit.py            the one commit protocol (plan, write, report, finish) every writer follows:
                      rank 0 alone (`write_alone`), every rank its share, a snapshot's commit
@@ -35,6 +36,7 @@ from typing import Any
 
 from ..storage import Location, PathLike, resolve
 from .async_save import AsyncSave, finish_pending, pending, release_staging_buffers, set_pending, stage
+from .buckets import adopt_layout
 from .commit import FILE, Gathered, Stored, Target, finish, write_alone
 from .payload import Opening, as_saved, build_payload, checked_args, opening, rank_part
 from .plan import Plan, Share, check_writers, choose, make_plan, plain_optimizer, replica_module
@@ -56,6 +58,7 @@ __all__ = [
     "StagingBuffers",
     "Stored",
     "Target",
+    "adopt_layout",
     "as_saved",
     "build_payload",
     "check_writers",

@@ -24,7 +24,7 @@ import torch
 
 from .. import log, rng
 from .._version import __version__
-from ..collective.group import get_world_size
+from ..collective.group import get_rank, get_world_size
 from ..devices import to_cpu
 from ..errors import UnsafeStateError
 from ..gradients import accumulation_counter, describe_gradients, with_gradients
@@ -34,6 +34,7 @@ from ..per_rank import PER_RANK_KEY, PerRank
 from ..state_dict import unwrap_model
 from ..storage import PathLike, crc32, fspath
 from ..zero import describe_partitions, with_partitions
+from .buckets import bucket_layout
 
 __all__ = [
     "FORMAT_VERSION",
@@ -120,7 +121,12 @@ def rank_part(state: Mapping[str, Any]) -> dict[str, Any]:
         digest = _digest(obj)
         if digest is not None:
             digests[name] = digest
-    return {"rng": rng.get_rng_state(), "per_rank": values, "digests": digests}
+    # DDP's rebuilt gradient buckets (rank 0's: every rank's are the same), so that a restore reduces as
+    # this run does (ckptools.write.buckets); computed once per DDP object.
+    buckets = {}
+    if get_rank() == 0:
+        buckets = {name: layout for name, obj in state.items() if (layout := bucket_layout(obj)) is not None}
+    return {"rng": rng.get_rng_state(), "per_rank": values, "digests": digests, "buckets": buckets}
 
 
 def _small(value: Any, budget: int = _DIGEST_MAX, visits: int = 10_000) -> bool:
@@ -210,6 +216,8 @@ def build_payload(state: Mapping[str, Any], user_meta: dict[str, Any], parts: li
         "rng": [p["rng"] for p in parts],
         "metadata": user_meta,
     }
+    if parts[0].get("buckets"):
+        payload[META_KEY]["ddp_buckets"] = parts[0]["buckets"]
     return payload
 
 
