@@ -209,8 +209,33 @@ def describe_gradients(state: Mapping[str, Any]) -> tuple[dict[str, dict[str, Te
         found = _open_gradients(state)
     except CheckpointError as err:
         return None, str(err)
+    if found and not any(_is_accelerator(obj) for obj in state.values()):
+        steps = _accelerate_window()
+        if steps > 1:
+            return None, (
+                f"a save inside an open accelerator.accumulate window (gradient_accumulation_steps={steps}) holds "
+                "the model's gradients summed so far but not the Accelerator, which counts where in the window the "
+                "loop is: a resume from it would step the optimizer at other batches. Put the Accelerator in the "
+                "state (state['accelerator'] = accelerator), or take Accelerate's snapshots with "
+                "ckptools.integrations.accelerate.Snapshots; nothing was written"
+            )
     described = {name: {key: _kept_meta(grad) for key, grad in grads.items()} for name, grads in found.items()}
     return described or None, None
+
+
+def _accelerate_window() -> int:
+    """The ``gradient_accumulation_steps`` of the Accelerator this process made (Accelerate's
+    ``GradientState``, one per process), 1 without one. Never imports accelerate."""
+    import sys
+
+    module = sys.modules.get("accelerate.state")
+    shared = getattr(getattr(module, "GradientState", None), "_shared_state", None)
+    if not shared:
+        return 1
+    try:
+        return int((shared.get("plugin_kwargs") or {}).get("num_steps", 1))
+    except (TypeError, ValueError, AttributeError):
+        return 1
 
 
 class GradientsEntry:

@@ -36,11 +36,11 @@ from typing import Any
 import torch
 
 from .. import log
-from ..collective.agree import Agreement
-from ..collective.group import get_rank, get_world_size
+from ..collective.agree import Agreement, first_failure
+from ..collective.group import all_gather_object, get_rank, get_world_size
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..gradients import mark_restored, open_gradients, put_back_gradients, track
-from ..layouts import MANIFEST, check_folder, write_manifest
+from ..layouts import MANIFEST, check_folder, files_whole, write_manifest
 from ..node import ACCELERATE_GRADIENTS
 from ..storage import fsync_dir
 from ..write import compare_now
@@ -145,13 +145,46 @@ def _load_gradients(accelerator: Any, folder: str) -> None:
     put_back_gradients(saved["gradients"], state_of(accelerator), path)
 
 
-def _refuse_torn(input_dir: str) -> None:
+def _refuse_torn(input_dir: str, accelerator: Any = None) -> None:
+    """Collective (every process loads): `CheckpointFormatError` on every process, before anything is
+    loaded, when the folder is not whole or lacks a file ``accelerator``'s load will read (a folder
+    Accelerate wrote alone carries no manifest: a torn one can hold bare weights and nothing else)."""
     problem = check_folder(input_dir, verify=False).problem
-    if problem is not None:
+    if problem is None and accelerator is not None and os.path.isdir(input_dir):
+        expected = _read_by_load(accelerator, input_dir)
+        problem = None if expected is None else files_whole(input_dir, expected)
+    first = first_failure(all_gather_object(problem), lambda found: found)
+    if first is not None:
         raise CheckpointFormatError(
-            f"{input_dir}: {problem}; the folder is not a whole Accelerate state, and nothing was loaded: resume "
-            "from another (latest_complete_state(parent) gives the newest whole one)"
+            f"{input_dir}: {first}; the folder is not a whole Accelerate state for this accelerator, and nothing was "
+            "loaded: resume from another (latest_complete_state(parent) gives the newest whole one)"
         )
+
+
+def _read_by_load(accelerator: Any, input_dir: str) -> list[str] | None:
+    """The files ``accelerator.load_state(input_dir)`` reads, named as Accelerate names them, for the objects
+    registered with it (models, optimizers, schedulers, a scaler, custom objects, this process's random
+    states; the samplers' and loaders' files where present); None where a plugin writes its own layout
+    (DeepSpeed, FSDP, Megatron), which this does not know."""
+    from accelerate.utils import DistributedType
+
+    if accelerator.distributed_type in {DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM}:
+        return None
+
+    def numbered(stem: str, count: int, suffix: str = ".bin") -> list[str]:
+        return [f"{stem}{'' if i == 0 else f'_{i}'}{suffix}" for i in range(count)]
+
+    names = []
+    for model in numbered("model", len(accelerator._models), ".safetensors"):
+        bare = model.replace("model", "pytorch_model", 1).replace(".safetensors", ".bin")
+        names.append(model if os.path.exists(os.path.join(input_dir, model)) else bare)  # as Accelerate picks
+    names += numbered("optimizer", len(accelerator._optimizers)) + numbered("scheduler", len(accelerator._schedulers))
+    if getattr(accelerator, "scaler", None) is not None:
+        names.append("scaler.pt")
+    names += [f"custom_checkpoint_{i}.pkl" for i in range(len(accelerator._custom_objects))]
+    names.append(f"random_states_{accelerator.process_index}.pkl")  # save_state's last file: a torn one lacks it
+    present = [n for n in os.listdir(input_dir) if re.match(r"^(sampler|dl_state_dict)(_\d+)?\.bin$", n)]
+    return names + sorted(present)
 
 
 def attach(accelerator: Any, *, check_replicas: bool = True) -> Any:
@@ -162,7 +195,7 @@ def attach(accelerator: Any, *, check_replicas: bool = True) -> Any:
     writes ``project_dir/checkpoints/checkpoint_<iteration>`` and keeps ``total_limit`` whole ones.
     ``load_state(dir)`` refuses a torn folder; ``load_state()`` (automatic naming) loads the newest
     whole one and numbers the next save after it. Under DDP each ``save_state`` first compares the
-    processes' replicas (`ckptools.check_replicas`'s rotating sample; ``check_replicas=False`` skips it):
+    processes' replicas (every byte, `ckptools.check_replicas`; ``check_replicas=False`` skips it):
     `ReplicaMismatchError` on every process, nothing written, when one copy changed alone.
 
     Examples:
@@ -178,10 +211,10 @@ def attach(accelerator: Any, *, check_replicas: bool = True) -> Any:
     config = accelerator.project_configuration
 
     def save(output_dir: str | None = None, **kwargs: Any) -> str:
-        # Every process calls save_state: DDP's replicas compared first (a rotating sample), so a copy
-        # changed on one process alone raises ReplicaMismatchError everywhere before anything is written.
+        # Every process calls save_state: DDP's replicas compared first (every byte: a durable save), so a
+        # copy changed on one process alone raises ReplicaMismatchError everywhere before anything is written.
         if check_replicas:
-            compare_now(replicas_of(accelerator), sample=True, declared=True)
+            compare_now(replicas_of(accelerator), sample=False, declared=True)
         if not config.automatic_checkpoint_naming:
             if output_dir is None:
                 raise ValueError("save_state() needs an output_dir, or automatic_checkpoint_naming in the project")
@@ -219,7 +252,7 @@ def attach(accelerator: Any, *, check_replicas: bool = True) -> Any:
 
 
 def _before_load(accelerator: Any, input_dir: str) -> None:
-    _refuse_torn(input_dir)
+    _refuse_torn(input_dir, accelerator)
     _load_gradients(accelerator, input_dir)
 
 
@@ -278,7 +311,7 @@ def load_state(accelerator: Any, input_dir: str, **kwargs: Any) -> None:
     if originals is not None:  # attached: its pre-hook refuses a torn folder and puts the gradients back
         originals[1](input_dir, **kwargs)
         return
-    _refuse_torn(input_dir)
+    _refuse_torn(input_dir, accelerator)
     accelerator.load_state(input_dir, **kwargs)
     _load_gradients(accelerator, input_dir)
 

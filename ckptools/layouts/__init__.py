@@ -33,7 +33,7 @@ from ..view import CheckpointView, TensorInfo
 from .base import Layout, Transform
 from .dcp import DCP_FOLDER
 from .export import Planned, safetensors_plan
-from .folder_check import MANIFEST, check_folder, is_trainer_folder, write_manifest
+from .folder_check import MANIFEST, check_folder, files_whole, is_trainer_folder, write_manifest
 from .hf_folder import HUGGING_FACE_FOLDER, MODEL_FILES
 from .named import writer_for
 from .safetensors_file import SAFETENSORS_FILE
@@ -56,6 +56,7 @@ __all__ = [
     "check_records",
     "damaged_record",
     "detect",
+    "files_whole",
     "is_checkpoint_folder",
     "is_lightning_checkpoint",
     "load_file",

@@ -36,7 +36,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import IO
 
-from ..codecs.safetensors import verify_safetensors
+from ..codecs.safetensors import header_of, verify_safetensors
 from ..codecs.torchzip import ZIP_MAGIC
 from ..errors import CheckpointError
 from ..storage import TMP_MARKER, atomic_write, crc32_range, fsync_dir, open_local
@@ -51,6 +51,7 @@ __all__ = [
     "FolderCheck",
     "check_folder",
     "file_crc32",
+    "files_whole",
     "folder_files",
     "is_accelerate_folder",
     "is_trainer_folder",
@@ -200,6 +201,11 @@ def check_folder(folder: str, *, verify: bool = True, skip: Collection[str] = ()
         found.problem = _check_accelerate(folder, names, found)
         if found.problem is not None:
             return found
+    elif names and all(_ACCELERATE_MODEL.match(n) for n in names):
+        found.not_checksummed["(whether it is whole)"] = (
+            f"bare weights and no {MANIFEST}: a save_state killed after its first file leaves such a folder, "
+            "which cannot be told from a folder of weights alone"
+        )
     if not verify:
         return found
     covered = found.checksummed | {MANIFEST}
@@ -289,10 +295,53 @@ def _check_accelerate(folder: str, names: list[str], found: FolderCheck) -> str 
         ".pkl complete"
         + ("" if optimizers else ", no optimizer*.bin (an Accelerator without an optimizer writes none)")
     )
+    found.not_checksummed["(the objects registered)"] = (
+        "which schedulers, GradScaler, custom objects and further models or optimizers the Accelerator had is "
+        f"recorded nowhere: a missing file of one cannot be told without a {MANIFEST} (an attached "
+        "load_state, knowing the Accelerator, refuses it before loading anything)"
+    )
     found.not_checksummed["(the number of processes)"] = (
         f"recorded nowhere: {len(ranks)} random_states files, and a missing last one cannot be told without a "
         f"{MANIFEST}"
     )
+    return None
+
+
+def files_whole(folder: str, names: Collection[str]) -> str | None:
+    """Each of ``names`` in ``folder`` present and whole, told without reading its data (what a load about
+    to read them needs first): a torch zip's directory, its ``data.pkl`` (CRC-32 checked, parsed without
+    running anything) and a record holding every storage it names; a safetensors file's header and its
+    size; a bare pickle's opcodes to its STOP. Why one is not, or None.
+
+    Examples:
+        >>> import tempfile
+        >>> files_whole(tempfile.mkdtemp(), ["optimizer.bin"])
+        'optimizer.bin is missing'
+    """
+    from ..codecs.pickles import loads_lenient
+    from ..codecs.torchzip import TorchZip
+
+    for name in names:
+        path = os.path.join(folder, name)
+        if not os.path.isfile(path):
+            return f"{name} is missing"
+        try:
+            with open_local(path) as f:
+                head = f.read(4)
+                f.seek(0)
+                if head == ZIP_MAGIC:
+                    archive = TorchZip(path, f)
+                    loads_lenient(archive.read_pickle(f), path, archive)
+                elif name.endswith(".safetensors"):
+                    header_of(f, path)
+                else:
+                    data = f.read()
+                    for _ in pickletools.genops(data):  # a bare pickle: one cut short has no STOP
+                        pass
+        except CheckpointError as err:
+            return str(err).replace(path, name)
+        except (OSError, ValueError, EOFError) as err:
+            return f"{name} is cut short or damaged ({type(err).__name__}: {err})"
     return None
 
 
