@@ -145,7 +145,7 @@ def load_open(
     import torch  # only now: a file refused above is refused without it (a second saved for `ckpt`)
 
     if weights_only and pickle_module is None and archive is not None and _protocol(handle, archive) > 2:
-        return _load_transcoded(handle, path, map_location)  # torch's weights-only unpickler reads protocol 2
+        return _load_transcoded(handle, archive, map_location)  # torch's weights-only unpickler reads protocol 2
     try:
         if mapped:  # only local zip files: storages are mapped, read when touched
             assert archive is not None  # zipped: scanned above
@@ -180,14 +180,14 @@ def _protocol(handle: IO[bytes], archive: TorchZip) -> int:
     return head[1] if len(head) == 2 and head[0] == pickle.PROTO[0] else 0
 
 
-def _load_transcoded(handle: IO[bytes], path: str, map_location: Any) -> Any:
+def _load_transcoded(handle: IO[bytes], archive: TorchZip, map_location: Any) -> Any:
     """A zip whose ``data.pkl`` is pickle protocol 4 or 5, loaded weights-only all the same.
 
     The file is valid: ``torch.save(obj, f, pickle_protocol=4)`` wrote it, and the newer opcodes
     only frame, memoize and name globals (none runs anything). ckptools' strict reader parses it
     (a refused global is refused here, as torch would), the tree is written back as protocol 2,
     and torch's own weights-only unpickler reads that, through torch's zip loader: every judgment
-    torch makes of a file is made of this one too.
+    torch makes of a file is made of this one too. ``archive``: the zip ``handle`` holds open.
     """
     import io
     import types
@@ -197,8 +197,7 @@ def _load_transcoded(handle: IO[bytes], path: str, map_location: Any) -> Any:
 
     from ..codecs.pickle_writer import dumps
 
-    handle.seek(0)
-    archive = TorchZip(path, handle)
+    path = archive.path  # the zip ``handle`` holds open, its directory read already (`_scan_zip`)
     data = dumps(loads(archive.read_pickle(handle), path, archive))
 
     class Unpickler(Safe):

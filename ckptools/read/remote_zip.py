@@ -158,13 +158,9 @@ class RemoteZip:
         flag it). The small records, fetched header to next header, say how long the descriptor is;
         one writer writes every record alike, and each storage's own header is checked again as its
         first range is read (`_after_header`)."""
-        found = set()
-        for name, blob in zip(names, blobs):
-            header, start, size, _ = self.records[name]
-            if len(blob) < 30 or blob[:4] != b"PK\x03\x04":
-                raise CheckpointFormatError(f"{self.location.url}: record {name} is not where its header says")
-            n, m = struct.unpack("<HH", blob[26:30])
-            found.add(len(blob) - (30 + n + m) - size)
+        found = {
+            len(blob) - self._header_length(name, blob) - self.records[name][2] for name, blob in zip(names, blobs)
+        }
         if len(found) != 1 or next(iter(found)) not in _DESCRIPTORS:
             return  # no small record, or a layout this reader does not know: `data_of` says which record
         trailing = found.pop()
@@ -185,12 +181,19 @@ class RemoteZip:
         that the data starts where this reader took it to start."""
         header, start, _, _ = self.records[name]
         skip = start - header
-        if len(blob) < 30 or bytes(blob[:4]) != b"PK\x03\x04":
-            raise CheckpointFormatError(f"{self.location.url}: record {name} is not where its header says")
-        n, m = struct.unpack("<HH", bytes(blob[26:30]))
-        if 30 + n + m != skip or bytes(blob[30 : 30 + n]) != name.encode():
+        if self._header_length(name, blob) != skip:
             raise CheckpointFormatError(f"{self.location.url}: record {name} is not where its header says")
         return blob[skip:]
+
+    def _header_length(self, name: str, blob: bytes | memoryview) -> int:
+        """The length of record ``name``'s local header, the first bytes of ``blob``, which must be its
+        header (its signature, and ``name``)."""
+        if len(blob) < 30 or bytes(blob[:4]) != b"PK\x03\x04":
+            raise CheckpointFormatError(f"{self.location.url}: record {name} is not where its header says")
+        n, m = (int(x) for x in struct.unpack("<HH", bytes(blob[26:30])))
+        if bytes(blob[30 : 30 + n]) != name.encode():
+            raise CheckpointFormatError(f"{self.location.url}: record {name} is not where its header says")
+        return 30 + n + m
 
     @contextmanager
     def stand_in(self) -> Iterator[Location]:
