@@ -161,6 +161,77 @@ def test_ckptools_collectives_never_make_a_gloo_thread_take_the_gil(tmp_path):
     assert "ProcessGroupGloo" in control and "decref" in control, "the shim saw no gloo thread take the GIL"
 
 
+_FORK_RANK = r"""
+import os, sys, time
+forks = []
+os.register_at_fork(before=lambda: forks.append(time.monotonic_ns()))  # before ckptools': runs after it
+import torch, torch.distributed as dist
+import ckptools as ck
+
+
+class Data(torch.utils.data.Dataset):
+    def __len__(self):
+        return 8
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i)])
+
+
+ck.init_distributed()
+rank = ck.get_rank()
+loader = ck.ResumableDataLoader(Data(), batch_size=2, seed=0, num_workers=2)
+# A collective that is not ckptools', its Work let go by Python before it completes (rank 1 joins
+# late): rank 0's gloo thread drops the last reference to a tensor Python still holds, a moment
+# after it completed, and creates a Python thread state to do so. A loader's iterator made at once.
+t = torch.ones(1)
+if rank == 1:
+    time.sleep(0.5)
+    dist.all_reduce(t)
+else:
+    dist.all_reduce(t, async_op=True)
+    while t.item() != 2.0:
+        pass
+batch = next(iter(loader))
+print("forks", *forks, flush=True)
+dist.barrier()
+os._exit(0)
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler for the LD_PRELOAD shim")
+@pytest.mark.skipif(sys.version_info >= (3, 11, 10), reason="forks wait only on CPython < 3.11.10 (gh-112275)")
+def test_a_loader_never_forks_a_worker_while_a_gloo_thread_makes_its_thread_state(tmp_path):
+    """Lightning's fit all-reduces a temporary tensor and makes the DataLoader's iterator right after;
+    a gloo thread lets go of that collective a moment later and creates a Python thread state under
+    the runtime's HEAD_LOCK: a worker forked then deadlocks for good on CPython before 3.11.10 (seen
+    once in `make compat`, a resumed Lightning fit at 2 ranks). The shim holds each gloo thread
+    30 ms on its way to that lock and logs when; rank 0's worker forks must fall outside."""
+    shim = tmp_path / "threadstates.so"
+    src = Path(__file__).parent / "gil" / "threadstates.c"
+    subprocess.run(["cc", "-shared", "-fPIC", "-O1", "-o", str(shim), str(src), "-ldl"], check=True)
+    log = tmp_path / "threadstates"
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "LD_PRELOAD": str(shim),
+               "THREADSTATES_LOG": str(log), "THREADSTATES_DELAY_MS": "30"}  # fmt: skip
+        procs.append(subprocess.Popen([sys.executable, "-c", _FORK_RANK], env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, text=True))  # fmt: skip
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    forks = [int(n) for line in outs[0].splitlines() if line.startswith("forks ") for n in line.split()[1:]]
+    assert len(forks) == 2, outs[0]
+    marks = [line.split() for line in Path(f"{log}.{procs[0].pid}").read_text().splitlines()]
+    begun = {m[1]: int(m[2]) for m in marks if m[0] == "begin"}
+    spans = [(begun[m[1]], int(m[2])) for m in marks if m[0] == "end" and m[1] in begun]
+    if not spans and torch_can.handback_before_2_13():
+        pytest.skip(f"torch {torch.__version__}'s tensors do not hand their Python object back from a gloo thread")
+    assert spans, "the shim saw no gloo thread create a thread state: the test proves nothing"
+    inside = [(f, s) for f in forks for s in spans if s[0] <= f <= s[1]]
+    assert not inside, f"a worker forked {inside[0][0] - inside[0][1][0]} ns into a gloo thread's thread state"
+
+
 # Launches per case of the exit test below: 8 in CI (16 in all: 93 % to see an abort that comes in 15 % of
 # exits, the rarest rate seen), 30 in `make stress`.
 EXIT_LAUNCHES = int(os.environ.get("CKPTOOLS_EXIT_LAUNCHES", "8"))

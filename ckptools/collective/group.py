@@ -15,6 +15,7 @@ import contextlib
 import datetime
 import os
 import pickle
+import sys
 import time
 from typing import Any
 
@@ -263,12 +264,36 @@ def _let_collective_threads_settle() -> None:
         time.sleep(_SETTLE_SECONDS)
 
 
+# The same moment, seen from a fork (see ``_HELD``): a collective that is not ckptools' (Lightning's
+# ``has_len_all_ranks`` all-reduces a temporary tensor right before its fit loop makes the DataLoader's
+# iterator; a user's logging all-reduce; DDP's) is let go by a gloo thread a moment after wait()
+# returned, and a DataLoader worker forked while that thread creates its Python thread state (under
+# the runtime's HEAD_LOCK) deadlocks for good on CPython before 3.11.10 (seen: a resumed Lightning fit
+# at 2 ranks hung in its worker's fork, once in `make compat`). Nobody can hold that lock
+# across a fork from Python; a fork's before-hook can let go of the GIL for a moment, as the exit
+# handler does, so that a thread about to take it gets past that point first. Once per burst of forks
+# (a loader starting its workers): a fork within `_FORK_BURST_SECONDS` of the last one does not wait.
+_FORK_CAN_DEADLOCK = sys.version_info < (3, 11, 10)
+_FORK_BURST_SECONDS = 0.05
+_last_fork = -1.0
+
+
+def _settle_before_fork() -> None:
+    global _last_fork
+    if _FORK_CAN_DEADLOCK and time.monotonic() - _last_fork > _FORK_BURST_SECONDS and dist_ready():
+        with contextlib.suppress(KeyboardInterrupt):
+            time.sleep(_SETTLE_SECONDS)
+    _last_fork = time.monotonic()
+
+
 def settle_at_exit() -> None:
     """Register, once per process, the exit handler that lets gloo's threads release their last
-    collectives' Work while the interpreter still runs (see ``_SETTLE_SECONDS``)."""
+    collectives' Work while the interpreter still runs (see ``_SETTLE_SECONDS``), and the fork
+    before-hook that does the same before a DataLoader forks a worker on CPython before 3.11.10."""
     global _settling
     if not _settling:
         atexit.register(_let_collective_threads_settle)
+        os.register_at_fork(before=_settle_before_fork)
         _settling = True
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch.utils.data
 
-from ..collective.group import get_rank, get_world_size
+from ..collective.group import get_rank, get_world_size, settle_at_exit
 from .generator import lend_generator
 from .sampler import ResumableDistributedSampler
 from .seeded import SeededDataset
@@ -153,6 +153,8 @@ class ResumableDataLoader(torch.utils.data.DataLoader[Any]):
         if not resuming:
             self._resumed_epoch = None
         self._position = (sampler.epoch, self._consumed() if resuming else 0)
+        if self.num_workers > 0:
+            settle_at_exit()  # the fork hook, also where no ckptools collective ran yet
         # The workers draw their base seed from the lent generator, not the global stream.
         key = (sampler.seed, sampler.epoch, sampler.rank)
         return lend_generator(self, torch.utils.data.DataLoader.__iter__, key=key)
