@@ -222,7 +222,8 @@ def test_a_loader_never_forks_a_worker_while_a_gloo_thread_makes_its_thread_stat
     assert [p.returncode for p in procs] == [0, 0], outs
     forks = [int(n) for line in outs[0].splitlines() if line.startswith("forks ") for n in line.split()[1:]]
     assert len(forks) == 2, outs[0]
-    marks = [line.split() for line in Path(f"{log}.{procs[0].pid}").read_text().splitlines()]
+    written = Path(f"{log}.{procs[0].pid}")  # the shim makes it at the first thread state off the main thread
+    marks = [line.split() for line in (written.read_text() if written.exists() else "").splitlines()]
     begun = {m[1]: int(m[2]) for m in marks if m[0] == "begin"}
     spans = [(begun[m[1]], int(m[2])) for m in marks if m[0] == "end" and m[1] in begun]
     if not spans and torch_can.handback_before_2_13():
