@@ -7,6 +7,8 @@ subclass also inherits the builtin exception that code without ckptools would ca
     └── CheckpointError
         ├── CheckpointNotFoundError  (also FileNotFoundError)
         ├── CheckpointFormatError    (also ValueError)   truncated, corrupt, not a checkpoint
+        │   └── CheckpointLayoutError                    valid, but not read as given
+        │       └── CheckpointVersionError               written by a newer ckptools, in a newer format
         ├── UnsafeCheckpointError    (also ValueError)   needs arbitrary code to load
         │   └── UnsafeStateError     (also TypeError)    save refused: the state holds such a value
         ├── MissingClassError        (also ImportError)  a trusted file's pickled class is not importable
@@ -31,6 +33,7 @@ __all__ = [
     "CheckpointFormatError",
     "CheckpointLayoutError",
     "CheckpointNotFoundError",
+    "CheckpointVersionError",
     "CheckpointWarning",
     "KeyMismatchError",
     "MissingClassError",
@@ -64,6 +67,14 @@ class CheckpointLayoutError(CheckpointFormatError):
     One shard of a DCP checkpoint (``__0_0.distcp``: pass its folder), a folder that holds no
     model file, a JSON file that is no sharded index. Never a damaged file: ``ckpt verify`` exits
     2 for these, not 1, and the message says what to pass instead.
+    """
+
+
+class CheckpointVersionError(CheckpointLayoutError):
+    """A checkpoint a newer ckptools wrote, in a record format this version does not read.
+
+    Its ``__ckptools__`` record's ``format_version`` is greater than this ckptools' own: the
+    message names the version that wrote it; upgrade ckptools to read it. Never damage.
     """
 
 

@@ -18,7 +18,7 @@ import torch
 from _dist import run_ranks
 
 import ckptools as ck
-from ckptools.codecs.trees import META_KEY
+from ckptools.codecs.record import META_KEY
 from ckptools.storage import TMP_MARKER
 from ckptools.storage import host as _host
 
@@ -90,6 +90,31 @@ def test_file_is_plain_torch_zip_readable_without_ckptools(tmp_path):
     assert meta["format_version"] == 1 and meta["world_size"] == 1
     assert isinstance(meta["torch_version"], str) and type(meta["torch_version"]) is str
     assert len(meta["rng"]) == 1
+
+
+def test_a_file_of_a_newer_ckptools_format_is_refused_naming_who_wrote_it_and_nothing_is_restored(tmp_path):
+    # What a future ckptools writes: the record says format 2. Read as today's format it could restore
+    # wrong streams or buckets silently; refused instead, before anything is put back, and not as damage.
+    ck.save(tmp_path / "c.pt", {"model": _net(), "step": 7})
+    raw = torch.load(tmp_path / "c.pt", weights_only=True)
+    raw[META_KEY] = {**raw[META_KEY], "format_version": 2, "ckptools_version": "9.1.0"}
+    torch.save(raw, tmp_path / "newer.pt")
+    model = _net()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # other values than the file's
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    manager_dir = tmp_path / "run"
+    manager_dir.mkdir()
+    os.replace(tmp_path / "newer.pt", manager_dir / "ckpt-0000000007.pt")
+    newer = str(manager_dir / "ckpt-0000000007.pt")
+    with pytest.raises(ck.CheckpointVersionError, match=r"written by ckptools 9\.1\.0 in checkpoint format 2.*upgrade"):
+        ck.load(newer, {"model": model})
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert isinstance(ck.CheckpointVersionError("x"), ck.CheckpointLayoutError)  # never called damage
+    with pytest.raises(ck.CheckpointVersionError):  # not skipped as damaged: resuming older would lose steps
+        ck.CheckpointManager(manager_dir).restore({"model": model})
+    assert "every record's CRC-32 matches" in ck.verify(newer)  # whole as torch's zip: never called damaged
 
 
 def test_save_does_not_advance_any_rng(tmp_path):

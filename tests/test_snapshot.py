@@ -594,6 +594,80 @@ def test_ckpt_info_and_verify_of_an_hf_trainer_or_lightning_folder_show_their_sn
     lightning.close()
 
 
+def test_ckpt_info_and_verify_of_an_accelerate_output_dir_show_its_snapshots(tmp_path, monkeypatch):
+    """Accelerate's Snapshots keep node memory for its output_dir (save_state folders, no numbered file):
+    `ckpt info` and `ckpt verify` of that folder list them, naming the framework."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from ckptools.cli import app
+    from ckptools.node import ACCELERATE_PREFIX
+
+    monkeypatch.setenv("CKPTOOLS_NODE_MEMORY", str(tmp_path / "shm"))
+    out = tmp_path / "accelerate"
+    (out / "step_4").mkdir(parents=True)
+    manager = ck.CheckpointManager(out, prefix=ACCELERATE_PREFIX)
+    manager.snapshot({"w": torch.ones(4)}, 6, blocking=True)
+    shown = CliRunner().invoke(app, ["info", str(out), "--json"])
+    assert shown.exit_code == 0, shown.output
+    (entry,) = json.loads(shown.output)["runs"]
+    assert entry["of"] == "Accelerate (accelerate_snapshots.Snapshots)" and [s["step"] for s in entry["snapshots"]] == [
+        6
+    ]
+    text = " ".join(CliRunner().invoke(app, ["info", str(out)]).output.split())
+    assert "accelerate-snapshot-0000000006.pt" in text and "Snapshots.latest()" in text, text
+    verified = CliRunner().invoke(app, ["verify", str(out)])
+    lines = verified.output.splitlines()
+    assert any("accelerate-snapshot-0000000006.pt" in line and line.split()[-1] != "DAMAGED" for line in lines), lines
+    manager.close()
+
+
+def _toy_write_out(snapshot: str, run_dir: str) -> str | None:
+    """The toy framework's write-out: its folder toy-N/ holding the snapshot's weights."""
+    data = torch.load(snapshot, weights_only=True)
+    step = int(data["__ckptools__"]["metadata"]["step"])
+    folder = os.path.join(run_dir, f"toy-{step}")
+    os.mkdir(folder)
+    torch.save(data["w"], os.path.join(folder, "w.pt"))
+    return folder
+
+
+def test_a_framework_added_to_the_table_alone_is_listed_verified_and_written_out_by_the_keeper(tmp_path, monkeypatch):
+    """Issue 66: a fourth framework is one entry of ckptools.layouts.frameworks, nothing else: `ckpt info`
+    lists its snapshots (and its folders as its checkpoints), `ckpt verify` checks them, the keeper writes
+    the newest out through the entry's function."""
+    import json
+    import re
+
+    from typer.testing import CliRunner
+
+    from ckptools.cli import app
+    from ckptools.layouts import frameworks
+    from ckptools.node.keeper import persist
+
+    toy = frameworks.Framework("Toy (ToySnapshots)", "toy-snapshot", folders=re.compile(r"^toy-(\d+)$"),
+                               write_out=f"{__name__}:_toy_write_out", resumes="is what Toy resumes from")  # fmt: skip
+    monkeypatch.setattr(frameworks, "FRAMEWORKS", (*frameworks.FRAMEWORKS, toy))
+    monkeypatch.setenv("CKPTOOLS_NODE_MEMORY", str(tmp_path / "shm"))
+    run = tmp_path / "toy-run"
+    (run / "toy-3").mkdir(parents=True)
+    (run / "toy-3" / "w.pt").write_bytes(b"x" * 10)
+    manager = ck.CheckpointManager(run, prefix="toy-snapshot")
+    manager.snapshot({"w": torch.arange(4.0)}, 7, blocking=True)
+    (entry,) = json.loads(CliRunner().invoke(app, ["info", str(run), "--json"]).output)["runs"]
+    assert entry["of"] == "Toy (ToySnapshots)" and [s["step"] for s in entry["snapshots"]] == [7]
+    assert [(c["step"], c["bytes"]) for c in entry["checkpoints"]] == [(3, 10)]
+    text = " ".join(CliRunner().invoke(app, ["info", str(run)]).output.split())
+    assert "the snapshot of step 7 is what Toy resumes from" in text, text
+    lines = CliRunner().invoke(app, ["verify", str(run)]).output.splitlines()
+    assert any("toy-snapshot-0000000007.pt" in line and line.split()[-1] != "DAMAGED" for line in lines), lines
+    written = persist(manager.snapshot_dir, str(run), "toy-snapshot", 1)
+    assert written == str(run / "toy-7")
+    assert torch.load(run / "toy-7" / "w.pt", weights_only=True).equal(torch.arange(4.0))
+    manager.close()
+
+
 def test_a_snapshot_does_not_wait_for_an_async_save_in_flight(tmp_path, monkeypatch):
     """The durable async save is still writing (held here until released): the snapshot is taken
     and committed beside it; then both files are whole, and restore takes the newer snapshot."""

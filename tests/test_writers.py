@@ -17,7 +17,7 @@ from _faults import dies_midway
 from _same import assert_same_tree
 
 import ckptools as ck
-from ckptools.codecs.trees import META_KEY
+from ckptools.codecs.record import META_KEY
 from ckptools.storage import TMP_MARKER
 
 

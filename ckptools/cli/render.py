@@ -189,18 +189,13 @@ def run_kind(run: dict[str, Any]) -> str:
 
 
 def render_run(run: dict[str, Any]) -> None:
-    """A CheckpointManager's folder (or an HF Trainer's or Lightning run's): each prefix's checkpoints,
-    and this node's snapshots."""
-    from ..integrations import LIGHTNING_PREFIX  # here: `ckpt --help` imports nothing of the storage door
-    from ..node import TRAINER_PREFIX
+    """A CheckpointManager's folder (or a framework's run folder): each prefix's checkpoints, and this
+    node's snapshots."""
+    from ..layouts import (
+        MANAGER_RESUMES,
+        framework_of,
+    )  # here: `ckpt --help` imports nothing of the storage door
 
-    # What each integration resumes from, said under its snapshots when the newest is newer than every checkpoint.
-    resumes_from = {
-        TRAINER_PREFIX: "is newer than every checkpoint-N folder: latest_complete_checkpoint writes it out and "
-        "the Trainer resumes from it",
-        LIGHTNING_PREFIX: "is newer than every file NodeSnapshots persisted: trainer.fit(ckpt_path='last') weighs it "
-        "against the ModelCheckpoint's last.ckpt",
-    }
     out.print(f"[bold]{escape(run['path'])}[/]  {escape(run_kind(run))}")
     for entry in run["runs"]:
         steps = entry["checkpoints"]
@@ -219,5 +214,6 @@ def render_run(run: dict[str, Any]) -> None:
         out.print(names_table(["snapshot", "step", "size"], rows, title=title))
         newest = max(s["step"] for s in snaps)
         if not steps or newest > max(c["step"] for c in steps):
-            resumes = resumes_from.get(entry["prefix"], "is newer than every checkpoint: a restore resumes from it")
+            framework = framework_of(entry["prefix"])
+            resumes = framework.resumes if framework is not None else MANAGER_RESUMES
             out.print(f"the snapshot of step {newest} {escape(resumes)}")

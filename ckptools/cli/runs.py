@@ -1,5 +1,5 @@
 """What a run folder holds: each `CheckpointManager` prefix's checkpoints and this node's snapshots
-(`ckpt info RUN_DIR`, `ckpt verify RUN_DIR`), the HF Trainer's and Lightning's snapshots included.
+(`ckpt info RUN_DIR`, `ckpt verify RUN_DIR`), every framework's snapshots included (`ckptools.layouts.frameworks`).
 
 Read from listings and sizes alone, by the names the manager gives its files (`ckptools.node`'s
 names): no manager is built and torch is not imported."""
@@ -10,27 +10,23 @@ import os
 import re
 from typing import Any
 
-from ..integrations import LIGHTNING_PREFIX
-from ..layouts import is_checkpoint_folder
-from ..node import TRAINER_FOLDER, TRAINER_PREFIX, checkpoint_names, default_folder, readable
+from ..layouts import all_frameworks, framework_of, is_checkpoint_folder
+from ..node import checkpoint_names, default_folder, readable
 from ..storage import PathLike, file_size, fspath, join, list_files, resolve
 
 __all__ = ["run_folder", "run_report"]
 
 _RUN_FILE = re.compile(r"([A-Za-z0-9_-]+)-(\d{10})\.pt")
 
-# The integrations whose snapshots in node memory belong to a folder that need not hold a numbered
-# file: the HF Trainer's output_dir (its checkpoints are checkpoint-N/ folders) and Lightning's dirpath
-# (the ModelCheckpoint's files; NodeSnapshots' own only once the keeper persisted one).
-_INTEGRATIONS = {TRAINER_PREFIX: "the HF Trainer (CkptoolsCallback)", LIGHTNING_PREFIX: "Lightning (NodeSnapshots)"}
-
 
 def run_report(directory: PathLike) -> dict[str, Any] | None:
     """What a `CheckpointManager`'s folder holds, or None when ``directory`` holds no numbered
     checkpoint and no snapshot of it is in this node's memory: for each prefix its checkpoints and
-    this node's snapshots (`ckpt info RUN_DIR`). The snapshots of the HF Trainer's and Lightning's
-    integrations count too: their entry names the framework (``of``), and the HF Trainer's lists
-    its ``checkpoint-N/`` folders as its checkpoints.
+    this node's snapshots (`ckpt info RUN_DIR`). The snapshots of every framework's integration
+    (the HF Trainer's, Lightning's, Accelerate's: `ckptools.layouts.frameworks`) count too: their entry
+    names the framework (``of``), and one whose checkpoints are folders (the HF Trainer's
+    ``checkpoint-N/``) lists those as its checkpoints. A framework's snapshots belong to a folder
+    that need not hold a numbered file (the Trainer's output_dir, Lightning's dirpath).
 
     Local (reads listings and sizes only; nothing is verified).
 
@@ -43,17 +39,20 @@ def run_report(directory: PathLike) -> dict[str, Any] | None:
     directory = fspath(directory)
     prefixes = {m.group(1) for n in list_files(directory) if (m := _RUN_FILE.fullmatch(n))}
     runs = []
-    for prefix in sorted(prefixes | set(_INTEGRATIONS)):
+    # The table read now, not at import: it may grow.
+    for prefix in sorted(prefixes | {f.prefix for f in all_frameworks()}):
         memory = default_folder(directory, prefix)
         snapshots = _described(_numbered(memory, prefix) if readable(memory) else [])
         if prefix not in prefixes and not snapshots:
             continue  # an integration with nothing of this folder's in node memory
         entry: dict[str, Any] = {"prefix": prefix}
-        if prefix in _INTEGRATIONS:
-            entry["of"] = _INTEGRATIONS[prefix]
-        checkpoints = (
-            _trainer_folders(directory) if prefix == TRAINER_PREFIX else _described(_numbered(directory, prefix))
-        )
+        framework = framework_of(prefix)
+        if framework is not None:
+            entry["of"] = framework.name
+        if framework is not None and framework.folders is not None:
+            checkpoints = _folders(directory, framework.folders)
+        else:
+            checkpoints = _described(_numbered(directory, prefix))
         runs.append({**entry, "checkpoints": checkpoints, "snapshot_dir": memory, "snapshots": snapshots})
     return {"path": directory, "runs": runs} if runs else None
 
@@ -76,14 +75,15 @@ def _described(found: list[tuple[int, str]]) -> list[dict[str, Any]]:
     return [{"step": step, "path": path, "bytes": file_size(path)} for step, path in found]
 
 
-def _trainer_folders(directory: str) -> list[dict[str, Any]]:
-    """The HF Trainer's ``checkpoint-N/`` folders in ``directory`` (local), oldest first, with their files' bytes."""
+def _folders(directory: str, pattern: re.Pattern[str]) -> list[dict[str, Any]]:
+    """A framework's checkpoint folders in ``directory`` (local; the HF Trainer's ``checkpoint-N/``), the
+    step in ``pattern``'s group 1, oldest first, with their files' bytes."""
     if "://" in directory or not os.path.isdir(directory):
         return []
     found = []
     for name in os.listdir(directory):
         folder = os.path.join(directory, name)
-        if (m := TRAINER_FOLDER.fullmatch(name)) and os.path.isdir(folder):
+        if (m := pattern.fullmatch(name)) and os.path.isdir(folder):
             size = sum(os.path.getsize(os.path.join(root, f)) for root, _, files in os.walk(folder) for f in files)
             found.append({"step": int(m.group(1)), "path": folder, "bytes": size})
     return sorted(found, key=lambda c: c["step"])

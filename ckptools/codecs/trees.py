@@ -10,8 +10,6 @@ from .dtypes import DTYPE_ITEMSIZE, STORAGE_ITEMSIZE
 from .parsed import Call, Global, StorageRef
 from .pickles import REBUILD_FUNCTIONS
 
-# The entry ckptools adds to every checkpoint it writes.
-META_KEY = "__ckptools__"
 # The entry that marks a checkpoint Lightning's Trainer wrote.
 LIGHTNING_VERSION_KEY = "pytorch-lightning_version"
 

@@ -26,14 +26,16 @@ from collections.abc import Mapping
 from typing import Any
 
 # What a checkpoint holds, named for the operations (which import no codec): ckptools' own
-# metadata entry, Lightning's version entry.
-from ..codecs.trees import LIGHTNING_VERSION_KEY, META_KEY
+# metadata entry and its reader, Lightning's version entry.
+from ..codecs.record import META_KEY, Record, record_of
+from ..codecs.trees import LIGHTNING_VERSION_KEY
 from ..storage import Location, PathLike, resolve
 from ..view import CheckpointView, TensorInfo
 from .base import Layout, Transform
 from .dcp import DCP_FOLDER
 from .export import Planned, safetensors_plan
 from .folder_check import MANIFEST, check_folder, files_whole, is_trainer_folder, write_manifest
+from .frameworks import ACCELERATE, LIGHTNING, MANAGER_RESUMES, TRAINER, Framework, all_frameworks, framework_of
 from .hf_folder import HUGGING_FACE_FOLDER, MODEL_FILES
 from .named import writer_for
 from .safetensors_file import SAFETENSORS_FILE
@@ -42,21 +44,29 @@ from .torch_file import TORCH_FILE, zip_records
 from .torch_io import check_records, damaged_record, load_file, verify_torch_file
 
 __all__ = [
+    "ACCELERATE",
+    "LIGHTNING",
     "LIGHTNING_VERSION_KEY",
+    "MANAGER_RESUMES",
     "MANIFEST",
     "META_KEY",
     "SAFETENSORS_FILE",
     "TORCH_FILE",
+    "TRAINER",
     "CheckpointView",
+    "Framework",
     "Layout",
     "Planned",
+    "Record",
     "TensorInfo",
     "Transform",
+    "all_frameworks",
     "check_folder",
     "check_records",
     "damaged_record",
     "detect",
     "files_whole",
+    "framework_of",
     "is_checkpoint_folder",
     "is_lightning_checkpoint",
     "load_file",
@@ -64,6 +74,7 @@ __all__ = [
     "plan_safetensors",
     "read_checkpoint",
     "read_weights",
+    "record_of",
     "verify_torch_file",
     "write_manifest",
     "writer_for",

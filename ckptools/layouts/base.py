@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
-from ..codecs.trees import META_KEY
+from ..codecs.record import META_KEY
 from ..errors import CheckpointLayoutError
 from ..storage import Location
 from ..text import plural

@@ -14,9 +14,10 @@ from typing import IO, Any
 
 from ..codecs.dtypes import ITEMSIZE, STORAGE_TO_SAFETENSORS
 from ..codecs.pickles import loads
+from ..codecs.record import META_KEY
 from ..codecs.safetensors import Spec, write_specs
 from ..codecs.torchzip import TorchZip, open_local_zip
-from ..codecs.trees import META_KEY, locate_weights, simple_tensor
+from ..codecs.trees import locate_weights, simple_tensor
 from ..errors import CheckpointFormatError, UnsafeCheckpointError
 from ..storage import Location, PathLike, crc32_range
 from .base import Layout, Transform

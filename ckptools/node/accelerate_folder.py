@@ -22,7 +22,7 @@ from ..layouts import check_folder, load_file, write_manifest
 from ..per_rank import PER_RANK_KEY as PER_RANK
 from ..rng import numpy_state, python_state
 from ..storage import fresh_tmp, fsync_dir, resolve
-from .trainer_folder import save_fsynced, unshared
+from .trainer_folder import save_fsynced, snapshot_record, unshared
 
 __all__ = ["ACCELERATE_GRADIENTS", "ACCELERATE_STATE", "newest_whole_state", "snapshot_to_state_folder"]
 
@@ -65,7 +65,8 @@ def snapshot_to_state_folder(snapshot: str, output_dir: str) -> str | None:
     """
     # ckptools' reader: one open, a link refused (the snapshot is a file of this job's own), torch's weights-only load.
     data = load_file(resolve(snapshot).as_own(), map_location="cpu", mmap=True)
-    meta = data["__ckptools__"]["metadata"]
+    record = snapshot_record(data, snapshot)
+    meta = record.metadata
     step, layout = int(meta["step"]), meta[ACCELERATE_STATE]
     name = str(layout["name"])
     if newest_whole_state(output_dir, name) >= step:
@@ -75,7 +76,7 @@ def snapshot_to_state_folder(snapshot: str, output_dir: str) -> str | None:
     tmp = fresh_tmp(output_dir, os.path.basename(final))  # a killed earlier write-out's folder goes first
     os.mkdir(tmp)
     try:
-        _write_folder(tmp, data, layout)
+        _write_folder(tmp, data, layout, record.rng or [])
         write_manifest(tmp)  # last: what latest_complete_state checks the folder by
         if os.path.exists(final):  # torn (not whole: newest_whole_state passed it over)
             shutil.rmtree(final)
@@ -92,7 +93,7 @@ def _numbered(base: str, i: int) -> str:
     return base if i == 0 else base.replace(".", f"_{i}.", 1)
 
 
-def _write_folder(folder: str, data: dict[str, Any], layout: dict[str, Any]) -> None:
+def _write_folder(folder: str, data: dict[str, Any], layout: dict[str, Any], streams: list[Any]) -> None:
     for i in range(int(layout["models"])):
         weights = data[f"model_{i}"]
         if layout.get("safe_serialization", True):
@@ -109,7 +110,7 @@ def _write_folder(folder: str, data: dict[str, Any], layout: dict[str, Any]) -> 
     if data.get("scaler") is not None:
         save_fsynced(data["scaler"], os.path.join(folder, "scaler.pt"))
     step = int(data["accelerator"]["step"])
-    for rank, rng in enumerate(data["__ckptools__"]["rng"]):
+    for rank, rng in enumerate(streams):
         save_fsynced(_accelerate_rng(rng, step), os.path.join(folder, f"random_states_{rank}.pkl"))
     for i in range(int(layout["customs"])):
         save_fsynced(data[f"custom_{i}"], os.path.join(folder, f"custom_checkpoint_{i}.pkl"))

@@ -36,10 +36,10 @@ import time
 from typing import IO
 
 from ..errors import CheckpointError
-from ..layouts import verify_torch_file
+from ..layouts import framework_of, verify_torch_file
 from ..storage import atomic_write, join, list_files, open_local, private_problem, process_of_mine, remove, resolve
 from . import sealing
-from .names import ACCELERATE_PREFIX, TRAINER_PREFIX, checkpoint_names, discard
+from .names import checkpoint_names, discard
 
 __all__ = ["PIDS", "main", "persist"]
 
@@ -92,7 +92,9 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
     pattern = checkpoint_names(prefix)
     sealing.seal(folder, pattern, warn=_say)
     snapshots = sorted((int(m.group(1)), n) for n in os.listdir(folder) if (m := pattern.fullmatch(n)))
-    folders = prefix in (TRAINER_PREFIX, ACCELERATE_PREFIX)  # written out as folders: their writer compares
+    framework = framework_of(prefix)
+    write_out = framework.write_out if framework is not None else None
+    folders = write_out is not None  # written out as the framework's folders: their writer compares
     listed = [] if folders else list_files(directory)
     durable = sorted((int(m.group(1)), n) for n in listed if (m := pattern.fullmatch(n)))
     newest = durable[-1][0] if durable else -1
@@ -105,14 +107,9 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
         except CheckpointError as err:
             _say(f"skipping snapshot {source}: {err}")
             continue
-        if prefix == TRAINER_PREFIX:  # written out as the Trainer's checkpoint-N/ folder (torch is imported only now)
-            from .trainer_folder import snapshot_to_folder
-
-            return snapshot_to_folder(source, directory)
-        if prefix == ACCELERATE_PREFIX:  # as the folder Accelerate's save_state writes (step_N/)
-            from .accelerate_folder import snapshot_to_state_folder
-
-            return snapshot_to_state_folder(source, directory)
+        writer = framework.writer() if framework is not None else None  # torch is imported only now
+        if writer is not None:  # as the framework's own folder
+            return writer(source, directory)
         target = join(directory, name)
         taken: list[int] = []
 

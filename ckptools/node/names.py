@@ -24,6 +24,7 @@ import tempfile
 
 from .. import log
 from ..errors import NodeMemoryError
+from ..layouts import ACCELERATE, LIGHTNING, TRAINER, framework_of
 from ..storage import make_private, private_problem
 
 __all__ = [
@@ -42,19 +43,17 @@ __all__ = [
 # The base folder of node memory (else /dev/shm): each run's folder is made inside it.
 ENV = "CKPTOOLS_NODE_MEMORY"
 
-# The HF Trainer's snapshots (ckptools.integrations.transformers): the keeper writes them out as
-# checkpoint-N/ folders (ckptools.node.trainer_folder) rather than copying the file.
-TRAINER_PREFIX = "trainer-snapshot"
-# The HF Trainer's own checkpoint folders (checkpoint-123/), the step in group 1.
-TRAINER_FOLDER = re.compile(r"^checkpoint-(\d+)$")
-# Lightning's NodeSnapshots (ckptools.integrations.lightning_snapshots): its snapshots and the file the keeper
-# persists are named as Lightning names its own last checkpoints, last*.ckpt (last-snapshot-0000000123.ckpt),
-# the only files Lightning's ckpt_path="last" finds beside its callbacks' own.
-LIGHTNING_PREFIX = "last-snapshot"
-# An Accelerator's snapshots (ckptools.integrations.accelerate_snapshots): the keeper writes them out as the
-# folders Accelerate's save_state writes (ckptools.node.accelerate_folder), named as the snapshot says.
-ACCELERATE_PREFIX = "accelerate-snapshot"
-_SUFFIXES = {LIGHTNING_PREFIX: ".ckpt"}  # every other prefix: .pt
+# The frameworks' snapshot prefixes, as their integrations and the node's face name them; what each
+# becomes on disk is its entry in `ckptools.layouts.frameworks` (the one table).
+TRAINER_PREFIX = TRAINER.prefix
+TRAINER_FOLDER: re.Pattern[str] = TRAINER.folders or re.compile("")  # checkpoint-123/, the step in group 1
+LIGHTNING_PREFIX = LIGHTNING.prefix
+ACCELERATE_PREFIX = ACCELERATE.prefix
+
+
+def _suffix(prefix: str) -> str:
+    framework = framework_of(prefix)
+    return framework.suffix if framework is not None else ".pt"
 
 
 def file_name(prefix: str, step: int) -> str:
@@ -64,13 +63,13 @@ def file_name(prefix: str, step: int) -> str:
         >>> file_name("ckpt", 300), file_name(LIGHTNING_PREFIX, 300)
         ('ckpt-0000000300.pt', 'last-snapshot-0000000300.ckpt')
     """
-    return f"{prefix}-{step:010d}{_SUFFIXES.get(prefix, '.pt')}"
+    return f"{prefix}-{step:010d}{_suffix(prefix)}"
 
 
 def checkpoint_names(prefix: str) -> re.Pattern[str]:
     """The file names `CheckpointManager` gives its checkpoints and snapshots (``ckpt-0000000300.pt``),
     the step in group 1: the one pattern the manager and the keeper both list by."""
-    return re.compile(rf"{re.escape(prefix)}-(\d+){re.escape(_SUFFIXES.get(prefix, '.pt'))}")
+    return re.compile(rf"{re.escape(prefix)}-(\d+){re.escape(_suffix(prefix))}")
 
 
 def default_folder(directory: str, prefix: str) -> str:

@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 
+from ..codecs.record import Record, record_of
+from ..errors import CheckpointFormatError
 from ..layouts import load_file, write_manifest
 from ..rng import numpy_state, python_state
 from ..storage import fresh_tmp, fsync_dir, resolve
@@ -48,7 +50,8 @@ def snapshot_to_folder(snapshot: str, output_dir: str) -> str | None:
     """
     # ckptools' reader: one open, a link refused (the snapshot is a file of this job's own), torch's weights-only load.
     data = load_file(resolve(snapshot).as_own(), map_location="cpu", mmap=True)
-    step = int(data["__ckptools__"]["metadata"]["step"])
+    record = snapshot_record(data, snapshot)
+    step = int(record.metadata["step"])
     if newest_folder_step(output_dir) >= step:
         return None
     os.makedirs(output_dir, exist_ok=True)
@@ -56,7 +59,7 @@ def snapshot_to_folder(snapshot: str, output_dir: str) -> str | None:
     tmp = fresh_tmp(output_dir, name)  # a killed earlier write-out's folder goes first
     os.mkdir(tmp)
     try:
-        _write_folder(tmp, data)
+        _write_folder(tmp, data, record)
         write_manifest(tmp)  # last: what latest_complete_checkpoint checks the folder by
         try:
             os.rename(tmp, os.path.join(output_dir, name))
@@ -72,7 +75,7 @@ def snapshot_to_folder(snapshot: str, output_dir: str) -> str | None:
     return os.path.join(output_dir, name)
 
 
-def _write_folder(folder: str, data: dict[str, Any]) -> None:
+def _write_folder(folder: str, data: dict[str, Any], record: Record) -> None:
     from safetensors.torch import save_file
 
     save_file(unshared(data["model"]), os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
@@ -83,12 +86,25 @@ def _write_folder(folder: str, data: dict[str, Any]) -> None:
     save_fsynced(data["scheduler"], os.path.join(folder, "scheduler.pt"))
     if data.get("scaler") is not None:
         save_fsynced(data["scaler"], os.path.join(folder, "scaler.pt"))
-    streams = data["__ckptools__"]["rng"]
+    streams = record.rng or []
     world = int(data.get("world_size") or len(streams))
     for rank, rng in enumerate(streams):
         file = "rng_state.pth" if world <= 1 else f"rng_state_{rank}.pth"
         save_fsynced(_trainer_rng(rng, world, data.get("cuda_device")), os.path.join(folder, file))
     _write_text(os.path.join(folder, "trainer_state.json"), data["trainer_state"])
+
+
+def snapshot_record(data: dict[str, Any], snapshot: str) -> Record:
+    """The ckptools record of a snapshot in node memory (`ckptools.codecs.record`), with its streams.
+
+    Raises:
+        CheckpointFormatError: it has none (not a snapshot ckptools wrote); CheckpointVersionError:
+            a newer ckptools wrote it.
+    """
+    record = record_of(data, snapshot)
+    if record is None or record.rng is None or "step" not in record.metadata:
+        raise CheckpointFormatError(f"{snapshot} holds no ckptools record with a step: not a snapshot ckptools wrote")
+    return record
 
 
 def unshared(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

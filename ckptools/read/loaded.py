@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..codecs.parsed import Opaque
-from ..codecs.trees import LIGHTNING_VERSION_KEY, META_KEY, locate_weights
+from ..codecs.record import META_KEY, record_of
+from ..codecs.trees import LIGHTNING_VERSION_KEY, locate_weights
 
-__all__ = ["LIGHTNING_VERSION_KEY", "META_KEY", "loaded_weights", "placeholder_name"]
+__all__ = ["LIGHTNING_VERSION_KEY", "META_KEY", "loaded_weights", "placeholder_name", "record_of"]
 
 
 def loaded_weights(tree: Any, key: str | None, path: str) -> Mapping[str, Any]:

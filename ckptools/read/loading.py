@@ -26,7 +26,7 @@ from ..errors import (
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
-from ..layouts import is_lightning_checkpoint, read_checkpoint, read_weights
+from ..layouts import is_lightning_checkpoint, read_checkpoint, read_weights, record_of
 from ..lifecycle import finish_pending
 from ..state_dict import shared_prefix, strip_for_reading, strip_prefix
 from ..storage import Location, PathLike, fspath, resolve
@@ -154,6 +154,7 @@ def load(
                 "use ck.load_state_dict for bare weights"
             )
         ckpt = loaded
+        record_of(ckpt, path)  # a newer ckptools' format is refused before anything is restored
         restore_all(ckpt, state, strict=strict, path=path)
         if restore_rng is None:
             restore_rng = any(isinstance(obj, _TRAINING_TYPES) for obj in state.values())

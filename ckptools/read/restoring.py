@@ -29,7 +29,7 @@ from ..state_dict import (
 )
 from ..write import adopt_layout
 from ..zero import prefetch_partition
-from .loaded import LIGHTNING_VERSION_KEY, META_KEY, loaded_weights, placeholder_name
+from .loaded import LIGHTNING_VERSION_KEY, META_KEY, loaded_weights, placeholder_name, record_of
 
 __all__ = ["own_value", "restore_all", "restore_rank_rng", "restore_rng_state"]
 
@@ -216,9 +216,9 @@ def _adopt_buckets(ckpt: Mapping[str, Any], state: Mapping[str, Any], path: str)
     """Each DDP model of ``state`` reduces on the gradient buckets its saving run had
     (`ckptools.write.buckets`): at 3 ranks or more the resume is then bit-exact; where that cannot be
     done, a warning says why (at 2 ranks the layout changes no bit, and nothing is said)."""
-    meta = ckpt.get(META_KEY)
-    layouts = meta.get("ddp_buckets") if isinstance(meta, Mapping) else None
-    if not isinstance(layouts, Mapping):
+    record = record_of(ckpt, path)
+    layouts = record.ddp_buckets if record is not None else None
+    if layouts is None:
         return
     for name, layout in layouts.items():
         obj = state.get(name)
@@ -307,10 +307,10 @@ def _placeholder_in(entry: Any) -> str | None:
 
 def restore_rng_state(ckpt: dict[str, Any], path: str) -> bool:
     """Restore this rank's RNG states from ``ckpt``; whether they were restored."""
-    meta = ckpt.get(META_KEY)
-    if not isinstance(meta, Mapping) or "rng" not in meta:
+    record = record_of(ckpt, path)
+    if record is None or record.rng is None:
         return False
-    return restore_rank_rng(meta["rng"], path)
+    return restore_rank_rng(record.rng, path)
 
 
 def restore_rank_rng(states: list[Any], path: str, *, skip: str = "load with restore_rng=False to skip it") -> bool:

@@ -24,11 +24,11 @@ import torch
 
 from .. import log, rng
 from .._version import __version__
+from ..codecs.record import META_KEY, Record
 from ..collective.group import get_rank, get_world_size
 from ..devices import to_cpu
 from ..errors import UnsafeStateError
 from ..gradients import accumulation_counter, describe_gradients, with_gradients
-from ..layouts import META_KEY
 from ..layouts.torch_io import GLOBAL_RE, first_line
 from ..per_rank import PER_RANK_KEY, PerRank
 from ..state_dict import unwrap_model
@@ -37,7 +37,6 @@ from ..zero import describe_partitions, with_partitions
 from .buckets import bucket_layout
 
 __all__ = [
-    "FORMAT_VERSION",
     "Opening",
     "as_saved",
     "build_payload",
@@ -47,8 +46,6 @@ __all__ = [
     "rank_part",
     "state_entry",
 ]
-
-FORMAT_VERSION = 1
 
 
 def checked_args(
@@ -207,17 +204,15 @@ def build_payload(state: Mapping[str, Any], user_meta: dict[str, Any], parts: li
         payload[name] = entry = state_entry(obj)
         check_loadable(entry, f"state[{name!r}]" + (".state_dict()" if entry is not obj else ""))
     check_loadable(user_meta, "metadata")
-    payload[META_KEY] = {
-        "format_version": FORMAT_VERSION,
-        "ckptools_version": __version__,
-        "torch_version": str(torch.__version__),  # TorchVersion itself is refused by weights_only
-        "world_size": get_world_size(),
-        "created_unix": time.time(),
-        "rng": [p["rng"] for p in parts],
-        "metadata": user_meta,
-    }
-    if parts[0].get("buckets"):
-        payload[META_KEY]["ddp_buckets"] = parts[0]["buckets"]
+    payload[META_KEY] = Record(
+        rng=[p["rng"] for p in parts],
+        metadata=user_meta,
+        world_size=get_world_size(),
+        ddp_buckets=parts[0].get("buckets") or None,
+        ckptools_version=__version__,
+        torch_version=str(torch.__version__),  # TorchVersion itself is refused by weights_only
+        created_unix=time.time(),
+    ).to_dict()
     return payload
 
 
