@@ -25,6 +25,7 @@ import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -107,9 +108,66 @@ def write_snapshot(
         '/tmp/ckptools-doc-shm/ckpt-0000000001.pt'
     """
     check_writers(writers)
-    folder = slots.folder
-    previous = COMMITS.join(folder)
     started = time.monotonic()
+    opened = _open(slots.folder, name, state, metadata, cadence, check_replicas)
+    gathered, path, user_meta = opened.gathered, opened.path, opened.user_meta
+    state = as_saved(state, gathered)
+    split = writers != "rank0"
+    nodes = _nodes(state, gathered, path, split)
+    if nodes is None:
+        return None
+    rank = get_rank()
+    node = next(ranks for ranks in nodes if rank in ranks)
+    leader = node[0]
+    location = resolve(path)
+
+    def plan_it() -> tuple[Plan, dict[int, bytes]]:
+        payload = build_payload(state, user_meta, [reply.part for reply in gathered])
+        plan = make_plan(location, state, payload, nodes=nodes if split else [[n[0]] for n in nodes])
+        plan.token = secrets.token_bytes(16)  # names this snapshot's reports in the store
+        return plan, plan.small if len(nodes) > 1 else {}
+
+    saving = agree.saving(path)
+    sent = saving.on_rank0(plan_it, send=True)
+    assert sent is not None  # on_rank0 raised otherwise
+    plan, small = sent
+    if rank == leader and rank != 0:
+        plan.small = small
+    _receive_rank0_part(plan, nodes, leader)
+    storages = _allocate(slots, name, plan, state, node, prepare, saving)
+    mapped, copy_error = _copy(slots, plan, storages, node)
+    if opened.orphaned:  # the job's last snapshot: committed here, without the store, then every rank leaves
+        _commit_orphaned(plan, mapped, copy_error, location, (slots, path), node, opened.orphaned)
+    _start_commit(slots, (path, location), plan, mapped, copy_error, node)
+    if rank == leader:  # the file is renamed into place by the commit: its size is the plan's
+        log.report("snapshot copied", location, started, plan.size)
+    if blocking:
+        finish_snapshot(slots.folder)
+    return path
+
+
+@dataclass
+class _Opened:
+    """What the opening exchange agreed: every rank's reply, the snapshot's path and metadata, and
+    the ranks whose torchrun agent is gone."""
+
+    gathered: list[Any]
+    path: str
+    user_meta: dict[str, Any]
+    orphaned: list[int]
+
+
+def _open(
+    folder: str,
+    name: str,
+    state: Mapping[str, Any],
+    metadata: Mapping[str, Any] | None,
+    cadence: list[int] | None,
+    check_replicas: bool | Mapping[str, Any],
+) -> _Opened:
+    """Collective, phase one: the opening exchange (node tokens, the previous commit's outcome, the
+    cadence, the replicas' digests); a refusal raised on every rank, nothing copied."""
+    previous = COMMITS.join(folder)
     path, user_meta = checked_args(os.path.join(folder, name), state, metadata)
     refused = None
     try:
@@ -138,10 +196,14 @@ def write_snapshot(
         mismatch = compare_replicas([reply.digests for reply in gathered])
         if mismatch is not None:
             raise mismatch
-    state = as_saved(state, gathered)
-    split = writers != "rank0"
+    return _Opened(gathered, path, user_meta, orphaned)
+
+
+def _nodes(state: Mapping[str, Any], gathered: list[Any], path: str, split: bool) -> list[list[int]] | None:
+    """The nodes (each one's ranks, from the exchange), or None when this call is skipped: inside a
+    gradient-accumulation window over several nodes. The same verdict on every rank."""
     owned = has_partitions(state) or has_gradients(state)
-    if not split and len(gathered) > 1 and owned:  # the same verdict on every rank
+    if not split and len(gathered) > 1 and owned:
         fix, obstacle = "take it with writers='auto' (the default) or 'all'", "writers='rank0' does not allow"
         raise CheckpointError(f"the snapshot {path} was not taken: {owned_refusal(state, obstacle, fix)}")
     nodes = group_nodes([reply.token for reply in gathered])
@@ -155,25 +217,22 @@ def write_snapshot(
                 "gradients summed so far live on its own node only): a kill loses at most the window's steps"
             )
         return None
-    rank = get_rank()
-    node = next(ranks for ranks in nodes if rank in ranks)
-    leader = node[0]
-    location = resolve(path)
+    return nodes
 
-    def plan_it() -> tuple[Plan, dict[int, bytes]]:
-        payload = build_payload(state, user_meta, [reply.part for reply in gathered])
-        plan = make_plan(location, state, payload, nodes=nodes if split else [[n[0]] for n in nodes])
-        plan.token = secrets.token_bytes(16)  # names this snapshot's reports in the store
-        return plan, plan.small if len(nodes) > 1 else {}
 
-    saving = agree.saving(path)
-    sent = saving.on_rank0(plan_it, send=True)
-    assert sent is not None  # on_rank0 raised otherwise
-    plan, small = sent
-    if rank == leader and rank != 0:
-        plan.small = small
-    _receive_rank0_part(plan, nodes, leader)
-
+def _allocate(
+    slots: NodeSlots,
+    name: str,
+    plan: Plan,
+    state: Mapping[str, Any],
+    node: list[int],
+    prepare: Callable[[], None] | None,
+    saving: Agreement,
+) -> list[Any]:
+    """Collective, phase two: the node's leader allocates the spare slot (begun for sealing before any
+    copy into it) and every rank locates its storages; a failure anywhere raised on every rank. This
+    rank's storages, in `plan.mine()`'s order; ``plan.tmp`` set to the leader's slot."""
+    rank, leader = get_rank(), node[0]
     slot, error, storages = None, None, []
     try:
         if rank == leader:
@@ -191,24 +250,44 @@ def write_snapshot(
             slots.keep_spare(slot)  # allocated: the next snapshot reuses it
         saving.raise_outcome(failures[0], error)
     plan.tmp = replies[leader][0]
+    return storages
 
-    mine = plan.mine()
+
+def _copy(
+    slots: NodeSlots, plan: Plan, storages: list[Any], node: list[int]
+) -> tuple[MappedSlot, BaseException | None]:
+    """Local, phase three (the stall): this rank's share copied into the node's slot, the leader's
+    container written, this rank's copy recorded as whole for sealing. The slot and the copy's failure
+    (reported to the leader by the commit: the snapshot then does not count)."""
+    rank, leader = get_rank(), node[0]
     mapped = slots.open(plan.tmp, plan.size)
-    copy_error: BaseException | None = None
     try:
-        slots.stage(list(zip(mine, storages)))
+        slots.stage(list(zip(plan.mine(), storages)))
         slots.wait()
         if rank == leader:  # the container, CRC-32s of storages as 0: a kill before the commit leaves it sealable
             write_directory(plan, None)
         sealing.copied(plan.tmp, node.index(rank))  # from here this step survives a kill (ckptools.node.sealing)
     except Exception as err:  # noqa: BLE001 - reported to the leader: the snapshot does not count
-        copy_error = err
-    if orphaned:  # the job's last snapshot: committed here, without the store, then every rank leaves
-        _commit_orphaned(plan, mapped, copy_error, location, (slots, path), node, orphaned)
-    # The one commit protocol (`ckptools.write.finish`), its reports through the store: from the commit
-    # thread, never a collective. A member that never reports is given up on at the group's timeout.
+        return mapped, err
+    return mapped, None
+
+
+def _start_commit(
+    slots: NodeSlots,
+    where: tuple[str, Any],
+    plan: Plan,
+    mapped: MappedSlot,
+    copy_error: BaseException | None,
+    node: list[int],
+) -> None:
+    """Phase four, in the background: the one commit protocol (`ckptools.write.finish`), its reports
+    through the store, from the commit thread, never a collective. A member that never reports is
+    given up on at the group's timeout."""
+    path, location = where
+    rank, leader = get_rank(), node[0]
     reports = Stored(rank == leader, threading.Event(), node[1:])
     target = _Slot(slots)
+    mine = plan.mine()
 
     def commit() -> None:
         crcs = {} if copy_error is not None else crc32s(mapped, mine)
@@ -219,12 +298,7 @@ def write_snapshot(
             return
         slots.recycle(path)
 
-    COMMITS.start(folder, path, commit)
-    if rank == leader:  # the file is renamed into place by the commit: its size is the plan's
-        log.report("snapshot copied", location, started, plan.size)
-    if blocking:
-        finish_snapshot(folder)
-    return path
+    COMMITS.start(slots.folder, path, commit)
 
 
 def _commit_orphaned(
