@@ -177,10 +177,10 @@ def __getattr__(name: str) -> Any:
 
 def _watch_steps() -> None:
     """Note the optimizer steps from now on, once torch is imported: a save inside a gradient-accumulation
-    window keeps what no step consumed (`ckptools.gradients`), so the watch starts as early as it can."""
+    window keeps what no step consumed (`ckptools.owned.gradients`), so the watch starts as early as it can."""
     global _watching
     if not _watching and "torch" in sys.modules:
-        importlib.import_module(".gradients", __name__).track()
+        importlib.import_module(".owned.gradients", __name__).track()
         _watching = True
 
 

@@ -22,7 +22,7 @@ from _dist import run_ranks
 from _same import tiny_net
 
 import ckptools as ck
-from ckptools.gradients import GRADIENTS_KEY
+from ckptools.owned.gradients import GRADIENTS_KEY
 
 pytestmark = pytest.mark.versions  # the optimizers' step hooks and DDP's gradient buckets
 
@@ -213,7 +213,7 @@ stepped(torch.ones(1, 3)).sum().backward(); opt.step()
 stepped(torch.ones(1, 3)).sum().backward()  # a second window opened before ckptools watched any step
 fresh(torch.ones(1, 3)).sum().backward()  # never stepped: whatever it holds, no step consumed it
 import ckptools as ck  # the watch starts here
-from ckptools.gradients import GRADIENTS_KEY
+from ckptools.owned.gradients import GRADIENTS_KEY
 with warnings.catch_warnings(record=True) as said:
     warnings.simplefilter("always")
     path = ck.save({path!r}, {{"stepped": stepped, "fresh": fresh, "opt": opt}})

@@ -64,7 +64,26 @@ class TorchZip:
         with zipfile.ZipFile(f) as archive:
             self.infos = archive.infolist()
             directory_at = self.directory_at = archive.start_dir
-        names = [info.filename for info in self.infos]
+        self._check_kind([info.filename for info in self.infos])
+        self._check_directory(f, directory_at)
+        if not self.infos or "/" not in self.infos[0].filename:
+            raise CheckpointFormatError(
+                f"{path} is a zip file but not a torch checkpoint (no data.pkl in an archive folder)"
+            )
+        self.prefix = self.infos[0].filename.split("/", 1)[0] + "/"
+        self.starts: list[int] = []
+        self.records: dict[str, tuple[int, int]] = {}
+        for info in self.infos:
+            self._check_record(f, info, size)
+        if "data.pkl" not in self.records:
+            raise CheckpointFormatError(f"{path} is a zip file but not a torch checkpoint (no data.pkl)")
+        self.pkl_index = [i.filename for i in self.infos].index(self.prefix + "data.pkl")
+        self._check_small_records(f)
+
+    def _check_kind(self, names: list[str]) -> None:
+        """A zip of another kind (TorchScript, torch.export, a zip without torch's records) named as
+        what it is: a valid file of another kind is never called corrupt."""
+        path = self.path
         if any(name.endswith("/constants.pkl") for name in names):  # torch's own test for TorchScript
             raise CheckpointLayoutError(
                 f"{path} is a TorchScript archive (torch.jit.save), not a checkpoint: load it with "
@@ -78,48 +97,44 @@ class TorchZip:
         if not any(re.search(r"/(data\.pkl|data/\d+|version|byteorder)$", name) for name in names):
             # Nothing of torch's: another kind of zip file, not a damaged checkpoint.
             raise CheckpointLayoutError(f"{path} is a zip file but not a torch checkpoint (no data.pkl)")
-        self._check_directory(f, directory_at)
-        if not self.infos or "/" not in self.infos[0].filename:
-            raise CheckpointFormatError(
-                f"{path} is a zip file but not a torch checkpoint (no data.pkl in an archive folder)"
-            )
-        self.prefix = self.infos[0].filename.split("/", 1)[0] + "/"
-        self.starts = []
-        self.records: dict[str, tuple[int, int]] = {}
-        for info in self.infos:
-            name = info.filename
-            # The name's bytes, as stored: zipfile decoded them as cp437 unless flagged UTF-8.
-            raw = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
-            raw.decode("utf-8")  # torch reads names as UTF-8: UnicodeDecodeError, refused above
-            if name.endswith("/"):
-                raise CheckpointFormatError(f"{path}: record {name} is a folder; torch never writes one")
-            if info.compress_type != zipfile.ZIP_STORED:
-                raise CheckpointFormatError(f"{path}: record {name} is compressed; torch never does that")
-            if not name.startswith(self.prefix):
-                raise CheckpointFormatError(f"{path}: record {name} lies outside the archive folder {self.prefix}")
-            f.seek(info.header_offset)
-            header = f.read(30)
-            if len(header) != 30 or header[:4] != b"PK\x03\x04":
-                raise CheckpointFormatError(f"{path}: record {name} has a damaged header")
-            flags, method = struct.unpack("<HH", header[6:10])
-            n, m = struct.unpack("<HH", header[26:30])
-            local = f.read(n + m)
-            # The local header must describe the record the directory describes: torch takes the
-            # data's start from it, so a damaged one shifts every byte read (found by fuzzing).
-            if local[:n] != raw or (flags & ~_FLAGS or method != zipfile.ZIP_STORED or not _whole_blocks(local[n:])):
-                raise CheckpointFormatError(f"{path}: record {name} has a damaged header")
-            start = info.header_offset + 30 + n + m
-            if start + info.file_size > size:
-                raise CheckpointFormatError(f"{path}: record {name} runs past the end (truncated file)")
-            self.starts.append(start)
-            key = name[len(self.prefix) :]
-            if key in self.records:
-                raise CheckpointFormatError(f"{path}: the archive holds two records named {name}")
-            self.records[key] = (start, info.file_size)
-        if "data.pkl" not in self.records:
-            raise CheckpointFormatError(f"{path} is a zip file but not a torch checkpoint (no data.pkl)")
-        self.pkl_index = [i.filename for i in self.infos].index(self.prefix + "data.pkl")
-        # The small records torch.load reads before any tensor, judged as torch judges them.
+
+    def _check_record(self, f: IO[bytes], info: zipfile.ZipInfo, size: int) -> None:
+        """One record of the directory against its local header, as torch reads it; its data's
+        start and length recorded."""
+        path = self.path
+        name = info.filename
+        # The name's bytes, as stored: zipfile decoded them as cp437 unless flagged UTF-8.
+        raw = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+        raw.decode("utf-8")  # torch reads names as UTF-8: UnicodeDecodeError, refused by __init__
+        if name.endswith("/"):
+            raise CheckpointFormatError(f"{path}: record {name} is a folder; torch never writes one")
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CheckpointFormatError(f"{path}: record {name} is compressed; torch never does that")
+        if not name.startswith(self.prefix):
+            raise CheckpointFormatError(f"{path}: record {name} lies outside the archive folder {self.prefix}")
+        f.seek(info.header_offset)
+        header = f.read(30)
+        if len(header) != 30 or header[:4] != b"PK\x03\x04":
+            raise CheckpointFormatError(f"{path}: record {name} has a damaged header")
+        flags, method = struct.unpack("<HH", header[6:10])
+        n, m = struct.unpack("<HH", header[26:30])
+        local = f.read(n + m)
+        # The local header must describe the record the directory describes: torch takes the
+        # data's start from it, so a damaged one shifts every byte read (found by fuzzing).
+        if local[:n] != raw or (flags & ~_FLAGS or method != zipfile.ZIP_STORED or not _whole_blocks(local[n:])):
+            raise CheckpointFormatError(f"{path}: record {name} has a damaged header")
+        start = info.header_offset + 30 + n + m
+        if start + info.file_size > size:
+            raise CheckpointFormatError(f"{path}: record {name} runs past the end (truncated file)")
+        self.starts.append(start)
+        key = name[len(self.prefix) :]
+        if key in self.records:
+            raise CheckpointFormatError(f"{path}: the archive holds two records named {name}")
+        self.records[key] = (start, info.file_size)
+
+    def _check_small_records(self, f: IO[bytes]) -> None:
+        """The small records torch.load reads before any tensor, judged as torch judges them."""
+        path = self.path
         version = self._small(f, "version")
         digits = re.match(rb"[ \t\n\v\f\r]*\+?([0-9]+)", version or b"")
         if version is None or digits is None or int(digits.group(1)) not in self.VERSIONS:
@@ -139,7 +154,7 @@ class TorchZip:
 
         serialization_id = self._small(f, ".data/serialization_id")
         if serialization_id is not None:
-            serialization_id.decode("utf-8")  # torch.load decodes it: UnicodeDecodeError, refused above
+            serialization_id.decode("utf-8")  # torch.load decodes it: UnicodeDecodeError, refused by __init__
 
     def _check_directory(self, f: IO[bytes], directory_at: int) -> None:
         """The end records and the central directory as miniz reads them. Python's zipfile is

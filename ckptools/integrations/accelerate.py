@@ -17,7 +17,7 @@ latest`` picks and ``load_state`` loads without a word (it logs the missing RNG 
   as Accelerate does and prunes to ``total_limit`` after it is whole, and ``load_state()`` loads the
   newest whole one and numbers the next save after it; a ``load_state`` of a torn folder raises
   (Accelerate's load pre-hook).
-- Open gradient-accumulation windows (`ckptools.gradients`): each process's gradients summed since the
+- Open gradient-accumulation windows (`ckptools.owned.gradients`): each process's gradients summed since the
   last optimizer step go into ``ckptools-gradients-<rank>.pt`` in the folder, and back into ``.grad``
   at the load; Accelerate's ``step`` (the position in the window) is in its own RNG file.
 
@@ -39,9 +39,9 @@ from .. import log
 from ..collective.agree import Agreement, first_failure
 from ..collective.group import all_gather_object, get_rank, get_world_size
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
-from ..gradients import mark_restored, open_gradients, put_back_gradients, track
 from ..layouts import MANIFEST, check_folder, files_whole, write_manifest
 from ..node import ACCELERATE_GRADIENTS
+from ..owned.gradients import mark_restored, open_gradients, put_back_gradients, track
 from ..storage import fsync_dir
 from ..write import compare_now
 from . import replicated
@@ -105,7 +105,7 @@ def _whole(accelerator: Any, inner: Any, output_dir: str, total_limit: int | Non
 
 
 def state_of(accelerator: Any) -> dict[str, Any]:
-    """The accelerator's models and optimizers, named as `ckptools.gradients` sees a state (and as
+    """The accelerator's models and optimizers, named as `ckptools.owned.gradients` sees a state (and as
     `ckptools.integrations.accelerate_snapshots` snapshots them: the names its folders' gradients carry)."""
     state: dict[str, Any] = {f"model_{i}": m for i, m in enumerate(accelerator._models)}
     state.update({f"optimizer_{i}": o for i, o in enumerate(accelerator._optimizers)})

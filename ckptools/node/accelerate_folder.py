@@ -28,7 +28,7 @@ __all__ = ["ACCELERATE_GRADIENTS", "ACCELERATE_STATE", "newest_whole_state", "sn
 
 ACCELERATE_STATE = "ckptools.accelerate"  # the snapshot's metadata entry: what to write out, and the name
 ACCELERATE_GRADIENTS = "ckptools-gradients-{rank}.pt"  # a process's open window, in an Accelerate folder
-GRADIENTS_ENTRY = "ckptools.gradients"  # ckptools.gradients.GRADIENTS_KEY, as the snapshot holds it
+GRADIENTS_ENTRY = "ckptools.gradients"  # ckptools.owned.gradients.GRADIENTS_KEY, as the snapshot holds it
 
 
 def _pattern(name: str) -> re.Pattern[str]:

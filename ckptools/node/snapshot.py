@@ -35,7 +35,8 @@ from ..collective import agree
 from ..collective.agree import Agreement, first_failure, outcome_of
 from ..collective.group import all_gather_object, broadcast_bytes, get_rank, launcher_gone
 from ..errors import CheckpointError, NodeMemoryError
-from ..gradients import has_gradients, owned_refusal
+from ..owned.gradients import has_gradients, owned_refusal
+from ..owned.zero import has_partitions
 from ..storage import resolve
 from ..write import (
     FILE,
@@ -55,7 +56,6 @@ from ..write import (
     whole_storage,
     write_directory,
 )
-from ..zero import has_partitions
 from . import sealing
 from .commits import COMMITS, crc32s, finish_snapshot
 from .folder import group_nodes, node_token, release_folders
@@ -93,7 +93,7 @@ def write_snapshot(
 
     Returns the path once this rank's copy is whole (``blocking``: once the snapshot is committed on every
     node, its failure raised on every rank); None, having copied nothing, inside a gradient-accumulation
-    window over several nodes (`ckptools.gradients`). ``prepare`` runs on every node's leader before the
+    window over several nodes (`ckptools.owned.gradients`). ``prepare`` runs on every node's leader before the
     copy (the keeper's start). ``writers="rank0"``: each node's leader copies everything.
     ``cadence``: ``[n]``, this rank's proposal (calls to skip after this one), replaced by rank 0's,
     agreed in the opening exchange (`CheckpointManager.snapshot`'s budget). ``check_replicas``: DDP's

@@ -28,10 +28,10 @@ from ..errors import (
 )
 from ..layouts import is_lightning_checkpoint, read_checkpoint, read_weights, record_of
 from ..lifecycle import finish_pending
+from ..owned.zero import has_partitions
 from ..state_dict import shared_prefix, strip_for_reading, strip_prefix
 from ..storage import Location, PathLike, fspath, resolve
 from ..training.sampler import ResumableDistributedSampler, note_rng_restored
-from ..zero import has_partitions
 from .once import ReadAnotherWay, once_pays, read_once
 from .restoring import restore_all, restore_rng_state
 

@@ -16,7 +16,8 @@ from torch.utils.data.distributed import DistributedSampler
 from .. import log, rng
 from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointError, CheckpointFormatError, KeyMismatchError, UnsafeCheckpointError
-from ..gradients import restore_counter, restore_gradients
+from ..owned.gradients import restore_counter, restore_gradients
+from ..owned.zero import prefetch_partition
 from ..per_rank import PER_RANK_KEY, PerRank, is_per_rank_entry
 from ..state_dict import (
     WRAPPER_PREFIXES,
@@ -28,7 +29,6 @@ from ..state_dict import (
     unwrap_model,
 )
 from ..write import adopt_layout
-from ..zero import prefetch_partition
 from .loaded import LIGHTNING_VERSION_KEY, META_KEY, loaded_weights, placeholder_name, record_of
 
 __all__ = ["own_value", "restore_all", "restore_rank_rng", "restore_rng_state"]

@@ -28,12 +28,12 @@ from ..codecs.record import META_KEY, Record
 from ..collective.group import get_rank, get_world_size
 from ..devices import to_cpu
 from ..errors import UnsafeStateError
-from ..gradients import accumulation_counter, describe_gradients, with_gradients
 from ..layouts.torch_io import GLOBAL_RE, first_line
+from ..owned.gradients import accumulation_counter, describe_gradients, with_gradients
+from ..owned.zero import describe_partitions, with_partitions
 from ..per_rank import PER_RANK_KEY, PerRank
 from ..state_dict import unwrap_model
 from ..storage import PathLike, crc32, fspath
-from ..zero import describe_partitions, with_partitions
 from .buckets import bucket_layout
 
 __all__ = [
@@ -81,7 +81,7 @@ class Opening(NamedTuple):
     orphaned: bool = False  # snapshot: its torchrun agent is gone
     cadence: int = 0  # snapshot: its proposal of calls to skip (rank 0's is taken)
     folder: str | None = None  # snapshot: why its node-memory folder cannot be used (not its user's alone)
-    gradients: Any = None  # its open accumulation window's gradients, described (`ckptools.gradients`)
+    gradients: Any = None  # its open accumulation window's gradients, described (`ckptools.owned.gradients`)
 
 
 def opening(state: Mapping[str, Any], **extra: Any) -> Opening:

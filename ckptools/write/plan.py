@@ -53,10 +53,10 @@ from .. import log
 from ..codecs.torchzip import ZipPlan
 from ..collective.group import get_rank, get_world_size
 from ..errors import CheckpointError
-from ..gradients import has_gradients, owned_gradients, owned_refusal
+from ..owned.gradients import has_gradients, owned_gradients, owned_refusal
+from ..owned.zero import has_partitions, is_zero, owned_tensors, refusal
 from ..state_dict import unwrap_model
 from ..storage import Location, streams_multipart
-from ..zero import has_partitions, is_zero, owned_tensors, refusal
 from .pickling import pickle_payload
 
 __all__ = ["WRITERS", "Plan", "choose", "make_plan"]

@@ -23,9 +23,9 @@ from ..collective.group import (
     get_rank,
 )
 from ..errors import CheckpointError
-from ..gradients import has_gradients, owned_refusal
+from ..owned.gradients import has_gradients, owned_refusal
+from ..owned.zero import has_partitions
 from ..storage import Location
-from ..zero import has_partitions
 from . import upload, zip_writer
 from .async_save import AsyncSave
 from .commit import Gathered, Stored, finish

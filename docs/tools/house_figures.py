@@ -55,7 +55,8 @@ def lines(package: pathlib.Path) -> tuple[list[tuple[int, str]], int, int]:
 
 
 def opens() -> dict[str, int]:
-    """How often each call opens the file (builtins.open by ckptools, and torch.load's own)."""
+    """How often each call opens the file: os.open (how ckptools opens a file, then checks the
+    descriptor: `ckptools.storage.open_local`), builtins.open, and torch.load's own."""
     import builtins
 
     import torch
@@ -65,8 +66,13 @@ def opens() -> dict[str, int]:
     path = os.path.join(tempfile.mkdtemp(), "c.pt")
     ck.save(path, {"model": torch.nn.Linear(4, 4), "step": 3})
     counted: dict[str, int] = {}
-    real_open, real_load = builtins.open, torch.load
+    real_open, real_load, real_os_open = builtins.open, torch.load, os.open
     current = [""]  # the call being counted
+
+    def counting_os_open(file, *args, **kwargs):  # type: ignore[no-untyped-def]
+        if isinstance(file, (str, os.PathLike)) and os.fspath(file) == path:
+            counted[current[0]] = counted.get(current[0], 0) + 1
+        return real_os_open(file, *args, **kwargs)
 
     def counting_open(file, *args, **kwargs):  # type: ignore[no-untyped-def]
         if isinstance(file, (str, os.PathLike)) and os.fspath(file) == path:
@@ -76,14 +82,14 @@ def opens() -> dict[str, int]:
     def counting_load(f, *args, **kwargs):  # type: ignore[no-untyped-def]
         if isinstance(f, (str, os.PathLike)) and os.fspath(f) == path:
             counted[current[0]] = counted.get(current[0], 0) + 1
-            builtins.open = real_open  # torch's own open is torch.load's, counted once
+            builtins.open, os.open = real_open, real_os_open  # torch's own open is torch.load's, counted once
             try:
                 return real_load(f, *args, **kwargs)
             finally:
-                builtins.open = counting_open
+                builtins.open, os.open = counting_open, counting_os_open
         return real_load(f, *args, **kwargs)
 
-    builtins.open, torch.load = counting_open, counting_load
+    builtins.open, torch.load, os.open = counting_open, counting_load, counting_os_open
     try:
         for what, call in [
             ("ck.load", lambda: ck.load(path, {"model": torch.nn.Linear(4, 4)})),
@@ -93,7 +99,7 @@ def opens() -> dict[str, int]:
             current[0] = what
             call()
     finally:
-        builtins.open, torch.load = real_open, real_load
+        builtins.open, torch.load, os.open = real_open, real_load, real_os_open
     return counted
 
 

@@ -19,7 +19,7 @@ with nothing summed, and ends it with other weights. So every save and snapshot 
 - **Kept as each rank's own.** The open gradients of the state's models are saved under
   ``ckptools.gradients`` in `PerRank`'s layout (one dict per rank, ``{entry: {parameter: grad}}``),
   every rank writing its own records as a ZeRO partition is written (rank 0 pickles placeholders
-  for the others' tensors, `ckptools.zero`). A closed window costs nothing: the entry is absent.
+  for the others' tensors, `ckptools.owned.zero`). A closed window costs nothing: the entry is absent.
 - **Restored** into ``.grad`` by `ckptools.load` (and every restore built on it), each rank its own.
 - **The window's position** is the loop's: a loop that counts batches restores its counter; an
   Accelerate ``Accelerator`` in the state is saved as its ``step`` (what ``accelerator.accumulate``
@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from . import log
-from .collective.group import get_rank, get_world_size
-from .errors import CheckpointError, CheckpointFormatError
-from .per_rank import PER_RANK_KEY
-from .state_dict import unwrap_model
+from .. import log
+from ..collective.group import get_rank, get_world_size
+from ..errors import CheckpointError, CheckpointFormatError
+from ..per_rank import PER_RANK_KEY
+from ..state_dict import unwrap_model
 from .zero import TensorMeta, has_partitions, refusal, tensor_meta
 
 __all__ = [
@@ -276,7 +276,7 @@ def has_gradients(state: Mapping[str, Any]) -> bool:
 
 def owned_gradients(state: Mapping[str, Any], payload: Mapping[str, Any]) -> dict[int, tuple[int, tuple[Any, ...]]]:
     """Rank 0: each open gradient's storage (by ``_cdata``) in ``payload``, with the rank that owns it
-    and where it sits in ``state`` (`ckptools.zero.owned_tensors`' shape)."""
+    and where it sits in ``state`` (`ckptools.owned.zero.owned_tensors`' shape)."""
     found: dict[int, tuple[int, tuple[Any, ...]]] = {}
     if not has_gradients(state):
         return found

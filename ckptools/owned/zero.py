@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from .collective.group import get_rank
-from .errors import CheckpointError
+from ..collective.group import get_rank
+from ..errors import CheckpointError
 
 __all__ = [
     "TensorMeta",
