@@ -15,7 +15,6 @@ Examples:
 from __future__ import annotations
 
 import importlib
-import sys
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
@@ -37,7 +36,6 @@ from .errors import (
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .collective.arrival import barrier
     from .collective.group import get_local_rank, get_rank, get_world_size, is_main_process
-    from .collective.launch import init_distributed
     from .converting import convert, convert_to_safetensors, export_huggingface, rename_checkpoint
     from .devices import resolve_map_location, to_cpu
     from .inspection import diff, inspect, verify, verify_report
@@ -49,7 +47,7 @@ if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers and IDEs
     from .state_dict import add_prefix, strip_prefix, unwrap_model
     from .training.loader import ResumableDataLoader
     from .training.preemption import Preemption
-    from .training.process import exit_process
+    from .training.process import exit_process, init_distributed
     from .training.sampler import ResumableDistributedSampler
     from .training.seeded import SeededDataset
     from .view import CheckpointView, TensorInfo, Verification
@@ -83,7 +81,7 @@ _LAZY = {
     "get_local_rank": ".collective.group",
     "get_rank": ".collective.group",
     "get_world_size": ".collective.group",
-    "init_distributed": ".collective.launch",
+    "init_distributed": ".training.process",
     "is_main_process": ".collective.group",
     "load": ".read",
     "load_state_dict": ".read",
@@ -171,25 +169,9 @@ def __getattr__(name: str) -> Any:
         raise AttributeError(f"module 'ckptools' has no attribute {name!r}")
     value = getattr(importlib.import_module(module, __name__), name)
     globals()[name] = value  # later lookups skip __getattr__
-    _watch_steps()
     return value
-
-
-def _watch_steps() -> None:
-    """Note the optimizer steps from now on, once torch is imported: a save inside a gradient-accumulation
-    window keeps what no step consumed (`ckptools.owned.gradients`), so the watch starts as early as it can."""
-    global _watching
-    if not _watching and "torch" in sys.modules:
-        importlib.import_module(".owned.gradients", __name__).track()
-        _watching = True
-
-
-_watching = False
 
 
 def __dir__() -> list[str]:
     # The public names and the module's own dunders: not the imports this file uses itself.
     return sorted(set(__all__) | {"__version__", "__all__", "__doc__", "__name__", "__file__"})
-
-
-_watch_steps()  # torch imported before ckptools: from here on

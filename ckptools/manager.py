@@ -17,6 +17,7 @@ from .errors import CheckpointError, CheckpointFormatError, CheckpointLayoutErro
 from .layouts import TORCH_FILE
 from .lifecycle import finish_pending
 from .node import NodeMemory, Orphaned, checkpoint_names, file_name
+from .owned.gradients import track
 from .read import check_in_ranges, load, reads_in_ranges
 from .saving import async_save_with_hooks, save_with_hooks
 from .storage import PathLike, abandoned_tmps, fspath, join, list_files, remove, resolve
@@ -72,6 +73,7 @@ class CheckpointManager:
         prefix: str = "ckpt",
         snapshot_dir: PathLike | None = None,
     ) -> None:
+        track()  # the optimizer steps watched from here: an open accumulation window's gradients
         if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
             raise ValueError(f"keep_last must be an integer >= 1 (or None to keep all), got {keep_last!r}")
         if not re.fullmatch(r"[A-Za-z0-9_-]+", prefix):

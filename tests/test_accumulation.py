@@ -212,11 +212,11 @@ opt = torch.optim.SGD(list(stepped.parameters()) + list(fresh.parameters()), lr=
 stepped(torch.ones(1, 3)).sum().backward(); opt.step()
 stepped(torch.ones(1, 3)).sum().backward()  # a second window opened before ckptools watched any step
 fresh(torch.ones(1, 3)).sum().backward()  # never stepped: whatever it holds, no step consumed it
-import ckptools as ck  # the watch starts here
+import ckptools as ck  # no hook yet: importing registers nothing
 from ckptools.owned.gradients import GRADIENTS_KEY
 with warnings.catch_warnings(record=True) as said:
     warnings.simplefilter("always")
-    path = ck.save({path!r}, {{"stepped": stepped, "fresh": fresh, "opt": opt}})
+    path = ck.save({path!r}, {{"stepped": stepped, "fresh": fresh, "opt": opt}})  # the watch starts here
 kept = torch.load(path, weights_only=True)[GRADIENTS_KEY]["ckptools.per_rank"][0]
 print(sorted(kept), sorted(kept["fresh"]), any("no optimizer step was seen" in str(w.message) for w in said))
 """
@@ -229,3 +229,33 @@ def test_gradients_before_ckptools_watched_a_step_are_said_and_a_never_stepped_m
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.split("\n")[-2] == "['fresh'] ['bias', 'weight'] True", out.stdout + out.stderr[-2000:]
+
+
+_HOOKS = """
+import sys, tempfile, torch
+from torch.optim.optimizer import _global_optimizer_post_hooks as hooks
+import ckptools as ck
+ck.CheckpointError, ck.PerRank  # names of the face, eager and lazy
+print(len(hooks))
+{call}
+print(len(hooks))
+"""
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        "ck.init_distributed()",
+        "ck.CheckpointManager(tempfile.mkdtemp())",
+        "ck.ResumableDistributedSampler(range(8), num_replicas=1, rank=0)",
+    ],
+)
+def test_importing_ckptools_registers_no_hook_and_the_calls_before_a_loop_do(call):
+    """`import ckptools` (and names of its face) leave torch's optimizer hooks alone; the calls a loop
+    makes before its first step register ckptools' one step hook, so a save inside a window knows
+    what no step consumed."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, "-c", _HOOKS.format(call=call)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["0", "1"], out.stdout + out.stderr[-2000:]

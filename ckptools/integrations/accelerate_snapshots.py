@@ -19,6 +19,7 @@ from typing import Any
 
 from ..manager import CheckpointManager
 from ..node import ACCELERATE_PREFIX, ACCELERATE_STATE, newest_whole_state, snapshot_to_state_folder
+from ..owned.gradients import track
 from ._memory_folders import FolderKind, from_node_memory
 from .accelerate import attach, replicas_of, state_of
 
@@ -56,6 +57,7 @@ class Snapshots:
         budget: float | None = None,
         check_replicas: bool = True,
     ) -> None:
+        track()  # the optimizer steps watched from here: an open accumulation window's gradients
         if "{step}" not in name or os.sep in name:
             raise ValueError(f"name must be a folder name holding {{step}} (step_{{step}}), got {name!r}")
         self.accelerator = accelerator

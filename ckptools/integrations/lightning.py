@@ -38,6 +38,7 @@ from ..collective.arrival import arrive
 from ..collective.group import get_world_size
 from ..errors import CheckpointError, UnsafeCheckpointError
 from ..layouts import TORCH_FILE
+from ..owned.gradients import track
 from ..read import ReadAnotherWay, once_pays, read_once
 from ..storage import TMP_MARKER, Location, abandoned_tmps, remove, resolve, wait_for_write
 from ..write import BackgroundWriter, StagingBuffers, write_file
@@ -78,6 +79,7 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
     """
 
     def __init__(self, *, verify: bool = True, mmap: bool = True, trust_code: bool = False, read: str = "auto") -> None:
+        track()  # the optimizer steps watched from here: an open accumulation window's gradients
         super().__init__()
         if read not in ("auto", "once", "each"):
             raise ValueError(f"read must be 'auto', 'once' or 'each', got {read!r}")
@@ -177,6 +179,7 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
     """
 
     def __init__(self, *, verify: bool = True, mmap: bool = True, trust_code: bool = False, read: str = "auto") -> None:
+        track()  # the optimizer steps watched from here: an open accumulation window's gradients
         super().__init__(verify=verify, mmap=mmap, trust_code=trust_code, read=read)
         self._buffers = StagingBuffers()
         self._writer = BackgroundWriter("ckptools-lightning-save")

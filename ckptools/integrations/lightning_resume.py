@@ -36,6 +36,7 @@ from .. import log, rng
 from ..collective.arrival import checked_in
 from ..collective.group import all_gather_object, get_world_size
 from ..errors import CheckpointError
+from ..owned.gradients import track
 from ..read import restore_rank_rng
 from ..training.loader import ResumableDataLoader
 from ..write import compare_replicas, plain_optimizer, replica_digests, replica_module
@@ -163,6 +164,7 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
     """
 
     def __init__(self, compare: Mapping[str, Any] | None = None, *, check_replicas: bool = True) -> None:
+        track()  # the optimizer steps watched from here: an open accumulation window's gradients
         check_lightning_version()
         super().__init__()
         # DDP's replicas compared in the checkpoint's exchange: the Trainer's (setup), or Fabric's objects.

@@ -21,6 +21,7 @@ from typing import Any
 
 from ..manager import CheckpointManager
 from ..node import checkpoint_names, seal, watch
+from ..owned.gradients import track
 from . import LIGHTNING_PREFIX, NEEDS_LIGHTNING, lightning_classes
 from .lightning_resume import COMPARED_BY_SNAPSHOT, replicas_to_compare
 
@@ -59,6 +60,7 @@ class NodeSnapshots(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  
     def __init__(
         self, dirpath: Any, *, every_n_train_steps: int = 1, budget: float | None = None, check_replicas: bool = True
     ) -> None:
+        track()  # the optimizer steps watched from here: an open accumulation window's gradients
         super().__init__(os.fspath(dirpath), filename=PREFIX)
         self.check_replicas = check_replicas
         if every_n_train_steps < 1:

@@ -31,6 +31,7 @@ from .. import log
 from ..collective.group import get_world_size
 from ..layouts import MANIFEST, check_folder, write_manifest
 from ..manager import CheckpointManager
+from ..owned.gradients import track
 from ..training.seeded import SeededDataset
 from ..write import compare_now
 from . import installed, release_numbers, replicated, trainer_snapshots
@@ -103,6 +104,7 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
     def __init__(
         self, *, snapshot_every: int | None = None, budget: float | None = None, check_replicas: bool = True
     ) -> None:
+        track()  # the optimizer steps watched from here: an open accumulation window's gradients
         if snapshot_every is not None and snapshot_every < 1:
             raise ValueError(f"snapshot_every must be at least 1 (or None: no snapshots), got {snapshot_every}")
         self.snapshot_every = snapshot_every

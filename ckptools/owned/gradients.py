@@ -6,9 +6,10 @@ Saved between two steps of such a window, the weights and the optimizer are thos
 window's start, and the sums so far are in no state: a resume from there starts the window over
 with nothing summed, and ends it with other weights. So every save and snapshot keeps them:
 
-- **Open or closed.** After every optimizer step (torch's global step post-hook, registered when
-  the process first uses ckptools with torch imported: ``import ckptools`` after torch, or any
-  ``ck.`` name) each of its parameters' gradient tensor and its version counter are noted: what
+- **Open or closed.** After every optimizer step (torch's global step post-hook, registered by the
+  calls that come before a loop: ``ck.init_distributed``, `CheckpointManager`, `ResumableDistributedSampler` and
+  `ResumableDataLoader`, the integrations' classes, and every save, snapshot and load; never by
+  ``import ckptools``) each of its parameters' gradient tensor and its version counter are noted: what
   that step consumed. At a save, a parameter's ``.grad`` is open when it is another tensor or
   changed since (a backward added to it), and when a restore put it there; a ``.grad`` of None, or
   the one the last step consumed, is closed: whatever the loop does with it next (``zero_grad``), it

@@ -1,5 +1,5 @@
 """The training loop's side of a resume: what a loop uses between checkpoints.
 
 ``sampler.py`` (`ResumableDistributedSampler`), ``seeded.py`` (`SeededDataset`), ``preemption.py``
-(`Preemption`: signals agreed on at a step boundary), ``process.py`` (`exit_process`).
+(`Preemption`: signals agreed on at a step boundary), ``process.py`` (`init_distributed`, `exit_process`).
 """

@@ -1,17 +1,33 @@
-"""Leaving a DDP job: every rank together, with nothing ckptools or the script wrote lost."""
+"""A DDP job's two ends: joining it (`init_distributed`, which also starts noting optimizer steps)
+and leaving it, every rank together, with nothing ckptools or the script wrote lost (`exit_process`)."""
 
 from __future__ import annotations
 
 import contextlib
+import datetime
+import functools
 import logging
 import os
 import sys
 from typing import NoReturn
 
+import torch
+
+from ..collective import launch
 from ..collective.arrival import arrive
 from ..lifecycle import end_job
+from ..owned.gradients import track
 
-__all__ = ["ORPHANED_EXIT", "exit_process", "leave"]
+__all__ = ["ORPHANED_EXIT", "exit_process", "init_distributed", "leave"]
+
+
+@functools.wraps(launch.init_distributed)  # its docstring, name and module: the one users read
+def init_distributed(backend: str | None = None, *, timeout: datetime.timedelta | None = None) -> torch.device:
+    # The first call of nearly every loop, before its first optimizer step: from here a save inside a
+    # gradient-accumulation window knows which gradients no step consumed (owned/gradients.py). The
+    # collective wing sits below owned/ and cannot register the hook itself.
+    track()
+    return launch.init_distributed(backend, timeout=timeout)
 
 
 # The exit status of ranks that leave because torchrun's agent is gone: 128 + SIGHUP, as for a process

@@ -13,6 +13,7 @@ import torch.utils.data
 from torch.utils.data.distributed import DistributedSampler
 
 from .. import log
+from ..owned.gradients import track
 from ..rng import SampleIndex
 from .generator import lend_generator, loader_iterator
 
@@ -46,6 +47,7 @@ class ResumableDistributedSampler(DistributedSampler[int]):
     """
 
     def __init__(self, dataset: torch.utils.data.Dataset[Any], *args: Any, **kwargs: Any) -> None:
+        track()  # the optimizer steps watched from here: an open accumulation window's gradients
         if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             # No process group (a script run with plain `python`): rank 0 of 1, where
             # DistributedSampler raises "Default process group has not been initialized".
