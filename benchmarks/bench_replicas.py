@@ -1,5 +1,5 @@
 """What comparing DDP's replicas costs a save or a snapshot (issue 58): the digests of one call, sampled (a
-rotating 1/25 of the replicated bytes, the default) and whole (``verify_replicas``, ``ck.check_replicas``),
+rotating 1/50 of the replicated bytes, a snapshot's default) and whole (``replicas="all"``, ``ck.check_replicas``),
 against the copy floor (the replicated tensors copied once into buffers already allocated), for GiB-sized
 and tiny states; medians of interleaved runs. One process in a gloo group of one (DDP wraps the model).
 
@@ -7,13 +7,13 @@ and tiny states; medians of interleaved runs. One process in a gloo group of one
 
 ``--save``: what the full comparison every durable save now makes (issue 65) costs against the save itself:
 ``ck.save`` of the same DDP state to a local file (written and fsynced) with the comparison and without
-(``check_replicas=False``), and the full digests alone, interleaved; medians and ratios.
+(``replicas="off"``), and the full digests alone, interleaved; medians and ratios.
 
     python benchmarks/bench_replicas.py --save [--gib 1] [--repeat 7] [--dir DIR]
 
 ``--loop``: the steps/s of a DDP loop on 2 gloo ranks (spawned) that snapshots every step into node memory
 (``manager.snapshot``, the budget off), with the comparison (the default) and without
-(``check_replicas=False``), in interleaved blocks of 20 steps; the medians and their ratio.
+(``replicas="off"``), in interleaved blocks of 20 steps; the medians and their ratio.
 
     python benchmarks/bench_replicas.py --loop [--mib 64] [--repeat 7]
 """
@@ -71,7 +71,7 @@ def _save_cost(state: dict, repeat: int, folder: str) -> dict[str, float]:
             if name == "digests":
                 replica_digests(state, sample=False)
             else:
-                ck.save(path, state, check_replicas=name == "compared")
+                ck.save(path, state, replicas="all" if name == "compared" else "off")
             times[name].append(time.perf_counter() - start)
             if os.path.exists(path):
                 os.unlink(path)
@@ -103,7 +103,7 @@ def _loop(rank: int, mib: float, repeat: int, folder: str, port: int, out: str) 
             model(batch).sum().backward()
             opt.step()
             opt.zero_grad()
-            manager.snapshot(state, step=step, budget=None, check_replicas=check)
+            manager.snapshot(state, step=step, budget=None, replicas="auto" if check else "off")
             step += 1
         manager.wait()
         if block >= 2:

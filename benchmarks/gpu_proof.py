@@ -147,7 +147,7 @@ def _figures(gib: float, repeat: int, out: str) -> None:
         r = bench_replicas._measure(bench_replicas._state(int(gib * 2**30) // 4, device), max(3, repeat))
         add(f"replicas compared, one sampled call (1/{bench_replicas.SAMPLE_CALLS} of the bytes), {gib:g} GiB",
             r["sampled"], d2h, r["floor"], "<= 0.02x the floor (issue 58)")  # fmt: skip
-        add("replicas compared, every byte (verify_replicas)", r["whole"], d2h, r["floor"])
+        add("replicas compared, every byte (replicas='all')", r["whole"], d2h, r["floor"])
     except Exception as err:  # noqa: BLE001
         errors.append(f"bench_replicas: {type(err).__name__}: {err}")
     finally:

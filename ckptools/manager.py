@@ -124,7 +124,7 @@ class CheckpointManager:
             state: as for `ckptools.save`.
             step: the training step (or any increasing counter).
             blocking: False to save in the background.
-            **save_kwargs: passed to `ckptools.save` (``metadata=...``).
+            **save_kwargs: passed to `ckptools.save` (``metadata=...``, ``writers=...``, ``replicas=...``).
 
         Returns:
             The new checkpoint's path (where it will be, with ``blocking=False``).
@@ -139,6 +139,7 @@ class CheckpointManager:
         """
         path = self.path_for(step)
         metadata = {**dict(save_kwargs.pop("metadata", None) or {}), "step": step}
+        save_kwargs.setdefault("where", "CheckpointManager.save")  # what a deprecated name's warning says
 
         # Temporary files of a save that was killed: never loadable, only taking space (perhaps
         # the space this save needs). Rank 0 removes them once the state passed save's checks,
@@ -241,7 +242,9 @@ class CheckpointManager:
         metadata: Mapping[str, Any] | None = None,
         writers: str = "auto",
         budget: float | None = None,
-        check_replicas: bool | Mapping[str, Any] = True,
+        replicas: str = "auto",
+        compare: Mapping[str, Any] | None = None,
+        check_replicas: bool | Mapping[str, Any] | None = None,
     ) -> str | None:
         """Copy ``state`` into node memory as the snapshot of ``step`` (collective, like `save`).
 
@@ -265,10 +268,11 @@ class CheckpointManager:
                 INFO with that bound ("a kill loses at most N steps, about S s"). Without a budget, INFO
                 says once when snapshots stall more than a tenth of the loop's time. The one default of
                 every snapshot taker (NodeSnapshots, CkptoolsCallback too): None.
-            check_replicas: False to skip comparing DDP's replicas first (by default a rotating 1/50 of
-                their bytes per call, every byte within 50 calls; `ckptools.check_replicas`); a mapping
-                of live objects to compare instead of ``state``'s, each model in it a replica (for a
-                ``state`` of state dicts: the integrations pass the model and its optimizers).
+            replicas: how much of DDP's replicas to compare first: ``"auto"`` (the default) and ``"sample"`` a
+                rotating 1/50 per call (every byte within 50 calls), ``"all"`` every byte, ``"off"`` none.
+            compare: live objects compared instead of ``state``'s, each model a replica (for a state of
+                state dicts: the integrations pass the model and its optimizers).
+            check_replicas: deprecated (goes in 0.6): ``False`` is ``replicas="off"``.
 
         Returns:
             The snapshot's path (on this node), or None for a call the budget skipped.
@@ -288,7 +292,7 @@ class CheckpointManager:
             raise ValueError(f"budget must be a fraction of the loop's time in (0, 1], or None; got {budget!r}")
         try:
             return self._node.take(state, step, blocking=blocking, metadata=metadata, writers=writers, budget=budget,
-                                   check_replicas=check_replicas)  # fmt: skip
+                                   replicas=replicas, compare=compare, check_replicas=check_replicas)  # fmt: skip
         except Orphaned as gone:
             # Training on alone would only fail later (the store the agent held is gone) or never end:
             # the ranks leave together now, and the keeper copies the newest snapshot into the folder.

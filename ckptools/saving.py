@@ -33,9 +33,10 @@ from .write import (
     compare_replicas,
     opening,
     plan_shares,
-    replica_digests,
+    replicas_switch,
     set_pending,
     stage,
+    what_to_compare,
     whole_storage,
     write_alone,
     write_and_commit,
@@ -55,8 +56,9 @@ def save(
     *,
     metadata: Mapping[str, Any] | None = None,
     writers: str = DEFAULT_WRITERS,
-    verify_replicas: bool = False,
-    check_replicas: bool = True,
+    replicas: str = "auto",
+    verify_replicas: bool | None = None,
+    check_replicas: bool | None = None,
 ) -> str:
     """Save a training checkpoint; collective: every rank calls it, and rank 0 or every rank writes.
 
@@ -79,8 +81,10 @@ def save(
         state: names mapped to objects to store.
         metadata: extra plain values (str, int, float, bool, None, lists/dicts of them).
         writers: ``"auto"``, ``"all"`` or ``"rank0"``, the same on every rank.
-        verify_replicas: kept for older callers: every save compares every replicated byte.
-        check_replicas: False to skip the comparison (see above).
+        replicas: how much of DDP's replicas to compare first: ``"auto"`` (the default) and ``"all"``
+            every byte, ``"sample"`` a rotating 1/50 (as a snapshot does), ``"off"`` none.
+        verify_replicas: deprecated (goes in 0.6): ``True`` is ``replicas="all"``.
+        check_replicas: deprecated (goes in 0.6): ``False`` is ``replicas="off"``.
 
     Returns:
         ``path`` as a string.
@@ -92,7 +96,7 @@ def save(
         CheckpointError: writing failed on some rank, or ``"all"`` was
             asked for a directory not every rank sees (raised on every rank).
         TypeError: ``state`` is not a mapping of string names or names ``__ckptools__``.
-        ValueError: ``writers`` is none of the three.
+        ValueError: ``writers`` or ``replicas`` is none of its words.
 
     Examples:
         >>> import torch, ckptools as ck
@@ -101,8 +105,8 @@ def save(
         >>> ck.save("/tmp/ckpt.pt", {"model": model, "optimizer": opt, "step": 10})
         '/tmp/ckpt.pt'
     """
-    return save_with_hooks(path, state, metadata=metadata, writers=writers, verify_replicas=verify_replicas,
-                           check_replicas=check_replicas)  # fmt: skip
+    return save_with_hooks(path, state, metadata=metadata, writers=writers, replicas=replicas,
+                           verify_replicas=verify_replicas, check_replicas=check_replicas)  # fmt: skip
 
 
 @checked_in("ck.save_weights")
@@ -154,12 +158,15 @@ def save_with_hooks(
     metadata: Mapping[str, Any] | None = None,
     before_write: Callable[[], None] | None = None,
     writers: str = DEFAULT_WRITERS,
-    verify_replicas: bool = False,
-    check_replicas: bool = True,
+    replicas: str = "auto",
+    verify_replicas: bool | None = None,
+    check_replicas: bool | None = None,
+    where: str = "ck.save",
 ) -> str:
     """`save`; ``before_write`` runs on rank 0 once the payload passed its checks (housekeeping)."""
     check_writers(writers)
-    start = _begin(path, state, metadata, verify_replicas, check_replicas)
+    replicas = replicas_switch(replicas, where, verify_replicas=verify_replicas, check_replicas=check_replicas)
+    start = _begin(path, state, metadata, replicas)
     state = start.state  # as saved (`as_saved`): a ZeRO optimizer as its ZeroEntry, open gradients
     planned = _shares(start, state, before_write, writers)
     if planned is None:
@@ -206,20 +213,18 @@ def _shares(
     return plan_shares(start.location, state, start.payload(state), before_write, writers, on_cpu=on_cpu)
 
 
-def _begin(
-    path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, verify: bool, check: bool
-) -> _Start:
+def _begin(path: PathLike, state: Mapping[str, Any], metadata: Mapping[str, Any] | None, replicas: str) -> _Start:
     """The collective part every save opens with: finish a save in flight, check the
     arguments, gather every rank's part (its RNG, before rank 0 does anything that could draw from
-    it; its `PerRank` values) and every rank's digests of the replicated tensors (all with ``verify``,
-    all of them with ``check`` too: `ckptools.write.replicas`), in the same exchange."""
+    it; its `PerRank` values) and every rank's digests of the replicated tensors (by ``replicas``:
+    every byte unless told otherwise, `ckptools.write.replicas`), in the same exchange."""
     finish_pending()
     started = time.monotonic()
     path, user_meta = checked_args(path, state, metadata)
     # Each rank's ZeRO partition, described (metadata, never a tensor), rides the same exchange.
     # A durable save is rare and disk-bound: every replicated byte is compared (a snapshot, every step
     # and memory-bound, compares a rotating sample: ckptools.node.snapshot).
-    digests = replica_digests(state, sample=False) if verify or check else None
+    digests = what_to_compare(state, replicas, default="all")
     gathered = all_gather_object(opening(state, digests=digests))
     agreement = agree.saving(path)
     agreement.raise_first(gathered, lambda reply: reply.problem)
@@ -255,8 +260,9 @@ def async_save(
     *,
     metadata: Mapping[str, Any] | None = None,
     writers: str = DEFAULT_WRITERS,
-    verify_replicas: bool = False,
-    check_replicas: bool = True,
+    replicas: str = "auto",
+    verify_replicas: bool | None = None,
+    check_replicas: bool | None = None,
 ) -> AsyncSave:
     """Save like `save`, but return once the state is copied; the writers write in the background.
 
@@ -272,8 +278,9 @@ def async_save(
         state: as for `save`.
         metadata: as for `save`.
         writers: as for `save`.
-        verify_replicas: as for `save`.
-        check_replicas: as for `save`.
+        replicas: as for `save`.
+        verify_replicas: as for `save` (deprecated).
+        check_replicas: as for `save` (deprecated).
 
     Returns:
         An `AsyncSave` handle: ``wait()`` (collective) returns the path on every rank or
@@ -288,8 +295,8 @@ def async_save(
         >>> handle.wait()
         '/tmp/async.pt'
     """
-    return async_save_with_hooks(path, state, metadata=metadata, writers=writers, verify_replicas=verify_replicas,
-                                 check_replicas=check_replicas)  # fmt: skip
+    return async_save_with_hooks(path, state, metadata=metadata, writers=writers, replicas=replicas,
+                                 verify_replicas=verify_replicas, check_replicas=check_replicas)  # fmt: skip
 
 
 def async_save_with_hooks(
@@ -300,13 +307,16 @@ def async_save_with_hooks(
     before_write: Callable[[], None] | None = None,
     after_write: Callable[[], None] | None = None,
     writers: str = DEFAULT_WRITERS,
-    verify_replicas: bool = False,
-    check_replicas: bool = True,
+    replicas: str = "auto",
+    verify_replicas: bool | None = None,
+    check_replicas: bool | None = None,
+    where: str = "ck.async_save",
 ) -> AsyncSave:
     """`async_save`; ``before_write``/``after_write`` run on rank 0 around the write (file I/O),
     in its writer thread (``before_write`` on the main thread with ``writers="all"``)."""
     check_writers(writers)
-    start = _begin(path, state, metadata, verify_replicas, check_replicas)
+    replicas = replicas_switch(replicas, where, verify_replicas=verify_replicas, check_replicas=check_replicas)
+    start = _begin(path, state, metadata, replicas)
     state = start.state  # as saved (`as_saved`): a ZeRO optimizer as its ZeroEntry, open gradients
     planned = _shares(start, state, before_write, writers, on_cpu=True)
     handle = AsyncSave(start.path, start.started, shared=planned is not None)

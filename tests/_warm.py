@@ -244,6 +244,9 @@ def _warm_up(rank: int, world: int) -> None:
         if not info.name.startswith(("ckptools.integrations.", "ckptools.__main__")):
             with contextlib.suppress(ImportError):
                 __import__(info.name)
+    from ckptools.owned.gradients import track
+
+    track()  # what a loop's ck.init_distributed does before its first step: the save below warns of nothing
     torch.manual_seed(0)
     model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))
     opt = torch.optim.Adam(model.parameters())

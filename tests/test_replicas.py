@@ -5,6 +5,7 @@ with BatchNorm, dropout and per-rank batches raises nothing. Real gloo ranks."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 
@@ -169,7 +170,7 @@ def _amp(rank: int, world: int, folder: str) -> list[str]:
             scaler.update()
             opt.zero_grad()
             manager.snapshot(state, step=step)
-        manager.save(state, step=20, verify_replicas=True)
+        manager.save(state, step=20, replicas="all")
     manager.close()
     return [str(w.message) for w in said]
 
@@ -195,11 +196,11 @@ def _zero(rank: int, world: int, folder: str) -> dict:
         own = next(iter(zero.optim.state.values()))
         _flip(own["exp_avg"])
     said["partition flipped"] = ck.check_replicas(state)
-    ck.save(os.path.join(folder, "zero.pt"), state, verify_replicas=True)  # written: nothing replicated differs
+    ck.save(os.path.join(folder, "zero.pt"), state, replicas="all")  # written: nothing replicated differs
     if rank == 1:
         _flip(model.module[4].weight)
     try:
-        ck.save(os.path.join(folder, "zero-2.pt"), state, verify_replicas=True)
+        ck.save(os.path.join(folder, "zero-2.pt"), state, replicas="all")
     except ck.ReplicaMismatchError as err:
         said["caught"] = (err.where, err.differ)
     said["files"] = sorted(os.listdir(folder))
@@ -211,3 +212,69 @@ def test_zero_partitions_are_never_compared_and_the_replicated_parameters_are(tm
         assert said["healthy"] > 0 and said["partition flipped"] == said["healthy"], said
         assert said["caught"] == ("model.4.weight", [1]), said
         assert "zero-2.pt" not in said["files"] and "zero.pt" in said["files"], said
+
+
+def _switch(rank: int, world: int, folder: str) -> dict:
+    """One switch, ``replicas=``, on a save and a snapshot whose replicas differ (rank 1's last layer), and
+    the old spellings it replaced, each warned about at the caller's line."""
+    import warnings
+
+    model, opt = _trained(rank)
+    state = {"model": model, "opt": opt}
+    if rank == 1:
+        _flip(model.module[4].weight)
+    manager = ck.CheckpointManager(os.path.join(folder, "run"), snapshot_dir=os.path.join(folder, "shm"))
+    said: dict[str, object] = {}
+    calls = {
+        "save off": lambda: ck.save(os.path.join(folder, "off.pt"), state, replicas="off"),
+        "save auto": lambda: ck.save(os.path.join(folder, "auto.pt"), state),
+        "manager all": lambda: manager.save(state, step=1, replicas="all"),
+        "snapshot all": lambda: manager.snapshot(state, step=2, replicas="all", blocking=True),
+        "snapshot off": lambda: manager.snapshot(state, step=3, replicas="off", blocking=True),
+        "old check_replicas=False": lambda: ck.save(os.path.join(folder, "old-off.pt"), state, check_replicas=False),
+        "old verify_replicas=True": lambda: manager.save(state, step=4, verify_replicas=True),
+        "old snapshot check_replicas=False": lambda: manager.snapshot(state, step=5, check_replicas=False),
+    }
+    for name, call in calls.items():
+        with warnings.catch_warnings(record=True) as warned:
+            warnings.simplefilter("always")
+            try:
+                call()
+                outcome = "written"
+            except ck.ReplicaMismatchError as err:
+                outcome = f"refused at {err.where}"
+        old = [(str(w.message), os.path.basename(w.filename)) for w in warned if w.category is DeprecationWarning]
+        said[name] = (outcome, old)
+    manager.close()
+    said["files"] = sorted(n for n in os.listdir(folder) if n.endswith(".pt"))
+    said["checkpoints"] = sorted(os.listdir(os.path.join(folder, "run")))
+    return said
+
+
+def test_one_switch_says_how_much_is_compared_and_the_old_names_still_work_with_a_warning(tmp_path):
+    here = os.path.basename(__file__)
+    for said in run_ranks(_switch, 2, str(tmp_path)):
+        refused = ("refused at model.4.weight", [])
+        assert said["save off"] == ("written", []) and said["snapshot off"] == ("written", []), said
+        assert said["save auto"] == refused and said["manager all"] == refused, said
+        assert said["snapshot all"] == refused, said  # every byte at its first call, not 1/50 of them
+        for name, new in (("old check_replicas=False", "'off'"), ("old verify_replicas=True", "'all'"),
+                          ("old snapshot check_replicas=False", "'off'")):  # fmt: skip
+            outcome, old = said[name]
+            assert outcome == ("refused at model.4.weight" if new == "'all'" else "written"), (name, said)
+            assert len(old) == 1 and old[0][1] == here, (name, old)  # the line of the caller, not ckptools'
+            assert "deprecated and goes in 0.6" in old[0][0] and f"replicas={new}" in old[0][0], old
+        assert said["files"] == ["off.pt", "old-off.pt"], said
+        assert said["checkpoints"] == [], said  # the manager's saves were refused; snapshots are in node memory
+
+
+def test_a_word_the_switch_does_not_know_is_refused_before_anything_is_written(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    for kwargs, says in (({"replicas": "some"}, "replicas must be one of 'auto', 'all', 'sample', 'off'"),
+                         ({"replicas": True}, "replicas must be one of"),
+                         ({"replicas": "all", "check_replicas": False}, "contradicts replicas='all'")):  # fmt: skip
+        warned = pytest.warns(DeprecationWarning) if "check_replicas" in kwargs else contextlib.nullcontext()
+        with warned, pytest.raises(ValueError, match=says):
+            ck.save(tmp_path / "never.pt", {"model": model}, **kwargs)
+    assert list(tmp_path.iterdir()) == []
+    assert ck.save(tmp_path / "sample.pt", {"model": model}, replicas="sample") == str(tmp_path / "sample.pt")

@@ -75,3 +75,21 @@ def test_a_copy_changed_on_one_rank_is_refused_on_every_rank_and_the_last_good_s
 def test_a_healthy_job_on_each_framework_is_compared_and_raises_nothing(tmp_path, framework):
     said = ok(_run(framework, str(tmp_path / "run"), "healthy", str(tmp_path / "shm")))
     assert len(re.findall(r"^rank \d finished$", said, re.M)) == 2 and "Replica" not in said, said[-3000:]
+
+
+def test_each_integration_takes_the_one_switch_and_its_old_spelling_with_a_warning(tmp_path):
+    from ckptools.integrations.lightning import ExactResume, NodeSnapshots
+    from ckptools.integrations.transformers import CkptoolsCallback
+
+    makers = {
+        "ExactResume": lambda **kw: ExactResume(**kw),
+        "NodeSnapshots": lambda **kw: NodeSnapshots(tmp_path / "run", **kw),
+        "CkptoolsCallback": lambda **kw: CkptoolsCallback(**kw),
+    }
+    for name, make in makers.items():
+        assert make().replicas == "auto" and make(replicas="sample").replicas == "sample", name
+        old = rf"{name}\(check_replicas=\.\.\.\) is deprecated .* replicas='off'"
+        with pytest.warns(DeprecationWarning, match=old):
+            assert make(check_replicas=False).replicas == "off", name
+        with pytest.raises(ValueError, match=f"{name}: replicas must be one of"):
+            make(replicas="every")

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _dist import free_port
 from _same import same_tree
 from _torchrun import kill_job, read_rest
 
@@ -26,9 +27,11 @@ def _launch(script: str, run_dir: Path, nproc: int, *extra: str) -> list[str]:
     if nproc == 0:  # plain python, no launcher
         return [sys.executable, str(SCRIPTS / script), str(run_dir), *extra]
     if script.startswith("accelerate_"):  # Accelerate's launcher, as its examples are run
+        # On a port of this test process's own block: Accelerate's default, 29500, is every launch's, and two
+        # launches at once (xdist's workers) met there in the rendezvous (its own in-use check comes first).
         return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", f"--num_processes={nproc}",
-                "--num_machines=1", "--mixed_precision=no", "--dynamo_backend=no", str(SCRIPTS / script),
-                str(run_dir), *extra]  # fmt: skip
+                "--num_machines=1", f"--main_process_port={free_port()}", "--mixed_precision=no",
+                "--dynamo_backend=no", str(SCRIPTS / script), str(run_dir), *extra]  # fmt: skip
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             "--max-restarts=0", str(SCRIPTS / script), str(run_dir), *extra]  # fmt: skip
 

@@ -70,10 +70,10 @@ def _same_files(rank: int, world: int, directory: str) -> dict:
     ck.save(f"{directory}/rank0.pt", state, writers="rank0")
     assert len(counted["bytes"]) == (1 if rank == 0 else 0)  # rank 0's writer wrote all of it
     counted["bytes"].clear()
-    ck.save(f"{directory}/all.pt", state, writers="all", verify_replicas=True)
+    ck.save(f"{directory}/all.pt", state, writers="all", replicas="all")
     on_disk = sorted(os.listdir(directory))
     # Async: the file holds the state as of the call, whatever training does before wait().
-    handle = ck.async_save(f"{directory}/async.pt", state, writers="all", verify_replicas=True)
+    handle = ck.async_save(f"{directory}/async.pt", state, writers="all", replicas="all")
     from ckptools.write import async_save as background
 
     snapshot = background.SAVES.stager.nbytes
@@ -164,14 +164,14 @@ def test_ranks_that_do_not_share_the_directory_fall_back_to_rank0_or_refuse(tmp_
 
 def _diverged(rank: int, world: int, directory: str) -> dict:
     state = _state(rank)
-    ck.save(f"{directory}/good.pt", state, writers="all", verify_replicas=True)
+    ck.save(f"{directory}/good.pt", state, writers="all", replicas="all")
     if rank == 1:
         with torch.no_grad():
             state["model"].module[3].weight[0, 0] += 1.0  # one rank's copy changed behind DDP's back
     out = {}
     for name, call in (("sync", ck.save), ("async", lambda *a, **k: ck.async_save(*a, **k).wait())):
         try:
-            call(f"{directory}/bad-{name}.pt", state, writers="all", verify_replicas=True)
+            call(f"{directory}/bad-{name}.pt", state, writers="all", replicas="all")
             out[name] = "saved"
         except ck.CheckpointError as err:
             out[name] = str(err)
@@ -245,7 +245,7 @@ def _manager(rank: int, world: int, directory: str) -> list[str]:
     state = _state(rank)
     manager = ck.CheckpointManager(directory, keep_last=2)
     for step in range(1, 5):
-        manager.save(state, step=step, blocking=step % 2 == 0, writers="all", verify_replicas=True)
+        manager.save(state, step=step, blocking=step % 2 == 0, writers="all", replicas="all")
     manager.wait()
     fresh = _state(rank, seed_steps=0)
     manager.restore(fresh)

@@ -43,7 +43,7 @@ from ..layouts import MANIFEST, check_folder, files_whole, write_manifest
 from ..node import ACCELERATE_GRADIENTS
 from ..owned.gradients import mark_restored, open_gradients, put_back_gradients, track
 from ..storage import fsync_dir
-from ..write import compare_now
+from ..write import compare_now, replicas_switch
 from . import replicated
 
 __all__ = ["attach", "latest_complete_state", "load_state", "save_state"]
@@ -187,7 +187,7 @@ def _read_by_load(accelerator: Any, input_dir: str) -> list[str] | None:
     return names + sorted(present)
 
 
-def attach(accelerator: Any, *, check_replicas: bool = True) -> Any:
+def attach(accelerator: Any, *, replicas: str = "auto", check_replicas: bool | None = None) -> Any:
     """Make ``accelerator.save_state`` / ``load_state`` whole or absent (see the module); ``accelerator``.
 
     Call it once, on every process, after making the Accelerator; the script's own calls stay as
@@ -195,14 +195,17 @@ def attach(accelerator: Any, *, check_replicas: bool = True) -> Any:
     writes ``project_dir/checkpoints/checkpoint_<iteration>`` and keeps ``total_limit`` whole ones.
     ``load_state(dir)`` refuses a torn folder; ``load_state()`` (automatic naming) loads the newest
     whole one and numbers the next save after it. Under DDP each ``save_state`` first compares the
-    processes' replicas (every byte, `ckptools.check_replicas`; ``check_replicas=False`` skips it):
-    `ReplicaMismatchError` on every process, nothing written, when one copy changed alone.
+    processes' replicas (``replicas=``: ``"auto"`` and ``"all"`` every byte, `ckptools.check_replicas`'s;
+    ``"sample"`` a rotating 1/50; ``"off"`` none; ``check_replicas=False``, the old ``"off"``, warns and goes
+    in 0.6): `ReplicaMismatchError` on every process, nothing written, when one copy changed alone.
 
     Examples:
         >>> from ckptools.integrations.accelerate import attach
         >>> accelerator = attach(Accelerator(project_config=ProjectConfiguration(  # doctest: +SKIP
         ...     project_dir="run", automatic_checkpoint_naming=True, total_limit=3)))
     """
+    mode = replicas_switch(replicas, "attach", check_replicas=check_replicas)
+    mode = "all" if mode == "auto" else mode  # a durable save: every byte
     if getattr(accelerator, _ORIGINALS, None) is not None:
         return accelerator
     track()  # from the loop's first optimizer step on: what each step consumed, for the windows' gradients
@@ -213,8 +216,8 @@ def attach(accelerator: Any, *, check_replicas: bool = True) -> Any:
     def save(output_dir: str | None = None, **kwargs: Any) -> str:
         # Every process calls save_state: DDP's replicas compared first (every byte: a durable save), so a
         # copy changed on one process alone raises ReplicaMismatchError everywhere before anything is written.
-        if check_replicas:
-            compare_now(replicas_of(accelerator), sample=False, declared=True)
+        if mode != "off":
+            compare_now(replicas_of(accelerator), sample=mode == "sample", declared=True)
         if not config.automatic_checkpoint_naming:
             if output_dir is None:
                 raise ValueError("save_state() needs an output_dir, or automatic_checkpoint_naming in the project")

@@ -20,6 +20,7 @@ from typing import Any
 from ..manager import CheckpointManager
 from ..node import ACCELERATE_PREFIX, ACCELERATE_STATE, newest_whole_state, snapshot_to_state_folder
 from ..owned.gradients import track
+from ..write import replicas_switch
 from ._memory_folders import FolderKind, from_node_memory
 from .accelerate import attach, replicas_of, state_of
 
@@ -35,9 +36,11 @@ class Snapshots:
         name: the folder a snapshot is written out as, ``{step}`` its step: the script's own naming of its
             ``save_state`` folders (complete_cv_example's ``step_{step}``).
         budget: the fraction of the loop's time snapshots may stall it (`ckptools.CheckpointManager.snapshot`'s).
-        check_replicas: under DDP, compare the processes' replicas of the models and optimizers before each
-            snapshot (`ckptools.check_replicas`'s rotating sample) and ``save_state`` (every byte;
-            `ReplicaMismatchError` on every process, nothing kept, when one copy changed alone). False skips it.
+        replicas: under DDP, how much of the processes' replicas of the models and optimizers to compare
+            before each snapshot and ``save_state`` (`ReplicaMismatchError` on every process, nothing kept, when
+            one copy changed alone): ``"auto"`` (the default) a rotating 1/50 before a snapshot and every byte
+            before ``save_state``; ``"all"`` every byte, ``"sample"`` the 1/50, ``"off"`` none, before both.
+        check_replicas: deprecated (goes in 0.6): ``False`` is ``replicas="off"``.
 
     Collective like ``save_state``: every process makes it and calls `take` and `latest` at the same steps.
 
@@ -55,7 +58,8 @@ class Snapshots:
         *,
         name: str = "step_{step}",
         budget: float | None = None,
-        check_replicas: bool = True,
+        replicas: str = "auto",
+        check_replicas: bool | None = None,
     ) -> None:
         track()  # the optimizer steps watched from here: an open accumulation window's gradients
         if "{step}" not in name or os.sep in name:
@@ -64,10 +68,10 @@ class Snapshots:
         self.output_dir = output_dir
         self.name = name
         self.budget = budget
-        self.check_replicas = check_replicas
+        self.replicas = replicas_switch(replicas, "Snapshots", check_replicas=check_replicas)
         self.manager = CheckpointManager(output_dir, prefix=ACCELERATE_PREFIX)
         # Its folders hold an open window's gradients: the accelerator's load_state puts them back (attach).
-        attach(accelerator, check_replicas=check_replicas)
+        attach(accelerator, replicas=self.replicas)
 
     def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """The snapshot's state (what ``save_state`` writes) and how its folder is laid out."""
@@ -92,9 +96,9 @@ class Snapshots:
         """Snapshot the state at ``step`` into node memory (`ckptools.CheckpointManager.snapshot`); its path,
         or None when the budget skipped this step."""
         state, layout = self._state()
-        replicas = replicas_of(self.accelerator) if self.check_replicas else False
+        compare = replicas_of(self.accelerator) if self.replicas != "off" else None
         return self.manager.snapshot(state, step, blocking=blocking, metadata={ACCELERATE_STATE: layout},
-                                     budget=self.budget, check_replicas=replicas)  # fmt: skip
+                                     budget=self.budget, replicas=self.replicas, compare=compare)  # fmt: skip
 
     def latest(self) -> str | None:
         """The folder to resume from: node memory's newest snapshot written out as ``name`` when it is newer

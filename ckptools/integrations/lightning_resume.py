@@ -39,7 +39,7 @@ from ..errors import CheckpointError
 from ..owned.gradients import track
 from ..read import restore_rank_rng
 from ..training.loader import ResumableDataLoader
-from ..write import compare_replicas, plain_optimizer, replica_digests, replica_module
+from ..write import compare_replicas, plain_optimizer, replica_digests, replica_module, replicas_switch
 from . import NEEDS_LIGHTNING, installed, lightning_classes, release_numbers
 
 __all__ = ["ExactResume"]
@@ -143,9 +143,10 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
     resumable (a warning: mid-epoch resumes restart or skip the epoch) or that was built for another
     number of ranks (an error).
 
-    Under DDP the same exchange compares the ranks' replicas of the model and the optimizers (every byte,
-    `ckptools.check_replicas`; ``check_replicas=False`` skips it): when one rank's copy changed
-    alone, `ReplicaMismatchError` on every rank before anything is written.
+    Under DDP the same exchange compares the ranks' replicas of the model and the optimizers (``replicas=``:
+    ``"auto"`` and ``"all"`` every byte, `ckptools.check_replicas`'s; ``"sample"`` a rotating 1/50; ``"off"``
+    none): when one rank's copy changed alone, `ReplicaMismatchError` on every rank before anything is
+    written. ``check_replicas=False``, the old spelling of ``"off"``, warns and goes in 0.6.
 
     **Fabric**: put it in the state you save and load, beside the loader; ``fabric.load`` puts the
     streams back at once (call it last, right before the loop). Give it the model and the optimizer
@@ -163,13 +164,15 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
         >>> trainer.fit(model, ckpt_path="last")  # doctest: +SKIP
     """
 
-    def __init__(self, compare: Mapping[str, Any] | None = None, *, check_replicas: bool = True) -> None:
+    def __init__(
+        self, compare: Mapping[str, Any] | None = None, *, replicas: str = "auto", check_replicas: bool | None = None
+    ) -> None:
         track()  # the optimizer steps watched from here: an open accumulation window's gradients
         check_lightning_version()
         super().__init__()
         # DDP's replicas compared in the checkpoint's exchange: the Trainer's (setup), or Fabric's objects.
         self._compare = dict(compare) if compare is not None else None
-        self.check_replicas = check_replicas
+        self.replicas = replicas_switch(replicas, "ExactResume", check_replicas=check_replicas)
         self._trainer: Any = None
         self._restored: dict[str, Any] | None = None  # the checkpoint's state, until training starts
         self._before_validation: tuple[Any, Any] | None = None
@@ -187,9 +190,10 @@ class ExactResume(_BASE):  # type: ignore[misc,valid-type,unused-ignore]  # a cl
         every rank, Fabric's ``save`` runs on every rank), of weights-only types. Under DDP the same
         exchange compares the replicas (every byte, `ckptools.check_replicas`): when they differ,
         `ReplicaMismatchError` on every rank before anything is written."""
-        skip = COMPARED_BY_SNAPSHOT[0] or not self.check_replicas
+        mode = "all" if self.replicas == "auto" else self.replicas  # a durable save: every byte
+        skip = COMPARED_BY_SNAPSHOT[0] or mode == "off"
         objects = None if skip else replicas_to_compare(self._trainer, self._compare)
-        digests = replica_digests(objects, sample=False) if objects else None  # a durable save: every byte
+        digests = replica_digests(objects, sample=mode == "sample") if objects else None
         gathered = all_gather_object((rng.get_rng_state(), digests))
         if digests is not None:
             failure = compare_replicas([theirs for _, theirs in gathered])

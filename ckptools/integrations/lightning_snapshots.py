@@ -22,6 +22,7 @@ from typing import Any
 from ..manager import CheckpointManager
 from ..node import checkpoint_names, seal, watch
 from ..owned.gradients import track
+from ..write import replicas_switch
 from . import LIGHTNING_PREFIX, NEEDS_LIGHTNING, lightning_classes
 from .lightning_resume import COMPARED_BY_SNAPSHOT, replicas_to_compare
 
@@ -46,9 +47,11 @@ class NodeSnapshots(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  
         budget: the fraction of the loop's time the snapshots may stall it (``0.02``: 2 %), as
             `ckptools.CheckpointManager.snapshot`'s: calls beyond it are skipped alike on every rank, and
             each change of cadence is logged with the steps a kill then loses. None (the default): every call.
-        check_replicas: under DDP, compare the ranks' replicas of the model and the optimizers before each
-            snapshot (`ckptools.check_replicas`'s rotating sample): `ReplicaMismatchError` on every rank
-            and nothing kept when one copy changed alone. False skips it.
+        replicas: under DDP, how much of the ranks' replicas of the model and the optimizers to compare
+            before each snapshot: ``"auto"`` (the default) and ``"sample"`` a rotating 1/50, ``"all"`` every
+            byte, ``"off"`` none (`ckptools.CheckpointManager.snapshot`'s): `ReplicaMismatchError` on every
+            rank and nothing kept when one copy changed alone.
+        check_replicas: deprecated (goes in 0.6): ``False`` is ``replicas="off"``.
 
     Examples:
         >>> from ckptools.integrations.lightning import NodeSnapshots  # doctest: +SKIP
@@ -58,11 +61,17 @@ class NodeSnapshots(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  
     """
 
     def __init__(
-        self, dirpath: Any, *, every_n_train_steps: int = 1, budget: float | None = None, check_replicas: bool = True
+        self,
+        dirpath: Any,
+        *,
+        every_n_train_steps: int = 1,
+        budget: float | None = None,
+        replicas: str = "auto",
+        check_replicas: bool | None = None,
     ) -> None:
         track()  # the optimizer steps watched from here: an open accumulation window's gradients
         super().__init__(os.fspath(dirpath), filename=PREFIX)
-        self.check_replicas = check_replicas
+        self.replicas = replicas_switch(replicas, "NodeSnapshots", check_replicas=check_replicas)
         if every_n_train_steps < 1:
             raise ValueError(f"every_n_train_steps must be at least 1, got {every_n_train_steps}")
         self.every_n_train_steps = every_n_train_steps
@@ -93,8 +102,8 @@ class NodeSnapshots(_BASES[0]):  # type: ignore[misc,valid-type,unused-ignore]  
             checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
         finally:
             COMPARED_BY_SNAPSHOT[0] = False
-        replicas = replicas_to_compare(trainer) if self.check_replicas else False
-        self.manager.snapshot(checkpoint, step, budget=self.budget, check_replicas=replicas)
+        compare = replicas_to_compare(trainer) if self.replicas != "off" else None
+        self.manager.snapshot(checkpoint, step, budget=self.budget, replicas=self.replicas, compare=compare)
 
     def on_exception(self, trainer: Any, *_: Any, **__: Any) -> None:
         """Nothing: the newest snapshot is at most one step old (Lightning's would save a file here)."""

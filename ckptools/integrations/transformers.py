@@ -33,7 +33,7 @@ from ..layouts import MANIFEST, check_folder, write_manifest
 from ..manager import CheckpointManager
 from ..owned.gradients import track
 from ..training.seeded import SeededDataset
-from ..write import compare_now
+from ..write import compare_now, replicas_switch
 from . import installed, release_numbers, replicated, trainer_snapshots
 from ._memory_folders import FolderKind, from_node_memory, newest_snapshot  # noqa: F401 - re-exported: tests and users import it here
 from .trainer_snapshots import CHECKPOINT_FOLDER, snapshot_to_folder
@@ -92,8 +92,9 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
     they may stall it, as `ckptools.CheckpointManager.snapshot`'s (the default None: every n-th step).
 
     Under DDP, before each save and snapshot, the ranks' replicas of the model and the optimizer are
-    compared (every byte before a save, `ckptools.check_replicas`'s rotating sample before a snapshot;
-    ``check_replicas=False`` skips it): when one
+    compared (``replicas=``: ``"auto"``, the default, every byte before a save and a rotating 1/50 before a
+    snapshot; ``"all"`` every byte, ``"sample"`` the 1/50, ``"off"`` none, before both;
+    ``check_replicas=False``, the old ``"off"``, warns and goes in 0.6): when one
     rank's copy changed alone, `ReplicaMismatchError` on every rank and nothing written.
 
     Examples:
@@ -102,14 +103,19 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
     """
 
     def __init__(
-        self, *, snapshot_every: int | None = None, budget: float | None = None, check_replicas: bool = True
+        self,
+        *,
+        snapshot_every: int | None = None,
+        budget: float | None = None,
+        replicas: str = "auto",
+        check_replicas: bool | None = None,
     ) -> None:
         track()  # the optimizer steps watched from here: an open accumulation window's gradients
         if snapshot_every is not None and snapshot_every < 1:
             raise ValueError(f"snapshot_every must be at least 1 (or None: no snapshots), got {snapshot_every}")
         self.snapshot_every = snapshot_every
         self.budget = budget
-        self.check_replicas = check_replicas
+        self.replicas = replicas_switch(replicas, "CkptoolsCallback", check_replicas=check_replicas)
         self._manager: CheckpointManager | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
@@ -144,8 +150,9 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
         taken = trainer_snapshots.capture(
             args, state, control, kwargs["model"], kwargs["optimizer"], kwargs["lr_scheduler"]
         )
-        replicas = _ddp_replicas(kwargs) if self.check_replicas else False
-        if self._manager.snapshot(taken, state.global_step, budget=self.budget, check_replicas=replicas) is None:
+        compare = _ddp_replicas(kwargs) if self.replicas != "off" else None
+        if self._manager.snapshot(taken, state.global_step, budget=self.budget, replicas=self.replicas,
+                                  compare=compare) is None:  # fmt: skip
             return self._before_a_save(control, kwargs)  # skipped: nothing was compared
         return control
 
@@ -155,9 +162,9 @@ class CkptoolsCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]  # 
     def _before_a_save(self, control: Any, kwargs: dict[str, Any]) -> Any:
         """Every rank, when the Trainer saves next (``control.should_save``, set by its flow callback, which
         runs first): DDP's replicas compared before ``_save_checkpoint`` writes anything."""
-        replicas = _ddp_replicas(kwargs) if self.check_replicas and control.should_save else None
-        if replicas:
-            compare_now(replicas, sample=False, declared=True)  # a durable save: every byte
+        replicas = _ddp_replicas(kwargs) if self.replicas != "off" and control.should_save else None
+        if replicas:  # a durable save: every byte, unless told "sample"
+            compare_now(replicas, sample=self.replicas == "sample", declared=True)
         return control
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:

@@ -14,6 +14,7 @@ from typing import Any
 
 from ..collective.arrival import arrive
 from ..storage import join
+from ..write import replicas_switch
 from .cadence import Cadence
 from .commits import finish_snapshot
 from .folder import prepare
@@ -64,10 +65,15 @@ class NodeMemory:
         metadata: Mapping[str, Any] | None = None,
         writers: str = "auto",
         budget: float | None = None,
-        check_replicas: bool | Mapping[str, Any] = True,
+        replicas: str = "auto",
+        compare: Mapping[str, Any] | None = None,
+        check_replicas: bool | Mapping[str, Any] | None = None,
     ) -> str | None:
         """Collective: `CheckpointManager.snapshot` (see there); `ckptools.node.Orphaned` on every rank
         when some rank's torchrun agent is gone."""
+        if isinstance(check_replicas, Mapping):  # the objects to compare, as the integrations passed them before
+            compare, check_replicas = check_replicas, True
+        replicas = replicas_switch(replicas, "CheckpointManager.snapshot", check_replicas=check_replicas)
         called = time.monotonic()
         cadence = self._cadence
         cadence.calls += 1
@@ -84,7 +90,7 @@ class NodeMemory:
         path = write_snapshot(
             self.slots, file_name(self.prefix, step), state, metadata=metadata, writers=writers, blocking=blocking,
             prepare=functools.partial(prepare, self.folder, self.prefix, self.directory, self.keep_last),
-            cadence=proposal, check_replicas=check_replicas,
+            cadence=proposal, replicas=replicas, compare=compare,
         )  # fmt: skip
         if path is None:  # inside an accumulation window over several nodes (`write_snapshot`): skipped
             return None

@@ -86,7 +86,8 @@ def write_snapshot(
     blocking: bool = False,
     prepare: Callable[[], None] | None = None,
     cadence: list[int] | None = None,
-    check_replicas: bool | Mapping[str, Any] = True,
+    replicas: str = "auto",
+    compare: Mapping[str, Any] | None = None,
 ) -> str | None:
     """Collective: copy ``state`` into every node's memory as the snapshot ``name`` in the folder of
     ``slots`` (this process's slots of it: the stager the copy goes into).
@@ -96,10 +97,10 @@ def write_snapshot(
     window over several nodes (`ckptools.owned.gradients`). ``prepare`` runs on every node's leader before the
     copy (the keeper's start). ``writers="rank0"``: each node's leader copies everything.
     ``cadence``: ``[n]``, this rank's proposal (calls to skip after this one), replaced by rank 0's,
-    agreed in the opening exchange (`CheckpointManager.snapshot`'s budget). ``check_replicas``: DDP's
-    replicas compared on a rotating sample first (`ckptools.write.replicas`; a mapping: the live objects
-    compared instead of ``state``'s, `what_to_compare`); `ReplicaMismatchError` on every rank, nothing
-    copied, when they differ.
+    agreed in the opening exchange (`CheckpointManager.snapshot`'s budget). ``replicas``: how much of DDP's
+    replicas is compared first (``"auto"``: a rotating sample, `ckptools.write.replicas`; ``compare``: the
+    live objects compared instead of ``state``'s, `what_to_compare`); `ReplicaMismatchError` on every rank,
+    nothing copied, when they differ.
 
     Examples:
         >>> from ckptools.node.slots import NodeSlots
@@ -109,7 +110,7 @@ def write_snapshot(
     """
     check_writers(writers)
     started = time.monotonic()
-    opened = _open(slots.folder, name, state, metadata, cadence, check_replicas)
+    opened = _open(slots.folder, name, state, metadata, cadence, (replicas, compare))
     gathered, path, user_meta = opened.gathered, opened.path, opened.user_meta
     state = as_saved(state, gathered)
     split = writers != "rank0"
@@ -163,7 +164,7 @@ def _open(
     state: Mapping[str, Any],
     metadata: Mapping[str, Any] | None,
     cadence: list[int] | None,
-    check_replicas: bool | Mapping[str, Any],
+    replicas: tuple[str, Mapping[str, Any] | None],
 ) -> _Opened:
     """Collective, phase one: the opening exchange (node tokens, the previous commit's outcome, the
     cadence, the replicas' digests); a refusal raised on every rank, nothing copied."""
@@ -175,7 +176,7 @@ def _open(
     except NodeMemoryError as err:  # not this user's alone: said on every rank, after the exchange
         token, refused = "", str(err)
     proposal = cadence[0] if cadence else 0
-    digests = what_to_compare(state, check_replicas)
+    digests = what_to_compare(state, *replicas)  # a snapshot's default: the sample
     brought = opening(state, token=token, previous=previous, orphaned=launcher_gone(), cadence=proposal,
                       folder=refused, digests=digests)  # fmt: skip
     gathered = all_gather_object(brought)

@@ -179,10 +179,11 @@ def _open_gradients(state: Mapping[str, Any]) -> dict[str, dict[str, torch.Tenso
         if unseen:
             log.warn(
                 f"state[{name!r}] holds gradients no optimizer step was seen to consume ({', '.join(unseen[:3])}"
-                f"{', ...' if len(unseen) > 3 else ''}): ckptools notes the steps from its first use in a process "
-                "with torch imported, which came after this loop's first steps, so they are taken as consumed and "
-                "not kept. If this save is inside a gradient-accumulation window, a resume from it starts the "
-                "window over: touch ckptools before the loop (ck.init_distributed, a CheckpointManager)",
+                f"{', ...' if len(unseen) > 3 else ''}): ckptools notes the steps from its first call that needs "
+                "them (ck.init_distributed, a CheckpointManager, a sampler, a save), which came after this loop's "
+                "first steps, so they are taken as consumed and not kept. If this save is inside a "
+                "gradient-accumulation window, a resume from it starts the window over: call ck.init_distributed "
+                "or make the CheckpointManager before the loop",
                 once="gradients-unseen",
             )
         grads = {key: param.grad for key, param in named if verdicts[key]}

@@ -12,7 +12,10 @@ raises `ReplicaMismatchError` on every rank before anything is written.
   on every rank), are cut into `SAMPLE_CALLS` equal ranges; each call digests one range, the next call the
   next: every byte is compared within `SAMPLE_CALLS` calls, at 1/`SAMPLE_CALLS` of a full pass per call.
   The parameter groups (``lr``, ``betas``, ...) are compared at every call.
-- **In full** with ``verify_replicas=True`` (`ckptools.save`) or `ckptools.check_replicas`.
+- **In full** at every durable save (`ckptools.save`, `CheckpointManager.save`) and in `ckptools.check_replicas`.
+- **One switch**, ``replicas=``, the same four words on every call that compares: ``"auto"`` (the default: every
+  byte at a save, the sample at a snapshot), ``"all"``, ``"sample"``, ``"off"`` (`replicas_switch`; the old
+  ``verify_replicas`` and ``check_replicas`` keep working, with a warning, until 0.6).
 - **The digest**: CRC-32 of a CPU tensor's bytes; on a GPU the 64-bit sum of its bytes read as integers,
   computed there (a flipped bit changes it; no copy to the host).
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,7 +39,17 @@ from ..storage import crc32
 from .payload import state_entry
 from .plan import plain_optimizer, replica_module, replicated_tensors
 
-__all__ = ["SAMPLE_CALLS", "compare_now", "compare_replicas", "replica_digests", "what_to_compare"]
+__all__ = [
+    "REPLICAS",
+    "SAMPLE_CALLS",
+    "compare_now",
+    "compare_replicas",
+    "replica_digests",
+    "replicas_switch",
+    "what_to_compare",
+]
+
+REPLICAS = ("auto", "all", "sample", "off")  # replicas=: each call's default, every byte, a rotating sample, none
 
 SAMPLE_CALLS = 50
 _PIECE = 64 << 20  # digested apart (a thread each, in a full pass); a difference is named within its piece
@@ -128,15 +142,65 @@ def compare_replicas(gathered: list[list[Digest]]) -> ReplicaMismatchError | Non
     return None
 
 
-def what_to_compare(state: Mapping[str, Any], check_replicas: bool | Mapping[str, Any]) -> list[Digest] | None:
-    """A save's or snapshot's digests for its opening exchange, by its ``check_replicas``: None (False: not
-    compared), the state's own sampled (True), or a mapping's (live objects the caller declares replicated:
-    an integration whose state holds state dicts passes the model and its optimizers)."""
-    if check_replicas is False:
+def replicas_switch(
+    replicas: str,
+    where: str,
+    *,
+    verify_replicas: bool | None = None,
+    check_replicas: bool | None = None,
+) -> str:
+    """``replicas`` checked, with the old names of the switch mapped onto it (a `DeprecationWarning` each,
+    naming the new spelling; they go in 0.6): ``check_replicas=False`` is ``"off"``, ``verify_replicas=True``
+    is ``"all"``, their other values the default. ``where`` names the call in the messages.
+
+    Examples:
+        >>> replicas_switch("auto", "ck.save")
+        'auto'
+    """
+    if not isinstance(replicas, str) or replicas not in REPLICAS:
+        raise ValueError(f"{where}: replicas must be one of {', '.join(map(repr, REPLICAS))}; got {replicas!r}")
+    for old, value, new in (("verify_replicas", verify_replicas, "all"), ("check_replicas", check_replicas, "off")):
+        if value is None:
+            continue
+        meant = new if bool(value) == (old == "verify_replicas") else "auto"
+        warnings.warn(f"{where}({old}=...) is deprecated and goes in 0.6: pass replicas={meant!r} ({old}={value!r} "
+                      "is the same)", DeprecationWarning, stacklevel=_callers_level())  # fmt: skip
+        if meant != "auto":
+            if replicas not in ("auto", meant):
+                raise ValueError(
+                    f"{where}: {old}={value!r} is replicas={meant!r}, which contradicts replicas={replicas!r}"
+                )
+            replicas = meant
+    return replicas
+
+
+def _callers_level() -> int:
+    """The stack level of the first frame outside ckptools, counted from `replicas_switch`: the user's line
+    a warning names, however many of ckptools' calls (a manager, an integration, a wrapper) came between."""
+    import sys
+    import types
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+    frame: types.FrameType | None = sys._getframe(2)  # the caller of replicas_switch: stack level 2
+    level = 2
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
+def what_to_compare(
+    state: Mapping[str, Any], replicas: str, compare: Mapping[str, Any] | None = None, *, default: str = "sample"
+) -> list[Digest] | None:
+    """A save's or snapshot's digests for its opening exchange, by its ``replicas`` (``"auto"`` is
+    ``default``): None (``"off"``), every byte (``"all"``) or this call's range (``"sample"``) of ``state``,
+    or of ``compare`` (live objects the caller declares replicated: an integration whose state holds state
+    dicts passes the model and its optimizers)."""
+    mode = default if replicas == "auto" else replicas
+    if mode == "off":
         return None
-    if check_replicas is True:
-        return replica_digests(state, sample=True)
-    return replica_digests(check_replicas, sample=True, declared=True)
+    if compare is not None:
+        return replica_digests(compare, sample=mode == "sample", declared=True)
+    return replica_digests(state, sample=mode == "sample")
 
 
 def compare_now(objects: Mapping[str, Any], *, sample: bool, declared: bool) -> int:
