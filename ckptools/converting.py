@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import IO, Any
 
 from . import log
-from .errors import CheckpointLayoutError, CheckpointNotFoundError
+from .errors import CheckpointLayoutError, CheckpointNotFoundError, weights_only_switch
 from .layouts import SAFETENSORS_FILE, Planned, Transform, detect, plan_safetensors, read_weights, writer_for
 from .state_dict import strip_for_reading
 from .storage import PathLike, atomic_write, fspath, open_local, resolve
@@ -38,7 +38,8 @@ def convert_to_safetensors(
     strip: str | None = "module.",
     metadata: Mapping[str, str] | None = None,
     max_shard_size: int | str | None = None,
-    trust_code: bool = False,
+    weights_only: bool = True,
+    trust_code: bool | None = None,
 ) -> str:
     """Convert a checkpoint's weights to a safetensors file, or to a Hugging Face folder.
 
@@ -63,8 +64,10 @@ def convert_to_safetensors(
         strip: prefix to remove from every key that has it; None keeps keys as stored.
         metadata: extra string metadata.
         max_shard_size: for a folder: the largest shard (``"5GB"``, ``"500MB"``, or bytes).
-        trust_code: let torch unpickle everything in ``src`` (runs code from the file: for files
-            you trust only); a whole pickled module (``torch.save(model)``) gives its ``state_dict()``.
+        weights_only: keep torch's safe unpickler (the default); False lets torch unpickle everything in
+            ``src`` (runs code from the file: for files you trust only), and a whole pickled module
+            (``torch.save(model)``) gives its ``state_dict()``.
+        trust_code: deprecated (goes in 0.6): ``trust_code=True`` is ``weights_only=False``.
 
     Returns:
         ``dst`` as a string.
@@ -82,11 +85,12 @@ def convert_to_safetensors(
         '/tmp/c.safetensors'
     """
     src, dst = fspath(src), fspath(dst)
+    weights_only = weights_only_switch(weights_only, trust_code, "ck.convert_to_safetensors")
     if writes_folder(dst, max_shard_size):
         export_huggingface(src, dst, key=key, strip=strip, max_shard_size=max_shard_size or "5GB", metadata=metadata,
-                           trust_code=trust_code)  # fmt: skip
+                           weights_only=weights_only)  # fmt: skip
         return dst
-    with _plan(src, key, strip, trust_code) as planned:
+    with _plan(src, key, strip, not weights_only) as planned:
         return planned.write(dst, metadata=metadata)
 
 
@@ -135,7 +139,8 @@ def export_huggingface(
     metadata: Mapping[str, str] | None = None,
     force: bool = False,
     config: PathLike | None = None,
-    trust_code: bool = False,
+    weights_only: bool = True,
+    trust_code: bool | None = None,
 ) -> list[str]:
     """Write ``src``'s weights as a folder ``transformers``' ``from_pretrained`` reads.
 
@@ -166,7 +171,8 @@ def export_huggingface(
         metadata: as for `convert_to_safetensors`.
         force: replace weight files (and config files ``config`` brings) already in ``out_dir``.
         config: a ``config.json``, or a folder holding one (and tokenizer files), to copy in.
-        trust_code: as for `convert_to_safetensors`.
+        weights_only: as for `convert_to_safetensors`.
+        trust_code: deprecated (goes in 0.6): ``trust_code=True`` is ``weights_only=False``.
 
     Returns:
         The files written (weights first, then the config files copied).
@@ -192,7 +198,8 @@ def export_huggingface(
         beside = _source_folder(src)
         extras = [] if beside is None else _config_files(beside, out, force=True)
         extras = [f for f in extras if force or not os.path.exists(os.path.join(out, os.path.basename(f)))]
-    with _plan(src, key, strip, trust_code) as planned:
+    trust = not weights_only_switch(weights_only, trust_code, "ck.export_huggingface")
+    with _plan(src, key, strip, trust) as planned:
         return _write_folder(planned, out, limit, metadata, old, extras)
 
 
@@ -298,15 +305,17 @@ def convert(
     max_shard_size: int | str | None = None,
     config: PathLike | None = None,
     force: bool = False,
-    trust_code: bool = False,
+    weights_only: bool = True,
+    trust_code: bool | None = None,
 ) -> list[str]:
     """Convert the weights of any checkpoint into what ``dst`` names: what ``ckpt convert`` does.
 
     ``dst`` ending in ``/`` (or an existing folder, or ``max_shard_size`` given): a Hugging Face
     folder (`export_huggingface`, with ``config`` and ``force``); ``.safetensors``: one file
     (`convert_to_safetensors`); ``.pt``/``.pth``/``.bin``/``.ckpt``: a torch file of the bare
-    weights, which ``torch.load(weights_only=True)`` reads. ``trust_code`` is the opt-in of every
-    reader: let torch unpickle everything in a file you trust.
+    weights, which ``torch.load(weights_only=True)`` reads. ``weights_only=False`` is the opt-in of every
+    reader (torch's name): let torch unpickle everything in a file you trust (``trust_code=True``, the old
+    spelling, warns and goes in 0.6).
 
     Returns:
         The files written.
@@ -321,16 +330,17 @@ def convert(
         (['/tmp/k.safetensors'], ['/tmp/k-weights.pt'])
     """
     src, dst = fspath(src), fspath(dst)
+    weights_only = weights_only_switch(weights_only, trust_code, "ck.convert")
     if writes_folder(dst, max_shard_size):
         return export_huggingface(src, dst, max_shard_size=max_shard_size or "5GB", key=key, strip=strip,
-                                  force=force, config=config, trust_code=trust_code)  # fmt: skip
+                                  force=force, config=config, weights_only=weights_only)  # fmt: skip
     if config is not None:
         raise CheckpointLayoutError("--config is for a folder output (OUT_DIR/): a single file holds no config")
     writer = writer_for(dst)
     if writer is SAFETENSORS_FILE:
-        return [convert_to_safetensors(src, dst, key=key, strip=strip, trust_code=trust_code)]
+        return [convert_to_safetensors(src, dst, key=key, strip=strip, weights_only=weights_only)]
     if writer is not None:
-        weights = read_weights(src, key=key, map_location="cpu", trust_code=trust_code)
+        weights = read_weights(src, key=key, map_location="cpu", trust_code=not weights_only)
         writer.write_weights(resolve(dst), dict(strip_for_reading(dict(weights), strip)), {})
         return [dst]
     raise CheckpointLayoutError(

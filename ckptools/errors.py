@@ -149,3 +149,34 @@ class KeyMismatchError(CheckpointError, KeyError):
 
 class CheckpointWarning(UserWarning):
     """A run goes on, but not as the user expects: not bit-exactly, or with a checkpoint skipped."""
+
+
+def deprecated(message: str) -> None:
+    """A `DeprecationWarning` saying ``message``, at the user's line: the first frame outside ckptools, however
+    many of ckptools' calls (a manager, an integration, a wrapper) came between."""
+    import os
+    import sys
+    import warnings
+
+    package = os.path.dirname(os.path.abspath(__file__)) + os.sep
+    frame = sys._getframe(1)  # the caller of deprecated: stack level 2 of warnings.warn below
+    level = 2
+    while frame.f_back is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, DeprecationWarning, stacklevel=level)
+
+
+def weights_only_switch(weights_only: bool, trust_code: bool | None, where: str) -> bool:
+    """``weights_only`` (torch's name, the one spelling of every reader's switch: False runs code from a file you
+    trust), with the old ``trust_code`` mapped onto it (a `DeprecationWarning` naming the new spelling; it goes in
+    0.6): ``trust_code=True`` is ``weights_only=False``. ``where`` names the call in the warning.
+
+    Examples:
+        >>> weights_only_switch(True, None, "ck.inspect")
+        True
+    """
+    if trust_code is None:
+        return bool(weights_only)
+    deprecated(f"{where}(trust_code=...) is deprecated and goes in 0.6: pass weights_only={not trust_code!r} "
+               f"(trust_code={trust_code!r} is the same), torch's and ck.load's name for the switch")  # fmt: skip
+    return bool(weights_only) and not trust_code

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from .errors import CheckpointFormatError, CheckpointLayoutError, NotChecksummedError
+from .errors import CheckpointFormatError, CheckpointLayoutError, NotChecksummedError, deprecated, weights_only_switch
 from .layouts import open_checkpoint
 from .read import META_KEY, loaded_weights
 from .state_dict import strip_wrappers, tensor_identity
@@ -15,12 +15,14 @@ from .view import CheckpointView
 __all__ = ["diff", "inspect", "verify", "verify_report"]
 
 
-def inspect(path: PathLike, *, trust_code: bool = False) -> dict[str, Any]:
+def inspect(path: PathLike, *, weights_only: bool = True, trust_code: bool | None = None) -> dict[str, Any]:
     """What a checkpoint holds, without reading tensor data: ``ckpt info --json`` as a dict.
 
     Keys: ``path``, ``format``, ``file_bytes``, ``entries``, ``tensors`` (name, shape, dtype, bytes,
     device, shared), ``totals``, ``metadata``, and for folders ``files`` and ``extras``;
-    ``skipped_globals`` when a lenient read stood placeholders in for refused classes.
+    ``skipped_globals`` when a lenient read stood placeholders in for refused classes. ``weights_only=False``
+    lets torch unpickle every class the file names, running its code (files you trust only; ``trust_code=True``,
+    the old spelling, warns and goes in 0.6).
 
     Examples:
         >>> import torch, ckptools as ck
@@ -28,10 +30,10 @@ def inspect(path: PathLike, *, trust_code: bool = False) -> dict[str, Any]:
         >>> ck.inspect("/tmp/i.pt")["totals"]
         {'tensors': 1, 'bytes': 8, 'module_prefixed': 0}
     """
-    return open_checkpoint(path, trust_code=trust_code).report()
+    return open_checkpoint(path, weights_only=weights_only_switch(weights_only, trust_code, "ck.inspect")).report()
 
 
-def verify(path: PathLike, *, trust_code: bool = False, strict: bool = False) -> str:
+def verify(path: PathLike, *, weights_only: bool = True, trust_code: bool | None = None, strict: bool = False) -> str:
     """Read every byte of a checkpoint and check what it stores; return a line saying what was checked.
 
     Zip records' CRC-32s for torch files, ckptools' per-tensor CRC-32s for safetensors, every
@@ -45,7 +47,9 @@ def verify(path: PathLike, *, trust_code: bool = False, strict: bool = False) ->
 
     Args:
         path: a file, a folder or an fsspec URL of a file.
-        trust_code: let torch unpickle globals outside its allowlist (files you trust only).
+        weights_only: keep torch's safe unpickler (the default); False lets torch unpickle everything in
+            the file, running its code: for files you trust only (torch's and `ckptools.load`'s name).
+        trust_code: deprecated (goes in 0.6): ``trust_code=True`` is ``weights_only=False``.
         strict: raise `NotChecksummedError` when any byte is not covered by a checksum.
 
     Raises:
@@ -60,7 +64,7 @@ def verify(path: PathLike, *, trust_code: bool = False, strict: bool = False) ->
         >>> ck.verify("/tmp/f.pt")
         "torch zip, every record's CRC-32 matches, 1 tensor loaded"
     """
-    report, damage = _judge(path, trust_code, strict)
+    report, damage = _judge(path, weights_only_switch(weights_only, trust_code, "ck.verify"), strict)
     if damage is not None:
         raise damage
     if not report["passed"]:
@@ -72,7 +76,9 @@ def verify(path: PathLike, *, trust_code: bool = False, strict: bool = False) ->
 LABELS = {"ok": "OK", "structure_ok": "STRUCTURE OK", "damaged": "DAMAGED"}
 
 
-def verify_report(path: PathLike, *, trust_code: bool = False, strict: bool = False) -> dict[str, Any]:
+def verify_report(
+    path: PathLike, *, weights_only: bool = True, trust_code: bool | None = None, strict: bool = False
+) -> dict[str, Any]:
     """The verdict on one checkpoint, decided here alone (`verify` and ``ckpt verify`` render it):
     what ``ckpt verify --json`` prints, as a dict; damage is a result here, not an exception.
 
@@ -81,7 +87,7 @@ def verify_report(path: PathLike, *, trust_code: bool = False, strict: bool = Fa
     no checksum covers) or ``"damaged"``; ``passed`` (``"ok"``, or ``"structure_ok"`` without
     ``strict``); ``label`` (``OK``, ``STRUCTURE OK``, ``NOT CHECKSUMMED (--strict)``, ``DAMAGED``);
     ``line`` (what was checked, or what is damaged); ``checksummed`` (bool); ``not_checksummed``
-    (file: what was checked instead).
+    (file: what was checked instead). ``weights_only`` and ``trust_code`` as for `verify`.
 
     Raises:
         CheckpointNotFoundError, CheckpointLayoutError, UnsafeCheckpointError: not a checkpoint
@@ -93,14 +99,14 @@ def verify_report(path: PathLike, *, trust_code: bool = False, strict: bool = Fa
         >>> ck.verify_report("/tmp/r.pt")["status"]
         'ok'
     """
-    return _judge(path, trust_code, strict)[0]
+    return _judge(path, weights_only_switch(weights_only, trust_code, "ck.verify_report"), strict)[0]
 
 
-def _judge(path: PathLike, trust_code: bool, strict: bool) -> tuple[dict[str, Any], CheckpointFormatError | None]:
+def _judge(path: PathLike, weights_only: bool, strict: bool) -> tuple[dict[str, Any], CheckpointFormatError | None]:
     """The one place a verdict is decided: `verify_report`'s dict, and the damage found (or None)."""
     path = fspath(path)
     try:
-        found = open_checkpoint(path, trust_code=trust_code).verify()
+        found = open_checkpoint(path, weights_only=weights_only).verify()
     except CheckpointLayoutError:
         raise  # a valid file of another kind is never called damaged
     except CheckpointFormatError as damage:
@@ -127,7 +133,8 @@ def diff(
     atol: float = 0.0,
     trust_code: bool = False,
     key: str | None = None,
-    weights_only: bool = False,
+    weights: bool = False,
+    weights_only: bool | None = None,
 ) -> dict[str, Any]:
     """Compare two checkpoints of any layouts: the weights (wrapper prefixes ignored) and every other entry.
 
@@ -139,7 +146,9 @@ def diff(
     difference (``missing_in_b``, ``only_in_b``). A file that holds bare weights (a
     ``.safetensors`` file, a folder, a bare state dict) has only weights to compare, so a training
     checkpoint compares with its export, and the other file's entries are named in
-    ``not_compared``. ``weights_only`` compares the weights alone; ``key`` (dotted for nesting,
+    ``not_compared``. ``weights`` compares the weights alone (``ckpt diff --weights``; ``weights_only=True``,
+    its old name, warns: in 0.6 ``weights_only`` becomes the reader's switch, as in every other reader, and
+    ``trust_code`` goes); ``trust_code`` lets torch unpickle every class the files name; ``key`` (dotted for nesting,
     list indices too: ``"optimizer"``, ``"optimizer_states.0.state"``) one entry alone. A tensor
     that only one side names, stored once in the other under a name it is tied to there
     (transformers' ``lm_head.weight``, tied to ``transformer.wte.weight``), is no difference:
@@ -163,7 +172,11 @@ def diff(
         False
     """
     a, b = fspath(a), fspath(b)
-    va, vb = open_checkpoint(a, trust_code=trust_code), open_checkpoint(b, trust_code=trust_code)
+    if weights_only is not None:
+        deprecated(f"ck.diff(weights_only=...) is deprecated: pass weights={weights_only!r} to compare the weights "
+                   "alone (the same); in 0.6 weights_only is the reader's switch")  # fmt: skip
+        weights = weights or bool(weights_only)
+    va, vb = open_checkpoint(a, weights_only=not trust_code), open_checkpoint(b, weights_only=not trust_code)
     result: dict[str, Any] = {"a": a, "b": b, "atol": atol, "differ": False, "all_compared": False,
                               "compared": [], "not_compared": {},
                               "missing_in_b": [], "only_in_b": [], "tied": {}, "shape_or_dtype_mismatch": [],
@@ -177,7 +190,7 @@ def diff(
         _compare(va.weights(), vb.weights(), result, weights=True)
         result["compared"] = ["weights"]
         ta, tb = _entries(va), _entries(vb)
-        if weights_only:
+        if weights:
             rest = sorted(set(ta or {}) | set(tb or {}))
             if rest:
                 result["not_compared"][", ".join(rest)] = "--weights compares the weights alone"

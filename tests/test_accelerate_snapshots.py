@@ -23,8 +23,7 @@ from _torchrun import keepers_left, kill_job
 from test_user_scripts import _launch, _run
 
 import ckptools as ck
-from ckptools.layouts import check_folder
-from ckptools.node import ACCELERATE_PREFIX
+from ckptools.layouts import ACCELERATE, check_folder
 
 pytest.importorskip("accelerate")
 pytestmark = [pytest.mark.versions, pytest.mark.slow, pytest.mark.interop]
@@ -82,8 +81,8 @@ def test_a_relaunch_after_kill_9_resumes_from_the_snapshot_of_the_last_step_not_
     out = tmp_path / "run"
     _killed_when_paused(out, 9)
     assert sorted(n for n in os.listdir(out) if n.startswith("step_")) == ["step_6"]
-    memory = ck.CheckpointManager(str(out), prefix=ACCELERATE_PREFIX).snapshot_dir
-    assert [step for step, _ in ck.CheckpointManager(str(out), prefix=ACCELERATE_PREFIX).snapshots()][-1:] == [9]
+    memory = ck.CheckpointManager(str(out), prefix=ACCELERATE.prefix).snapshot_dir
+    assert [step for step, _ in ck.CheckpointManager(str(out), prefix=ACCELERATE.prefix).snapshots()][-1:] == [9]
     resumed = _run(SCRIPT, out, 2, [], *EVERY)
     assert "resumed from step_9" in (out / "launches.txt").read_text()
     assert not os.path.exists(memory)  # released at the relaunch's normal end
@@ -95,7 +94,7 @@ def test_killed_and_never_relaunched_the_keeper_writes_the_step_out_as_accelerat
     monkeypatch.setenv("CKPTOOLS_KEEPER_GRACE", "2")
     out = tmp_path / "run"
     _killed_when_paused(out, 9)
-    memory = ck.CheckpointManager(str(out), prefix=ACCELERATE_PREFIX).snapshot_dir
+    memory = ck.CheckpointManager(str(out), prefix=ACCELERATE.prefix).snapshot_dir
     deadline = time.monotonic() + 32
     while os.path.exists(memory) and time.monotonic() < deadline:
         time.sleep(0.2)

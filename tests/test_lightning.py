@@ -345,16 +345,16 @@ def test_a_fit_with_path_hyper_parameters_resumes_once_told_and_loads_into_plain
     _trainer(tmp_path, plugin(), 2).fit(module)
     last = tmp_path / "last.ckpt"
     # resuming refuses the Path and the Namespace by default (as Lightning's own loader does) and says how,
-    # in the words of the Lightning installed: fit(weights_only=False) from 2.6, the plugin's trust_code before
+    # in the words of the Lightning installed: fit(weights_only=False) from 2.6, the plugin's weights_only before
     per_call = "weights_only" in inspect.signature(pl.Trainer.fit).parameters
-    how = r"trainer\.fit\(model, ckpt_path=\.\.\., weights_only=False\)" if per_call else r"(trust_code=True)"
+    how = r"trainer\.fit\(model, ckpt_path=\.\.\., weights_only=False\)" if per_call else r"\(weights_only=False\)\]\)"
     with pytest.raises(ck.UnsafeCheckpointError, match=how):
         _trainer(tmp_path, plugin(), 3).fit(WithScheduler(**hparams), ckpt_path=str(last))
     resumed = WithScheduler(**hparams)
     if per_call:
         _trainer(tmp_path, plugin(), 3).fit(resumed, ckpt_path=str(last), weights_only=False)
     else:
-        _trainer(tmp_path, plugin(trust_code=True), 3).fit(resumed, ckpt_path=str(last))
+        _trainer(tmp_path, plugin(weights_only=False), 3).fit(resumed, ckpt_path=str(last))
     assert torch.load(last, weights_only=False)["epoch"] == 2
     # into plain code: the network, AdamW and StepLR a script without Lightning builds
     stored = torch.load(last, weights_only=False)

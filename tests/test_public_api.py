@@ -86,3 +86,61 @@ def test_load_has_one_switch_for_trusted_code_and_the_old_spelling_warns(tmp_pat
     assert ck.load(path, weights_only=False)["where"] == pathlib.PurePosixPath("/data")
     with pytest.warns(DeprecationWarning, match=r"trust_code=\.\.\.\) is deprecated .* weights_only=False"):
         assert ck.load(path, trust_code=True)["where"] == pathlib.PurePosixPath("/data")
+
+
+def test_every_reader_takes_weights_only_and_trust_code_warns_at_the_callers_line(tmp_path):
+    """Issue 66: one spelling of the reader's switch, torch's and ck.load's `weights_only`, on every reader;
+    `trust_code=True` is `weights_only=False` with a DeprecationWarning naming this file's line, until 0.6.
+    `ck.diff`'s compare-the-weights-alone is `weights=` (the CLI's --weights); its old `weights_only=` warns."""
+    import pathlib
+    import warnings
+
+    import pytest
+    import torch
+
+    warnings.simplefilter("ignore", ck.CheckpointWarning)  # the exported folders have no config.json
+    module = tmp_path / "module.pt"
+    torch.save(torch.nn.Linear(2, 2), module)  # a whole pickled module: its weights need its classes
+    weights = torch.load(module, weights_only=False).state_dict()
+
+    def out(kw: dict, name: str) -> pathlib.Path:
+        return tmp_path / f"{sorted(kw)[0]}-{name}"
+
+    readers = {
+        "load_state_dict": lambda **kw: ck.load_state_dict(module, **kw),
+        "convert": lambda **kw: ck.convert(module, out(kw, "c.safetensors"), **kw),
+        "convert_to_safetensors": lambda **kw: ck.convert_to_safetensors(module, out(kw, "s.safetensors"), **kw),
+        "export_huggingface": lambda **kw: ck.export_huggingface(module, out(kw, "hf"), **kw),
+        "open_checkpoint": lambda **kw: ck.open_checkpoint(module, **kw).weights(),
+    }  # fmt: skip
+    for name, read in readers.items():
+        with pytest.raises(ck.UnsafeCheckpointError):
+            read(weights_only=True)
+        read(weights_only=False)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            read(trust_code=True)
+        (warned,) = [w for w in caught if issubclass(w.category, DeprecationWarning)]
+        assert f"ck.{name}(trust_code=...) is deprecated and goes in 0.6: pass weights_only=False" in str(
+            warned.message
+        )
+        assert warned.filename == __file__, (name, warned.filename)
+    assert ck.load_state_dict(module, weights_only=False)["weight"].equal(weights["weight"])
+    # inspect and verify: a refused class outside the weights is refused, read with weights_only=False
+    path = tmp_path / "c.pt"
+    torch.save({"w": torch.ones(2), "where": pathlib.PurePosixPath("/data")}, path)
+    for reader in (ck.inspect, ck.verify, ck.verify_report):
+        with pytest.raises(ck.UnsafeCheckpointError, match="pathlib.PurePosixPath"):
+            reader(path)
+        reader(path, weights_only=False)
+        with pytest.warns(DeprecationWarning, match=r"\(trust_code=\.\.\.\) is deprecated .* weights_only=False"):
+            reader(path, trust_code=True)
+    assert "where" in ck.inspect(path, weights_only=False)["entries"]
+    torch.save({"model": {"w": torch.ones(2)}, "where": pathlib.PurePosixPath("/a")}, path)
+    torch.save({"model": {"w": torch.zeros(2)}, "where": pathlib.PurePosixPath("/b")}, tmp_path / "d.pt")
+    assert ck.diff(path, tmp_path / "d.pt", weights=True, trust_code=True)["not_compared"] == {
+        "where": "--weights compares the weights alone"
+    }
+    with pytest.warns(DeprecationWarning, match=r"pass weights=True"):
+        old = ck.diff(path, tmp_path / "d.pt", weights_only=True, trust_code=True)
+    assert old["not_compared"] == {"where": "--weights compares the weights alone"} and old["differ"]

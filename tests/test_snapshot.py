@@ -557,7 +557,7 @@ def test_ckpt_info_and_verify_of_an_hf_trainer_or_lightning_folder_show_their_sn
 
     from ckptools.cli import app
     from ckptools.integrations import LIGHTNING_PREFIX
-    from ckptools.node import TRAINER_PREFIX
+    from ckptools.layouts import TRAINER
 
     monkeypatch.setenv("CKPTOOLS_NODE_MEMORY", str(tmp_path / "shm"))
     out = tmp_path / "hf"
@@ -567,7 +567,7 @@ def test_ckpt_info_and_verify_of_an_hf_trainer_or_lightning_folder_show_their_sn
     torch.save({"state": {}}, folder / "optimizer.pt")
     refused = CliRunner().invoke(app, ["info", str(out)])
     assert refused.exit_code == 2 and "not a checkpoint layout" in refused.output  # nothing in memory yet
-    hf = ck.CheckpointManager(out, prefix=TRAINER_PREFIX)
+    hf = ck.CheckpointManager(out, prefix=TRAINER.prefix)
     hf.snapshot({"w": torch.ones(4)}, 13, blocking=True)
     shown = CliRunner().invoke(app, ["info", str(out)])
     assert shown.exit_code == 0, shown.output
@@ -602,12 +602,12 @@ def test_ckpt_info_and_verify_of_an_accelerate_output_dir_show_its_snapshots(tmp
     from typer.testing import CliRunner
 
     from ckptools.cli import app
-    from ckptools.node import ACCELERATE_PREFIX
+    from ckptools.layouts import ACCELERATE
 
     monkeypatch.setenv("CKPTOOLS_NODE_MEMORY", str(tmp_path / "shm"))
     out = tmp_path / "accelerate"
     (out / "step_4").mkdir(parents=True)
-    manager = ck.CheckpointManager(out, prefix=ACCELERATE_PREFIX)
+    manager = ck.CheckpointManager(out, prefix=ACCELERATE.prefix)
     manager.snapshot({"w": torch.ones(4)}, 6, blocking=True)
     shown = CliRunner().invoke(app, ["info", str(out), "--json"])
     assert shown.exit_code == 0, shown.output
@@ -620,6 +620,45 @@ def test_ckpt_info_and_verify_of_an_accelerate_output_dir_show_its_snapshots(tmp
     verified = CliRunner().invoke(app, ["verify", str(out)])
     lines = verified.output.splitlines()
     assert any("accelerate-snapshot-0000000006.pt" in line and line.split()[-1] != "DAMAGED" for line in lines), lines
+    manager.close()
+
+
+def test_an_accelerate_snapshot_is_written_out_as_its_typed_layout_says_and_one_without_it_is_refused(
+    tmp_path, monkeypatch
+):
+    """Issue 66: what an Accelerate snapshot holds is one typed record (`AccelerateLayout`), written by
+    `Snapshots` and read by the write-out; its entries and file names come from one table. A snapshot under
+    Accelerate's prefix that carries no layout is a named `CheckpointFormatError`, nothing written."""
+    from ckptools.layouts import ACCELERATE, AccelerateLayout, accelerate_file
+    from ckptools.node import snapshot_to_state_folder
+
+    monkeypatch.setenv("CKPTOOLS_NODE_MEMORY", str(tmp_path / "shm"))
+    out = tmp_path / "accelerate"
+    manager = ck.CheckpointManager(out, prefix=ACCELERATE.prefix)
+    entry = AccelerateLayout.entry
+    state = {entry("model", 0): {"w": torch.arange(4.0)}, entry("model", 1): {"v": torch.ones(2)}}
+    state.update({entry("optimizer", 0): {"state": {}, "param_groups": []}, entry("custom", 0): {"epoch": 3}})
+    state["accelerator"] = {"step": 5}
+    layout = AccelerateLayout("ep_{step}", models=2, optimizers=1, customs=1)
+    folder = snapshot_to_state_folder(
+        manager.snapshot(state, 5, blocking=True, metadata=layout.to_metadata()), str(out)
+    )
+    assert folder == str(out / "ep_5")
+    names = sorted(os.listdir(folder))
+    expected = [accelerate_file("custom", 0), accelerate_file("model", 0), accelerate_file("model", 1),
+                accelerate_file("optimizer"), accelerate_file("random_states", rank=0)]  # fmt: skip
+    assert [n for n in names if n != "ckptools-manifest.json"] == sorted(expected), names
+    from safetensors.torch import load_file
+
+    assert load_file(os.path.join(folder, "model_1.safetensors"))["v"].equal(torch.ones(2))
+    assert torch.load(os.path.join(folder, "custom_checkpoint_0.pkl"), weights_only=True) == {"epoch": 3}
+    assert torch.load(os.path.join(folder, "random_states_0.pkl"), weights_only=False)["step"] == 5
+    bare = manager.snapshot({"w": torch.ones(1)}, 6, blocking=True)
+    with pytest.raises(
+        ck.CheckpointFormatError, match=r"accelerate-snapshot-0000000006\.pt holds no Accelerate layout"
+    ):
+        snapshot_to_state_folder(bare, str(out))
+    assert sorted(os.listdir(out)) == ["ep_5"]  # nothing written, no temporary folder left
     manager.close()
 
 

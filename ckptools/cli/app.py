@@ -153,7 +153,7 @@ def progress(description: str, path: str) -> Iterator[None]:
             yield
 
 
-# One spelling of the opt-in, as the library's trust_code=True; --trust-pickled-code is the name
+# The opt-in, the library's weights_only=False, named for what it does; --trust-pickled-code is the name
 # ckptools 0.2 gave it, still accepted.
 TRUST = typer.Option(
     "--trust-code",

@@ -40,7 +40,7 @@ def info(
             return
         from ..inspection import inspect
 
-        report = inspect(path, trust_code=trust)
+        report = inspect(path, weights_only=not trust)
         if as_json:
             out.print_json(json.dumps(report, default=repr))
             return
@@ -77,7 +77,7 @@ def diff(
         from ..inspection import diff as compare
 
         with about(a, b):
-            result = compare(a, b, atol=atol, trust_code=trust, key=key, weights_only=weights)
+            result = compare(a, b, atol=atol, trust_code=trust, key=key, weights=weights)
         if as_json:
             out.print_json(json.dumps(result))
         else:
@@ -119,7 +119,7 @@ def verify(
         shown: list[str | dict[str, Any]] = []  # what to print, in the order of the paths: headers and reports
 
         def judge(path: str, where: str = "") -> None:
-            report = verify_report(path, trust_code=trust, strict=strict)
+            report = verify_report(path, weights_only=not trust, strict=strict)
             report = {**report, "line": report["line"] + where}
             reports.append(report)
             shown.append(report)

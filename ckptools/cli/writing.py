@@ -160,7 +160,7 @@ def convert(
             check_output(dst, force, suggestion=f"{stem}.safetensors")
         with about(src), progress("converting", src):
             written = run_convert(src, dst, key=key, strip=None if no_strip else "module.", config=config,
-                                  max_shard_size=max_shard_size, force=force, trust_code=trust)  # fmt: skip
+                                  max_shard_size=max_shard_size, force=force, weights_only=not trust)  # fmt: skip
         if not to_folder:
             out.print(f"wrote {dst}")
             return

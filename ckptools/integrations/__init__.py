@@ -11,7 +11,9 @@ import importlib
 import re
 from typing import Any
 
-from ..node import LIGHTNING_PREFIX  # NodeSnapshots' files: the keeper persists them under Lightning's names
+from ..layouts import LIGHTNING
+
+LIGHTNING_PREFIX = LIGHTNING.prefix  # NodeSnapshots' files: the keeper persists them under Lightning's names
 
 __all__ = ["LIGHTNING_PREFIX", "NEEDS_LIGHTNING", "installed", "lightning_classes", "release_numbers", "replicated"]
 

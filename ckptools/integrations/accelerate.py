@@ -39,8 +39,15 @@ from .. import log
 from ..collective.agree import Agreement, first_failure
 from ..collective.group import all_gather_object, get_rank, get_world_size
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
-from ..layouts import MANIFEST, check_folder, files_whole, write_manifest
-from ..node import ACCELERATE_GRADIENTS
+from ..layouts import (
+    ACCELERATE_GRADIENTS,
+    MANIFEST,
+    AccelerateLayout,
+    accelerate_file,
+    check_folder,
+    files_whole,
+    write_manifest,
+)
 from ..owned.gradients import mark_restored, open_gradients, put_back_gradients, track
 from ..storage import fsync_dir
 from ..write import compare_now, replicas_switch
@@ -107,8 +114,9 @@ def _whole(accelerator: Any, inner: Any, output_dir: str, total_limit: int | Non
 def state_of(accelerator: Any) -> dict[str, Any]:
     """The accelerator's models and optimizers, named as `ckptools.owned.gradients` sees a state (and as
     `ckptools.integrations.accelerate_snapshots` snapshots them: the names its folders' gradients carry)."""
-    state: dict[str, Any] = {f"model_{i}": m for i, m in enumerate(accelerator._models)}
-    state.update({f"optimizer_{i}": o for i, o in enumerate(accelerator._optimizers)})
+    entry = AccelerateLayout.entry
+    state: dict[str, Any] = {entry("model", i): m for i, m in enumerate(accelerator._models)}
+    state.update({entry("optimizer", i): o for i, o in enumerate(accelerator._optimizers)})
     return state
 
 
@@ -171,18 +179,17 @@ def _read_by_load(accelerator: Any, input_dir: str) -> list[str] | None:
     if accelerator.distributed_type in {DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM}:
         return None
 
-    def numbered(stem: str, count: int, suffix: str = ".bin") -> list[str]:
-        return [f"{stem}{'' if i == 0 else f'_{i}'}{suffix}" for i in range(count)]
-
     names = []
-    for model in numbered("model", len(accelerator._models), ".safetensors"):
-        bare = model.replace("model", "pytorch_model", 1).replace(".safetensors", ".bin")
-        names.append(model if os.path.exists(os.path.join(input_dir, model)) else bare)  # as Accelerate picks
-    names += numbered("optimizer", len(accelerator._optimizers)) + numbered("scheduler", len(accelerator._schedulers))
+    for i in range(len(accelerator._models)):
+        model = accelerate_file("model", i)
+        names.append(model if os.path.exists(os.path.join(input_dir, model)) else accelerate_file("bare_model", i))
+    for kind, objects in (("optimizer", accelerator._optimizers), ("scheduler", accelerator._schedulers)):
+        names += [accelerate_file(kind, i) for i in range(len(objects))]
     if getattr(accelerator, "scaler", None) is not None:
-        names.append("scaler.pt")
-    names += [f"custom_checkpoint_{i}.pkl" for i in range(len(accelerator._custom_objects))]
-    names.append(f"random_states_{accelerator.process_index}.pkl")  # save_state's last file: a torn one lacks it
+        names.append(accelerate_file("scaler"))
+    names += [accelerate_file("custom", i) for i in range(len(accelerator._custom_objects))]
+    # save_state's last file: a torn folder lacks it.
+    names.append(accelerate_file("random_states", rank=accelerator.process_index))
     present = [n for n in os.listdir(input_dir) if re.match(r"^(sampler|dl_state_dict)(_\d+)?\.bin$", n)]
     return names + sorted(present)
 

@@ -6,7 +6,7 @@ the keeper): the prepared models' weights, the optimizers', schedulers' and grad
 objects registered for checkpointing (a `ckptools.integrations.accelerate_data.ResumableLoader`'s place
 in the epoch), every process's random streams, Accelerate's ``step`` and an open accumulation window's
 gradients. It is written out as the folder Accelerate's ``save_state`` writes (``step_N/``,
-`ckptools.node.accelerate_folder`): by `Snapshots.latest` on a relaunch, when node memory holds a step
+`ckptools.node.write_outs`): by `Snapshots.latest` on a relaunch, when node memory holds a step
 newer than every whole folder, and by the keeper when the job died and nobody relaunched it. Either way
 ``accelerator.load_state(folder)`` reads it as its own. A `Snapshots` attaches its accelerator
 (`ckptools.integrations.accelerate.attach`): that ``load_state`` puts a window's gradients back.
@@ -17,8 +17,9 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from ..layouts import ACCELERATE, AccelerateLayout
 from ..manager import CheckpointManager
-from ..node import ACCELERATE_PREFIX, ACCELERATE_STATE, newest_whole_state, snapshot_to_state_folder
+from ..node import newest_whole_state, snapshot_to_state_folder
 from ..owned.gradients import track
 from ..write import replicas_switch
 from ._memory_folders import FolderKind, from_node_memory
@@ -69,27 +70,23 @@ class Snapshots:
         self.name = name
         self.budget = budget
         self.replicas = replicas_switch(replicas, "Snapshots", check_replicas=check_replicas)
-        self.manager = CheckpointManager(output_dir, prefix=ACCELERATE_PREFIX)
+        self.manager = CheckpointManager(output_dir, prefix=ACCELERATE.prefix)
         # Its folders hold an open window's gradients: the accelerator's load_state puts them back (attach).
         attach(accelerator, replicas=self.replicas)
 
-    def _state(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def _state(self) -> tuple[dict[str, Any], AccelerateLayout]:
         """The snapshot's state (what ``save_state`` writes) and how its folder is laid out."""
         acc = self.accelerator
+        entry = AccelerateLayout.entry
         state = state_of(acc)
-        state.update({f"scheduler_{i}": s for i, s in enumerate(acc._schedulers)})
-        state.update({f"custom_{i}": c for i, c in enumerate(acc._custom_objects)})
+        state.update({entry("scheduler", i): s for i, s in enumerate(acc._schedulers)})
+        state.update({entry("custom", i): c for i, c in enumerate(acc._custom_objects)})
         if acc.scaler is not None:
             state["scaler"] = acc.scaler
         state["accelerator"] = acc  # its step: the position in an accumulation window
-        layout = {
-            "name": self.name,
-            "models": len(acc._models),
-            "optimizers": len(acc._optimizers),
-            "schedulers": len(acc._schedulers),
-            "customs": len(acc._custom_objects),
-            "safe_serialization": True,
-        }
+        layout = AccelerateLayout(
+            self.name, len(acc._models), len(acc._optimizers), len(acc._schedulers), len(acc._custom_objects)
+        )
         return state, layout
 
     def take(self, step: int, *, blocking: bool = False) -> str | None:
@@ -97,7 +94,7 @@ class Snapshots:
         or None when the budget skipped this step."""
         state, layout = self._state()
         compare = replicas_of(self.accelerator) if self.replicas != "off" else None
-        return self.manager.snapshot(state, step, blocking=blocking, metadata={ACCELERATE_STATE: layout},
+        return self.manager.snapshot(state, step, blocking=blocking, metadata=layout.to_metadata(),
                                      budget=self.budget, replicas=self.replicas, compare=compare)  # fmt: skip
 
     def latest(self) -> str | None:
@@ -105,7 +102,7 @@ class Snapshots:
         than every whole folder of ``output_dir``, else the newest whole folder, or None (collective where
         a process group exists: every process gets the same folder)."""
         newest = newest_whole_state(self.output_dir, self.name)
-        kind = FolderKind(ACCELERATE_PREFIX, lambda step: self.name.format(step=step), snapshot_to_state_folder,
+        kind = FolderKind(ACCELERATE.prefix, lambda step: self.name.format(step=step), snapshot_to_state_folder,
                           "Snapshots.latest")  # fmt: skip
         from_memory = from_node_memory(self.output_dir, kind, newest)
         if from_memory is not None:

@@ -36,7 +36,7 @@ import torch
 from .. import log
 from ..collective.arrival import arrive
 from ..collective.group import get_world_size
-from ..errors import CheckpointError, UnsafeCheckpointError
+from ..errors import CheckpointError, UnsafeCheckpointError, weights_only_switch
 from ..layouts import TORCH_FILE
 from ..owned.gradients import track
 from ..read import ReadAnotherWay, once_pays, read_once
@@ -62,9 +62,10 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         verify: check every record's CRC-32 before loading (one extra read of the file).
             Lightning's own loader does not: ``torch.load`` ignores CRC-32s.
         mmap: memory-map local files when loading (tensors are read when touched).
-        trust_code: load every checkpoint as ``weights_only=False`` (it may run the file's code):
-            for checkpoints you wrote yourself, where Lightning (before 2.6) has no
+        weights_only: False loads every checkpoint as ``torch.load(weights_only=False)`` does (it may run
+            the file's code): for checkpoints you wrote yourself, where Lightning (before 2.6) has no
             ``trainer.fit(..., weights_only=False)`` to say it per call.
+        trust_code: deprecated (goes in 0.6): ``trust_code=True`` is ``weights_only=False``.
         read: who reads a checkpoint Lightning loads on every rank (a resume, ``fabric.load``):
             ``"auto"`` reads it once between the ranks where that pays (as `ckptools.load`'s
             ``read="auto"``: ranks on several nodes sharing a filesystem, or an object in S3), each
@@ -78,14 +79,22 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         >>> trainer.fit(model, ckpt_path="last")  # doctest: +SKIP
     """
 
-    def __init__(self, *, verify: bool = True, mmap: bool = True, trust_code: bool = False, read: str = "auto") -> None:
+    def __init__(
+        self,
+        *,
+        verify: bool = True,
+        mmap: bool = True,
+        weights_only: bool = True,
+        trust_code: bool | None = None,
+        read: str = "auto",
+    ) -> None:
         track()  # the optimizer steps watched from here: an open accumulation window's gradients
         super().__init__()
         if read not in ("auto", "once", "each"):
             raise ValueError(f"read must be 'auto', 'once' or 'each', got {read!r}")
         self.verify = verify
         self.mmap = mmap
-        self.trust_code = trust_code
+        self.weights_only = weights_only_switch(weights_only, trust_code, type(self).__name__)
         self.read = read
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
@@ -112,7 +121,7 @@ class CkptoolsCheckpointIO(_BASES[0]):  # type: ignore[misc,valid-type,unused-ig
         you trust.
         """
         location = resolve(path)
-        trust = weights_only is False or self.trust_code
+        trust = weights_only is False or not self.weights_only
 
         def read(where: Location, target: Any, *, verify: bool, mmap: bool) -> Any:
             try:
@@ -178,9 +187,17 @@ class AsyncCkptoolsCheckpointIO(CkptoolsCheckpointIO):
         >>> trainer = Trainer(plugins=[AsyncCkptoolsCheckpointIO()])  # doctest: +SKIP
     """
 
-    def __init__(self, *, verify: bool = True, mmap: bool = True, trust_code: bool = False, read: str = "auto") -> None:
+    def __init__(
+        self,
+        *,
+        verify: bool = True,
+        mmap: bool = True,
+        weights_only: bool = True,
+        trust_code: bool | None = None,
+        read: str = "auto",
+    ) -> None:
         track()  # the optimizer steps watched from here: an open accumulation window's gradients
-        super().__init__(verify=verify, mmap=mmap, trust_code=trust_code, read=read)
+        super().__init__(verify=verify, mmap=mmap, weights_only=weights_only, trust_code=trust_code, read=read)
         self._buffers = StagingBuffers()
         self._writer = BackgroundWriter("ckptools-lightning-save")
         self._hooked: list[Any] = []  # the ModelCheckpoints of the trainer in its run: unhooked at teardown
@@ -360,7 +377,7 @@ def _newest_sibling(location: Location) -> str | None:
 
 def _trusting() -> str:
     """How to load a trusted checkpoint in the Lightning installed here: ``fit(weights_only=False)``
-    exists from Lightning 2.6; before it, the plugin's ``trust_code=True``."""
+    exists from Lightning 2.6; before it, the plugin's ``weights_only=False``."""
     import inspect
 
     fits = []
@@ -374,7 +391,7 @@ def _trusting() -> str:
                 "weights_only=False) (validate, test and predict take it too), or fabric.load(path, state, "
                 "weights_only=False)")  # fmt: skip
     return ("In Lightning before 2.6 (no weights_only in trainer.fit), for checkpoints you wrote yourself: "
-            "Trainer(plugins=[CkptoolsCheckpointIO(trust_code=True)])")  # fmt: skip
+            "Trainer(plugins=[CkptoolsCheckpointIO(weights_only=False)])")  # fmt: skip
 
 
 def _device(map_location: Any) -> torch.device | None:

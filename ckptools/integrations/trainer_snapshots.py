@@ -8,7 +8,7 @@ rank's random streams (`ckptools.CheckpointManager.snapshot`: two slots, the cop
 commit in the background, the keeper). A snapshot is one torch file named ``trainer-snapshot-N.pt``.
 
 It is written out as the ``checkpoint-N/`` folder the Trainer itself writes by
-`ckptools.node.trainer_folder.snapshot_to_folder` (which the keeper needs, and which needs no
+`ckptools.node.write_outs.snapshot_to_folder` (which the keeper needs, and which needs no
 transformers): on a relaunch by `ckptools.integrations.transformers.latest_complete_checkpoint`, and by
 the keeper when the job died and nobody relaunched it.
 
@@ -21,16 +21,18 @@ last log (``total_flos``, a reported figure): those two are as of the Trainer's 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 import torch
 
-from ..node import TRAINER_FOLDER, TRAINER_PREFIX, snapshot_to_folder
+from ..layouts import TRAINER
+from ..node import snapshot_to_folder
 
 __all__ = ["snapshot_to_folder"]
 
-PREFIX = TRAINER_PREFIX  # trainer-snapshot-0000000123.pt; the keeper persists these as checkpoint-123/
-CHECKPOINT_FOLDER = TRAINER_FOLDER  # the Trainer's folders, the step in group 1
+PREFIX = TRAINER.prefix  # trainer-snapshot-0000000123.pt; the keeper persists these as checkpoint-123/
+CHECKPOINT_FOLDER: re.Pattern[str] = TRAINER.folders or re.compile("")  # the Trainer's folders, the step in group 1
 
 
 def capture(args: Any, state: Any, control: Any, model: Any, optimizer: Any, lr_scheduler: Any) -> dict[str, Any]:

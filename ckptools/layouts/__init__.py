@@ -29,13 +29,25 @@ from typing import Any
 # metadata entry and its reader, Lightning's version entry.
 from ..codecs.record import META_KEY, Record, record_of
 from ..codecs.trees import LIGHTNING_VERSION_KEY
+from ..errors import weights_only_switch
 from ..storage import Location, PathLike, resolve
 from ..view import CheckpointView, TensorInfo
 from .base import Layout, Transform
 from .dcp import DCP_FOLDER
 from .export import Planned, safetensors_plan
 from .folder_check import MANIFEST, check_folder, files_whole, is_trainer_folder, write_manifest
-from .frameworks import ACCELERATE, LIGHTNING, MANAGER_RESUMES, TRAINER, Framework, all_frameworks, framework_of
+from .frameworks import (
+    ACCELERATE,
+    ACCELERATE_GRADIENTS,
+    LIGHTNING,
+    MANAGER_RESUMES,
+    TRAINER,
+    AccelerateLayout,
+    Framework,
+    accelerate_file,
+    all_frameworks,
+    framework_of,
+)
 from .hf_folder import HUGGING_FACE_FOLDER, MODEL_FILES
 from .named import writer_for
 from .safetensors_file import SAFETENSORS_FILE
@@ -45,6 +57,7 @@ from .torch_io import check_records, damaged_record, load_file, verify_torch_fil
 
 __all__ = [
     "ACCELERATE",
+    "ACCELERATE_GRADIENTS",
     "LIGHTNING",
     "LIGHTNING_VERSION_KEY",
     "MANAGER_RESUMES",
@@ -53,6 +66,7 @@ __all__ = [
     "SAFETENSORS_FILE",
     "TORCH_FILE",
     "TRAINER",
+    "AccelerateLayout",
     "CheckpointView",
     "Framework",
     "Layout",
@@ -60,6 +74,7 @@ __all__ = [
     "Record",
     "TensorInfo",
     "Transform",
+    "accelerate_file",
     "all_frameworks",
     "check_folder",
     "check_records",
@@ -118,21 +133,22 @@ def is_checkpoint_folder(location: Location) -> bool:
     return ".metadata" in names or bool(names & set(MODEL_FILES)) or is_trainer_folder(location.path, names)
 
 
-def open_checkpoint(path: PathLike, *, trust_code: bool = False) -> CheckpointView:
+def open_checkpoint(path: PathLike, *, weights_only: bool = True, trust_code: bool | None = None) -> CheckpointView:
     """Open a checkpoint file or folder of any layout ckptools reads (see `ckptools.layouts`).
 
     Args:
         path: a file, a folder, or an fsspec URL of a file.
-        trust_code: let torch unpickle globals outside its allowlist (runs code from the file:
-            for files you trust only). Without it such entries are read as inert placeholders
-            and only the weights are available.
+        weights_only: keep torch's safe unpickler (the default): entries that need other classes are
+            read as inert placeholders and only the weights are available. False lets torch unpickle
+            every class the file names (runs code from the file: for files you trust only).
+        trust_code: deprecated (goes in 0.6): ``trust_code=True`` is ``weights_only=False``.
 
     Raises:
         CheckpointNotFoundError: nothing there.
         CheckpointLayoutError: a valid file or folder of another kind (one shard of a DCP
             checkpoint, a folder holding no model file, a JSON file that is no index).
         CheckpointFormatError: damaged or not a checkpoint.
-        UnsafeCheckpointError: the weights themselves need refused globals and ``trust_code`` is off.
+        UnsafeCheckpointError: the weights themselves need refused globals and ``weights_only`` is on.
 
     Examples:
         >>> import torch, ckptools as ck
@@ -142,7 +158,8 @@ def open_checkpoint(path: PathLike, *, trust_code: bool = False) -> CheckpointVi
         ('torch zip', ['model.w'], '3')
     """
     location = resolve(path)
-    return detect(location).open(location, trust_code=trust_code)
+    trust = not weights_only_switch(weights_only, trust_code, "ck.open_checkpoint")
+    return detect(location).open(location, trust_code=trust)
 
 
 def read_weights(

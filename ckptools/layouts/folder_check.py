@@ -41,6 +41,7 @@ from ..codecs.torchzip import ZIP_MAGIC
 from ..errors import CheckpointError
 from ..storage import TMP_MARKER, atomic_write, crc32_range, fsync_dir, open_local
 from ..text import plural
+from .frameworks import TRAINER, accelerate_pattern
 from .named import writer_for
 from .safetensors_file import SAFETENSORS_FILE
 from .torch_file import TORCH_FILE
@@ -60,13 +61,14 @@ __all__ = [
 
 MANIFEST = "ckptools-manifest.json"
 TRAINER_STATE = "trainer_state.json"
-_TRAINER_FOLDER = re.compile(r"^checkpoint-\d+$")
+_TRAINER_FOLDER = TRAINER.folders or re.compile("")  # the Trainer's checkpoint-N/ (its entry in frameworks.py)
 # Names only the Trainer writes (optimizer.pt and scheduler.pt are too common to tell anything).
 _TRAINER_FILES = re.compile(r"^(training_args\.bin|rng_state(_\d+)?\.pth)$")
 _PICKLE = b"\x80"  # the first byte of a pickle stream (protocol 2 and later): a legacy torch file
 # What Accelerator.save_state writes beside the model (accelerate/utils/constants.py), by name.
-_ACCELERATE_RNG = re.compile(r"^random_states_(\d+)\.pkl$")
-_ACCELERATE_STATE = re.compile(r"^(optimizer|scheduler|sampler|dl_state_dict)(_\d+)?\.bin$")
+_ACCELERATE_RNG = accelerate_pattern("random_states")
+_ACCELERATE_STATE = accelerate_pattern("optimizer", "scheduler", "sampler", "dl_state_dict")
+# Its weights, either name with either suffix (wider than accelerate_file's two), or their sharded index.
 _ACCELERATE_MODEL = re.compile(
     r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$|^(model\.safetensors|pytorch_model\.bin)\.index\.json$"
 )

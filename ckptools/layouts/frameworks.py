@@ -18,15 +18,22 @@ from __future__ import annotations
 import importlib
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar
+
+from ..errors import CheckpointFormatError
 
 __all__ = [
     "ACCELERATE",
+    "ACCELERATE_GRADIENTS",
     "FRAMEWORKS",
     "LIGHTNING",
     "MANAGER_RESUMES",
     "TRAINER",
+    "AccelerateLayout",
     "Framework",
+    "accelerate_file",
+    "accelerate_pattern",
     "all_frameworks",
     "framework_of",
 ]
@@ -66,7 +73,7 @@ TRAINER = Framework(
     "the HF Trainer (CkptoolsCallback)",
     "trainer-snapshot",
     folders=re.compile(r"^checkpoint-(\d+)$"),
-    write_out="ckptools.node.trainer_folder:snapshot_to_folder",
+    write_out="ckptools.node.write_outs:snapshot_to_folder",
     resumes="is newer than every checkpoint-N folder: latest_complete_checkpoint writes it out and the Trainer "
     "resumes from it",
 )
@@ -84,10 +91,106 @@ LIGHTNING = Framework(
 ACCELERATE = Framework(
     "Accelerate (accelerate_snapshots.Snapshots)",
     "accelerate-snapshot",
-    write_out="ckptools.node.accelerate_folder:snapshot_to_state_folder",
+    write_out="ckptools.node.write_outs:snapshot_to_state_folder",
     resumes="is the newest: Snapshots.latest() writes it out as the folder accelerator.load_state resumes from",
 )
 FRAMEWORKS: tuple[Framework, ...] = (TRAINER, LIGHTNING, ACCELERATE)
+
+
+# What Accelerator.save_state names its files (accelerate/utils/constants.py: SAFE_WEIGHTS_NAME, WEIGHTS_NAME,
+# OPTIMIZER_NAME, SCHEDULER_NAME, SAMPLER_NAME, RNG_STATE_NAME; custom_checkpoint_<i>.pkl), the one place
+# ckptools spells them: the i-th object's file is numbered (optimizer.bin, optimizer_1.bin), ``{rank}`` a process's.
+_ACCELERATE_FILES = {
+    "model": "model.safetensors",
+    "bare_model": "pytorch_model.bin",
+    "optimizer": "optimizer.bin",
+    "scheduler": "scheduler.bin",
+    "sampler": "sampler.bin",
+    "dl_state_dict": "dl_state_dict.bin",
+    "scaler": "scaler.pt",
+    "custom": "custom_checkpoint_{i}.pkl",
+    "random_states": "random_states_{rank}.pkl",
+}
+ACCELERATE_GRADIENTS = "ckptools-gradients-{rank}.pt"  # a process's open accumulation window, ckptools' own file
+
+
+def accelerate_file(kind: str, i: int = 0, *, rank: int = 0) -> str:
+    """The name Accelerate's ``save_state`` gives the ``i``-th object of ``kind`` (a key of the table above).
+
+    Examples:
+        >>> accelerate_file("optimizer"), accelerate_file("model", 1), accelerate_file("random_states", rank=3)
+        ('optimizer.bin', 'model_1.safetensors', 'random_states_3.pkl')
+    """
+    base = _ACCELERATE_FILES[kind]
+    if "{" in base:
+        return base.format(i=i, rank=rank)
+    return base if i == 0 else base.replace(".", f"_{i}.", 1)
+
+
+def accelerate_pattern(*kinds: str) -> re.Pattern[str]:
+    """The names Accelerate gives files of ``kinds``, any number or process (the number in group 1 for one
+    kind with ``{i}``/``{rank}``).
+
+    Examples:
+        >>> bool(accelerate_pattern("optimizer", "scheduler").match("scheduler_2.bin"))
+        True
+        >>> accelerate_pattern("random_states").match("random_states_3.pkl").group(1)
+        '3'
+    """
+    alternatives = []
+    for kind in kinds:
+        base = _ACCELERATE_FILES[kind]
+        if "{" in base:
+            alternatives.append(re.escape(base).replace(r"\{i\}", r"(\d+)").replace(r"\{rank\}", r"(\d+)"))
+        else:
+            stem, suffix = base.split(".", 1)
+            alternatives.append(re.escape(stem) + r"(?:_\d+)?\." + re.escape(suffix))
+    return re.compile("^(?:" + "|".join(alternatives) + ")$")
+
+
+@dataclass(frozen=True)
+class AccelerateLayout:
+    """What an Accelerate snapshot holds and the folder it becomes: `Snapshots` writes it into the snapshot's
+    metadata, the write-out (`ckptools.node.write_outs`) reads it back; `entry` names the snapshot's entries.
+
+    Examples:
+        >>> layout = AccelerateLayout(models=1, optimizers=1)
+        >>> AccelerateLayout.from_metadata(layout.to_metadata(), "s.pt") == layout, AccelerateLayout.entry("model", 0)
+        (True, 'model_0')
+    """
+
+    name: str = "step_{step}"  # the folder's name, {step} its step (the script's own naming)
+    models: int = 0
+    optimizers: int = 0
+    schedulers: int = 0
+    customs: int = 0  # the objects registered for checkpointing
+    safe_serialization: bool = True  # model.safetensors, else pytorch_model.bin
+
+    ENTRY: ClassVar[str] = "ckptools.accelerate"  # the snapshot's metadata entry that holds it
+
+    @staticmethod
+    def entry(kind: str, i: int) -> str:
+        """The snapshot's entry of the ``i``-th ``kind`` (``model``, ``optimizer``, ``scheduler``, ``custom``)."""
+        return f"{kind}_{i}"
+
+    def to_metadata(self) -> dict[str, dict[str, Any]]:
+        """The metadata a snapshot carries it as (plain types: torch's weights-only reader takes them)."""
+        return {self.ENTRY: {f.name: getattr(self, f.name) for f in fields(self)}}
+
+    @classmethod
+    def from_metadata(cls, metadata: dict[str, Any], where: str) -> AccelerateLayout:
+        """The layout a snapshot's metadata holds; `CheckpointFormatError` naming ``where`` when it holds none."""
+        found = metadata.get(cls.ENTRY)
+        layout = None
+        if isinstance(found, dict) and set(found) <= {f.name for f in fields(cls)}:
+            layout = cls(**found)
+        typed = layout is not None and all(isinstance(getattr(layout, f.name), type(f.default)) for f in fields(cls))
+        if layout is None or not typed or "{step}" not in layout.name:
+            raise CheckpointFormatError(
+                f"{where} holds no Accelerate layout ({cls.ENTRY!r} in its metadata): not a snapshot of "
+                "ckptools.integrations.accelerate_snapshots.Snapshots"
+            )
+        return layout
 
 
 def all_frameworks() -> tuple[Framework, ...]:

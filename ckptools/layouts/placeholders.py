@@ -30,7 +30,7 @@ def refuse_whole_object(tree: Any, path: str) -> None:
         raise UnsafeCheckpointError(
             f"{path} is a whole pickled {tree.name} object (torch.save(model)), not a dict of weights: only "
             "that class's code can rebuild it, so it was refused and nothing was executed. For a file you trust, "
-            "--trust-code (trust_code=True) reads its state_dict(); better, re-save it as "
+            "--trust-code (weights_only=False) reads its state_dict(); better, re-save it as "
             "torch.save(model.state_dict(), path)"
         )
 

@@ -229,7 +229,7 @@ def _failure(path: str, err: Exception, weights_only: bool) -> CheckpointError:
             return CheckpointFormatError(
                 f"{path} was pickled with protocol 4 or 5 in torch's legacy format, which torch's weights-only "
                 "reader does not read; the file is not damaged: re-save it with torch.save's defaults, or, only "
-                "for a file you trust, load it with trust_code=True (--trust-code)"
+                "for a file you trust, load it with weights_only=False (--trust-code)"
             )
         return CheckpointFormatError(f"{path} is corrupt or not a torch checkpoint ({first_line(err)})")
     if isinstance(err, (ModuleNotFoundError, AttributeError)):
@@ -243,7 +243,7 @@ def _failure(path: str, err: Exception, weights_only: bool) -> CheckpointError:
         return MissingClassError(
             f"{path} names {missing}, which cannot be imported here ({first_line(err)}); the file is intact: "
             "install the module that defines it, or read the weights without trusting the file (drop "
-            "--trust-code / trust_code=True), which stands inert placeholders in for such classes"
+            "--trust-code / weights_only=False), which stands inert placeholders in for such classes"
         )
     if isinstance(err, OSError):
         return CheckpointFormatError(f"{path} could not be read ({err})")

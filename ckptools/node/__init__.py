@@ -20,8 +20,8 @@ cadence.py           how often snapshots are taken under a budget of the loop's 
 sealing.py           a copy every rank finished whose commit a kill cut short, sealed (no torch)
 keeper.py            the keeper process: a dead job's newest snapshot persisted (no torch)
 names.py             the numbered files' names, the folder's default name (no torch)
-trainer_folder.py    an HF Trainer's snapshot written out as its ``checkpoint-N/`` folder
-accelerate_folder.py an Accelerator's snapshot written out as the folder ``save_state`` writes
+write_outs.py        each framework's snapshot written out as the folder it writes itself (the
+                     HF Trainer's ``checkpoint-N/``, Accelerate's ``save_state`` folder)
 memory.py            `NodeMemory`: a manager's snapshots as one object (take, list, survey)
 ===================  ==========================================================================
 
@@ -36,44 +36,22 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # what the lazy names resolve to, for type checkers
-    from .accelerate_folder import (
-        ACCELERATE_GRADIENTS,
-        ACCELERATE_STATE,
-        newest_whole_state,
-        snapshot_to_state_folder,
-    )
     from .cadence import Cadence
     from .commits import finish_snapshot
     from .folder import group_nodes, node_token, register, start_keeper, watch
     from .memory import NodeMemory
-    from .names import (
-        ACCELERATE_PREFIX,
-        LIGHTNING_PREFIX,
-        TRAINER_FOLDER,
-        TRAINER_PREFIX,
-        checkpoint_names,
-        claim,
-        default_folder,
-        file_name,
-        readable,
-    )
+    from .names import checkpoint_names, claim, default_folder, file_name, readable
     from .sealing import seal, sealable
     from .snapshot import Orphaned, release, settle, write_snapshot
     from .survey import Survey, survey_nodes
-    from .trainer_folder import newest_folder_step, snapshot_to_folder
+    from .write_outs import newest_folder_step, newest_whole_state, snapshot_to_folder, snapshot_to_state_folder
 
 _LAZY = {
-    "ACCELERATE_PREFIX": ".names",
-    "ACCELERATE_STATE": ".accelerate_folder",
-    "ACCELERATE_GRADIENTS": ".accelerate_folder",
-    "newest_whole_state": ".accelerate_folder",
-    "snapshot_to_state_folder": ".accelerate_folder",
+    "newest_whole_state": ".write_outs",
+    "snapshot_to_state_folder": ".write_outs",
     "Cadence": ".cadence",
     "Orphaned": ".snapshot",
     "Survey": ".survey",
-    "TRAINER_FOLDER": ".names",
-    "TRAINER_PREFIX": ".names",
-    "LIGHTNING_PREFIX": ".names",
     "checkpoint_names": ".names",
     "claim": ".names",
     "default_folder": ".names",
@@ -81,7 +59,7 @@ _LAZY = {
     "NodeMemory": ".memory",
     "finish_snapshot": ".commits",
     "group_nodes": ".folder",
-    "newest_folder_step": ".trainer_folder",
+    "newest_folder_step": ".write_outs",
     "node_token": ".folder",
     "readable": ".names",
     "register": ".folder",
@@ -89,7 +67,7 @@ _LAZY = {
     "seal": ".sealing",
     "sealable": ".sealing",
     "settle": ".snapshot",
-    "snapshot_to_folder": ".trainer_folder",
+    "snapshot_to_folder": ".write_outs",
     "start_keeper": ".folder",
     "survey_nodes": ".survey",
     "watch": ".folder",
@@ -97,12 +75,6 @@ _LAZY = {
 }
 
 __all__ = [
-    "ACCELERATE_GRADIENTS",
-    "ACCELERATE_PREFIX",
-    "ACCELERATE_STATE",
-    "LIGHTNING_PREFIX",
-    "TRAINER_FOLDER",
-    "TRAINER_PREFIX",
     "Cadence",
     "NodeMemory",
     "Orphaned",

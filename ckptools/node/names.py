@@ -1,6 +1,6 @@
 """Names and places, without torch: a manager's numbered files (one pattern for the manager, its
-node-memory slots, the keeper and the integrations; the HF Trainer's, whose snapshots the keeper writes
-out as folders: `ckptools.node.trainer_folder`), the node-memory folder's default name, and whether a
+node-memory slots, the keeper and the integrations; each framework's suffix from its entry in
+`ckptools.layouts.frameworks`), the node-memory folder's default name, and whether a
 folder may hold this user's snapshots (`claim`, `readable`: `ckptools.storage.make_private`).
 
 Imports nothing of ckptools (the keeper and a run folder's listing, which import no torch, take it).
@@ -24,15 +24,11 @@ import tempfile
 
 from .. import log
 from ..errors import NodeMemoryError
-from ..layouts import ACCELERATE, LIGHTNING, TRAINER, framework_of
+from ..layouts import framework_of
 from ..storage import make_private, private_problem
 
 __all__ = [
-    "ACCELERATE_PREFIX",
     "ENV",
-    "LIGHTNING_PREFIX",
-    "TRAINER_FOLDER",
-    "TRAINER_PREFIX",
     "checkpoint_names",
     "claim",
     "default_folder",
@@ -42,13 +38,6 @@ __all__ = [
 
 # The base folder of node memory (else /dev/shm): each run's folder is made inside it.
 ENV = "CKPTOOLS_NODE_MEMORY"
-
-# The frameworks' snapshot prefixes, as their integrations and the node's face name them; what each
-# becomes on disk is its entry in `ckptools.layouts.frameworks` (the one table).
-TRAINER_PREFIX = TRAINER.prefix
-TRAINER_FOLDER: re.Pattern[str] = TRAINER.folders or re.compile("")  # checkpoint-123/, the step in group 1
-LIGHTNING_PREFIX = LIGHTNING.prefix
-ACCELERATE_PREFIX = ACCELERATE.prefix
 
 
 def _suffix(prefix: str) -> str:
@@ -60,7 +49,7 @@ def file_name(prefix: str, step: int) -> str:
     """The name of the checkpoint (or snapshot) of ``step``: zero-padded, so that names sort by step.
 
     Examples:
-        >>> file_name("ckpt", 300), file_name(LIGHTNING_PREFIX, 300)
+        >>> file_name("ckpt", 300), file_name("last-snapshot", 300)
         ('ckpt-0000000300.pt', 'last-snapshot-0000000300.ckpt')
     """
     return f"{prefix}-{step:010d}{_suffix(prefix)}"

@@ -25,6 +25,7 @@ from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
+    weights_only_switch,
 )
 from ..layouts import is_lightning_checkpoint, read_checkpoint, read_weights, record_of
 from ..lifecycle import finish_pending
@@ -262,7 +263,8 @@ def load_state_dict(
     key: str | None = None,
     strip: str | None = "module.",
     verify: bool = False,
-    trust_code: bool = False,
+    weights_only: bool = True,
+    trust_code: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """Return just the model weights, from a file or folder of any layout ckptools reads.
 
@@ -288,8 +290,10 @@ def load_state_dict(
             per-tensor CRC-32s ``ckpt convert`` stores in a ``.safetensors`` file (files from
             other tools carry none; then only their structure is checked); for a folder, every
             shard and the index's agreement with them (`ckptools.verify`).
-        trust_code: let torch unpickle everything in the file (runs code from it: for files you
-            trust only); a whole pickled module (``torch.save(model)``) gives its ``state_dict()``.
+        weights_only: keep torch's safe unpickler (the default); False lets torch unpickle everything in
+            the file (runs code from it: for files you trust only), and a whole pickled module
+            (``torch.save(model)``) gives its ``state_dict()``.
+        trust_code: deprecated (goes in 0.6): ``trust_code=True`` is ``weights_only=False``.
 
     Returns:
         A dict of tensors.
@@ -309,7 +313,8 @@ def load_state_dict(
     started = time.monotonic()
     location = resolve(path)
     target = resolve_map_location(map_location)
-    weights = dict(read_weights(location, key=key, map_location=target, verify=verify, trust_code=trust_code))
+    trust = not weights_only_switch(weights_only, trust_code, "ck.load_state_dict")
+    weights = dict(read_weights(location, key=key, map_location=target, verify=verify, trust_code=trust))
     log.report("loaded weights from", location, started)
     weights = dict(strip_for_reading(weights, strip))
     if strip == "module." and key in (None, "state_dict"):

@@ -28,13 +28,12 @@ from __future__ import annotations
 
 import os
 import pickle
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
-from ..errors import ReplicaMismatchError
+from ..errors import ReplicaMismatchError, deprecated
 from ..storage import crc32
 from .payload import state_entry
 from .plan import plain_optimizer, replica_module, replicated_tensors
@@ -163,8 +162,8 @@ def replicas_switch(
         if value is None:
             continue
         meant = new if bool(value) == (old == "verify_replicas") else "auto"
-        warnings.warn(f"{where}({old}=...) is deprecated and goes in 0.6: pass replicas={meant!r} ({old}={value!r} "
-                      "is the same)", DeprecationWarning, stacklevel=_callers_level())  # fmt: skip
+        deprecated(f"{where}({old}=...) is deprecated and goes in 0.6: pass replicas={meant!r} ({old}={value!r} "
+                   "is the same)")  # fmt: skip
         if meant != "auto":
             if replicas not in ("auto", meant):
                 raise ValueError(
@@ -172,20 +171,6 @@ def replicas_switch(
                 )
             replicas = meant
     return replicas
-
-
-def _callers_level() -> int:
-    """The stack level of the first frame outside ckptools, counted from `replicas_switch`: the user's line
-    a warning names, however many of ckptools' calls (a manager, an integration, a wrapper) came between."""
-    import sys
-    import types
-
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-    frame: types.FrameType | None = sys._getframe(2)  # the caller of replicas_switch: stack level 2
-    level = 2
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(package):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 def what_to_compare(
