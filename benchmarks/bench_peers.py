@@ -1,0 +1,272 @@
+"""ckptools beside its peers on every row of issue 67, one process, measured in one run.
+
+Usage: python benchmarks/bench_peers.py [--gib 0.25 1] [--repeat 5] [--rest 2] [--dir DIR]
+
+Per state size (fp32 tensors of 8 MiB), each row's median over ``--repeat`` interleaved rounds (the
+libraries in a rotating order each round, after one warm-up round; this disk is noisy):
+
+- sync save: ``ck.save``, DCP's ``dcp.save``, ``torch.save`` + fsync, ``cp`` + ``sync`` of ckptools' file
+  (the issue's floor; GNU cp copies in the kernel, ``copy_file_range``, and swings widely here), and the
+  floor a save is held to: the file's bytes written from memory in 64 MiB pieces and fsynced;
+- async stall (until the loop may change the state again) and time to durable: ``ck.async_save``,
+  DCP's ``dcp.async_save`` with one reused ``DefaultStager`` (its working CPU options: no pinned or
+  shared memory, no non-blocking copies); the floor is a copy into buffers allocated once;
+- load into a model (``nn.Linear`` layers): ``ck.load``, ``dcp.load`` (in place), ``torch.load`` +
+  ``load_state_dict``; the floor is
+  reading the file (in the page cache, as the loads find it) into a buffer allocated once;
+- a training step's time while each library's background persist runs, against a step with nothing in
+  flight (the step: matrix products and a copy, the loop's own work on these cores);
+- peak extra memory (resident, sampled every 2 ms) of each save.
+
+torch_checkpointing (Meta's, torchtitan's next) is not measured yet: its saver wants a process group
+with a store barrier and a writer process; its row is named as not measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+import ckptools as ck
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * PAGE
+
+
+class _Peak:
+    """The largest resident size above the start while the block runs (a sampling thread)."""
+
+    def __enter__(self) -> _Peak:
+        self.base = self.peak = _rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.002):
+            self.peak = max(self.peak, _rss())
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss())
+
+    @property
+    def extra(self) -> int:
+        return self.peak - self.base
+
+
+def _model(gib: float, seed: int) -> torch.nn.Module:
+    """Linear layers of 8 MiB weights each: ``layer<i>.weight``."""
+    torch.manual_seed(seed)
+    n = max(1, int(gib * 1024 / 8))
+    return torch.nn.ModuleDict({f"layer{i}": torch.nn.Linear(1024, 2048, bias=False) for i in range(n)})
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _fresh(path: str) -> None:
+    """Remove a previous round's output and sync, so that no path is charged for another's write-back."""
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.unlink(path)
+    os.sync()
+
+
+def _step_fn() -> Callable[[], None]:
+    a, b = torch.randn(512, 512), torch.randn(512, 512)
+    src, dst = torch.randn(8 << 20), torch.empty(8 << 20)  # 32 MiB copied: the loop's memory traffic
+
+    def step() -> None:
+        for _ in range(4):
+            torch.mm(a, b)
+        dst.copy_(src)
+
+    return step
+
+
+def _steps_while(step: Callable[[], None], busy: Callable[[], bool], limit: int = 400) -> list[float]:
+    """Step times while ``busy()``; at least three steps."""
+    times: list[float] = []
+    while (busy() or len(times) < 3) and len(times) < limit:
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return times
+
+
+def bench(gib: float, repeat: int, rest: float, workdir: str) -> dict[str, dict[str, float]]:
+    model, into = _model(gib, 0), _model(gib, 1)  # saved, and the model each load restores into
+    state = model.state_dict()
+    payload = {"model": state, "step": 1}
+    step = _step_fn()
+    count = iter(range(40))
+    idle = statistics.median(_steps_while(step, lambda: next(count, None) is not None)[5:])
+    options = StagingOptions(
+        use_pinned_memory=False, use_shared_memory=False, use_async_staging=True, use_non_blocking_copy=False
+    )
+    stager = DefaultStager(options)
+    floor_buffers = {k: torch.empty_like(v).fill_(0) for k, v in state.items()}
+    paths = {
+        "ck": os.path.join(workdir, "ck.pt"),
+        "dcp": os.path.join(workdir, "dcp"),
+        "torch": os.path.join(workdir, "torch.pt"),
+        "copy": os.path.join(workdir, "copy.pt"),
+        "write": os.path.join(workdir, "write.bin"),
+    }
+    rows: dict[str, dict[str, list[float]]] = {}
+
+    def put(row: str, who: str, value: float) -> None:
+        rows.setdefault(row, {}).setdefault(who, []).append(value)
+
+    def sync_save(who: str) -> None:
+        _fresh(paths[who])
+        time.sleep(rest)
+        with _Peak() as peak:
+            t = time.perf_counter()
+            if who == "ck":
+                ck.save(paths["ck"], payload)
+            elif who == "dcp":
+                dcp.save(payload, checkpoint_id=paths["dcp"])
+            elif who == "torch":
+                with open(paths["torch"], "wb") as f:
+                    torch.save(payload, f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            elif who == "copy":  # cp + sync of ckptools' file (cp copies in the kernel: copy_file_range)
+                subprocess.run(["cp", paths["ck"], paths["copy"]], check=True)
+                subprocess.run(["sync"], check=True)
+            else:  # the floor: the file's bytes from memory, written in 64 MiB pieces, fsynced
+                fd = os.open(paths["write"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+                try:
+                    view = memoryview(load_buffer)
+                    for start in range(0, len(view), 64 << 20):
+                        os.write(fd, view[start : start + (64 << 20)])
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            put("sync save (s)", who, time.perf_counter() - t)
+        if who not in ("copy", "write"):
+            put("sync save: peak extra memory (MiB)", who, peak.extra / 2**20)
+
+    def async_save(who: str) -> None:
+        _fresh(paths[who])
+        time.sleep(rest)
+        t = time.perf_counter()
+        if who == "ck":
+            handle = ck.async_save(paths["ck"], payload)
+            stall = time.perf_counter() - t
+            done = lambda: handle.done()  # noqa: E731
+            finish: Callable[[], Any] = handle.wait
+        elif who == "dcp":
+            response = dcp.async_save(payload, checkpoint_id=paths["dcp"], async_stager=stager)
+            staged = getattr(response, "staging_completion", None)
+            if staged is not None:
+                staged.result()  # the state may change once it is staged
+            stall = time.perf_counter() - t
+            upload = getattr(response, "upload_completion", response)
+            done = upload.done
+            finish = upload.result
+        else:  # the floor: a copy into buffers allocated once
+            for k, v in state.items():
+                floor_buffers[k].copy_(v)
+            put("async stall (s)", who, time.perf_counter() - t)
+            return
+        steps = _steps_while(step, lambda: not done())
+        finish()
+        put("async stall (s)", who, stall)
+        put("async: time to durable (s)", who, time.perf_counter() - t)
+        put("a step during the persist / idle step", who, statistics.median(steps) / idle)
+
+    def load(who: str) -> None:
+        t = time.perf_counter()
+        if who == "ck":
+            ck.load(paths["ck"], {"model": into}, restore_rng=False)
+        elif who == "dcp":
+            dcp.load({"model": into.state_dict()}, checkpoint_id=paths["dcp"])  # in place, into its tensors
+        elif who == "torch":
+            into.load_state_dict(torch.load(paths["torch"], weights_only=True)["model"])
+        else:  # the floor: the file read into one buffer allocated once
+            with open(paths["ck"], "rb", buffering=0) as f:
+                f.readinto(load_buffer)  # type: ignore[arg-type]
+        put("load into the model (s)", who, time.perf_counter() - t)
+        if who != "copy":
+            assert all(torch.equal(a, b) for a, b in zip(into.parameters(), model.parameters())), who
+            for p in into.parameters():
+                p.data.zero_()  # the next load must write every byte again
+
+    peers = ["ck", "dcp", "torch", "copy", "write"]
+    sync_save("ck")
+    load_buffer = bytearray(os.path.getsize(paths["ck"]))
+    with open(paths["ck"], "rb", buffering=0) as f:
+        f.readinto(load_buffer)  # type: ignore[arg-type]
+    for round_ in range(repeat + 1):
+        order = peers[round_ % len(peers) :] + peers[: round_ % len(peers)]
+        for who in order:
+            sync_save(who)
+        for who in [w for w in order if w != "write"]:
+            load(who)
+        for who in [w for w in order if w not in ("torch", "write")]:
+            async_save(who)
+        if round_ == 0:
+            rows.clear()  # the warm-up round: allocations, the page cache, DCP's planning
+    ck.release_staging_buffers()
+    return {row: {who: statistics.median(v) for who, v in by.items()} for row, by in rows.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gib", type=float, nargs="+", default=[0.25, 1.0])
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--rest", type=float, default=2.0, help="seconds of rest before each write")
+    parser.add_argument("--dir", default=None, help="where to write (default: a temp dir under cwd)")
+    args = parser.parse_args()
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=datetime.timedelta(600)
+    )
+    workdir = tempfile.mkdtemp(prefix="ckptools-bench-peers-", dir=args.dir or os.getcwd())
+    names = {"ck": "ckptools", "dcp": "DCP", "torch": "torch", "copy": "cp/copy", "write": "write"}
+    try:
+        print(f"torch {torch.__version__}, ckptools {ck.__version__}, {os.cpu_count()} cores; medians of "
+              f"{args.repeat} interleaved rounds after a warm-up; torch_checkpointing: not measured")  # fmt: skip
+        for gib in args.gib:
+            result = bench(gib, args.repeat, args.rest, workdir)
+            print(f"\n{gib:g} GiB, one process")
+            print(f"{'row':<40}" + "".join(f"{names[w]:>10}" for w in names) + f"{'ck/DCP':>8}{'ck/floor':>9}")
+            for row, by in result.items():
+                cells = "".join(f"{by[w]:>10.3f}" if w in by else f"{'—':>10}" for w in names)
+                dcp_ratio = f"{by['ck'] / by['dcp']:>7.2f}x" if by.get("dcp") else f"{'':>8}"
+                floor = by.get("write") or by.get("copy")  # a save's floor: write + fsync; else the copy's
+                print(f"{row:<40}{cells}{dcp_ratio}" + (f"{by['ck'] / floor:>8.2f}x" if floor else ""), flush=True)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
