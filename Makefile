@@ -8,7 +8,7 @@ TORCH_PIN := torch==2.13.0
 STAMP := $(VENV)/.installed
 INTEROP_STAMP := $(VENV)/.interop
 
-.PHONY: test lint e2e-loop stress fuzz bench demo venv clean interop golden dist docs lightning-suite accelerate-suite gpu compat compat-full
+.PHONY: fuse test lint e2e-loop stress fuzz bench demo venv clean interop golden dist docs lightning-suite accelerate-suite gpu compat compat-full
 
 $(STAMP): pyproject.toml Makefile ckptools/_version.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,16 @@ $(STAMP): pyproject.toml Makefile ckptools/_version.py
 	$(PY) -m pip install -q $(TORCH_PIN)
 	echo "$(TORCH_PIN)" > $(VENV)/torch-constraint.txt
 	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[dev,s3,docs]'
+	$(MAKE) -s fuse
 	touch $(STAMP)
+
+# FUSE for the slow and stuck storage tests (tests/_slowfs.py): Debian's fuse3 (fusermount3, libfuse3), where
+# this user may install it; without it those tests skip, saying why.
+fuse:
+	@command -v fusermount3 >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ timeout 300 apt-get install -y -q fuse3 >/dev/null 2>&1 || \
+		  { timeout 300 apt-get update -q >/dev/null 2>&1 && timeout 300 apt-get install -y -q fuse3 >/dev/null 2>&1; }; }; } \
+		|| echo "make fuse: fusermount3 is not installed here; the FUSE tests skip"
 
 venv: $(STAMP)
 
