@@ -23,8 +23,8 @@ $(STAMP): pyproject.toml Makefile ckptools/_version.py
 # this user may install it; without it those tests skip, saying why.
 fuse:
 	@command -v fusermount3 >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-		{ timeout 300 apt-get install -y -q fuse3 >/dev/null 2>&1 || \
-		  { timeout 300 apt-get update -q >/dev/null 2>&1 && timeout 300 apt-get install -y -q fuse3 >/dev/null 2>&1; }; }; } \
+		{ timeout 120 apt-get install -y -q fuse3 >/dev/null 2>&1 || \
+		  { timeout 120 apt-get update -q >/dev/null 2>&1 && timeout 120 apt-get install -y -q fuse3 >/dev/null 2>&1; }; }; } \
 		|| echo "make fuse: fusermount3 is not installed here; the FUSE tests skip"
 
 venv: $(STAMP)
