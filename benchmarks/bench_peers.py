@@ -239,18 +239,63 @@ def bench(gib: float, repeat: int, rest: float, workdir: str) -> dict[str, dict[
     return {row: {who: statistics.median(v) for who, v in by.items()} for row, by in rows.items()}
 
 
+def niceness(gib: float, repeat: int, rest: float, workdir: str) -> None:
+    """``ck.async_save``'s background write at the step's priority and 10 nicer (what ckptools does), in
+    alternating rounds: a step's time during the persist over an idle step, and the time to durable."""
+    from ckptools.write import writer_thread
+
+    model = _model(gib, 0)
+    payload = {"model": model.state_dict(), "step": 1}
+    step = _step_fn()
+    count = iter(range(40))
+    idle = statistics.median(_steps_while(step, lambda: next(count, None) is not None)[5:])
+    real = writer_thread.yield_to_the_step
+    path = os.path.join(workdir, "ck.pt")
+    found: dict[str, dict[str, list[float]]] = {
+        "nicer": {"step": [], "durable": []},
+        "same": {"step": [], "durable": []},
+    }
+    for round_ in range(2 * (repeat + 1)):
+        how = "nicer" if round_ % 2 == 0 else "same"
+        writer_thread.yield_to_the_step = real if how == "nicer" else (lambda niceness=0: None)  # type: ignore[misc]
+        _fresh(path)
+        time.sleep(rest)
+        t = time.perf_counter()
+        handle = ck.async_save(path, payload)
+        steps = _steps_while(step, lambda handle=handle: not handle.done())  # type: ignore[misc]
+        handle.wait()
+        if round_ >= 2:  # the first of each is a warm-up
+            found[how]["step"].append(statistics.median(steps) / idle)
+            found[how]["durable"].append(time.perf_counter() - t)
+    writer_thread.yield_to_the_step = real
+    ck.release_staging_buffers()
+    print(f"\n{gib:g} GiB, ck.async_save's background write: medians of {repeat} alternating rounds")
+    for how, label in (("same", "at the step's priority"), ("nicer", "10 nicer (ckptools)")):
+        print(f"  {label:<26} step during persist / idle {statistics.median(found[how]['step']):.2f}, "
+              f"time to durable {statistics.median(found[how]['durable']):.2f} s")  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gib", type=float, nargs="+", default=[0.25, 1.0])
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--rest", type=float, default=2.0, help="seconds of rest before each write")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir under cwd)")
+    parser.add_argument("--niceness", action="store_true", help="only: the background write's priority, A/B")
     args = parser.parse_args()
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=datetime.timedelta(600)
     )
     workdir = tempfile.mkdtemp(prefix="ckptools-bench-peers-", dir=args.dir or os.getcwd())
     names = {"ck": "ckptools", "dcp": "DCP", "torch": "torch", "copy": "cp/copy", "write": "write"}
+    if args.niceness:
+        try:
+            for gib in args.gib:
+                niceness(gib, args.repeat, args.rest, workdir)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+            dist.destroy_process_group()
+        return
     try:
         print(f"torch {torch.__version__}, ckptools {ck.__version__}, {os.cpu_count()} cores; medians of "
               f"{args.repeat} interleaved rounds after a warm-up; torch_checkpointing: not measured")  # fmt: skip

@@ -252,3 +252,27 @@ def test_manager_blocking_false_prunes_only_after_the_commit(tmp_path):
     finally:
         zip_writer.write_shares = real
         gate.set()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux's")
+def test_the_background_write_runs_below_the_steps_priority_and_a_sync_save_leaves_it_alone(tmp_path, monkeypatch):
+    """Issue 67: while an async save's write runs, the loop's step took a core from it on 2 cores; the write
+    (its page-cache copies and CRC-32s) runs 10 nicer than the process; a sync save, on the caller's thread,
+    changes nothing of the caller's priority."""
+    from ckptools import saving
+
+    seen: list[tuple[str, int]] = []
+    real = saving.write_alone
+
+    def recording(location, payload):
+        seen.append((threading.current_thread().name, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())))
+        return real(location, payload)
+
+    monkeypatch.setattr(saving, "write_alone", recording)
+    process = os.getpriority(os.PRIO_PROCESS, 0)
+    ck.async_save(tmp_path / "a.pt", {"w": torch.ones(4)}).wait()
+    ck.save(tmp_path / "s.pt", {"w": torch.ones(4)})
+    (background_name, background_nice), (caller_name, caller_nice) = seen
+    assert background_name != threading.current_thread().name and background_nice == min(19, process + 10)
+    assert caller_name == threading.current_thread().name and caller_nice == process
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == process

@@ -9,10 +9,8 @@ spare slot into place. `COMMITS` holds each folder's commit in flight; the next 
 
 from __future__ import annotations
 
-import contextlib
 import os
 import queue
-import sys
 import threading
 from collections.abc import Callable
 
@@ -20,7 +18,7 @@ from .. import log
 from ..collective.agree import Agreement
 from ..collective.group import all_gather_object
 from ..storage import crc32
-from ..write import Share
+from ..write import Share, yield_to_the_step
 from .slots import MappedSlot
 
 __all__ = ["COMMITS", "Commits", "crc32s", "finish_snapshot", "said"]
@@ -88,15 +86,10 @@ COMMIT_NICENESS = 10
 
 
 def _yield_to_the_step() -> None:
-    """Lower this thread's CPU priority (Linux: per thread) by `COMMIT_NICENESS`: where the step
-    keeps every core busy (training on the CPU, a data pipeline's workers), the commit runs in its
-    gaps instead of taking a core from it (docs/benchmarks.md, "Inside the HF Trainer and
-    Lightning"). A commit that waits longer loses no step: a step counts once its copy is
-    whole (ckptools.node.sealing); only the next snapshot's wait for it could grow."""
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):  # raising one's own niceness is always allowed; a sandbox may say no
-            me = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + COMMIT_NICENESS))
+    """This commit thread behind the step, by `COMMIT_NICENESS` (`ckptools.write.yield_to_the_step`): a commit
+    that waits longer loses no step: a step counts once its copy is whole (ckptools.node.sealing); only the next
+    snapshot's wait for it could grow (docs/benchmarks.md, "Inside the HF Trainer and Lightning")."""
+    yield_to_the_step(COMMIT_NICENESS)
 
 
 def _commit_thread(commits: queue.SimpleQueue[_Commit]) -> None:

@@ -43,7 +43,7 @@ from .plan import Plan, Share, check_writers, choose, make_plan, plain_optimizer
 from .replicas import compare_now, compare_replicas, replica_digests, replicas_switch, what_to_compare
 from .shares import locate, plan_shares, write_and_commit, write_share_in_background
 from .staging import Stager, StagingBuffers, copy_bytes, whole_storage
-from .writer_thread import BackgroundWriter
+from .writer_thread import BackgroundWriter, yield_to_the_step
 from .zip_writer import write_directory
 
 __all__ = [
@@ -89,6 +89,7 @@ __all__ = [
     "write_directory",
     "write_file",
     "write_share_in_background",
+    "yield_to_the_step",
 ]
 
 
