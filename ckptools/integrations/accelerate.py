@@ -44,6 +44,7 @@ from ..layouts import (
     MANIFEST,
     AccelerateLayout,
     accelerate_file,
+    accelerate_pattern,
     check_folder,
     files_whole,
     write_manifest,
@@ -58,6 +59,7 @@ __all__ = ["attach", "latest_complete_state", "load_state", "save_state"]
 _ORIGINALS = "_ckptools_originals"  # on an attached Accelerator: its own (save_state, load_state)
 
 PARTIAL = ".ckptools-partial"
+_SAMPLERS = accelerate_pattern("sampler", "dl_state_dict")  # read by load_state where present
 _NUMBERED = re.compile(r"^(?!\.).*?(\d+)$")
 
 
@@ -190,7 +192,7 @@ def _read_by_load(accelerator: Any, input_dir: str) -> list[str] | None:
     names += [accelerate_file("custom", i) for i in range(len(accelerator._custom_objects))]
     # save_state's last file: a torn folder lacks it.
     names.append(accelerate_file("random_states", rank=accelerator.process_index))
-    present = [n for n in os.listdir(input_dir) if re.match(r"^(sampler|dl_state_dict)(_\d+)?\.bin$", n)]
+    present = [n for n in os.listdir(input_dir) if _SAMPLERS.match(n)]
     return names + sorted(present)
 
 

@@ -21,18 +21,17 @@ last log (``total_flos``, a reported figure): those two are as of the Trainer's 
 from __future__ import annotations
 
 import json
-import re
 from typing import Any
 
 import torch
 
-from ..layouts import TRAINER
+from ..layouts import TRAINER, TRAINER_FOLDERS
 from ..node import snapshot_to_folder
 
 __all__ = ["snapshot_to_folder"]
 
 PREFIX = TRAINER.prefix  # trainer-snapshot-0000000123.pt; the keeper persists these as checkpoint-123/
-CHECKPOINT_FOLDER: re.Pattern[str] = TRAINER.folders or re.compile("")  # the Trainer's folders, the step in group 1
+CHECKPOINT_FOLDER = TRAINER_FOLDERS  # the Trainer's folders, the step in group 1
 
 
 def capture(args: Any, state: Any, control: Any, model: Any, optimizer: Any, lr_scheduler: Any) -> dict[str, Any]:

@@ -41,7 +41,7 @@ from ..codecs.torchzip import ZIP_MAGIC
 from ..errors import CheckpointError
 from ..storage import TMP_MARKER, atomic_write, crc32_range, fsync_dir, open_local
 from ..text import plural
-from .frameworks import TRAINER, accelerate_pattern
+from .frameworks import TRAINER_FOLDERS, accelerate_pattern
 from .named import writer_for
 from .safetensors_file import SAFETENSORS_FILE
 from .torch_file import TORCH_FILE
@@ -61,7 +61,6 @@ __all__ = [
 
 MANIFEST = "ckptools-manifest.json"
 TRAINER_STATE = "trainer_state.json"
-_TRAINER_FOLDER = TRAINER.folders or re.compile("")  # the Trainer's checkpoint-N/ (its entry in frameworks.py)
 # Names only the Trainer writes (optimizer.pt and scheduler.pt are too common to tell anything).
 _TRAINER_FILES = re.compile(r"^(training_args\.bin|rng_state(_\d+)?\.pth)$")
 _PICKLE = b"\x80"  # the first byte of a pickle stream (protocol 2 and later): a legacy torch file
@@ -152,7 +151,7 @@ def _fsync_file(path: str) -> None:
 
 def is_trainer_folder(folder: str, names: Collection[str]) -> bool:
     """Whether ``folder`` was written by the HF Trainer's ``_save_checkpoint`` (by its name or its files)."""
-    if _TRAINER_FOLDER.match(os.path.basename(folder.rstrip("/"))):
+    if TRAINER_FOLDERS.match(os.path.basename(folder.rstrip("/"))):
         return True
     return any(_TRAINER_FILES.match(n) for n in names) or TRAINER_STATE in names
 

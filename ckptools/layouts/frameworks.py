@@ -30,6 +30,7 @@ __all__ = [
     "LIGHTNING",
     "MANAGER_RESUMES",
     "TRAINER",
+    "TRAINER_FOLDERS",
     "AccelerateLayout",
     "Framework",
     "accelerate_file",
@@ -69,10 +70,11 @@ class Framework:
         return function
 
 
+TRAINER_FOLDERS = re.compile(r"^checkpoint-(\d+)$")  # the HF Trainer's checkpoint-N/ folders, the step in group 1
 TRAINER = Framework(
     "the HF Trainer (CkptoolsCallback)",
     "trainer-snapshot",
-    folders=re.compile(r"^checkpoint-(\d+)$"),
+    folders=TRAINER_FOLDERS,
     write_out="ckptools.node.write_outs:snapshot_to_folder",
     resumes="is newer than every checkpoint-N folder: latest_complete_checkpoint writes it out and the Trainer "
     "resumes from it",

@@ -34,7 +34,7 @@ from ..codecs.record import Record, record_of
 from ..errors import CheckpointFormatError
 from ..layouts import (
     ACCELERATE_GRADIENTS,
-    TRAINER,
+    TRAINER_FOLDERS,
     AccelerateLayout,
     accelerate_file,
     check_folder,
@@ -55,7 +55,6 @@ __all__ = [
 ]
 
 GRADIENTS_ENTRY = "ckptools.gradients"  # ckptools.owned.gradients.GRADIENTS_KEY, as the snapshot holds it
-_TRAINER_FOLDER: re.Pattern[str] = TRAINER.folders or re.compile("")  # checkpoint-123/, the step in group 1
 
 
 # The HF Trainer's checkpoint-N/ folder.
@@ -65,7 +64,7 @@ def newest_folder_step(output_dir: str) -> int:
         names = os.listdir(output_dir)
     except FileNotFoundError:
         return -1
-    return max((int(m.group(1)) for n in names if (m := _TRAINER_FOLDER.match(n))), default=-1)
+    return max((int(m.group(1)) for n in names if (m := TRAINER_FOLDERS.match(n))), default=-1)
 
 
 def snapshot_to_folder(snapshot: str, output_dir: str) -> str | None:

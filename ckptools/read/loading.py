@@ -8,7 +8,6 @@ on every rank. Files of every layout are read through `ckptools.layouts`.
 from __future__ import annotations
 
 import time
-import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -25,6 +24,7 @@ from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     UnsafeCheckpointError,
+    deprecated,
     weights_only_switch,
 )
 from ..layouts import is_lightning_checkpoint, read_checkpoint, read_weights, record_of
@@ -119,12 +119,12 @@ def load(
     location = resolve(path)
     state = state or {}
     if trust_code is not None:  # one switch: torch's (and the contract's) name for load
-        warnings.warn("ck.load(trust_code=...) is deprecated and goes in 0.5: pass weights_only=False for a file you "
-                      "trust (trust_code=True is the same)", DeprecationWarning, stacklevel=3)  # fmt: skip
+        deprecated("ck.load(trust_code=...) is deprecated and goes in 0.5: pass weights_only=False for a file you "
+                   "trust (trust_code=True is the same)")  # fmt: skip
         weights_only = weights_only and not trust_code
     if broadcast is not None:  # one switch for who reads: read=
-        warnings.warn("ck.load(broadcast=...) is deprecated and goes in 0.6: pass read='rank0' (broadcast=True is "
-                      "the same)", DeprecationWarning, stacklevel=3)  # fmt: skip
+        deprecated("ck.load(broadcast=...) is deprecated and goes in 0.6: pass read='rank0' (broadcast=True is "
+                   "the same)")  # fmt: skip
         if broadcast and read not in ("auto", "rank0"):
             raise ValueError(f"broadcast=True is read='rank0'; it contradicts read={read!r}")
         read = "rank0" if broadcast else read
