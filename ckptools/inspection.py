@@ -6,13 +6,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import CheckpointFormatError, CheckpointLayoutError, NotChecksummedError, deprecated, weights_only_switch
-from .layouts import open_checkpoint
+from .layouts import open_checkpoint, open_location
 from .read import META_KEY, loaded_weights
 from .state_dict import strip_wrappers, tensor_identity
-from .storage import PathLike, fspath
+from .storage import PathLike, fspath, resolve
 from .view import CheckpointView
 
-__all__ = ["diff", "inspect", "verify", "verify_report"]
+__all__ = ["diff", "inspect", "judge", "verify", "verify_report"]
 
 
 def inspect(path: PathLike, *, weights_only: bool = True, trust_code: bool | None = None) -> dict[str, Any]:
@@ -64,7 +64,7 @@ def verify(path: PathLike, *, weights_only: bool = True, trust_code: bool | None
         >>> ck.verify("/tmp/f.pt")
         "torch zip, every record's CRC-32 matches, 1 tensor loaded"
     """
-    report, damage = _judge(path, weights_only_switch(weights_only, trust_code, "ck.verify"), strict)
+    report, damage = judge(path, weights_only_switch(weights_only, trust_code, "ck.verify"), strict)
     if damage is not None:
         raise damage
     if not report["passed"]:
@@ -99,14 +99,15 @@ def verify_report(
         >>> ck.verify_report("/tmp/r.pt")["status"]
         'ok'
     """
-    return _judge(path, weights_only_switch(weights_only, trust_code, "ck.verify_report"), strict)[0]
+    return judge(path, weights_only_switch(weights_only, trust_code, "ck.verify_report"), strict)[0]
 
 
-def _judge(path: PathLike, weights_only: bool, strict: bool) -> tuple[dict[str, Any], CheckpointFormatError | None]:
-    """The one place a verdict is decided: `verify_report`'s dict, and the damage found (or None)."""
+def judge(path: PathLike, weights_only: bool, strict: bool) -> tuple[dict[str, Any], CheckpointFormatError | None]:
+    """The one place a verdict is decided: `verify_report`'s dict, and the damage found (or None); what
+    ``ckpt verify`` asks (the switch in its one spelling)."""
     path = fspath(path)
     try:
-        found = open_checkpoint(path, weights_only=weights_only).verify()
+        found = open_location(resolve(path), weights_only=weights_only).verify()
     except CheckpointLayoutError:
         raise  # a valid file of another kind is never called damaged
     except CheckpointFormatError as damage:

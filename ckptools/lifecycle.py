@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from .collective.group import barrier
 from .node import release
-from .write import finish_pending
+from .storage import finish_pending
 
 __all__ = ["end_job", "finish_pending"]
 

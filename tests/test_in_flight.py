@@ -8,7 +8,8 @@ import time
 import torch
 
 import ckptools as ck
-from ckptools.storage import in_flight, resolve
+from ckptools.storage import paths as in_flight
+from ckptools.storage import resolve
 
 
 def test_a_reader_of_a_path_in_flight_waits_for_its_write(tmp_path):

@@ -111,7 +111,7 @@ def verify(
 
     def body() -> int:
         from ..errors import CheckpointError, CheckpointLayoutError
-        from ..inspection import verify_report
+        from ..inspection import judge as verdict
         from .runs import run_folder
 
         reports: list[dict[str, Any]] = []
@@ -119,7 +119,7 @@ def verify(
         shown: list[str | dict[str, Any]] = []  # what to print, in the order of the paths: headers and reports
 
         def judge(path: str, where: str = "") -> None:
-            report = verify_report(path, weights_only=not trust, strict=strict)
+            report = verdict(path, weights_only=not trust, strict=strict)[0]
             report = {**report, "line": report["line"] + where}
             reports.append(report)
             shown.append(report)

@@ -35,7 +35,7 @@ from ..view import CheckpointView, TensorInfo
 from .base import Layout, Transform
 from .dcp import DCP_FOLDER
 from .export import Planned, safetensors_plan
-from .folder_check import MANIFEST, check_folder, files_whole, is_trainer_folder, write_manifest
+from .folder_check import MANIFEST, check_folder, files_whole, write_manifest
 from .frameworks import (
     ACCELERATE,
     ACCELERATE_GRADIENTS,
@@ -49,6 +49,7 @@ from .frameworks import (
     accelerate_pattern,
     all_frameworks,
     framework_of,
+    is_trainer_folder,
 )
 from .hf_folder import HUGGING_FACE_FOLDER, MODEL_FILES
 from .named import writer_for
@@ -90,6 +91,7 @@ __all__ = [
     "is_lightning_checkpoint",
     "load_file",
     "open_checkpoint",
+    "open_location",
     "plan_safetensors",
     "read_checkpoint",
     "read_weights",
@@ -161,9 +163,14 @@ def open_checkpoint(path: PathLike, *, weights_only: bool = True, trust_code: bo
         >>> view.format, [t.name for t in view.tensors], view.entries["step"]
         ('torch zip', ['model.w'], '3')
     """
-    location = resolve(path)
-    trust = not weights_only_switch(weights_only, trust_code, "ck.open_checkpoint")
-    return detect(location).open(location, trust_code=trust)
+    weights_only = weights_only_switch(weights_only, trust_code, "ck.open_checkpoint")
+    return open_location(resolve(path), weights_only=weights_only)
+
+
+def open_location(location: Location, *, weights_only: bool = True) -> CheckpointView:
+    """`open_checkpoint` of a resolved ``location``, the switch in its one spelling: what ckptools' own
+    callers (``ckpt verify``) open a checkpoint with."""
+    return detect(location).open(location, trust_code=not weights_only)
 
 
 def read_weights(

@@ -41,7 +41,7 @@ from ..codecs.torchzip import ZIP_MAGIC
 from ..errors import CheckpointError
 from ..storage import TMP_MARKER, atomic_write, crc32_range, fsync_dir, open_local
 from ..text import plural
-from .frameworks import TRAINER_FOLDERS, accelerate_pattern
+from .frameworks import ACCELERATE_RNG, ACCELERATE_STATE, TRAINER_STATE, is_accelerate_folder, is_trainer_folder
 from .named import writer_for
 from .safetensors_file import SAFETENSORS_FILE
 from .torch_file import TORCH_FILE
@@ -54,19 +54,11 @@ __all__ = [
     "file_crc32",
     "files_whole",
     "folder_files",
-    "is_accelerate_folder",
-    "is_trainer_folder",
     "write_manifest",
 ]
 
 MANIFEST = "ckptools-manifest.json"
-TRAINER_STATE = "trainer_state.json"
-# Names only the Trainer writes (optimizer.pt and scheduler.pt are too common to tell anything).
-_TRAINER_FILES = re.compile(r"^(training_args\.bin|rng_state(_\d+)?\.pth)$")
 _PICKLE = b"\x80"  # the first byte of a pickle stream (protocol 2 and later): a legacy torch file
-# What Accelerator.save_state writes beside the model (accelerate/utils/constants.py), by name.
-_ACCELERATE_RNG = accelerate_pattern("random_states")
-_ACCELERATE_STATE = accelerate_pattern("optimizer", "scheduler", "sampler", "dl_state_dict")
 # Its weights, either name with either suffix (wider than accelerate_file's two), or their sharded index.
 _ACCELERATE_MODEL = re.compile(
     r"^(model|pytorch_model)(_\d+)?\.(safetensors|bin)$|^(model\.safetensors|pytorch_model\.bin)\.index\.json$"
@@ -147,25 +139,6 @@ def _fsync_file(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def is_trainer_folder(folder: str, names: Collection[str]) -> bool:
-    """Whether ``folder`` was written by the HF Trainer's ``_save_checkpoint`` (by its name or its files)."""
-    if TRAINER_FOLDERS.match(os.path.basename(folder.rstrip("/"))):
-        return True
-    return any(_TRAINER_FILES.match(n) for n in names) or TRAINER_STATE in names
-
-
-def is_accelerate_folder(names: Collection[str]) -> bool:
-    """Whether a folder holding ``names`` was written by Accelerate's ``save_state`` (by its files).
-
-    Examples:
-        >>> is_accelerate_folder(["model.safetensors", "random_states_0.pkl"])
-        True
-        >>> is_accelerate_folder(["model.safetensors"])
-        False
-    """
-    return any(_ACCELERATE_RNG.match(n) or _ACCELERATE_STATE.match(n) for n in names)
 
 
 def check_folder(folder: str, *, verify: bool = True, skip: Collection[str] = ()) -> FolderCheck:
@@ -264,7 +237,7 @@ def _check_accelerate(folder: str, names: list[str], found: FolderCheck) -> str 
         return f"{', '.join(sorted(temporary)[:3])} is a temporary file: a save_state that did not finish"
     if not any(_ACCELERATE_MODEL.match(n) for n in names):
         return "no model file (model.safetensors, pytorch_model.bin or their shards), which save_state writes first"
-    ranks = sorted(int(m[1]) for m in map(_ACCELERATE_RNG.match, names) if m)
+    ranks = sorted(int(m[1]) for m in map(ACCELERATE_RNG.match, names) if m)
     if not ranks:
         return "no random_states_<rank>.pkl: save_state writes one per process, last, so it did not finish"
     missing = sorted(set(range(ranks[-1] + 1)) - set(ranks))
@@ -288,8 +261,8 @@ def _check_accelerate(folder: str, names: list[str], found: FolderCheck) -> str 
                 pass
         except (ValueError, EOFError) as err:
             return f"{name} is cut short ({len(data)} bytes: {err}); save_state did not finish"
-    optimizers = any(n.startswith("optimizer") and _ACCELERATE_STATE.match(n) for n in names)
-    if not optimizers and any(n.startswith("scheduler") and _ACCELERATE_STATE.match(n) for n in names):
+    optimizers = any(n.startswith("optimizer") and ACCELERATE_STATE.match(n) for n in names)
+    if not optimizers and any(n.startswith("scheduler") and ACCELERATE_STATE.match(n) for n in names):
         return "a scheduler*.bin without any optimizer*.bin, which save_state writes before it"
     found.said.append(
         f"Accelerate's files: a model file, {'random_states_0' if len(ranks) == 1 else f'random_states_0..{ranks[-1]}'}"

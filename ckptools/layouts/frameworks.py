@@ -1,4 +1,5 @@
-"""The frameworks whose snapshots ckptools keeps in node memory, one entry each (torch-free).
+"""The frameworks whose snapshots ckptools keeps in node memory, one entry each, and how a folder one
+of them wrote is told by its names (torch-free).
 
 The keeper (what it writes a dead job's newest snapshot out as), a run folder's listing (`ckpt info
 RUN_DIR`, `ckpt verify RUN_DIR`) and `ckptools.node.names` (the snapshots' file names) read this
@@ -16,8 +17,9 @@ Examples:
 from __future__ import annotations
 
 import importlib
+import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
@@ -26,17 +28,22 @@ from ..errors import CheckpointFormatError
 __all__ = [
     "ACCELERATE",
     "ACCELERATE_GRADIENTS",
+    "ACCELERATE_RNG",
+    "ACCELERATE_STATE",
     "FRAMEWORKS",
     "LIGHTNING",
     "MANAGER_RESUMES",
     "TRAINER",
     "TRAINER_FOLDERS",
+    "TRAINER_STATE",
     "AccelerateLayout",
     "Framework",
     "accelerate_file",
     "accelerate_pattern",
     "all_frameworks",
     "framework_of",
+    "is_accelerate_folder",
+    "is_trainer_folder",
 ]
 
 
@@ -148,6 +155,35 @@ def accelerate_pattern(*kinds: str) -> re.Pattern[str]:
             stem, suffix = base.split(".", 1)
             alternatives.append(re.escape(stem) + r"(?:_\d+)?\." + re.escape(suffix))
     return re.compile("^(?:" + "|".join(alternatives) + ")$")
+
+
+# What Accelerator.save_state writes beside the model, by name.
+ACCELERATE_RNG = accelerate_pattern("random_states")
+ACCELERATE_STATE = accelerate_pattern("optimizer", "scheduler", "sampler", "dl_state_dict")
+
+
+TRAINER_STATE = "trainer_state.json"  # the Trainer's last file of a checkpoint-N/ folder
+# Names only the Trainer writes (optimizer.pt and scheduler.pt are too common to tell anything).
+_TRAINER_FILES = re.compile(r"^(training_args\.bin|rng_state(_\d+)?\.pth)$")
+
+
+def is_trainer_folder(folder: str, names: Collection[str]) -> bool:
+    """Whether ``folder`` was written by the HF Trainer's ``_save_checkpoint`` (by its name or its files)."""
+    if TRAINER_FOLDERS.match(os.path.basename(folder.rstrip("/"))):
+        return True
+    return any(_TRAINER_FILES.match(n) for n in names) or TRAINER_STATE in names
+
+
+def is_accelerate_folder(names: Collection[str]) -> bool:
+    """Whether a folder holding ``names`` was written by Accelerate's ``save_state`` (by its files).
+
+    Examples:
+        >>> is_accelerate_folder(["model.safetensors", "random_states_0.pkl"])
+        True
+        >>> is_accelerate_folder(["model.safetensors"])
+        False
+    """
+    return any(ACCELERATE_RNG.match(n) or ACCELERATE_STATE.match(n) for n in names)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,8 @@ from ..errors import CheckpointFormatError, CheckpointLayoutError
 from ..storage import Location
 from ..view import CheckpointView, Verification
 from .base import Layout, Transform
-from .folder_check import check_folder, is_accelerate_folder, is_trainer_folder
+from .folder_check import check_folder
+from .frameworks import is_accelerate_folder, is_trainer_folder
 from .sharded import rename_in_folder, weights_layout
 
 # What Accelerator.save_state writes beside the model (accelerate/utils/constants.py).

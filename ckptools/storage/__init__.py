@@ -5,15 +5,15 @@ Paths stay ``str`` throughout, because a URL run through ``pathlib.Path`` loses 
 ===========  ==============================================================================
 module       its one job
 ===========  ==============================================================================
-paths.py     a path or URL resolved once (`Location`), joins, listings, temporary names
+paths.py     a path or URL resolved once (`Location`), joins, listings, temporary names and the
+             ones a writer that is gone left behind; what is in flight in this process (a path's
+             background write, which resolving it waits for; the async save, finished first)
 writes.py    atomic writes: local (temporary file, fsync, rename, directory fsync), S3
              (a streamed multipart upload, completed last), other stores (one PUT or a move)
 reads.py     a local file opened once and checked on its descriptor, a remote one fetched once;
              byte ranges copied or CRC-32-checked, progress
 checksum.py  CRC-32, through ISA-L where installed (seven times zlib's speed)
 private.py   folders only this user can change (node memory in a folder every local user shares)
-in_flight.py writes in flight in this process, by path: whoever resolves the path waits for them
-leftovers.py which temporaries a writer that is gone left behind
 processes.py whether a process runs, when it started, whether it is this user's
 ===========  ==============================================================================
 
@@ -23,27 +23,33 @@ Everything else imports from this package, never from its modules.
 from __future__ import annotations
 
 from .checksum import FAST_CRC32, crc32
-from .in_flight import announce as announce_write
-from .in_flight import wait_for as wait_for_write
-from .leftovers import STALE_TMP_SECONDS, abandoned_tmps, is_abandoned_tmp
 from .paths import (
+    STALE_TMP_SECONDS,
     TMP_MARKER,
     Location,
     PathLike,
+    abandoned_tmps,
     file_size,
+    finish_pending,
+    forget_pending,
     fresh_tmp,
     fspath,
     fsync_dir,
     get_filesystem,
     host,
+    is_abandoned_tmp,
     is_local,
     is_object_store,
     join,
     list_files,
+    pending,
     remove,
     resolve,
+    set_pending,
     tmp_name,
 )
+from .paths import announce as announce_write
+from .paths import wait_for as wait_for_write
 from .private import make_private, owner_name, private_problem
 from .processes import pid_alive, process_of_mine, process_start
 from .reads import (
@@ -79,6 +85,8 @@ __all__ = [
     "crc32",
     "crc32_range",
     "file_size",
+    "finish_pending",
+    "forget_pending",
     "fresh_tmp",
     "fspath",
     "fsync_dir",
@@ -95,6 +103,7 @@ __all__ = [
     "open_for_read",
     "open_local",
     "owner_name",
+    "pending",
     "pid_alive",
     "pinned",
     "private_problem",
@@ -106,6 +115,7 @@ __all__ = [
     "remove",
     "report_progress",
     "resolve",
+    "set_pending",
     "streams_multipart",
     "tmp_name",
     "wait_for_write",

@@ -1,38 +1,63 @@
-"""Where a file is: a path or URL resolved once into a `Location`, names, listings, temporary names."""
+"""Where a file is: a path or URL resolved once into a `Location`, names, listings, temporary names
+and which of them a writer that is gone left behind; and what is in flight in this process (a
+background write of a path, which resolving that path waits for; the one async save, which every
+checkpoint call finishes first).
+
+A background writer (the Lightning async plugin's, an async save's) returns to its caller before the
+file exists. Anything in this process that then resolves the same path through ckptools (a load by
+another plugin instance, ``ck.load``, ``ckpt verify``, a removal, another save) waits for that write
+first, so that it never sees the previous file, or none, where the caller already saved one.
+
+    >>> handle = announce("/tmp/in-flight-example.pt")
+    >>> handle.done()
+    >>> wait_for("/tmp/in-flight-example.pt")  # nothing in flight: returns at once
+"""
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import secrets
 import shutil
 import socket
-from typing import Union
+import threading
+import time
+from typing import Protocol, Union
 
 import fsspec
 from fsspec.implementations.local import LocalFileSystem
 
-from . import in_flight
 from .processes import pid_alive
 
 __all__ = [
+    "STALE_TMP_SECONDS",
     "TMP_MARKER",
     "Location",
     "PathLike",
+    "Write",
+    "abandoned_tmps",
+    "announce",
     "file_size",
+    "finish_pending",
+    "forget_pending",
     "fresh_tmp",
     "fspath",
     "fsync_dir",
     "get_filesystem",
     "host",
+    "is_abandoned_tmp",
     "is_local",
     "is_object_store",
     "join",
     "list_files",
+    "pending",
     "remove",
     "resolve",
+    "set_pending",
     "tmp_name",
+    "wait_for",
 ]  # fmt: skip
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -127,13 +152,13 @@ class Location:
 def resolve(path: PathLike) -> Location:
     """Resolve a local path or an fsspec URL into a `Location`, once (a `Location` is returned as is).
 
-    A path whose write is in flight in this process (`ckptools.storage.in_flight`) is resolved once that
+    A path whose write is in flight in this process (`announce`) is resolved once that
     write ended: every operation on it sees the file its caller already saved.
     """
     if isinstance(path, Location):
         return path
     url = fspath(path)
-    in_flight.wait_for(url)  # a background write of this path in this process ends first
+    wait_for(url)  # a background write of this path in this process ends first
     fs, inner = fsspec.core.url_to_fs(url)
     return Location(url, fs, str(inner))
 
@@ -193,7 +218,7 @@ def tmp_name(name: str) -> str:
     """A unique temporary name for ``name`` in the same directory.
 
     It names its writer (host and pid), so a later save can tell a dead writer's leftover from
-    the file a live writer is still filling (see `ckptools.storage.leftovers.is_abandoned_tmp`).
+    the file a live writer is still filling (see `is_abandoned_tmp`).
     """
     return f".{name}{TMP_MARKER}{host()}-{os.getpid()}-{secrets.token_hex(4)}"
 
@@ -257,3 +282,137 @@ def remove(path: PathLike) -> None:
     fs, fpath = get_filesystem(path)
     with contextlib.suppress(FileNotFoundError):
         fs.rm_file(fpath)
+
+
+# A temporary file whose writer cannot be checked (another host) is treated as abandoned only
+# after this long without a change: a live writer touches its file continuously.
+STALE_TMP_SECONDS = 3600.0
+
+
+def _tmp_owner(name: str) -> tuple[str, int] | None:
+    tail = name.rpartition(TMP_MARKER)[2]
+    parts = tail.rsplit("-", 2)
+    if len(parts) != 3 or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
+
+
+def is_abandoned_tmp(path: PathLike) -> bool:
+    """Whether the temporary file at ``path`` was left by a writer that is gone.
+
+    True when its writer ran on this host and that process no longer exists, or when it has not
+    changed for `STALE_TMP_SECONDS` (a writer on another host, whose pid means nothing
+    here, or a pid since reused by another process). False while the writer may still be filling
+    it, so a second job writing into the same directory never has its file deleted under it.
+    """
+    path = fspath(path)
+    owner = _tmp_owner(path.rsplit("/", 1)[-1])
+    if owner is not None and owner[0] == host() and not pid_alive(owner[1]):
+        return True
+    fs, fpath = get_filesystem(path)
+    try:
+        modified = fs.modified(fpath)
+    except (OSError, NotImplementedError, ValueError):
+        return False
+    stamp = modified.timestamp() if hasattr(modified, "timestamp") else float(modified)
+    return time.time() - stamp > STALE_TMP_SECONDS
+
+
+def abandoned_tmps(directory: PathLike, start: str) -> list[str]:
+    """Paths of the temporary files in ``directory`` whose names begin with ``start`` and whose
+    writer is gone (`is_abandoned_tmp`): what a kill mid-save left, never a live writer's file."""
+    names = [name for name in list_files(directory) if name.startswith(start) and TMP_MARKER in name]
+    return [path for path in (join(directory, name) for name in names) if is_abandoned_tmp(path)]
+
+
+# What is in flight in this process: writes by path (`announce`), and the one async save.
+
+_LOCK = threading.Lock()
+_WRITES: dict[str, Write] = {}
+
+
+class Write:
+    """One announced write: `done` when it ended (written or failed). The thread that does the
+    write calls `doing` first, so that its own later look-ups of the path do not wait for itself."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        self.writer: int | None = None
+        self._ended = threading.Event()
+
+    def doing(self) -> None:
+        """Mark the calling thread as this write's writer."""
+        self.writer = threading.get_ident()
+
+    def done(self) -> None:
+        """The write ended: release every waiter and forget it."""
+        self._ended.set()
+        with _LOCK:
+            if _WRITES.get(self.key) is self:
+                del _WRITES[self.key]
+
+    def wait(self) -> None:
+        self._ended.wait()
+
+
+def _key(path: str) -> str:
+    return path if "://" in path else os.path.abspath(path)
+
+
+def announce(path: str) -> Write:
+    """Register a write of ``path`` that will end later (`Write.done`); replaces an earlier one."""
+    write = Write(_key(path))
+    with _LOCK:
+        _WRITES[write.key] = write
+    return write
+
+
+def wait_for(path: str) -> None:
+    """Block while a write of ``path`` announced in this process is in flight (not in its own writer)."""
+    with _LOCK:
+        write = _WRITES.get(_key(path))
+    if write is not None and write.writer != threading.get_ident():
+        write.wait()
+
+
+class _Waitable(Protocol):
+    def wait(self) -> str: ...
+
+
+_PENDING: list[_Waitable] = []  # the async save in flight, if any (`ckptools.write.AsyncSave`)
+
+
+def pending() -> _Waitable | None:
+    """The async save in flight (not yet waited for), or None."""
+    return _PENDING[0] if _PENDING else None
+
+
+def set_pending(handle: _Waitable) -> None:
+    """Hold ``handle`` as the async save in flight (`forget_pending` once its wait ended)."""
+    if _PENDING:
+        raise RuntimeError("an async save is already in flight; finish_pending() first")
+    _PENDING.append(handle)
+
+
+def forget_pending(handle: _Waitable) -> None:
+    """``handle``'s wait ended (written, failed or abandoned): it is no longer in flight."""
+    if _PENDING and _PENDING[0] is handle:
+        _PENDING.clear()
+
+
+def finish_pending() -> str | None:
+    """Collective: wait for the async save in flight, if any; its path (None if there was none).
+
+    Every checkpoint call (save, async_save, load, the manager's) calls this first, so at most
+    one save is ever in flight and a failed background write is raised on every rank at the
+    next checkpoint call at the latest.
+    """
+    handle = pending()
+    if handle is None:
+        return None
+    waited = time.monotonic()
+    path = handle.wait()
+    if time.monotonic() - waited > 1.0:
+        waited = time.monotonic() - waited
+        logging.getLogger("ckptools").debug("waited %.1f s for the background save of %s", waited, path)
+    return path

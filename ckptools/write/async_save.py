@@ -1,6 +1,7 @@
 """The async save's state in one place: its handle (`AsyncSave`: the writer thread, whether
-every rank wrote a share, the outcome ``wait()`` shares), and `SAVES`, which holds the save in flight
-and the stager its copies go into (`ckptools.write.staging.StagingBuffers`).
+every rank wrote a share, the outcome ``wait()`` shares), and `SAVES`, which holds the stager its copies
+go into (`ckptools.write.staging.StagingBuffers`); the save in flight is held where every checkpoint call
+finishes it first (`ckptools.storage.finish_pending`).
 
 The division of labour is fixed: the main thread stages the copy and runs every collective
 (in the same order on every rank); the writer thread, on each rank that writes (global rank 0, or
@@ -15,10 +16,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from .. import log
 from ..collective import agree
 from ..collective.arrival import entered
 from ..collective.group import all_gather_object, get_rank
+from ..storage import finish_pending, forget_pending, set_pending
+from ..storage import pending as held
 from .staging import StagingBuffers
 from .writer_thread import BackgroundWriter
 
@@ -26,13 +28,12 @@ __all__ = ["AsyncSave", "finish_pending", "pending", "release_staging_buffers", 
 
 
 class Saves:
-    """The async saves of this process: the one in flight (at most one; every rank holds its own
-    handle for it, only rank 0's has a thread, so every rank knows there is one to finish and the
-    finishing collective matches), and the stager their copies go into: one state's worth of host
-    memory, held between saves so the next one only copies."""
+    """The async saves of this process: the stager their copies go into, one state's worth of host
+    memory, held between saves so the next one only copies. The one in flight (at most one; every rank
+    holds its own handle for it, only rank 0's has a thread, so every rank knows there is one to finish
+    and the finishing collective matches) is `pending()`."""
 
     def __init__(self) -> None:
-        self.pending: AsyncSave | None = None
         self.stager = StagingBuffers()
 
 
@@ -59,7 +60,8 @@ def release_staging_buffers() -> int:
         >>> ck.release_staging_buffers()
         0
     """
-    if SAVES.pending is not None and not SAVES.pending.done():
+    handle = pending()
+    if handle is not None and not handle.done():
         raise RuntimeError("an async save is still writing from the staging buffers; wait() for it first")
     return SAVES.stager.release()
 
@@ -172,35 +174,12 @@ class AsyncSave:
                     self.join_writer()  # rank 0's writer gives up at once and removes its file
                 # Even when the exchange itself broke (a peer died): the group is gone then, and
                 # every later call must not try to finish this save again.
-                if SAVES.pending is self:
-                    SAVES.pending = None
+                forget_pending(self)
         self._agreement.raise_outcome(self._outcome, self._writer.error)
         return self.path
 
 
 def pending() -> AsyncSave | None:
     """The async save in flight (not yet waited for), or None."""
-    return SAVES.pending
-
-
-def set_pending(handle: AsyncSave) -> None:
-    if SAVES.pending is not None:
-        raise RuntimeError("an async save is already in flight; finish_pending() first")
-    SAVES.pending = handle
-
-
-def finish_pending() -> str | None:
-    """Collective: wait for the async save in flight, if any; its path (None if there was none).
-
-    Every checkpoint call (save, async_save, load, the manager's) calls this first, so at most
-    one save is ever in flight and a failed background write is raised on every rank at the
-    next checkpoint call at the latest.
-    """
-    handle = SAVES.pending
-    if handle is None:
-        return None
-    waited = time.monotonic()
-    path = handle.wait()
-    if time.monotonic() - waited > 1.0:
-        log.logger.debug("waited %.1f s for the background save of %s", time.monotonic() - waited, path)
-    return path
+    handle = held()
+    return handle if isinstance(handle, AsyncSave) else None

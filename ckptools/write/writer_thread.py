@@ -74,7 +74,7 @@ class BackgroundWriter:
         ``write`` returns the bytes of the file it committed, or None where another writer
         commits it (a rank's share with ``writers="all"``: nothing is logged as saved). With
         ``announce``, whoever resolves ``path`` in this process meanwhile waits for the write
-        (`ckptools.storage.in_flight`); with ``inline`` the write runs here, in the caller's thread.
+        (`ckptools.storage.announce_write`); with ``inline`` the write runs here, in the caller's thread.
         """
         started = time.monotonic() if started is None else started
         announced = announce_write(path) if announce else None
