@@ -29,6 +29,7 @@ from .errors import (
     NodeMemoryError,
     NotChecksummedError,
     ReplicaMismatchError,
+    StorageStalledError,
     UnsafeCheckpointError,
     UnsafeStateError,
 )
@@ -116,6 +117,7 @@ __all__ = [
     "ResumableDataLoader",
     "ResumableDistributedSampler",
     "SeededDataset",
+    "StorageStalledError",
     "TensorInfo",
     "UnsafeCheckpointError",
     "UnsafeStateError",

@@ -22,7 +22,7 @@ from .read import check_in_ranges, load, reads_in_ranges
 from .saving import async_save_with_hooks, save_with_hooks
 from .storage import PathLike, abandoned_tmps, fspath, join, list_files, remove, resolve
 from .training.process import ORPHANED_EXIT, leave
-from .write import AsyncSave, pending, release_staging_buffers
+from .write import AsyncSave, pending, release_staging_buffers, skip_behind
 
 __all__ = ["CheckpointManager"]
 
@@ -118,7 +118,8 @@ class CheckpointManager:
 
         ``step`` is recorded in the file's metadata too. With ``blocking=False`` the save goes through
         `ckptools.async_save`, pruning after its commit; the next checkpoint call (or `wait`) finishes
-        it, and raises on every rank if it failed.
+        it, and raises on every rank if it failed; one still writing (and moving) after one more stall is
+        skipped over with a warning, as slow storage must not hold the loop (docs/guarantees.md).
 
         Args:
             state: as for `ckptools.save`.
@@ -127,11 +128,12 @@ class CheckpointManager:
             **save_kwargs: passed to `ckptools.save` (``metadata=...``, ``writers=...``, ``replicas=...``).
 
         Returns:
-            The new checkpoint's path (where it will be, with ``blocking=False``).
+            The new checkpoint's path (where it will be, with ``blocking=False``; skipped: the one in flight).
 
         Raises:
             CheckpointError: the save failed (on every rank), or the async save before it did;
                 older checkpoints are untouched.
+            StorageStalledError: its write, or the one in flight, stalled (``CKPTOOLS_STALL_TIMEOUT``).
 
         Examples:
             >>> manager.save({"model": model, "optimizer": opt}, step=200)  # doctest: +SKIP
@@ -141,10 +143,8 @@ class CheckpointManager:
         metadata = {**dict(save_kwargs.pop("metadata", None) or {}), "step": step}
         save_kwargs.setdefault("where", "CheckpointManager.save")  # what a deprecated name's warning says
 
-        # Temporary files of a save that was killed: never loadable, only taking space (perhaps
-        # the space this save needs). Rank 0 removes them once the state passed save's checks,
-        # right before it writes; an error there must not escape, or the other ranks would wait
-        # in save() for a rank that left.
+        # A killed save's temporaries only take space (perhaps this save's): rank 0 removes them right before
+        # it writes; an error there must not escape, or the other ranks would wait for a rank that left.
         def cleanup() -> None:
             self._housekeeping(self._remove_leftovers, "clean up")
 
@@ -152,6 +152,9 @@ class CheckpointManager:
             self._housekeeping(lambda: self._prune(step), "prune")
 
         if not blocking:
+            behind = skip_behind(f"CheckpointManager.save(blocking=False) of step {step}")
+            if behind is not None:
+                return behind
             async_save_with_hooks(
                 path, state, metadata=metadata, before_write=cleanup, after_write=prune, **save_kwargs
             )
@@ -436,9 +439,8 @@ class CheckpointManager:
                 kwargs = load_kwargs
                 if not reads_in_ranges(resolve(where)):
                     return load(where, state, **kwargs)  # chosen by `latest`: every CRC-32 checked first
-            # A snapshot (its container checked by the survey) or an object chosen by its container: every
-            # record is checked as it is read, and a damaged one is a reason to choose again, as `latest`
-            # skips a damaged file on a local disk.
+            # A snapshot (its container checked by the survey) or an object chosen by its container: every record
+            # is checked as it is read; a damaged one means choosing again, as `latest` skips one on a local disk.
             try:
                 return load(where, state, **{"verify": True, **kwargs})
             except CheckpointError as err:

@@ -7,6 +7,7 @@ read back is the read wing's part (`ckptools.read`).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -21,7 +22,7 @@ from .devices import to_cpu
 from .layouts import TORCH_FILE, writer_for
 from .lifecycle import finish_pending
 from .state_dict import strip_wrappers, unwrap_model
-from .storage import Location, PathLike, fspath, resolve
+from .storage import Location, PathLike, fspath, resolve, watch, watched
 from .write import (
     AsyncSave,
     as_saved,
@@ -170,7 +171,9 @@ def save_with_hooks(
     state = start.state  # as saved (`as_saved`): a ZeRO optimizer as its ZeroEntry, open gradients
     planned = _shares(start, state, before_write, writers)
     if planned is None:
-        written = _on_rank0(start, state, lambda payload: _write(start.location, payload, before_write, start.written))
+        # Rank 0's write in a thread its main thread watches: a storage that makes no progress for the stall
+        # bound is a StorageStalledError on every rank, long before the others' wait times out.
+        written = _on_rank0(start, state, lambda payload: _watched_write(start, payload, before_write))
     else:
         written = write_and_commit(start.location, *planned)
     log.report("saved", start.path, start.started, written)
@@ -245,6 +248,31 @@ def _write(location: Location, payload: Any, before_write: Callable[[], None] | 
     if before_write is not None and not ran:
         before_write()
     return write_alone(location, payload)  # the save's path, resolved once by _begin
+
+
+def _watched_write(start: _Start, payload: Any, before_write: Callable[[], None] | None) -> int:
+    """Rank 0: `_write` in a thread of its own (file I/O only) that this thread watches; `StorageStalledError`
+    when the write makes no progress for the stall bound (`ckptools.storage.watch`: it is given up and
+    publishes nothing), which every rank raises."""
+    written: list[int] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        with watched():
+            try:
+                written.append(_write(start.location, payload, before_write, start.written))
+            except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
+                failed.append(err)
+
+    # A daemon: given up on, it may stay inside the storage until it answers; the process must still end.
+    thread = threading.Thread(target=run, name="ckptools-save", daemon=True)
+    thread.start()
+    stalled = watch(thread, start.path)
+    if stalled is not None:
+        raise stalled
+    if failed:
+        raise failed[0]
+    return written[0]
 
 
 def _on_rank0(start: _Start, state: Mapping[str, Any], then: Callable[[dict[str, Any]], Any]) -> Any:

@@ -41,6 +41,17 @@ def why_not() -> str | None:
     return None
 
 
+def set_control(control: Path | str, **changes: Any) -> None:
+    """Change a mount's behaviour through its CONTROL file (``rate=``, ``frozen=``), from any process: a rank
+    freezes the storage at the moment its scenario needs (`SlowMount.control` is the file)."""
+    control = Path(control)
+    current = json.loads(control.read_text()) if control.exists() else {}
+    current.update(changes)
+    tmp = control.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(current))
+    os.replace(tmp, control)
+
+
 class SlowMount:
     """One mount of the filesystem: ``path`` is where to write; `throttle`, `freeze`, `thaw` change it now."""
 
@@ -52,11 +63,7 @@ class SlowMount:
         self._proc: subprocess.Popen[bytes] | None = None
 
     def _set(self, **changes: Any) -> None:
-        current = json.loads(self.control.read_text()) if self.control.exists() else {}
-        current.update(changes)
-        tmp = self.control.with_suffix(".tmp")
-        tmp.write_text(json.dumps(current))
-        os.replace(tmp, self.control)
+        set_control(self.control, **changes)
 
     def throttle(self, bytes_per_second: float) -> None:
         """Every write from now on takes its length / ``bytes_per_second`` (0: no limit)."""

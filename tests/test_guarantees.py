@@ -355,6 +355,19 @@ CELLS: list[Cell] = [
          held_by="tests/test_second_user.py::test_a_folder_swapped_during_loads_never_gives_tensors_of_neither_file"),
     Cell("named", "local", "ckptools", "save (a rank fails to write)", 2,
          held_by="tests/test_faults.py::test_rank0_write_failures_raise_everywhere_and_lose_nothing"),
+    # slow and stuck storage: a FUSE mount throttled or frozen (tests/_slowfs.py)
+    Cell("stalled", "FUSE, frozen", "ckptools", "CheckpointManager.save", 2,
+         held_by="tests/test_slow_storage.py::"
+         "test_a_sync_save_to_a_stuck_storage_is_one_named_error_on_every_rank_within_the_bound"),
+    Cell("stalled", "FUSE, 2 MB/s then frozen", "ckptools", "CheckpointManager.save(blocking=False)", 2,
+         held_by="tests/test_slow_storage.py::"
+         "test_async_saves_skip_behind_a_slow_storage_and_a_stuck_one_is_a_named_error_on_every_rank"),
+    Cell("stalled", "FUSE, frozen", "ckptools", "ck.load behind its own async save", 1,
+         held_by="tests/test_slow_storage.py::"
+         "test_a_load_behind_a_stuck_async_save_of_its_own_is_a_named_error_within_the_bound"),
+    Cell("whole", "FUSE, frozen then thawed", "ckptools", "CheckpointManager.save(blocking=False)", 1,
+         held_by="tests/test_slow_storage.py::"
+         "test_a_save_frozen_midway_moves_nothing_and_prunes_nothing_until_it_is_whole"),
     *PAYLOAD_CELLS,
 ]
 # fmt: on

@@ -1,6 +1,9 @@
 """Slow and stuck storage (issue 68): the promises re-proved on a FUSE mount whose writes are throttled or
 frozen (tests/_slowfs.py). Here: a checkpoint frozen midway moves nothing and prunes nothing until it is
-whole; a throttled one is whole when it returns."""
+whole; a throttled one is whole when it returns; at 2 ranks a stuck write is one StorageStalledError on every
+rank within the stall bound (a sync save, an async one at the next checkpoint call, a load behind it), never a
+collective timeout, nothing published or pruned; an async save that would queue behind a slow one is skipped
+with a warning naming the target and its speed."""
 
 from __future__ import annotations
 
@@ -11,9 +14,11 @@ import time
 
 import pytest
 import torch
-from _slowfs import slow_mount, why_not
+from _dist import run_ranks
+from _slowfs import set_control, slow_mount, why_not
 
 import ckptools as ck
+from ckptools.write.async_save import SKIP_GRACE
 
 pytestmark = pytest.mark.skipif(why_not() is not None, reason=f"FUSE: {why_not()}")
 
@@ -67,4 +72,152 @@ def test_a_save_to_a_throttled_storage_is_whole_when_it_returns(tmp_path):
         assert took >= 0.3, took  # 4 MiB at 10 MB/s: the throttle held the writes
         assert [s for s, _ in manager.checkpoints()] == [1, 2]
         assert ck.verify(manager.path_for(2)).startswith("torch zip, every record's CRC-32 matches")
+        manager.close()
+
+
+# CKPTOOLS_STALL_TIMEOUT in these tests: the ranks' group times out after 60 s (run_ranks); a 4 MiB pwrite at
+# 2 MB/s (2 s, no progress seen within it) stays well inside it.
+BOUND = 5.0
+
+
+def _thawed_leftovers(rank: int, run: str, control: str) -> list[str]:
+    """Rank 0 (whose writer the storage holds): thaw it, then the temporary files still there after the
+    given-up writer had 30 s to stop (it must remove its own)."""
+    if rank != 0:
+        return []
+    set_control(control, frozen=False)
+    deadline = time.monotonic() + 30
+    while (left := [n for n in os.listdir(run) if ".ckptools-tmp-" in n]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def _stuck_sync_save(rank: int, world: int, run: str, control: str) -> tuple[str, str, float, list[str]]:
+    """Every rank saves step 3 to a storage that is frozen: what each raised, how long it took, and the
+    temporary files left once rank 0 thawed the storage."""
+    os.environ["CKPTOOLS_STALL_TIMEOUT"] = str(BOUND)
+    try:
+        manager = ck.CheckpointManager(run, keep_last=2)
+        started = time.monotonic()
+        try:
+            manager.save(_state(3), 3)
+            raised = ("returned", "")
+        except ck.CheckpointError as err:
+            raised = (type(err).__name__, str(err))
+        took = time.monotonic() - started
+        return *raised, took, _thawed_leftovers(rank, run, control)
+    finally:
+        del os.environ["CKPTOOLS_STALL_TIMEOUT"]
+
+
+def _whole_and_only(run, steps: list[int]) -> None:
+    manager = ck.CheckpointManager(run, keep_last=2)
+    assert [s for s, _ in manager.checkpoints()] == steps
+    for step in steps:
+        assert torch.equal(ck.load(manager.path_for(step), verify=True)["w"], _state(step)["w"])
+
+
+def test_a_sync_save_to_a_stuck_storage_is_one_named_error_on_every_rank_within_the_bound(tmp_path):
+    """2 ranks, rank 0 writes, its storage frozen: both ranks raise StorageStalledError within a few seconds
+    of the bound (the group's own timeout is 60 s), naming the target and the fix; steps 1 and 2 stay whole
+    and unpruned, no file of step 3; thawed, the given-up writer stops and removes its temporary file."""
+    with slow_mount(tmp_path / "fs") as fs:
+        run = fs.path / "run"
+        for step in (1, 2):
+            ck.CheckpointManager(run, keep_last=2).save(_state(step), step)
+        fs.freeze()
+        results = run_ranks(_stuck_sync_save, 2, str(run), str(fs.control), timeout=90)
+        for kind, message, took, left in results:
+            assert kind == "StorageStalledError", (kind, message)
+            assert BOUND <= took < BOUND + 15, took
+            assert "ckpt-0000000003.pt" in message and "CKPTOOLS_STALL_TIMEOUT" in message, message
+            assert left == [], left
+        assert results[0][1] == results[1][1]  # one message: rank 0's, as every rank raises it
+        assert sorted(os.listdir(run)) == ["ckpt-0000000001.pt", "ckpt-0000000002.pt"], os.listdir(run)
+        _whole_and_only(run, [1, 2])
+
+
+def _slow_then_stuck_async(rank: int, world: int, run: str, control: str) -> dict:
+    """Async saves every "step" to a storage throttled to 2 MB/s, then frozen."""
+    import warnings
+
+    os.environ["CKPTOOLS_STALL_TIMEOUT"] = str(BOUND)
+    out: dict = {}
+    try:
+        manager = ck.CheckpointManager(run, keep_last=2)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            manager.save(_state(1), 1, blocking=False)  # 4 MiB at 2 MB/s: 2 s, in one pwrite
+            started = time.monotonic()
+            out["skipped"] = manager.save(_state(2), 2, blocking=False)
+            out["skip_took"] = time.monotonic() - started
+        out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, ck.CheckpointWarning)]
+        manager.wait()
+        out["after_slow"] = [s for s, _ in manager.checkpoints()]
+        ck.barrier()
+        if rank == 0:
+            set_control(control, rate=0.0, frozen=True)
+        ck.barrier()
+        manager.save(_state(3), 3, blocking=False)  # staged; rank 0's writer stops inside the storage
+        started = time.monotonic()
+        out["behind_stuck"] = manager.save(_state(4), 4, blocking=False)  # not yet past the bound: skipped
+        out["behind_took"] = time.monotonic() - started
+        time.sleep(BOUND + 1)
+        started = time.monotonic()
+        try:
+            manager.save(_state(5), 5, blocking=False)  # finishes the one in flight first: stuck past the bound
+            out["stuck"] = ("returned", "")
+        except ck.CheckpointError as err:
+            out["stuck"] = (type(err).__name__, str(err))
+        out["stuck_took"] = time.monotonic() - started
+        out["pending_after"] = manager.pending is not None
+        out["listed_stuck"] = [s for s, _ in manager.checkpoints()]
+        out["left"] = _thawed_leftovers(rank, run, control)
+        return out
+    finally:
+        del os.environ["CKPTOOLS_STALL_TIMEOUT"]
+
+
+def test_async_saves_skip_behind_a_slow_storage_and_a_stuck_one_is_a_named_error_on_every_rank(tmp_path):
+    """2 ranks: at 2 MB/s a save issued while the one before is writing is skipped after SKIP_GRACE, with a warning
+    naming the target and its speed, and the one before completes; frozen, the save behind the stuck one is
+    skipped until the bound passes, then the next checkpoint call raises StorageStalledError on every rank;
+    step 1 stays whole, nothing of step 3 published or pruned."""
+    with slow_mount(tmp_path / "fs") as fs:
+        run = fs.path / "run"
+        fs.throttle(2e6)
+        results = run_ranks(_slow_then_stuck_async, 2, str(run), str(fs.control), timeout=90)
+        for out in results:
+            assert out["skipped"].endswith("ckpt-0000000001.pt") and out["skip_took"] < SKIP_GRACE + 1.5, out
+            assert out["after_slow"] == [1], out
+            assert out["behind_stuck"].endswith("ckpt-0000000003.pt") and out["behind_took"] < SKIP_GRACE + 1.5, out
+            assert out["stuck"][0] == "StorageStalledError", out["stuck"]
+            assert out["stuck_took"] < BOUND + 15 and not out["pending_after"], out
+            assert out["listed_stuck"] == [1] and out["left"] == [], out
+        warned = results[0]["warnings"]
+        assert any("of step 2 was skipped" in w and "ckpt-0000000001.pt" in w and "MB/s" in w for w in warned), warned
+        assert results[1]["warnings"] == []  # rank 0 warns for the job
+        assert results[0]["stuck"][1] == results[1]["stuck"][1]
+        assert os.listdir(run) == ["ckpt-0000000001.pt"], os.listdir(run)
+        _whole_and_only(run, [1])
+
+
+def test_a_load_behind_a_stuck_async_save_of_its_own_is_a_named_error_within_the_bound(tmp_path, monkeypatch):
+    """ck.load first finishes this process's save in flight (it may be the file it reads): stuck, that is a
+    StorageStalledError within the bound, no longer a hang for as long as the storage is stuck."""
+    monkeypatch.setenv("CKPTOOLS_STALL_TIMEOUT", str(BOUND))
+    with slow_mount(tmp_path / "fs") as fs:
+        run = fs.path / "run"
+        manager = ck.CheckpointManager(run, keep_last=2)
+        manager.save(_state(1), 1)
+        fs.freeze()
+        manager.save(_state(2), 2, blocking=False)
+        started = time.monotonic()
+        with pytest.raises(ck.StorageStalledError, match="ckpt-0000000002.pt"):
+            ck.load(manager.path_for(1), {"w": torch.zeros(1 << 20)})
+        assert BOUND <= time.monotonic() - started < BOUND + 10
+        assert manager.pending is None
+        fs.thaw()
+        target = {"w": torch.zeros(1 << 20)}
+        assert manager.restore(target)["step"] == 1 and torch.equal(target["w"], _state(1)["w"])
         manager.close()

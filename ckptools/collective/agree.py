@@ -12,7 +12,8 @@ first one is raised the same way (`first_failure`, `Agreement.raise_first`), wit
 An *outcome* is the small picklable value one collective carries: ``(kept, text)`` where
 ``text`` starts with ``rank N:`` and ``kept`` names the class of an error that is raised as
 itself on every rank because it names what to fix rather than a failure (`UnsafeStateError`:
-the state was refused; `NodeMemoryError`: the node-memory folder is too small), else None.
+the state was refused; `NodeMemoryError`: the node-memory folder is too small; `StorageStalledError`: the
+storage made no progress for the stall bound), else None.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, Optional, TypeVar
 
-from ..errors import CheckpointError, NodeMemoryError, UnsafeStateError
+from ..errors import CheckpointError, NodeMemoryError, StorageStalledError, UnsafeStateError
 from .group import all_gather_object, broadcast_object, get_rank
 
 __all__ = ["Agreement", "Outcome", "RankFailure", "first_failure", "outcome_of", "saving"]
@@ -28,7 +29,9 @@ __all__ = ["Agreement", "Outcome", "RankFailure", "first_failure", "outcome_of",
 T = TypeVar("T")
 Outcome = tuple[Optional[str], str]
 # Errors every rank raises as themselves, with the text of the rank where they happened.
-_KEPT: dict[str, type[CheckpointError]] = {cls.__name__: cls for cls in (UnsafeStateError, NodeMemoryError)}
+_KEPT: dict[str, type[CheckpointError]] = {
+    cls.__name__: cls for cls in (UnsafeStateError, NodeMemoryError, StorageStalledError)
+}
 
 
 class RankFailure(Exception):

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from .. import log
 from ..collective.agree import Agreement
 from ..collective.group import all_gather_object
-from ..storage import crc32
-from ..write import Share, yield_to_the_step
+from ..storage import crc32, yield_to_the_step
+from ..write import Share
 from .slots import MappedSlot
 
 __all__ = ["COMMITS", "Commits", "crc32s", "finish_snapshot", "said"]
@@ -86,7 +86,7 @@ COMMIT_NICENESS = 10
 
 
 def _yield_to_the_step() -> None:
-    """This commit thread behind the step, by `COMMIT_NICENESS` (`ckptools.write.yield_to_the_step`): a commit
+    """This commit thread behind the step, by `COMMIT_NICENESS` (`ckptools.storage.yield_to_the_step`): a commit
     that waits longer loses no step: a step counts once its copy is whole (ckptools.node.sealing); only the next
     snapshot's wait for it could grow (docs/benchmarks.md, "Inside the HF Trainer and Lightning")."""
     yield_to_the_step(COMMIT_NICENESS)

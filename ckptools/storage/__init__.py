@@ -9,12 +9,14 @@ paths.py     a path or URL resolved once (`Location`), joins, listings, temporar
              ones a writer that is gone left behind; what is in flight in this process (a path's
              background write, which resolving it waits for; the async save, finished first)
 writes.py    atomic writes: local (temporary file, fsync, rename, directory fsync), S3
-             (a streamed multipart upload, completed last), other stores (one PUT or a move)
+             (a streamed multipart upload, completed last), other stores (one PUT or a move);
+             how far a watched write came (slow storage or stuck), and giving up on it
 reads.py     a local file opened once and checked on its descriptor, a remote one fetched once;
              byte ranges copied or CRC-32-checked, progress
 checksum.py  CRC-32, through ISA-L where installed (seven times zlib's speed)
 private.py   folders only this user can change (node memory in a folder every local user shares)
-processes.py whether a process runs, when it started, whether it is this user's
+processes.py whether a process runs, when it started, whether it is this user's; a background
+             thread's priority (behind the training step)
 ===========  ==============================================================================
 
 Everything else imports from this package, never from its modules.
@@ -51,7 +53,7 @@ from .paths import (
 from .paths import announce as announce_write
 from .paths import wait_for as wait_for_write
 from .private import make_private, owner_name, private_problem
-from .processes import pid_alive, process_of_mine, process_start
+from .processes import BACKGROUND_NICENESS, pid_alive, process_of_mine, process_start, yield_to_the_step
 from .reads import (
     NODE_MARK,
     RANGE_BYTES,
@@ -66,18 +68,36 @@ from .reads import (
     ranged_reads,
     report_progress,
 )
-from .writes import UPLOAD_PART, atomic_write, local_target, publish, streams_multipart
+from .writes import (
+    STALL_ENV,
+    UPLOAD_PART,
+    WriteAbandoned,
+    abandon,
+    atomic_write,
+    local_target,
+    moved,
+    publish,
+    stall_timeout,
+    streams_multipart,
+    watch,
+    watched,
+    write_progress,
+)
 
 __all__ = [
+    "BACKGROUND_NICENESS",
     "FAST_CRC32",
     "NODE_MARK",
     "RANGES_AT_ONCE",
     "RANGE_BYTES",
     "STALE_TMP_SECONDS",
+    "STALL_ENV",
     "TMP_MARKER",
     "UPLOAD_PART",
     "Location",
     "PathLike",
+    "WriteAbandoned",
+    "abandon",
     "abandoned_tmps",
     "announce_write",
     "atomic_write",
@@ -100,6 +120,7 @@ __all__ = [
     "local_target",
     "make_private",
     "mapped_path",
+    "moved",
     "open_for_read",
     "open_local",
     "owner_name",
@@ -116,7 +137,12 @@ __all__ = [
     "report_progress",
     "resolve",
     "set_pending",
+    "stall_timeout",
     "streams_multipart",
     "tmp_name",
     "wait_for_write",
+    "watch",
+    "watched",
+    "write_progress",
+    "yield_to_the_step",
 ]  # fmt: skip

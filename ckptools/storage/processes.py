@@ -1,4 +1,5 @@
-"""Processes of this host: whether one still runs, when it started, whether it is this user's.
+"""Processes of this host: whether one still runs, when it started, whether it is this user's; and the
+priority a background thread of this one (a write, a snapshot's commit) runs at.
 
 Imports nothing of ckptools': the storage door (a dead writer's temporary file), the keeper (the job it
 watches) and the arrival check all ask it.
@@ -11,9 +12,12 @@ Examples:
 
 from __future__ import annotations
 
+import contextlib
 import os
+import sys
+import threading
 
-__all__ = ["pid_alive", "process_of_mine", "process_start"]
+__all__ = ["BACKGROUND_NICENESS", "pid_alive", "process_of_mine", "process_start", "yield_to_the_step"]
 
 
 def pid_alive(pid: int) -> bool:
@@ -63,3 +67,22 @@ def process_of_mine(pid: int, started: str | None = None) -> bool:
     if me is not None and owner != me:
         return False
     return started is None or process_start(pid) == started
+
+
+# How much nicer than the process a background write runs (Linux: per thread): the step first.
+BACKGROUND_NICENESS = 10
+
+
+def yield_to_the_step(niceness: int = BACKGROUND_NICENESS) -> None:
+    """Lower the calling thread's CPU priority by ``niceness`` (Linux: per thread; elsewhere nothing): where the
+    training step keeps every core busy, a background write or commit runs in its gaps instead of taking a core
+    from it (docs/benchmarks.md). Its copies into the page cache and its CRC-32s run on this thread; the disk's
+    own writeback does not, so a write that waits longer loses nothing but time to durable.
+
+    Examples:
+        >>> yield_to_the_step(0)  # a thread's own niceness may always be raised
+    """
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError):  # raising one's own niceness is always allowed; a sandbox may say no
+            me = threading.get_native_id()
+            os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + niceness))

@@ -1,19 +1,108 @@
 """Atomic writes: local (a temporary file, fsync, rename, directory fsync), S3 (a streamed multipart
-upload completed last), other object stores (one PUT), other remote filesystems (temporary name, move)."""
+upload completed last), other object stores (one PUT), other remote filesystems (temporary name, move);
+and how far a write came, so that whoever waits for it tells a slow storage from a stuck one and gives up
+on a stuck one within a bound (`watch`; docs/guarantees.md, "Slow and stuck storage")."""
 
 from __future__ import annotations
 
 import contextlib
 import io
 import os
+import threading
+import time
 from collections.abc import Callable
 from typing import IO, Any, cast
 
 import fsspec
 
+from ..errors import StorageStalledError
 from .paths import PathLike, fresh_tmp, fspath, fsync_dir, get_filesystem, is_local, is_object_store, tmp_name
 
-__all__ = ["UPLOAD_PART", "atomic_write", "local_target", "publish", "streams_multipart"]
+__all__ = [
+    "STALL_ENV",
+    "UPLOAD_PART",
+    "WriteAbandoned",
+    "abandon",
+    "atomic_write",
+    "local_target",
+    "moved",
+    "publish",
+    "stall_timeout",
+    "streams_multipart",
+    "watch",
+    "watched",
+    "write_progress",
+]
+
+STALL_ENV = "CKPTOOLS_STALL_TIMEOUT"
+# Seconds a write may make no progress before every rank is told (StorageStalledError): a fifth of NCCL's
+# watchdog (600 s) and a fifteenth of gloo's timeout (1,800 s), and 7x the longest a healthy write goes
+# without progress at 1 MB/s (a 16 MiB pwrite: ckptools.write.zip_writer.PWRITE_BYTES).
+DEFAULT_STALL = 120.0
+
+# How far each watched write has come, by the thread that writes it: whoever waits for the write tells a
+# slow storage (it moves) from a stuck one (it does not) by it (`watch`).
+_LOCK = threading.Lock()
+_MOVED: dict[int, list[float]] = {}  # writer thread -> [started, last moved (time.monotonic()), bytes, in a sync]
+_ABANDONED: set[int] = set()  # writer threads whose waiter gave up: each stops at its next step
+
+
+class WriteAbandoned(OSError):
+    """Raised in a writer thread at its next step once its waiter gave up on it (the storage was stuck):
+    the write stops there, and its temporary file goes as after any failed write."""
+
+
+@contextlib.contextmanager
+def watched() -> Any:
+    """The writer thread's block: while it runs, its write's progress is kept (`moved`, `write_progress`)."""
+    writer, now = threading.get_ident(), time.monotonic()
+    with _LOCK:
+        _MOVED[writer] = [now, now, 0.0, 0.0]
+        _ABANDONED.discard(writer)
+    try:
+        yield
+    finally:
+        with _LOCK:  # a thread's id may be reused by a later thread: nothing of this one stays
+            _MOVED.pop(writer, None)
+            _ABANDONED.discard(writer)
+
+
+def moved(nbytes: int = 0, *, writer: int | None = None, syncing: bool = False) -> None:
+    """The write in this thread (or ``writer``) moved: ``nbytes`` more reached the storage, or a sync or a
+    rename returned; ``syncing``: a sync (fsync) begins, whose progress is the page cache's draining.
+    Raises `WriteAbandoned` when its waiter gave up on it: nothing more is written.
+
+    Examples:
+        >>> moved(4096)  # a write nobody watches: nothing kept
+    """
+    me = threading.get_ident() if writer is None else writer
+    with _LOCK:
+        entry = _MOVED.get(me)
+        if entry is not None:
+            entry[1] = time.monotonic()
+            entry[2] += nbytes
+            entry[3] = float(syncing)
+        if me in _ABANDONED:
+            _ABANDONED.discard(me)
+            raise WriteAbandoned(f"the write was given up on: its storage made no progress (thread {me})")
+
+
+def write_progress(writer: int) -> tuple[float, float, int, bool] | None:
+    """``(seconds since it started, seconds since it last moved, bytes so far, whether it is in a sync)`` of
+    the write in thread ``writer``, while it runs `watched`; None otherwise."""
+    with _LOCK:
+        entry = list(_MOVED.get(writer) or ())
+    if not entry:
+        return None
+    now = time.monotonic()
+    return now - entry[0], now - entry[1], int(entry[2]), bool(entry[3])
+
+
+def abandon(writer: int) -> None:
+    """Give up on the write in thread ``writer``: it raises `WriteAbandoned` at its next step."""
+    with _LOCK:
+        if writer in _MOVED:
+            _ABANDONED.add(writer)
 
 
 def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any], *, streamable: bool = False) -> str:
@@ -61,7 +150,9 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any], *, streamabl
                     raise recorder.error from err
                 raise
             f.flush()
+            moved(syncing=True)
             os.fsync(f.fileno())
+            moved()
     except BaseException:
         # BaseException too: a KeyboardInterrupt mid-write must not leave a temp file behind.
         with contextlib.suppress(FileNotFoundError):
@@ -90,6 +181,7 @@ def publish(tmp: str, directory: str, name: str) -> None:
     ``directory/name`` (atomic), then fsync the directory so that the rename survives a crash.
     The temporary file is removed if the rename fails."""
     try:
+        moved()  # a write its waiter gave up on (stuck storage) is never published, even if it comes back
         os.replace(tmp, os.path.join(directory, name))
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -107,10 +199,12 @@ class _WriteRecorder:
 
     def write(self, data: Any) -> int:
         try:
-            return self._f.write(data)
+            written = self._f.write(data)
         except OSError as err:
             self.error = err
             raise
+        moved(written)  # a watched write's progress (and where a waiter gave up on it, its end)
+        return written
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._f, name)
@@ -156,6 +250,7 @@ class _PartSized:
         view = memoryview(data).cast("B")
         for start in range(0, len(view), UPLOAD_PART):
             self._f.write(view[start : start + UPLOAD_PART])
+            moved(min(UPLOAD_PART, len(view) - start))
         return len(view)
 
     def __getattr__(self, name: str) -> Any:
@@ -184,3 +279,64 @@ def _remote_write(
         with contextlib.suppress(Exception):
             fs.rm_file(tmp)
         raise
+
+
+def stall_timeout() -> float:
+    """Seconds a checkpoint write may make no progress before it is given up (``CKPTOOLS_STALL_TIMEOUT``,
+    default 120; 0 or less: never, as before 0.5).
+
+    Examples:
+        >>> stall_timeout() > 0
+        True
+    """
+    text = os.environ.get(STALL_ENV, "").strip()
+    try:
+        return float(text) if text else DEFAULT_STALL
+    except ValueError:
+        raise ValueError(f"{STALL_ENV}={text!r} is not a number of seconds (0 or less: no bound)") from None
+
+
+def _draining() -> int | None:
+    """The kernel's dirty and under-writeback bytes (/proc/meminfo), or None where it cannot be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            rows = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        return sum(int(rows[key].split()[0]) for key in (b"Dirty", b"Writeback")) * 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return None
+
+
+def watch(thread: threading.Thread, target: str) -> StorageStalledError | None:
+    """Join ``thread``, a writer that runs its write `watched`; if the write makes no progress for
+    `stall_timeout` seconds, give it up (it stops at its next step and publishes nothing) and return the
+    error every rank raises. None once the thread ended. Progress is bytes handed to the storage, a sync
+    or rename that returned, and, while it is in a sync (the page cache's data going to the storage), the
+    kernel's dirty bytes going down.
+    """
+    bound = stall_timeout()
+    if bound <= 0 or thread.ident is None:
+        thread.join()
+        return None
+    dirty, drained = _draining(), time.monotonic()
+    while True:
+        thread.join(min(1.0, bound / 4))
+        seen = write_progress(thread.ident)
+        if not thread.is_alive() or seen is None:
+            if not thread.is_alive():
+                return None
+            continue
+        elapsed, still, nbytes, syncing = seen
+        now_dirty = _draining()
+        if dirty is not None and now_dirty is not None and now_dirty < dirty:
+            drained = time.monotonic()
+        dirty = now_dirty
+        idle = min(still, time.monotonic() - drained) if syncing else still
+        if idle > bound:
+            abandon(thread.ident)
+            rate = f" ({nbytes / elapsed / 1e6:.3g} MB/s)" if elapsed > 0 else ""
+            return StorageStalledError(
+                f"the write of {target} made no progress for {idle:.0f} s ({STALL_ENV}={bound:g}): "
+                f"{nbytes / 1e6:.3g} MB written in {elapsed:.0f} s{rate}, then nothing; its storage is stuck or "
+                "gone. Nothing of this save was published (older checkpoints are untouched); check the "
+                f"mount, or raise {STALL_ENV} for a storage this slow"
+            )

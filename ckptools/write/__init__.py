@@ -35,7 +35,15 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..storage import Location, PathLike, resolve
-from .async_save import AsyncSave, finish_pending, pending, release_staging_buffers, set_pending, stage
+from .async_save import (
+    AsyncSave,
+    finish_pending,
+    pending,
+    release_staging_buffers,
+    set_pending,
+    skip_behind,
+    stage,
+)
 from .buckets import adopt_layout
 from .commit import FILE, Gathered, Stored, Target, finish, write_alone
 from .payload import Opening, as_saved, build_payload, checked_args, opening, rank_part
@@ -81,6 +89,7 @@ __all__ = [
     "replica_module",
     "replicas_switch",
     "set_pending",
+    "skip_behind",
     "stage",
     "what_to_compare",
     "whole_storage",

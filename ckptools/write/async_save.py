@@ -16,10 +16,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .. import log
 from ..collective import agree
 from ..collective.arrival import entered
 from ..collective.group import all_gather_object, get_rank
-from ..storage import finish_pending, forget_pending, set_pending
+from ..storage import finish_pending, forget_pending, set_pending, stall_timeout
 from ..storage import pending as held
 from .staging import StagingBuffers
 from .writer_thread import BackgroundWriter
@@ -140,6 +141,23 @@ class AsyncSave:
         """
         return self._writer.done()
 
+    def behind(self, grace: float) -> str | None:
+        """Collective: whether a rank's background write of this save is still running, and moving (within the
+        stall bound), after up to ``grace`` seconds more: then a line naming the target and how fast it writes,
+        the same on every rank; None when every rank's write ended, or one made no progress for the bound
+        (`wait` then raises at once)."""
+        bound = stall_timeout()
+        self._writer.join_for(grace)
+        mine = self._writer.progress()
+        stuck = mine is not None and bound > 0 and mine[1] > bound
+        gathered = all_gather_object((mine, stuck))
+        running = [(rank, seen) for rank, (seen, _) in enumerate(gathered) if seen is not None]
+        if not running or any(stuck for _, stuck in gathered):
+            return None
+        rank, (elapsed, _, nbytes, _) = running[0]
+        rate = f", {nbytes / elapsed / 1e6:.3g} MB/s" if elapsed > 0 else ""
+        return f"rank {rank} is still writing {self.path} ({nbytes / 1e6:.3g} MB in {elapsed:.1f} s{rate})"
+
     def join_writer(self) -> None:
         """Local: block until this rank's background write (if any) ended."""
         self._writer.join()
@@ -183,3 +201,32 @@ def pending() -> AsyncSave | None:
     """The async save in flight (not yet waited for), or None."""
     handle = held()
     return handle if isinstance(handle, AsyncSave) else None
+
+
+SKIP_GRACE = 1.0  # seconds `skip_behind` waits for the save in flight, at least, before it skips
+
+
+def skip_behind(what: str) -> str | None:
+    """Collective: the path of the async save still in flight and moving after one more stall of its own
+    (`SKIP_GRACE` at least), when ``what`` (a save) would queue behind it and is skipped instead, with one
+    warning naming the target and how fast it writes; None to save (the one in flight ended, or is stuck).
+
+    Examples:
+        >>> skip_behind("the save of step 8") is None  # no save in flight
+        True
+    """
+    handle = pending()
+    # Waiting for the save in flight at most as long as a save holds the loop anyway (its stall, at least
+    # SKIP_GRACE): a storage that keeps up takes every save; one slower than the loop costs no more.
+    grace = max(SKIP_GRACE, handle.stall_seconds) if handle is not None else 0.0
+    behind = handle.behind(grace) if handle is not None else None  # every rank holds the handle, or none does
+    if handle is None or behind is None:
+        return None
+    log.warn(
+        f"{what} was skipped, as is every save while the one before it is still being written: {behind}. "
+        "The storage writes slower than the loop saves; the node-memory snapshots (CheckpointManager.snapshot) "
+        "keep the newest steps meanwhile. Save less often, or to faster storage",
+        once=f"behind {handle.path}",
+    )
+    log.logger.debug("skipped %s: %s", what, behind)
+    return handle.path

@@ -9,35 +9,22 @@ commit) is the same for both.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import threading
 import time
 from collections.abc import Callable
 
 from .. import log
-from ..storage import announce_write
+from ..storage import (
+    BACKGROUND_NICENESS,
+    WriteAbandoned,
+    announce_write,
+    watch,
+    watched,
+    write_progress,
+    yield_to_the_step,
+)
 
 __all__ = ["BACKGROUND_NICENESS", "BackgroundWriter", "yield_to_the_step"]
-
-# How much nicer than the process a background write runs (Linux: per thread): the step first.
-BACKGROUND_NICENESS = 10
-
-
-def yield_to_the_step(niceness: int = BACKGROUND_NICENESS) -> None:
-    """Lower the calling thread's CPU priority by ``niceness`` (Linux: per thread; elsewhere nothing): where the
-    training step keeps every core busy, a background write or commit runs in its gaps instead of taking a core
-    from it (docs/benchmarks.md). Its copies into the page cache and its CRC-32s run on this thread; the disk's
-    own writeback does not, so a write that waits longer loses nothing but time to durable.
-
-    Examples:
-        >>> yield_to_the_step(0)  # a thread's own niceness may always be raised
-    """
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError):  # raising one's own niceness is always allowed; a sandbox may say no
-            me = threading.get_native_id()
-            os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + niceness))
 
 
 class BackgroundWriter:
@@ -56,6 +43,7 @@ class BackgroundWriter:
 
     def __init__(self, name: str, *, raised_at: str = "") -> None:
         self.name, self.raised_at = name, raised_at
+        self.path = ""  # what the write in flight writes
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
 
@@ -77,6 +65,7 @@ class BackgroundWriter:
         (`ckptools.storage.announce_write`); with ``inline`` the write runs here, in the caller's thread.
         """
         started = time.monotonic() if started is None else started
+        self.path = path
         announced = announce_write(path) if announce else None
 
         def run() -> None:
@@ -85,7 +74,11 @@ class BackgroundWriter:
             if announced is not None:
                 announced.doing()
             try:
-                written = write()
+                with watched():
+                    written = write()
+            except WriteAbandoned as err:  # its waiter gave up on it and holds the StorageStalledError
+                log.logger.error("background save of %s given up: %s", path, err)
+                return
             except BaseException as err:  # noqa: BLE001 - kept for the caller's thread, which raises it
                 self.error = err
                 # Said now as well, in case the process ends before anything looks at it.
@@ -110,14 +103,30 @@ class BackgroundWriter:
         self._thread = threading.Thread(target=run, name=self.name, daemon=False)
         self._thread.start()
 
+    def progress(self) -> tuple[float, float, int, bool] | None:
+        """How far the write in flight came (`ckptools.storage.write_progress`), or None when none runs."""
+        thread = self._thread
+        if thread is None or not thread.is_alive() or thread.ident is None:
+            return None
+        return write_progress(thread.ident) or (0.0, 0.0, 0, False)
+
+    def join_for(self, seconds: float) -> None:
+        """Wait up to ``seconds`` for the write in flight (if any) to end (local; `join` still collects it)."""
+        thread = self._thread
+        if thread is not None and seconds > 0:
+            thread.join(seconds)
+
     def done(self) -> bool:
         """Whether no write is running (local, never blocks)."""
         return self._thread is None or not self._thread.is_alive()
 
     def join(self) -> None:
-        """Block until the write in flight (if any) ended."""
+        """Block until the write in flight (if any) ended, or its storage made no progress for the stall bound
+        (`watch`): then it is given up, and `error` is the `StorageStalledError` to raise."""
         if self._thread is not None:
-            self._thread.join()
+            stalled = watch(self._thread, self.path)
+            if stalled is not None:
+                self.error = stalled
             # Let go of the finished thread: an owner pickled afterwards (``torch.save(trainer)``
             # with the Lightning plugin in it) must not carry a thread's lock.
             self._thread = None

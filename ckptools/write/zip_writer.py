@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from ..codecs.torchzip import ZipPlan
-from ..storage import Location, crc32, fresh_tmp, local_target, publish
+from ..storage import Location, crc32, fresh_tmp, local_target, moved, publish
 from . import upload
 from .plan import PREFIX, TOKEN_BYTES, Plan, Share, host_bytes
 
@@ -35,6 +35,7 @@ def create_tmp(location: Location, plan: Plan) -> Plan:
         with open(tmp, "wb") as f:
             f.write(token)
             f.truncate(plan.size)
+        moved()
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
@@ -68,10 +69,13 @@ def write_shares(plan: Plan, chunks: list[tuple[Share, torch.UntypedStorage]]) -
                 views.append((share, data))
             _pwrite_all(fd, data, share.offset)
         failed: list[BaseException] = []
+        writer = threading.get_ident()
 
         def flush() -> None:
             try:
+                moved(writer=writer, syncing=True)
                 os.fsync(fd)
+                moved(writer=writer)
             except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
                 failed.append(err)
 
@@ -92,12 +96,18 @@ def write_shares(plan: Plan, chunks: list[tuple[Share, torch.UntypedStorage]]) -
     return crcs
 
 
+# The most one pwrite hands the storage at once: a watched write moves at least this often (on a storage
+# writing 1 MB/s, every 17 s), so a slow storage is never taken for a stuck one (`ckptools.storage.moved`).
+PWRITE_BYTES = 16 << 20
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
-    # One pwrite moves at most ~2 GiB on Linux; the rest goes in further calls.
     data = data.cast("B")
     done = 0
     while done < len(data):
-        done += os.pwrite(fd, data[done : done + (1 << 30)], offset + done)
+        step = os.pwrite(fd, data[done : done + PWRITE_BYTES], offset + done)
+        done += step
+        moved(step)
 
 
 def commit(plan: Plan, location: Location, crcs: dict[str, int]) -> int:
@@ -131,7 +141,9 @@ def write_directory(plan: Plan, crcs: Mapping[str, int] | None, *, sync: bool = 
                 _pwrite_all(fd, memoryview(data), zplan.data_offsets[index])
         _pwrite_all(fd, memoryview(zplan.directory(all_crcs)), zplan.directory_offset)
         if sync:
+            moved(syncing=True)
             os.fsync(fd)
+            moved()
     finally:
         os.close(fd)
     return zplan.size

@@ -5,7 +5,8 @@ often a load and a verify open the checkpoint file; the three walks of issue 55.
     python docs/tools/house_figures.py --opens    # and the opens (imports torch, writes a small file)
     python docs/tools/house_figures.py --walks [--package OTHER/ckptools]   # the walks, in that tree
 
-A walk is what the calling thread's calls go through, traced (sys.setprofile): a writers="all" save
+A walk is what the calling thread's calls go through, and those of the threads it starts, traced
+(sys.setprofile, threading.setprofile): a writers="all" save
 (a process group of one), a snapshot then a kill (os._exit) then a relaunch's restore, and
 `ckpt verify RUN_DIR`. Its figures: the package's modules it enters, and its return trips: calls into
 a module that is already on the stack below another module's frame (a callback or closure handed down
@@ -131,19 +132,22 @@ traced(lambda: app(["verify", f"{where}/runs"], standalone_mode=False))
 }
 
 _TRACER = """
-import json, os, sys
+import json, os, sys, threading
 sys.path.insert(0, {parent!r})
 where = {where!r}
 root = os.path.join({parent!r}, "ckptools") + os.sep
 
 def traced(call):
-    stack, entered, trips, importing, visits = [], [], {{}}, [0], {{}}
+    # A stack per thread: the threads the call starts (a save's watched write) are walked too.
+    stacks, entered, trips, importing, visits = {{}}, [], {{}}, {{}}, {{}}
     def module(frame):
         name = frame.f_code.co_filename
         return name[len(root):] if name.startswith(root) else None
     def profile(frame, event, arg):
-        if frame.f_code.co_name == "<module>" or importing[0]:  # an import's module body: not the walk
-            importing[0] += {{"call": 1, "return": -1}}.get(event, 0)
+        me = threading.get_ident()
+        stack = stacks.setdefault(me, [])
+        if frame.f_code.co_name == "<module>" or importing.get(me):  # an import's module body: not the walk
+            importing[me] = importing.get(me, 0) + {{"call": 1, "return": -1}}.get(event, 0)
             return
         if event == "call":
             here = module(frame)
@@ -159,6 +163,7 @@ def traced(call):
                 entered.append(here)
         elif event == "return" and stack:
             stack.pop()
+    threading.setprofile(profile)
     sys.setprofile(profile)
     try:
         call()
@@ -166,6 +171,7 @@ def traced(call):
         pass
     finally:
         sys.setprofile(None)
+        threading.setprofile(None)
     print(json.dumps({{"modules": entered, "trips": sum(trips.values()), "which": trips, "visits": visits}}))
 """
 
