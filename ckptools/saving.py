@@ -7,7 +7,6 @@ read back is the read wing's part (`ckptools.read`).
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -22,7 +21,7 @@ from .devices import to_cpu
 from .layouts import TORCH_FILE, writer_for
 from .lifecycle import finish_pending
 from .state_dict import strip_wrappers, unwrap_model
-from .storage import Location, PathLike, fspath, resolve, watch, watched
+from .storage import Location, PathLike, fspath, resolve, run_watched
 from .write import (
     AsyncSave,
     as_saved,
@@ -36,6 +35,7 @@ from .write import (
     plan_shares,
     replicas_switch,
     set_pending,
+    settle_cuda,
     stage,
     what_to_compare,
     whole_storage,
@@ -252,27 +252,10 @@ def _write(location: Location, payload: Any, before_write: Callable[[], None] | 
 
 def _watched_write(start: _Start, payload: Any, before_write: Callable[[], None] | None) -> int:
     """Rank 0: `_write` in a thread of its own (file I/O only) that this thread watches; `StorageStalledError`
-    when the write makes no progress for the stall bound (`ckptools.storage.watch`: it is given up and
+    when the write makes no progress for the stall bound (`ckptools.storage.run_watched`: it is given up and
     publishes nothing), which every rank raises."""
-    written: list[int] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        with watched():
-            try:
-                written.append(_write(start.location, payload, before_write, start.written))
-            except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
-                failed.append(err)
-
-    # A daemon: given up on, it may stay inside the storage until it answers; the process must still end.
-    thread = threading.Thread(target=run, name="ckptools-save", daemon=True)
-    thread.start()
-    stalled = watch(thread, start.path)
-    if stalled is not None:
-        raise stalled
-    if failed:
-        raise failed[0]
-    return written[0]
+    settle_cuda(payload)  # the helper thread copies from CUDA on its own stream: this thread's work first
+    return run_watched(lambda: _write(start.location, payload, before_write, start.written), start.path)
 
 
 def _on_rank0(start: _Start, state: Mapping[str, Any], then: Callable[[dict[str, Any]], Any]) -> Any:

@@ -282,9 +282,11 @@ def main(argv: list[str] | None = None) -> NoReturn:
             f"consumed, {len(sampler)} left for each rank)"
         )
 
-    def save(blocking: bool = True) -> None:
+    def save(blocking: bool = True) -> bool:
+        """Whether this step's save was made: a background one is skipped (with a warning) while the one
+        before it is still being written to a storage slower than the loop saves."""
         # ckptools logs "saved PATH (size in s, GB/s)"; in the background too, when it is done.
-        manager.save({**state, "step": step}, step, blocking=blocking)
+        return manager.save({**state, "step": step}, step, blocking=blocking) == manager.path_for(step)
 
     last_saved = first_step = step
     started = time.monotonic()
@@ -323,8 +325,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
             if args.step_seconds:
                 time.sleep(args.step_seconds)
             if args.save_every_steps and step % args.save_every_steps == 0:
-                save(blocking=not args.async_save)
-                last_saved = step
+                if save(blocking=not args.async_save):
+                    last_saved = step
             elif args.snapshot_every and step % args.snapshot_every == 0:
                 # Into node memory: survives kill -9 of the whole job; restore() takes it when newest.
                 manager.snapshot({**state, "step": step}, step)  # returns once the copy is whole
@@ -341,7 +343,8 @@ def main(argv: list[str] | None = None) -> NoReturn:
                     save()  # blocking; an older background save in flight is finished first
                 preemption.exit()  # every rank leaves together, exit code 128 + signal number
         if args.save_every_steps and last_saved != step:  # epoch end (unless that step was just saved)
-            save(blocking=not args.async_save)
+            # The run's last save blocks: a background one could be skipped behind a slow storage.
+            save(blocking=not args.async_save and epoch + 1 < args.epochs)
             last_saved = step
     seconds = time.monotonic() - started
     closing = time.monotonic()

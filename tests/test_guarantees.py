@@ -362,6 +362,9 @@ CELLS: list[Cell] = [
     Cell("stalled", "FUSE, 2 MB/s then frozen", "ckptools", "CheckpointManager.save(blocking=False)", 2,
          held_by="tests/test_slow_storage.py::"
          "test_async_saves_skip_behind_a_slow_storage_and_a_stuck_one_is_a_named_error_on_every_rank"),
+    Cell("stalled", "FUSE, 2 MB/s then frozen", "ckptools all (DDP)", "CheckpointManager.save, both kinds", 2,
+         held_by="tests/test_slow_storage.py::"
+         "test_a_ddp_models_shares_on_a_slow_then_stuck_storage_skip_and_then_raise_one_named_error_on_every_rank"),
     Cell("stalled", "FUSE, frozen", "ckptools", "ck.load behind its own async save", 1,
          held_by="tests/test_slow_storage.py::"
          "test_a_load_behind_a_stuck_async_save_of_its_own_is_a_named_error_within_the_bound"),

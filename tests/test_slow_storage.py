@@ -221,3 +221,115 @@ def test_a_load_behind_a_stuck_async_save_of_its_own_is_a_named_error_within_the
         target = {"w": torch.zeros(1 << 20)}
         assert manager.restore(target)["step"] == 1 and torch.equal(target["w"], _state(1)["w"])
         manager.close()
+
+
+def _raised(call) -> tuple[str, str, float]:
+    started = time.monotonic()
+    try:
+        call()
+        return "returned", "", time.monotonic() - started
+    except ck.CheckpointError as err:
+        return type(err).__name__, str(err), time.monotonic() - started
+
+
+def _writers_quiet(deadline: float = 30.0) -> list[str]:
+    """The ckptools threads still alive after up to ``deadline`` s (given-up writers end once thawed)."""
+    import threading
+
+    end = time.monotonic() + deadline
+    while (alive := [t.name for t in threading.enumerate() if t.name.startswith("ckptools-")]) and (
+        time.monotonic() < end
+    ):
+        time.sleep(0.1)
+    return alive
+
+
+def _ddp_slow_then_stuck(rank: int, world: int, run: str, control: str) -> dict:
+    """A DDP model (8 MiB: writers='auto' plans a share per rank, 4 MiB each, one pwrite of 2 s at 2 MB/s):
+    async saves behind a slow one skip; frozen while every rank writes its share (async, then sync), each is
+    one StorageStalledError on every rank; thawed, the given-up writers end and leave nothing."""
+    import threading
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ["CKPTOOLS_STALL_TIMEOUT"] = str(BOUND)
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(1024, 2048, bias=False))
+    out: dict = {}
+    try:
+        manager = ck.CheckpointManager(run, keep_last=2)
+        manager.save({"model": ddp}, 1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            manager.save({"model": ddp}, 2, blocking=False)
+            started = time.monotonic()
+            out["skipped"] = manager.save({"model": ddp}, 3, blocking=False)
+            out["skip_took"] = time.monotonic() - started
+        out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, ck.CheckpointWarning)]
+        manager.wait()
+        out["after_slow"] = [s for s, _ in manager.checkpoints()]
+        # Frozen while the background shares are written: the next save skips, the one after the bound raises.
+        manager.save({"model": ddp}, 3, blocking=False)
+        ck.barrier()
+        if rank == 0:
+            set_control(control, frozen=True)
+        ck.barrier()
+        out["behind_stuck"] = manager.save({"model": ddp}, 4, blocking=False)
+        time.sleep(BOUND + 1)
+        out["async"] = _raised(lambda: manager.save({"model": ddp}, 5, blocking=False))
+        ck.barrier()
+        if rank == 0:
+            set_control(control, frozen=False)
+        out["async_left"] = _writers_quiet()
+        ck.barrier()
+        # A sync save frozen half a second in: while the shares are written (2 s at 2 MB/s).
+        freezer = threading.Timer(0.5, set_control, (control,), {"frozen": True}) if rank == 0 else None
+        if freezer is not None:
+            freezer.start()
+        out["sync"] = _raised(lambda: manager.save({"model": ddp}, 6))
+        ck.barrier()
+        if rank == 0:
+            set_control(control, frozen=False)
+        out["sync_left"] = _writers_quiet()
+        out["listed"] = [s for s, _ in manager.checkpoints()]
+        ck.barrier()
+        out["tmps"] = [n for n in os.listdir(run) if ".ckptools-tmp-" in n]
+        manager.close()
+        return out
+    finally:
+        del os.environ["CKPTOOLS_STALL_TIMEOUT"]
+
+
+@pytest.mark.slow
+def test_a_ddp_models_shares_on_a_slow_then_stuck_storage_skip_and_then_raise_one_named_error_on_every_rank(
+    tmp_path,
+):
+    """2 ranks, a DDP model, writers='auto' (every rank writes its share into the one file): at 2 MB/s an
+    async save behind the one in flight is skipped with the warning; frozen while the shares are written, the
+    async save (at the next checkpoint call) and a sync save are each one StorageStalledError on every rank,
+    the same text, within the bound (the group's timeout is 60 s); steps 1 and 2 stay whole, nothing of steps
+    3 to 6 published, and once thawed no temporary file and no ckptools thread is left."""
+    with slow_mount(tmp_path / "fs") as fs:
+        run = fs.path / "run"
+        fs.throttle(2e6)
+        results = run_ranks(_ddp_slow_then_stuck, 2, str(run), str(fs.control), timeout=150)
+        for out in results:
+            assert out["skipped"].endswith("ckpt-0000000002.pt") and out["skip_took"] < SKIP_GRACE + 1.5, out
+            assert out["after_slow"] == [1, 2], out
+            assert out["behind_stuck"].endswith("ckpt-0000000003.pt"), out
+            for phase in ("async", "sync"):
+                kind, message, took = out[phase]
+                assert kind == "StorageStalledError" and "CKPTOOLS_STALL_TIMEOUT" in message, (phase, out[phase])
+                assert took < BOUND + 15, (phase, took)
+            assert out["async_left"] == [] and out["sync_left"] == [], out
+            assert out["listed"] == [1, 2] and out["tmps"] == [], out
+        for out in results:  # each rank whose own write stalled says so itself: the same error, the same save
+            assert "ckpt-0000000003.pt" in out["async"][1] and "ckpt-0000000006.pt" in out["sync"][1], out
+        assert any("of step 3 was skipped" in w and "MB/s" in w for w in results[0]["warnings"]), results[0]
+        fs.thaw()
+        fs.throttle(0)
+        assert sorted(os.listdir(run)) == ["ckpt-0000000001.pt", "ckpt-0000000002.pt"], os.listdir(run)
+        model = torch.nn.Linear(1024, 2048, bias=False)
+        for step in (1, 2):
+            ck.load(str(run / f"ckpt-{step:010d}.pt"), {"model": model}, verify=True)

@@ -304,7 +304,9 @@ def test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact(tmp_path, ref
         # A launch killed as hung carries every process's stack: all of them, or the ranks' are cut.
         assert exit_seconds >= 0, (name, out[-60000:] if "launch killed" in out else out[-3000:])
         assert step is None or f"resumed from step {step} " in out, (name, out[-3000:])  # 0 steps lost
-        how = "finishing its background save" if asynchronous else "saving it"
+        # Async: that step's save is in the background, or was skipped behind the one before it (a disk slower
+        # than a save a step: ckptools warns) and the stop saves it, blocking.
+        how = "(?:finishing its background save|saving it)" if asynchronous else "saving it"
         stopped = re.findall(rf"preempted at step (\d+) \({name}\): {how}", out)
         assert len(stopped) == 1, (name, out[-4000:])  # rank 0 logs it once; every rank stopped at that step
         step = int(stopped[0])
@@ -314,9 +316,11 @@ def test_preempted_mid_epoch_saves_that_step_and_resumes_bit_exact(tmp_path, ref
         # SignalException traceback, or its report that the ranks exited 138, may be there.
         assert set(re.findall(r"\w+Error\b|DataLoader worker", out)) <= {"ChildFailedError"}, (name, out[-4000:])
         assert exit_seconds < 20, f"{name}: {exit_seconds:.1f} s from the signal to torchrun's exit"
-        if asynchronous:
+        if asynchronous and "finishing its background save" in out:
             # The save of that step had just begun: exiting without finishing it would lose it.
             assert "finishing its background save (still being written)" in out, out[-3000:]
+        elif asynchronous:
+            assert "was skipped, as is every save while the one before it is still being written" in out, out[-3000:]
     # The last launch's saves are not under test: the async chain's saves at epoch ends only
     # (every step of a 55 MB state doubled this test's time).
     # (argparse keeps an option's last value: this one replaces the chain's own.)

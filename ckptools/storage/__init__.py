@@ -53,7 +53,18 @@ from .paths import (
 from .paths import announce as announce_write
 from .paths import wait_for as wait_for_write
 from .private import make_private, owner_name, private_problem
-from .processes import BACKGROUND_NICENESS, pid_alive, process_of_mine, process_start, yield_to_the_step
+from .processes import (
+    BACKGROUND_NICENESS,
+    WriteAbandoned,
+    abandon,
+    moved,
+    pid_alive,
+    process_of_mine,
+    process_start,
+    watched,
+    write_progress,
+    yield_to_the_step,
+)
 from .reads import (
     NODE_MARK,
     RANGE_BYTES,
@@ -71,17 +82,13 @@ from .reads import (
 from .writes import (
     STALL_ENV,
     UPLOAD_PART,
-    WriteAbandoned,
-    abandon,
     atomic_write,
     local_target,
-    moved,
     publish,
+    run_watched,
     stall_timeout,
     streams_multipart,
     watch,
-    watched,
-    write_progress,
 )
 
 __all__ = [
@@ -136,6 +143,7 @@ __all__ = [
     "remove",
     "report_progress",
     "resolve",
+    "run_watched",
     "set_pending",
     "stall_timeout",
     "streams_multipart",

@@ -1,5 +1,6 @@
-"""Processes of this host: whether one still runs, when it started, whether it is this user's; and the
-priority a background thread of this one (a write, a snapshot's commit) runs at.
+"""Processes of this host: whether one still runs, when it started, whether it is this user's; and of this
+process's background threads (a write, a snapshot's commit) the priority they run at and how far each write
+came, by which whoever waits for it tells a slow storage from a stuck one (`ckptools.storage.watch`).
 
 Imports nothing of ckptools': the storage door (a dead writer's temporary file), the keeper (the job it
 watches) and the arrival check all ask it.
@@ -16,8 +17,21 @@ import contextlib
 import os
 import sys
 import threading
+import time
+from typing import Any
 
-__all__ = ["BACKGROUND_NICENESS", "pid_alive", "process_of_mine", "process_start", "yield_to_the_step"]
+__all__ = [
+    "BACKGROUND_NICENESS",
+    "WriteAbandoned",
+    "abandon",
+    "moved",
+    "pid_alive",
+    "process_of_mine",
+    "process_start",
+    "watched",
+    "write_progress",
+    "yield_to_the_step",
+]
 
 
 def pid_alive(pid: int) -> bool:
@@ -86,3 +100,68 @@ def yield_to_the_step(niceness: int = BACKGROUND_NICENESS) -> None:
         with contextlib.suppress(OSError):  # raising one's own niceness is always allowed; a sandbox may say no
             me = threading.get_native_id()
             os.setpriority(os.PRIO_PROCESS, me, min(19, os.getpriority(os.PRIO_PROCESS, me) + niceness))
+
+
+# How far each watched write has come, by the thread that writes it: whoever waits for the write tells a
+# slow storage (it moves) from a stuck one (it does not) by it (`watch`).
+_LOCK = threading.Lock()
+_MOVED: dict[int, list[float]] = {}  # writer thread -> [started, last moved (time.monotonic()), bytes, in a sync]
+_ABANDONED: set[int] = set()  # writer threads whose waiter gave up: each stops at its next step
+
+
+class WriteAbandoned(OSError):
+    """Raised in a writer thread at its next step once its waiter gave up on it (the storage was stuck):
+    the write stops there, and its temporary file goes as after any failed write."""
+
+
+@contextlib.contextmanager
+def watched() -> Any:
+    """The writer thread's block: while it runs, its write's progress is kept (`moved`, `write_progress`)."""
+    writer, now = threading.get_ident(), time.monotonic()
+    with _LOCK:
+        _MOVED[writer] = [now, now, 0.0, 0.0]
+        _ABANDONED.discard(writer)
+    try:
+        yield
+    finally:
+        with _LOCK:  # a thread's id may be reused by a later thread: nothing of this one stays
+            _MOVED.pop(writer, None)
+            _ABANDONED.discard(writer)
+
+
+def moved(nbytes: int = 0, *, writer: int | None = None, syncing: bool = False) -> None:
+    """The write in this thread (or ``writer``) moved: ``nbytes`` more reached the storage, or a sync or a
+    rename returned; ``syncing``: a sync (fsync) begins, whose progress is the page cache's draining.
+    Raises `WriteAbandoned` when its waiter gave up on it: nothing more is written.
+
+    Examples:
+        >>> moved(4096)  # a write nobody watches: nothing kept
+    """
+    me = threading.get_ident() if writer is None else writer
+    with _LOCK:
+        entry = _MOVED.get(me)
+        if entry is not None:
+            entry[1] = time.monotonic()
+            entry[2] += nbytes
+            entry[3] = float(syncing)
+        if me in _ABANDONED:
+            _ABANDONED.discard(me)
+            raise WriteAbandoned(f"the write was given up on: its storage made no progress (thread {me})")
+
+
+def write_progress(writer: int) -> tuple[float, float, int, bool] | None:
+    """``(seconds since it started, seconds since it last moved, bytes so far, whether it is in a sync)`` of
+    the write in thread ``writer``, while it runs `watched`; None otherwise."""
+    with _LOCK:
+        entry = list(_MOVED.get(writer) or ())
+    if not entry:
+        return None
+    now = time.monotonic()
+    return now - entry[0], now - entry[1], int(entry[2]), bool(entry[3])
+
+
+def abandon(writer: int) -> None:
+    """Give up on the write in thread ``writer``: it raises `WriteAbandoned` at its next step."""
+    with _LOCK:
+        if writer in _MOVED:
+            _ABANDONED.add(writer)

@@ -11,98 +11,31 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from typing import IO, Any, cast
+from typing import IO, Any, TypeVar, cast
 
 import fsspec
 
 from ..errors import StorageStalledError
 from .paths import PathLike, fresh_tmp, fspath, fsync_dir, get_filesystem, is_local, is_object_store, tmp_name
+from .processes import abandon, moved, watched, write_progress
 
 __all__ = [
     "STALL_ENV",
     "UPLOAD_PART",
-    "WriteAbandoned",
-    "abandon",
     "atomic_write",
     "local_target",
-    "moved",
     "publish",
+    "run_watched",
     "stall_timeout",
     "streams_multipart",
     "watch",
-    "watched",
-    "write_progress",
 ]
 
 STALL_ENV = "CKPTOOLS_STALL_TIMEOUT"
 # Seconds a write may make no progress before every rank is told (StorageStalledError): a fifth of NCCL's
-# watchdog (600 s) and a fifteenth of gloo's timeout (1,800 s), and 7x the longest a healthy write goes
-# without progress at 1 MB/s (a 16 MiB pwrite: ckptools.write.zip_writer.PWRITE_BYTES).
+# watchdog (600 s) and a fifteenth of gloo's timeout (1,800 s), and 28x the longest a healthy write goes
+# without progress at 1 MB/s (a 4 MiB pwrite: ckptools.write.zip_writer.PWRITE_BYTES).
 DEFAULT_STALL = 120.0
-
-# How far each watched write has come, by the thread that writes it: whoever waits for the write tells a
-# slow storage (it moves) from a stuck one (it does not) by it (`watch`).
-_LOCK = threading.Lock()
-_MOVED: dict[int, list[float]] = {}  # writer thread -> [started, last moved (time.monotonic()), bytes, in a sync]
-_ABANDONED: set[int] = set()  # writer threads whose waiter gave up: each stops at its next step
-
-
-class WriteAbandoned(OSError):
-    """Raised in a writer thread at its next step once its waiter gave up on it (the storage was stuck):
-    the write stops there, and its temporary file goes as after any failed write."""
-
-
-@contextlib.contextmanager
-def watched() -> Any:
-    """The writer thread's block: while it runs, its write's progress is kept (`moved`, `write_progress`)."""
-    writer, now = threading.get_ident(), time.monotonic()
-    with _LOCK:
-        _MOVED[writer] = [now, now, 0.0, 0.0]
-        _ABANDONED.discard(writer)
-    try:
-        yield
-    finally:
-        with _LOCK:  # a thread's id may be reused by a later thread: nothing of this one stays
-            _MOVED.pop(writer, None)
-            _ABANDONED.discard(writer)
-
-
-def moved(nbytes: int = 0, *, writer: int | None = None, syncing: bool = False) -> None:
-    """The write in this thread (or ``writer``) moved: ``nbytes`` more reached the storage, or a sync or a
-    rename returned; ``syncing``: a sync (fsync) begins, whose progress is the page cache's draining.
-    Raises `WriteAbandoned` when its waiter gave up on it: nothing more is written.
-
-    Examples:
-        >>> moved(4096)  # a write nobody watches: nothing kept
-    """
-    me = threading.get_ident() if writer is None else writer
-    with _LOCK:
-        entry = _MOVED.get(me)
-        if entry is not None:
-            entry[1] = time.monotonic()
-            entry[2] += nbytes
-            entry[3] = float(syncing)
-        if me in _ABANDONED:
-            _ABANDONED.discard(me)
-            raise WriteAbandoned(f"the write was given up on: its storage made no progress (thread {me})")
-
-
-def write_progress(writer: int) -> tuple[float, float, int, bool] | None:
-    """``(seconds since it started, seconds since it last moved, bytes so far, whether it is in a sync)`` of
-    the write in thread ``writer``, while it runs `watched`; None otherwise."""
-    with _LOCK:
-        entry = list(_MOVED.get(writer) or ())
-    if not entry:
-        return None
-    now = time.monotonic()
-    return now - entry[0], now - entry[1], int(entry[2]), bool(entry[3])
-
-
-def abandon(writer: int) -> None:
-    """Give up on the write in thread ``writer``: it raises `WriteAbandoned` at its next step."""
-    with _LOCK:
-        if writer in _MOVED:
-            _ABANDONED.add(writer)
 
 
 def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any], *, streamable: bool = False) -> str:
@@ -340,3 +273,36 @@ def watch(thread: threading.Thread, target: str) -> StorageStalledError | None:
                 "gone. Nothing of this save was published (older checkpoints are untouched); check the "
                 f"mount, or raise {STALL_ENV} for a storage this slow"
             )
+
+
+T = TypeVar("T")
+
+
+def run_watched(work: Callable[[], T], target: str, *, name: str = "ckptools-save") -> T:
+    """Run ``work`` (file I/O only: never a collective) in a thread of its own that this one watches: what it
+    returns or raises, or `StorageStalledError` once it made no progress for `stall_timeout` seconds (it is
+    given up: it stops at its next step and publishes nothing).
+
+    Examples:
+        >>> run_watched(lambda: 42, "/tmp/a.pt")
+        42
+    """
+    done: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        with watched():
+            try:
+                done.append(work())
+            except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
+                failed.append(err)
+
+    # A daemon: given up on, it may stay inside the storage until it answers; the process must still end.
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    stalled = watch(thread, target)
+    if stalled is not None:
+        raise stalled
+    if failed:
+        raise failed[0]
+    return done[0]

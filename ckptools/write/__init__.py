@@ -47,7 +47,7 @@ from .async_save import (
 from .buckets import adopt_layout
 from .commit import FILE, Gathered, Stored, Target, finish, write_alone
 from .payload import Opening, as_saved, build_payload, checked_args, opening, rank_part
-from .plan import Plan, Share, check_writers, choose, make_plan, plain_optimizer, replica_module
+from .plan import Plan, Share, check_writers, choose, make_plan, plain_optimizer, replica_module, settle_cuda
 from .replicas import compare_now, compare_replicas, replica_digests, replicas_switch, what_to_compare
 from .shares import locate, plan_shares, write_and_commit, write_share_in_background
 from .staging import Stager, StagingBuffers, copy_bytes, whole_storage
@@ -89,6 +89,7 @@ __all__ = [
     "replica_module",
     "replicas_switch",
     "set_pending",
+    "settle_cuda",
     "skip_behind",
     "stage",
     "what_to_compare",

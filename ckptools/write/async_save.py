@@ -11,6 +11,7 @@ collective. See `ckptools.async_save`.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -103,6 +104,7 @@ class AsyncSave:
         # (a peer died or never reported), so rank 0's writer stops waiting for the other ranks'
         # shares and removes its temporary file.
         self.shared = shared
+        self.expected = 0
         self.reported = shared and get_rank() == 0
         self.abandoned = threading.Event()
 
@@ -114,6 +116,7 @@ class AsyncSave:
         """Run ``write`` (then ``after``, housekeeping after the commit: the manager's pruning) in
         this rank's writer thread. ``write`` returns the bytes of the file it committed, or None on
         a rank whose share rank 0 commits (``writers="all"``)."""
+        self.expected = SAVES.stager.nbytes  # what this rank's write hands the storage, about (its staged copy)
         self._writer.start(self.path, write, after=after, started=self._started)
 
     def mark_reported(self) -> None:
@@ -143,15 +146,17 @@ class AsyncSave:
 
     def behind(self, grace: float) -> str | None:
         """Collective: whether a rank's background write of this save is still running, and moving (within the
-        stall bound), after up to ``grace`` seconds more: then a line naming the target and how fast it writes,
-        the same on every rank; None when every rank's write ended, or one made no progress for the bound
-        (`wait` then raises at once)."""
+        stall bound), and will not end within ``grace`` seconds: then a line naming the target and how fast it
+        writes, the same on every rank; None when every rank's write ended (waited for up to ``grace`` where
+        its speed says it ends by then), or one made no progress for the bound (`wait` then raises at once)."""
         bound = stall_timeout()
-        self._writer.join_for(grace)
-        mine = self._writer.progress()
-        stuck = mine is not None and bound > 0 and mine[1] > bound
-        gathered = all_gather_object((mine, stuck))
-        running = [(rank, seen) for rank, (seen, _) in enumerate(gathered) if seen is not None]
+        seen = self._writer.progress()
+        if seen is not None and _remaining(seen, self.expected, grace) <= grace:
+            self._writer.join_for(grace)  # about to end (or no speed seen yet): a storage that keeps up
+            seen = self._writer.progress()
+        stuck = seen is not None and bound > 0 and seen[1] > bound
+        gathered = all_gather_object((seen, stuck))
+        running = [(rank, mine) for rank, (mine, _) in enumerate(gathered) if mine is not None]
         if not running or any(stuck for _, stuck in gathered):
             return None
         rank, (elapsed, _, nbytes, _) = running[0]
@@ -197,6 +202,16 @@ class AsyncSave:
         return self.path
 
 
+def _remaining(seen: tuple[float, float, int, bool], expected: int, grace: float) -> float:
+    """Seconds a running write should still take at the speed it has shown: 0 (wait for it up to the grace)
+    while it just began or its final sync just began, whose speed is the storage's own; without end when it
+    went on that way for longer than the grace (a storage that writes nothing or syncs slowly)."""
+    elapsed, idle, nbytes, syncing = seen
+    if syncing or nbytes <= 0:
+        return 0.0 if (idle if syncing else elapsed) < grace else float("inf")
+    return max(0, expected - nbytes) / (nbytes / elapsed)
+
+
 def pending() -> AsyncSave | None:
     """The async save in flight (not yet waited for), or None."""
     handle = held()
@@ -207,9 +222,10 @@ SKIP_GRACE = 1.0  # seconds `skip_behind` waits for the save in flight, at least
 
 
 def skip_behind(what: str) -> str | None:
-    """Collective: the path of the async save still in flight and moving after one more stall of its own
-    (`SKIP_GRACE` at least), when ``what`` (a save) would queue behind it and is skipped instead, with one
-    warning naming the target and how fast it writes; None to save (the one in flight ended, or is stuck).
+    """Collective: the path of the async save still in flight and moving, that will not end within one more
+    stall of its own (`SKIP_GRACE` at least), when ``what`` (a save) would queue behind it and is skipped
+    instead, with one warning (a run's first skip) naming the target and how fast it writes; None to save (the
+    one in flight ended, or is stuck).
 
     Examples:
         >>> skip_behind("the save of step 8") is None  # no save in flight
@@ -226,7 +242,7 @@ def skip_behind(what: str) -> str | None:
         f"{what} was skipped, as is every save while the one before it is still being written: {behind}. "
         "The storage writes slower than the loop saves; the node-memory snapshots (CheckpointManager.snapshot) "
         "keep the newest steps meanwhile. Save less often, or to faster storage",
-        once=f"behind {handle.path}",
+        once=f"behind {os.path.dirname(handle.path)}",  # once per run's directory; each skip at info level
     )
-    log.logger.debug("skipped %s: %s", what, behind)
+    log.logger.info("skipped %s: %s", what, behind)
     return handle.path

@@ -26,15 +26,28 @@ import time
 from collections.abc import Mapping
 from typing import Any, Protocol
 
+from .. import log
 from ..collective.agree import RankFailure
 from ..collective.group import all_gather_object, collective_timeout, default_store, get_rank, get_world_size
-from ..errors import CheckpointError
+from ..errors import CheckpointError, StorageStalledError
 from ..layouts.torch_io import save_file
-from ..storage import Location
+from ..storage import Location, run_watched
 from . import zip_writer
 from .plan import Plan, make_plan
 
-__all__ = ["FILE", "Alone", "Gathered", "Reply", "Reports", "Stored", "Target", "finish", "reply", "write_alone"]
+__all__ = [
+    "FILE",
+    "Alone",
+    "Gathered",
+    "Reply",
+    "Reports",
+    "Stored",
+    "Target",
+    "WatchedFile",
+    "finish",
+    "reply",
+    "write_alone",
+]
 
 # A writer's reply: what failed (``"OSError: disk full"``), or None and the CRC-32 of each storage it wrote.
 Reply = tuple[str | None, dict[str, int]]
@@ -159,6 +172,41 @@ class _File:
 FILE = _File()
 
 
+class WatchedFile:
+    """`FILE` for one save, committed or discarded in a thread the caller watches (`run_watched`): a rank 0
+    whose storage is stuck in the commit's fsync or rename raises StorageStalledError within the bound while
+    the other ranks wait for its word. A commit given up on discards its file itself, when it comes back; a
+    discard waits for its storage in a thread of its own."""
+
+    def __init__(self) -> None:
+        self._given_up = False
+
+    def commit(self, plan: Plan, location: Location, crcs: dict[str, int]) -> int:
+        def commit_or_discard() -> int:
+            try:
+                return FILE.commit(plan, location, crcs)
+            except BaseException:
+                FILE.discard(plan)
+                raise
+
+        try:
+            return run_watched(lambda: commit_or_discard(), location.url, name="ckptools-commit")
+        except StorageStalledError:
+            self._given_up = True
+            raise
+
+    def discard(self, plan: Plan) -> None:
+        if self._given_up:
+            return  # the commit's own thread discards it
+        # Not waited for past a second: on a stuck storage the unlink waits behind the write the storage holds,
+        # and the error every rank raises must not wait a second bound for it.
+        remover = threading.Thread(target=FILE.discard, args=(plan,), name="ckptools-discard", daemon=True)
+        remover.start()
+        remover.join(1.0)
+        if remover.is_alive():
+            log.logger.error("removing %s waits for its storage; it goes once the storage answers", plan.tmp)
+
+
 def finish(
     plan: Plan,
     location: Location,
@@ -184,8 +232,9 @@ def finish(
         if error is not None:
             raise error
         failed = next((f"rank {rank}: {r[0]}" for rank, r in replies if r[0]), None)
-        if failed is not None:
-            raise RankFailure(failed)
+        if failed is not None:  # a stall stays one on every rank (the fix differs: the storage, not the state)
+            stalled = failed.split(": ", 2)[1] == StorageStalledError.__name__
+            raise StorageStalledError(failed) if stalled else RankFailure(failed)
         return target.commit(plan, location, {k: v for _, r in replies for k, v in r[1].items()})
     except BaseException:
         target.discard(plan)

@@ -208,6 +208,33 @@ def replicated(state: Mapping[str, Any], payload: Mapping[str, Any]) -> dict[int
     return found
 
 
+def settle_cuda(tree: Any) -> None:
+    """Wait for the CUDA work this thread queued on each device a tensor or storage in ``tree`` (containers
+    walked) lives on: a helper thread, on its own default stream, then copies them to the host as this thread
+    would have (a user's side stream included). Only those devices: another's would get a context.
+
+    Examples:
+        >>> settle_cuda({"w": torch.ones(2)})  # CPU tensors: nothing to wait for
+    """
+    devices: set[torch.device] = set()
+    seen: set[int] = set()
+    stack = [tree]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, (torch.Tensor, torch.UntypedStorage)):
+            if item.device.type == "cuda":
+                devices.add(item.device)
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+
+
 def host_bytes(storage: torch.UntypedStorage) -> memoryview:
     """A storage's bytes on the CPU, without a copy when it is there already."""
     if storage.device.type != "cpu":

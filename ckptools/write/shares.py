@@ -25,12 +25,12 @@ from ..collective.group import (
 from ..errors import CheckpointError
 from ..owned.gradients import has_gradients, owned_refusal
 from ..owned.zero import has_partitions
-from ..storage import Location
+from ..storage import Location, run_watched
 from . import upload, zip_writer
 from .async_save import AsyncSave
-from .commit import Gathered, Stored, finish
+from .commit import Gathered, Stored, WatchedFile, finish
 from .payload import state_entry
-from .plan import TOKEN_BYTES, Plan, Share, describe, make_plan
+from .plan import TOKEN_BYTES, Plan, Share, describe, make_plan, settle_cuda
 
 __all__ = ["locate", "plan_shares", "write_and_commit", "write_share_in_background"]
 
@@ -113,8 +113,10 @@ def plan_shares(
         if before_write is not None:
             before_write()
         if not location.local:  # S3 (`choose`): one multipart upload
-            return upload.create(location, make_plan(location, state, payload, on_cpu=on_cpu, upload=True))
-        return zip_writer.create_tmp(location, make_plan(location, state, payload, on_cpu=on_cpu))
+            plan = make_plan(location, state, payload, on_cpu=on_cpu, upload=True)
+            return run_watched(lambda: upload.create(location, plan), path)  # stuck: every rank told, in bound
+        plan = make_plan(location, state, payload, on_cpu=on_cpu)
+        return run_watched(lambda: zip_writer.create_tmp(location, plan), path)
 
     sent = agree.saving(path).on_rank0(planned, send=True)
     assert sent is not None  # on_rank0 raised otherwise
@@ -170,14 +172,17 @@ def write_and_commit(location: Location, plan: Plan, storages: list[Any]) -> int
     Rank 0's file size."""
     error: BaseException | None = None
     crcs: dict[str, int] = {}
+    pairs = list(zip(plan.mine(), storages))
+    settle_cuda(storages)  # the write's thread copies from CUDA on its own stream: this thread's work first
     try:
-        crcs = zip_writer.write_shares(plan, list(zip(plan.mine(), storages)))
+        # In a watched thread: a stuck storage is a StorageStalledError in this rank's reply within the bound
+        crcs = run_watched(lambda: zip_writer.write_shares(plan, pairs), location.url)
     except Exception as err:  # noqa: BLE001 - reported, and raised on every rank below
         error = err
     failure: BaseException | None = None
     written = None
     try:
-        written = finish(plan, location, error, crcs, Gathered())
+        written = finish(plan, location, error, crcs, Gathered(), WatchedFile())
     except Exception as err:  # noqa: BLE001 - rank 0's: shared with every rank below, then raised
         failure = err
     agree.saving(location.url).share(failure)

@@ -5,8 +5,8 @@ often a load and a verify open the checkpoint file; the three walks of issue 55.
     python docs/tools/house_figures.py --opens    # and the opens (imports torch, writes a small file)
     python docs/tools/house_figures.py --walks [--package OTHER/ckptools]   # the walks, in that tree
 
-A walk is what the calling thread's calls go through, and those of the threads it starts, traced
-(sys.setprofile, threading.setprofile): a writers="all" save
+A walk is what the calling thread's calls go through, traced (sys.setprofile), and again with those of
+the threads it starts (threading.setprofile too): a writers="all" save
 (a process group of one), a snapshot then a kill (os._exit) then a relaunch's restore, and
 `ckpt verify RUN_DIR`. Its figures: the package's modules it enters, and its return trips: calls into
 a module that is already on the stack below another module's frame (a callback or closure handed down
@@ -163,7 +163,8 @@ def traced(call):
                 entered.append(here)
         elif event == "return" and stack:
             stack.pop()
-    threading.setprofile(profile)
+    if {threads!r}:
+        threading.setprofile(profile)
     sys.setprofile(profile)
     try:
         call()
@@ -176,9 +177,10 @@ def traced(call):
 """
 
 
-def walks(package: pathlib.Path) -> dict[str, dict[str, object]]:
+def walks(package: pathlib.Path, *, threads: bool = True) -> dict[str, dict[str, object]]:
     """Each walk run in a fresh process of its own against ``package``; the snapshot's process ends with
-    os._exit (a kill: no close, no end of job) and the restore's is the relaunch."""
+    os._exit (a kill: no close, no end of job) and the restore's is the relaunch. ``threads=False``: the
+    calling thread's calls alone (how issue 55's and issue 66's bounds were taken)."""
     import json
     import subprocess
     import sys
@@ -187,7 +189,7 @@ def walks(package: pathlib.Path) -> dict[str, dict[str, object]]:
     found: dict[str, dict[str, object]] = {}
     env = {**os.environ, "PYTHONPATH": str(package.parent)}  # the keeper a snapshot starts: this tree's
     for name, body in _WALKS.items():
-        code = _TRACER.format(parent=str(package.parent), where=where) + body
+        code = _TRACER.format(parent=str(package.parent), where=where, threads=threads) + body
         if name == "snapshot":
             code += "\nsys.stdout.flush()\nos._exit(0)\n"
         done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
@@ -211,16 +213,20 @@ def main() -> None:
         for call, n in opens().items():
             print(f"{call}: opens the file {n} times")
     if args.walks:
-        found = walks(pathlib.Path(args.package).resolve())
-        for name, walk in found.items():
-            modules = walk["modules"]
-            assert isinstance(modules, list)
-            print(f"walk {name}: {len(modules)} modules, {walk['trips']} return trips")
-        snapshot, restore = found["snapshot"]["modules"], found["restore"]["modules"]
-        assert isinstance(snapshot, list) and isinstance(restore, list)
-        both = len(set(snapshot) | set(restore))
-        print(f"walk snapshot -> kill -> restore: {both} modules, "
-              f"{int(str(found['snapshot']['trips'])) + int(str(found['restore']['trips']))} return trips")
+        for threads in (False, True):
+            found = walks(pathlib.Path(args.package).resolve(), threads=threads)
+            how = "with the threads it starts" if threads else "the calling thread"
+            for name, walk in found.items():
+                modules = walk["modules"]
+                assert isinstance(modules, list)
+                print(f"walk {name} ({how}): {len(modules)} modules, {walk['trips']} return trips")
+            snapshot, restore = found["snapshot"]["modules"], found["restore"]["modules"]
+            assert isinstance(snapshot, list) and isinstance(restore, list)
+            both = len(set(snapshot) | set(restore))
+            print(
+                f"walk snapshot -> kill -> restore ({how}): {both} modules, "
+                f"{int(str(found['snapshot']['trips'])) + int(str(found['restore']['trips']))} return trips"
+            )
 
 
 if __name__ == "__main__":
