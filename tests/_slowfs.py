@@ -55,10 +55,11 @@ def set_control(control: Path | str, **changes: Any) -> None:
 class SlowMount:
     """One mount of the filesystem: ``path`` is where to write; `throttle`, `freeze`, `thaw` change it now."""
 
-    def __init__(self, root: Path) -> None:
-        self.backing, self.path, self.control = root / "backing", root / "mount", root / "control.json"
-        self.backing.mkdir(parents=True)
-        self.path.mkdir()
+    def __init__(self, root: Path, backing: Path | None = None) -> None:
+        self.backing = root / "backing" if backing is None else backing
+        self.path, self.control = root / "mount", root / "control.json"
+        self.backing.mkdir(parents=True, exist_ok=backing is not None)
+        self.path.mkdir(parents=True)
         self._set(rate=0.0, frozen=False)
         self._proc: subprocess.Popen[bytes] | None = None
 
@@ -107,9 +108,11 @@ class SlowMount:
 
 
 @contextlib.contextmanager
-def slow_mount(root: Path) -> Iterator[SlowMount]:
-    """A `SlowMount` under ``root``, mounted for the block and always thawed and unmounted after it."""
-    mount = SlowMount(root)
+def slow_mount(root: Path, backing: Path | None = None) -> Iterator[SlowMount]:
+    """A `SlowMount` under ``root``, mounted for the block and always thawed and unmounted after it; over
+    ``backing`` when given (two mounts of one directory: one shared filesystem seen by two nodes' clients,
+    each slowed or frozen alone)."""
+    mount = SlowMount(root, backing)
     try:
         mount.start()
         yield mount

@@ -365,6 +365,9 @@ CELLS: list[Cell] = [
     Cell("stalled", "FUSE, 2 MB/s then frozen", "ckptools all (DDP)", "CheckpointManager.save, both kinds", 2,
          held_by="tests/test_slow_storage.py::"
          "test_a_ddp_models_shares_on_a_slow_then_stuck_storage_skip_and_then_raise_one_named_error_on_every_rank"),
+    Cell("stalled", "FUSE, one rank's mount 2 MB/s then frozen", "ckptools all (DDP)", "CheckpointManager.save", 2,
+         held_by="tests/test_slow_storage.py::"
+         "test_one_ranks_storage_slow_then_stuck_is_waited_for_skipped_behind_then_one_named_error_on_every_rank"),
     Cell("stalled", "FUSE, frozen", "ckptools", "ck.load behind its own async save", 1,
          held_by="tests/test_slow_storage.py::"
          "test_a_load_behind_a_stuck_async_save_of_its_own_is_a_named_error_within_the_bound"),

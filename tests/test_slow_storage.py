@@ -307,9 +307,10 @@ def test_a_ddp_models_shares_on_a_slow_then_stuck_storage_skip_and_then_raise_on
 ):
     """2 ranks, a DDP model, writers='auto' (every rank writes its share into the one file): at 2 MB/s an
     async save behind the one in flight is skipped with the warning; frozen while the shares are written, the
-    async save (at the next checkpoint call) and a sync save are each one StorageStalledError on every rank,
-    the same text, within the bound (the group's timeout is 60 s); steps 1 and 2 stay whole, nothing of steps
-    3 to 6 published, and once thawed no temporary file and no ckptools thread is left."""
+    async save (at the next checkpoint call) and a sync save are each a StorageStalledError on every rank (each
+    rank whose own write stalled names it itself), within the bound (the group's timeout is 60 s); steps 1
+    and 2 stay whole, nothing of steps 3 to 6 published, and once thawed no temporary file and no ckptools
+    thread is left."""
     with slow_mount(tmp_path / "fs") as fs:
         run = fs.path / "run"
         fs.throttle(2e6)
@@ -333,3 +334,73 @@ def test_a_ddp_models_shares_on_a_slow_then_stuck_storage_skip_and_then_raise_on
         model = torch.nn.Linear(1024, 2048, bias=False)
         for step in (1, 2):
             ck.load(str(run / f"ckpt-{step:010d}.pt"), {"model": model}, verify=True)
+
+
+def _one_rank_slow_then_stuck(rank: int, world: int, runs: list[str], control: str) -> dict:
+    """Rank 0 saves through a mount that keeps up, rank 1 through one of the same directory throttled to
+    2 MB/s, then frozen (``control``: rank 1's): a DDP model's shares (writers='auto'), sync and async."""
+    import warnings
+
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ["CKPTOOLS_STALL_TIMEOUT"] = str(BOUND)
+    torch.manual_seed(0)
+    ddp = DDP(torch.nn.Linear(1024, 2048, bias=False))
+    out: dict = {}
+    try:
+        manager = ck.CheckpointManager(runs[rank], keep_last=2)
+        started = time.monotonic()
+        manager.save({"model": ddp}, 1)  # rank 1's 4 MiB share at 2 MB/s: the save waits for the slow rank
+        out["slow_sync_took"] = time.monotonic() - started
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            manager.save({"model": ddp}, 2, blocking=False)
+            out["skipped"] = os.path.basename(manager.save({"model": ddp}, 3, blocking=False))
+        out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, ck.CheckpointWarning)]
+        manager.wait()
+        ck.barrier()
+        if rank == 1:
+            set_control(control, frozen=True)
+        ck.barrier()
+        out["stuck"] = _raised(lambda: manager.save({"model": ddp}, 3))
+        ck.barrier()
+        if rank == 1:
+            set_control(control, frozen=False)
+        out["left"] = _writers_quiet()
+        out["listed"] = [s for s, _ in manager.checkpoints()]
+        manager.close()
+        return out
+    finally:
+        del os.environ["CKPTOOLS_STALL_TIMEOUT"]
+
+
+@pytest.mark.slow
+def test_one_ranks_storage_slow_then_stuck_is_waited_for_skipped_behind_then_one_named_error_on_every_rank(
+    tmp_path,
+):
+    """2 ranks write their shares of one file into one directory through two mounts of it (two nodes' clients
+    of one filesystem); rank 1's is throttled to 2 MB/s: a sync save waits for it and is whole, an async save
+    behind its share is skipped with a warning naming rank 1; then rank 1's alone is frozen: the sync save is
+    one StorageStalledError on every rank, naming rank 1, within the bound, while rank 0's own storage keeps
+    up; nothing of it published, steps 1 and 2 whole, and thawed nothing left."""
+    shared = tmp_path / "shared"
+    with slow_mount(tmp_path / "a", shared) as fast, slow_mount(tmp_path / "b", shared) as slow:
+        slow.throttle(2e6)
+        runs = [str(fast.path / "run"), str(slow.path / "run")]
+        results = run_ranks(_one_rank_slow_then_stuck, 2, runs, str(slow.control), timeout=120)
+        for out in results:
+            assert out["slow_sync_took"] >= 1.5, out  # rank 1's 4 MiB at 2 MB/s: waited for
+            assert out["skipped"] == "ckpt-0000000002.pt", out
+            kind, message, took = out["stuck"]
+            assert kind == "StorageStalledError" and message.startswith("rank 1: "), out["stuck"]
+            assert "ckpt-0000000003.pt" in message and took < BOUND + 15, out["stuck"]
+            assert out["left"] == [] and out["listed"] == [1, 2], out
+        assert results[0]["stuck"][1] == results[1]["stuck"][1]  # rank 0's word, the same on both
+        # The slowest rank named first: rank 1 (rank 0's writer, its own share long written, waits for rank 1's)
+        assert any("being written: rank 1 (" in w and "MB/s" in w for w in results[0]["warnings"]), results[0]
+        slow.thaw()
+        slow.throttle(0)
+        run = shared / "run"
+        assert sorted(os.listdir(run)) == ["ckpt-0000000001.pt", "ckpt-0000000002.pt"], os.listdir(run)
+        for step in (1, 2):
+            ck.load(str(run / f"ckpt-{step:010d}.pt"), {"model": torch.nn.Linear(1024, 2048, bias=False)}, verify=True)

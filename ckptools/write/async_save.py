@@ -159,9 +159,13 @@ class AsyncSave:
         running = [(rank, mine) for rank, (mine, _) in enumerate(gathered) if mine is not None]
         if not running or any(stuck for _, stuck in gathered):
             return None
-        rank, (elapsed, _, nbytes, _) = running[0]
-        rate = f", {nbytes / elapsed / 1e6:.3g} MB/s" if elapsed > 0 else ""
-        return f"rank {rank} is still writing {self.path} ({nbytes / 1e6:.3g} MB in {elapsed:.1f} s{rate})"
+        # The slowest first (with writers="all" rank 0's writer also waits for the others' reports: it is not
+        # the one to blame when its own bytes went fast).
+        running.sort(key=lambda item: item[1][2] / item[1][0] if item[1][0] > 0 else 0.0)
+        said = [f"rank {rank} ({nbytes / 1e6:.3g} MB in {elapsed:.1f} s, {nbytes / max(elapsed, 1e-9) / 1e6:.3g} MB/s)"
+                for rank, (elapsed, _, nbytes, _) in running[:4]]  # fmt: skip
+        more = f" and {len(running) - 4} more ranks" if len(running) > 4 else ""
+        return f"{', '.join(said)}{more} still writing {self.path}"
 
     def join_writer(self) -> None:
         """Local: block until this rank's background write (if any) ended."""
