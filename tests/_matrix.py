@@ -17,8 +17,8 @@ PROMISES = {
     "named": "bad input is a named error, and nothing is changed",
     "valid": "a valid file torch reads is read: never called corrupt, never a hang",
     "exact": "a resume is bit-exact",
-    "stalled": "a stuck storage is one named error on every rank within the bound, never a hang; a slow one is "
-    "skipped behind, never waited for",
+    "stalled": "a stuck storage is one named error on every rank within the bound, never a hang; behind a slow one "
+    "an async save is skipped, not waited for",
 }
 
 
