@@ -10,13 +10,13 @@ paths.py     a path or URL resolved once (`Location`), joins, listings, temporar
              background write, which resolving it waits for; the async save, finished first)
 writes.py    atomic writes: local (temporary file, fsync, rename, directory fsync), S3
              (a streamed multipart upload, completed last), other stores (one PUT or a move);
-             how far a watched write came (slow storage or stuck), and giving up on it
+             waiting for a watched write, and giving up on a stuck one
 reads.py     a local file opened once and checked on its descriptor, a remote one fetched once;
              byte ranges copied or CRC-32-checked, progress
 checksum.py  CRC-32, through ISA-L where installed (seven times zlib's speed)
 private.py   folders only this user can change (node memory in a folder every local user shares)
 processes.py whether a process runs, when it started, whether it is this user's; a background
-             thread's priority (behind the training step)
+             thread's priority (behind the training step), how far each watched write came
 ===========  ==============================================================================
 
 Everything else imports from this package, never from its modules.
@@ -62,6 +62,7 @@ from .processes import (
     process_of_mine,
     process_start,
     watched,
+    watched_fsync,
     write_progress,
     yield_to_the_step,
 )
@@ -151,6 +152,7 @@ __all__ = [
     "wait_for_write",
     "watch",
     "watched",
+    "watched_fsync",
     "write_progress",
     "yield_to_the_step",
 ]  # fmt: skip

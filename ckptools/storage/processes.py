@@ -29,6 +29,7 @@ __all__ = [
     "process_of_mine",
     "process_start",
     "watched",
+    "watched_fsync",
     "write_progress",
     "yield_to_the_step",
 ]
@@ -147,6 +148,20 @@ def moved(nbytes: int = 0, *, writer: int | None = None, syncing: bool = False) 
         if me in _ABANDONED:
             _ABANDONED.discard(me)
             raise WriteAbandoned(f"the write was given up on: its storage made no progress (thread {me})")
+
+
+def watched_fsync(fd: int, *, writer: int | None = None) -> None:
+    """``os.fsync(fd)`` as a watched write's progress (`moved`): its start (the page cache's draining is its
+    progress meanwhile) and its end; ``writer``: the thread whose write it is, when another thread syncs.
+
+    Examples:
+        >>> import tempfile
+        >>> with tempfile.TemporaryFile() as f:
+        ...     watched_fsync(f.fileno())
+    """
+    moved(writer=writer, syncing=True)
+    os.fsync(fd)
+    moved(writer=writer)
 
 
 def write_progress(writer: int) -> tuple[float, float, int, bool] | None:

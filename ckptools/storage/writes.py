@@ -1,7 +1,7 @@
 """Atomic writes: local (a temporary file, fsync, rename, directory fsync), S3 (a streamed multipart
 upload completed last), other object stores (one PUT), other remote filesystems (temporary name, move);
-and how far a write came, so that whoever waits for it tells a slow storage from a stuck one and gives up
-on a stuck one within a bound (`watch`; docs/guarantees.md, "Slow and stuck storage")."""
+and waiting for a watched write (`watch`, `run_watched`): by how far it came (`ckptools.storage.processes`),
+a stuck one is given up within a bound (docs/guarantees.md, "Slow and stuck storage")."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import fsspec
 
 from ..errors import StorageStalledError
 from .paths import PathLike, fresh_tmp, fspath, fsync_dir, get_filesystem, is_local, is_object_store, tmp_name
-from .processes import abandon, moved, watched, write_progress
+from .processes import abandon, moved, watched, watched_fsync, write_progress
 
 __all__ = [
     "STALL_ENV",
@@ -83,9 +83,7 @@ def atomic_write(path: PathLike, write: Callable[[IO[bytes]], Any], *, streamabl
                     raise recorder.error from err
                 raise
             f.flush()
-            moved(syncing=True)
-            os.fsync(f.fileno())
-            moved()
+            watched_fsync(f.fileno())
     except BaseException:
         # BaseException too: a KeyboardInterrupt mid-write must not leave a temp file behind.
         with contextlib.suppress(FileNotFoundError):

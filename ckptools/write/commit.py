@@ -190,7 +190,7 @@ class WatchedFile:
                 raise
 
         try:
-            return run_watched(lambda: commit_or_discard(), location.url, name="ckptools-commit")
+            return run_watched(commit_or_discard, location.url, name="ckptools-commit")
         except StorageStalledError:
             self._given_up = True
             raise
@@ -231,10 +231,11 @@ def finish(
     try:
         if error is not None:
             raise error
-        failed = next((f"rank {rank}: {r[0]}" for rank, r in replies if r[0]), None)
+        failed = next(((rank, r[0]) for rank, r in replies if r[0]), None)
         if failed is not None:  # a stall stays one on every rank (the fix differs: the storage, not the state)
-            stalled = failed.split(": ", 2)[1] == StorageStalledError.__name__
-            raise StorageStalledError(failed) if stalled else RankFailure(failed)
+            rank, text = failed
+            stalled = text.startswith(f"{StorageStalledError.__name__}: ")  # as `reply` wrote it
+            raise (StorageStalledError if stalled else RankFailure)(f"rank {rank}: {text}")
         return target.commit(plan, location, {k: v for _, r in replies for k, v in r[1].items()})
     except BaseException:
         target.discard(plan)

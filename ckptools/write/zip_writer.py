@@ -18,7 +18,7 @@ from collections.abc import Mapping
 import torch
 
 from ..codecs.torchzip import ZipPlan
-from ..storage import Location, crc32, fresh_tmp, local_target, moved, publish
+from ..storage import Location, crc32, fresh_tmp, local_target, moved, publish, watched_fsync
 from . import upload
 from .plan import PREFIX, TOKEN_BYTES, Plan, Share, host_bytes
 
@@ -73,9 +73,7 @@ def write_shares(plan: Plan, chunks: list[tuple[Share, torch.UntypedStorage]]) -
 
         def flush() -> None:
             try:
-                moved(writer=writer, syncing=True)
-                os.fsync(fd)
-                moved(writer=writer)
+                watched_fsync(fd, writer=writer)
             except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
                 failed.append(err)
 
@@ -142,9 +140,7 @@ def write_directory(plan: Plan, crcs: Mapping[str, int] | None, *, sync: bool = 
                 _pwrite_all(fd, memoryview(data), zplan.data_offsets[index])
         _pwrite_all(fd, memoryview(zplan.directory(all_crcs)), zplan.directory_offset)
         if sync:
-            moved(syncing=True)
-            os.fsync(fd)
-            moved()
+            watched_fsync(fd)
     finally:
         os.close(fd)
     return zplan.size
