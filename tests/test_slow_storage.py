@@ -7,6 +7,7 @@ with a warning naming the target and its speed."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -80,6 +81,24 @@ def test_a_save_to_a_throttled_storage_is_whole_when_it_returns(tmp_path):
 BOUND = 5.0
 
 
+@contextlib.contextmanager
+def _stall_bound():
+    """CKPTOOLS_STALL_TIMEOUT=BOUND in this rank for the block."""
+    os.environ["CKPTOOLS_STALL_TIMEOUT"] = str(BOUND)
+    try:
+        yield
+    finally:
+        del os.environ["CKPTOOLS_STALL_TIMEOUT"]
+
+
+def _storage_set(rank: int, by: int, control: str, **changes) -> None:
+    """Every rank at one point of its scenario: rank ``by`` changes the storage (`set_control`), then all go on."""
+    ck.barrier()
+    if rank == by:
+        set_control(control, **changes)
+    ck.barrier()
+
+
 def _thawed_leftovers(rank: int, run: str, control: str) -> list[str]:
     """Rank 0 (whose writer the storage holds): thaw it, then the temporary files still there after the
     given-up writer had 30 s to stop (it must remove its own)."""
@@ -95,19 +114,9 @@ def _thawed_leftovers(rank: int, run: str, control: str) -> list[str]:
 def _stuck_sync_save(rank: int, world: int, run: str, control: str) -> tuple[str, str, float, list[str]]:
     """Every rank saves step 3 to a storage that is frozen: what each raised, how long it took, and the
     temporary files left once rank 0 thawed the storage."""
-    os.environ["CKPTOOLS_STALL_TIMEOUT"] = str(BOUND)
-    try:
+    with _stall_bound():
         manager = ck.CheckpointManager(run, keep_last=2)
-        started = time.monotonic()
-        try:
-            manager.save(_state(3), 3)
-            raised = ("returned", "")
-        except ck.CheckpointError as err:
-            raised = (type(err).__name__, str(err))
-        took = time.monotonic() - started
-        return *raised, took, _thawed_leftovers(rank, run, control)
-    finally:
-        del os.environ["CKPTOOLS_STALL_TIMEOUT"]
+        return *_raised(lambda: manager.save(_state(3), 3)), _thawed_leftovers(rank, run, control)
 
 
 def _whole_and_only(run, steps: list[int]) -> None:
@@ -141,9 +150,8 @@ def _slow_then_stuck_async(rank: int, world: int, run: str, control: str) -> dic
     """Async saves every "step" to a storage throttled to 2 MB/s, then frozen."""
     import warnings
 
-    os.environ["CKPTOOLS_STALL_TIMEOUT"] = str(BOUND)
     out: dict = {}
-    try:
+    with _stall_bound():
         manager = ck.CheckpointManager(run, keep_last=2)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -154,28 +162,19 @@ def _slow_then_stuck_async(rank: int, world: int, run: str, control: str) -> dic
         out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, ck.CheckpointWarning)]
         manager.wait()
         out["after_slow"] = [s for s, _ in manager.checkpoints()]
-        ck.barrier()
-        if rank == 0:
-            set_control(control, rate=0.0, frozen=True)
-        ck.barrier()
+        _storage_set(rank, 0, control, rate=0.0, frozen=True)
         manager.save(_state(3), 3, blocking=False)  # staged; rank 0's writer stops inside the storage
         started = time.monotonic()
         out["behind_stuck"] = manager.save(_state(4), 4, blocking=False)  # not yet past the bound: skipped
         out["behind_took"] = time.monotonic() - started
         time.sleep(BOUND + 1)
-        started = time.monotonic()
-        try:
-            manager.save(_state(5), 5, blocking=False)  # finishes the one in flight first: stuck past the bound
-            out["stuck"] = ("returned", "")
-        except ck.CheckpointError as err:
-            out["stuck"] = (type(err).__name__, str(err))
-        out["stuck_took"] = time.monotonic() - started
+        # finishes the one in flight first: stuck past the bound
+        kind, message, out["stuck_took"] = _raised(lambda: manager.save(_state(5), 5, blocking=False))
+        out["stuck"] = (kind, message)
         out["pending_after"] = manager.pending is not None
         out["listed_stuck"] = [s for s, _ in manager.checkpoints()]
         out["left"] = _thawed_leftovers(rank, run, control)
         return out
-    finally:
-        del os.environ["CKPTOOLS_STALL_TIMEOUT"]
 
 
 def test_async_saves_skip_behind_a_slow_storage_and_a_stuck_one_is_a_named_error_on_every_rank(tmp_path):
@@ -253,11 +252,10 @@ def _ddp_slow_then_stuck(rank: int, world: int, run: str, control: str) -> dict:
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    os.environ["CKPTOOLS_STALL_TIMEOUT"] = str(BOUND)
     torch.manual_seed(0)
     ddp = DDP(torch.nn.Linear(1024, 2048, bias=False))
     out: dict = {}
-    try:
+    with _stall_bound():
         manager = ck.CheckpointManager(run, keep_last=2)
         manager.save({"model": ddp}, 1)
         with warnings.catch_warnings(record=True) as caught:
@@ -271,16 +269,11 @@ def _ddp_slow_then_stuck(rank: int, world: int, run: str, control: str) -> dict:
         out["after_slow"] = [s for s, _ in manager.checkpoints()]
         # Frozen while the background shares are written: the next save skips, the one after the bound raises.
         manager.save({"model": ddp}, 3, blocking=False)
-        ck.barrier()
-        if rank == 0:
-            set_control(control, frozen=True)
-        ck.barrier()
+        _storage_set(rank, 0, control, frozen=True)
         out["behind_stuck"] = manager.save({"model": ddp}, 4, blocking=False)
         time.sleep(BOUND + 1)
         out["async"] = _raised(lambda: manager.save({"model": ddp}, 5, blocking=False))
-        ck.barrier()
-        if rank == 0:
-            set_control(control, frozen=False)
+        _storage_set(rank, 0, control, frozen=False)
         out["async_left"] = _writers_quiet()
         ck.barrier()
         # A sync save frozen half a second in: while the shares are written (2 s at 2 MB/s).
@@ -288,17 +281,13 @@ def _ddp_slow_then_stuck(rank: int, world: int, run: str, control: str) -> dict:
         if freezer is not None:
             freezer.start()
         out["sync"] = _raised(lambda: manager.save({"model": ddp}, 6))
-        ck.barrier()
-        if rank == 0:
-            set_control(control, frozen=False)
+        _storage_set(rank, 0, control, frozen=False)
         out["sync_left"] = _writers_quiet()
         out["listed"] = [s for s, _ in manager.checkpoints()]
         ck.barrier()
         out["tmps"] = [n for n in os.listdir(run) if ".ckptools-tmp-" in n]
         manager.close()
         return out
-    finally:
-        del os.environ["CKPTOOLS_STALL_TIMEOUT"]
 
 
 @pytest.mark.slow
@@ -343,11 +332,10 @@ def _one_rank_slow_then_stuck(rank: int, world: int, runs: list[str], control: s
 
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    os.environ["CKPTOOLS_STALL_TIMEOUT"] = str(BOUND)
     torch.manual_seed(0)
     ddp = DDP(torch.nn.Linear(1024, 2048, bias=False))
     out: dict = {}
-    try:
+    with _stall_bound():
         manager = ck.CheckpointManager(runs[rank], keep_last=2)
         started = time.monotonic()
         manager.save({"model": ddp}, 1)  # rank 1's 4 MiB share at 2 MB/s: the save waits for the slow rank
@@ -358,20 +346,13 @@ def _one_rank_slow_then_stuck(rank: int, world: int, runs: list[str], control: s
             out["skipped"] = os.path.basename(manager.save({"model": ddp}, 3, blocking=False))
         out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, ck.CheckpointWarning)]
         manager.wait()
-        ck.barrier()
-        if rank == 1:
-            set_control(control, frozen=True)
-        ck.barrier()
+        _storage_set(rank, 1, control, frozen=True)
         out["stuck"] = _raised(lambda: manager.save({"model": ddp}, 3))
-        ck.barrier()
-        if rank == 1:
-            set_control(control, frozen=False)
+        _storage_set(rank, 1, control, frozen=False)
         out["left"] = _writers_quiet()
         out["listed"] = [s for s, _ in manager.checkpoints()]
         manager.close()
         return out
-    finally:
-        del os.environ["CKPTOOLS_STALL_TIMEOUT"]
 
 
 @pytest.mark.slow
