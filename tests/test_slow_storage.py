@@ -231,14 +231,23 @@ def _raised(call) -> tuple[str, str, float]:
         return type(err).__name__, str(err), time.monotonic() - started
 
 
-def _writers_quiet(deadline: float = 30.0) -> list[str]:
-    """The ckptools threads still alive after up to ``deadline`` s (given-up writers end once thawed)."""
+def _ckptools_threads() -> set:
+    """The ckptools threads alive in this process now (the objects: an ident may be reused)."""
+    import threading
+
+    return {t for t in threading.enumerate() if t.name.startswith("ckptools-")}
+
+
+def _writers_quiet(before: set, deadline: float = 30.0) -> list[str]:
+    """The ckptools threads started since ``before`` and still alive after up to ``deadline`` s (given-up
+    writers end once thawed). The warm ranks keep threads of earlier tests that live as long as the process
+    (the node's commit thread, ckptools.node.commits), so only this test's own count."""
     import threading
 
     end = time.monotonic() + deadline
-    while (alive := [t.name for t in threading.enumerate() if t.name.startswith("ckptools-")]) and (
-        time.monotonic() < end
-    ):
+    while (
+        alive := [t.name for t in threading.enumerate() if t.name.startswith("ckptools-") and t not in before]
+    ) and time.monotonic() < end:
         time.sleep(0.1)
     return alive
 
@@ -255,6 +264,7 @@ def _ddp_slow_then_stuck(rank: int, world: int, run: str, control: str) -> dict:
     torch.manual_seed(0)
     ddp = DDP(torch.nn.Linear(1024, 2048, bias=False))
     out: dict = {}
+    before = _ckptools_threads()
     with _stall_bound():
         manager = ck.CheckpointManager(run, keep_last=2)
         manager.save({"model": ddp}, 1)
@@ -274,7 +284,7 @@ def _ddp_slow_then_stuck(rank: int, world: int, run: str, control: str) -> dict:
         time.sleep(BOUND + 1)
         out["async"] = _raised(lambda: manager.save({"model": ddp}, 5, blocking=False))
         _storage_set(rank, 0, control, frozen=False)
-        out["async_left"] = _writers_quiet()
+        out["async_left"] = _writers_quiet(before)
         ck.barrier()
         # A sync save frozen half a second in: while the shares are written (2 s at 2 MB/s).
         freezer = threading.Timer(0.5, set_control, (control,), {"frozen": True}) if rank == 0 else None
@@ -282,7 +292,7 @@ def _ddp_slow_then_stuck(rank: int, world: int, run: str, control: str) -> dict:
             freezer.start()
         out["sync"] = _raised(lambda: manager.save({"model": ddp}, 6))
         _storage_set(rank, 0, control, frozen=False)
-        out["sync_left"] = _writers_quiet()
+        out["sync_left"] = _writers_quiet(before)
         out["listed"] = [s for s, _ in manager.checkpoints()]
         ck.barrier()
         out["tmps"] = [n for n in os.listdir(run) if ".ckptools-tmp-" in n]
@@ -335,6 +345,7 @@ def _one_rank_slow_then_stuck(rank: int, world: int, runs: list[str], control: s
     torch.manual_seed(0)
     ddp = DDP(torch.nn.Linear(1024, 2048, bias=False))
     out: dict = {}
+    before = _ckptools_threads()
     with _stall_bound():
         manager = ck.CheckpointManager(runs[rank], keep_last=2)
         started = time.monotonic()
@@ -349,7 +360,7 @@ def _one_rank_slow_then_stuck(rank: int, world: int, runs: list[str], control: s
         _storage_set(rank, 1, control, frozen=True)
         out["stuck"] = _raised(lambda: manager.save({"model": ddp}, 3))
         _storage_set(rank, 1, control, frozen=False)
-        out["left"] = _writers_quiet()
+        out["left"] = _writers_quiet(before)
         out["listed"] = [s for s, _ in manager.checkpoints()]
         manager.close()
         return out
