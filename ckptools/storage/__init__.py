@@ -83,6 +83,7 @@ from .reads import (
 from .writes import (
     STALL_ENV,
     UPLOAD_PART,
+    Stall,
     atomic_write,
     local_target,
     publish,
@@ -104,6 +105,7 @@ __all__ = [
     "UPLOAD_PART",
     "Location",
     "PathLike",
+    "Stall",
     "WriteAbandoned",
     "abandon",
     "abandoned_tmps",

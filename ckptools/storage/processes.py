@@ -28,6 +28,7 @@ __all__ = [
     "pid_alive",
     "process_of_mine",
     "process_start",
+    "thread_io",
     "watched",
     "watched_fsync",
     "write_progress",
@@ -147,7 +148,7 @@ def moved(nbytes: int = 0, *, writer: int | None = None, syncing: bool = False) 
             entry[3] = float(syncing)
         if me in _ABANDONED:
             _ABANDONED.discard(me)
-            raise WriteAbandoned(f"the write was given up on: its storage made no progress (thread {me})")
+            raise WriteAbandoned(f"the write (or read) was given up on: its storage made no progress (thread {me})")
 
 
 def watched_fsync(fd: int, *, writer: int | None = None) -> None:
@@ -180,3 +181,25 @@ def abandon(writer: int) -> None:
     with _LOCK:
         if writer in _MOVED:
             _ABANDONED.add(writer)
+
+
+def thread_io(native_id: int) -> int | None:
+    """How far the thread ``native_id`` of this process came with its I/O, as a number that grows while it
+    moves: bytes its system calls read and wrote, plus its major page faults (pages of a mapped file read
+    from storage: a load of a mapped file reads by faulting, with no call of ours between). None where
+    /proc cannot tell (not Linux, the thread gone).
+
+    Examples:
+        >>> thread_io(threading.get_native_id()) is None or thread_io(threading.get_native_id()) >= 0
+        True
+    """
+    task = f"/proc/self/task/{native_id}"
+    try:
+        with open(f"{task}/io", "rb") as f:
+            rows = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
+        with open(f"{task}/stat", "rb") as f:
+            stat = f.read()
+        majflt = int(stat[stat.rindex(b")") + 2 :].split()[9])  # proc(5): field 12, counted from the state
+        return int(rows[b"rchar"]) + int(rows[b"wchar"]) + majflt * 4096
+    except (OSError, KeyError, ValueError, IndexError):
+        return None

@@ -6,6 +6,7 @@ a stuck one is given up within a bound (docs/guarantees.md, "Slow and stuck stor
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import io
 import os
 import threading
@@ -17,11 +18,12 @@ import fsspec
 
 from ..errors import StorageStalledError
 from .paths import PathLike, fresh_tmp, fspath, fsync_dir, get_filesystem, is_local, is_object_store, tmp_name
-from .processes import abandon, moved, watched, watched_fsync, write_progress
+from .processes import abandon, moved, thread_io, watched, watched_fsync, write_progress
 
 __all__ = [
     "STALL_ENV",
     "UPLOAD_PART",
+    "Stall",
     "atomic_write",
     "local_target",
     "publish",
@@ -237,49 +239,92 @@ def _draining() -> int | None:
         return None
 
 
-def watch(thread: threading.Thread, target: str) -> StorageStalledError | None:
-    """Join ``thread``, a writer that runs its write `watched`; if the write makes no progress for
-    `stall_timeout` seconds, give it up (it stops at its next step and publishes nothing) and return the
-    error every rank raises. None once the thread ended. Progress is bytes handed to the storage, a sync
-    or rename that returned, and, while it is in a sync (the page cache's data going to the storage), the
-    kernel's dirty bytes going down.
+class Stall:
+    """How long the I/O of ``thread`` (run `watched`) has not moved, as whoever looks sees it: one judgement
+    for `watch` and for a save's look at the one before it (`ckptools.write.async_save.skip_behind`).
+    Progress is bytes handed to or read from the storage (the thread's own counters, `thread_io`, and what a
+    write reports, `moved`), a sync or rename that returned, and, while it is in a sync (the page cache's data
+    going to the storage), the kernel's dirty bytes going down since the last look. A read whose thread's
+    counters cannot be read (no /proc) is never judged idle.
+
+    Examples:
+        >>> Stall(threading.current_thread()).look() is None  # not a watched write
+        True
+    """
+
+    def __init__(self, thread: threading.Thread, *, reading: bool = False) -> None:
+        self.thread, self.reading = thread, reading
+        now = time.monotonic()
+        self._dirty, self._drained = _draining(), now
+        self._counted: int | None = None
+        self._counted_at = now
+
+    def look(self) -> tuple[float, tuple[float, float, int, bool]] | None:
+        """``(seconds without progress, write_progress)`` now; None while the thread runs nothing watched."""
+        seen = None if self.thread.ident is None else write_progress(self.thread.ident)
+        if seen is None:
+            return None
+        now = time.monotonic()
+        dirty = _draining()
+        if self._dirty is not None and dirty is not None and dirty < self._dirty:
+            self._drained = now
+        self._dirty = dirty
+        counted = None if self.thread.native_id is None else thread_io(self.thread.native_id)
+        if counted is not None and counted != self._counted:
+            self._counted, self._counted_at = counted, now
+        elif counted is None and self.reading:  # a read reports nothing of its own: unseen, it is not judged
+            self._counted_at = now
+        idle = min(seen[1], now - self._counted_at)
+        return (min(idle, now - self._drained) if seen[3] else idle), seen
+
+
+def watch(
+    thread: threading.Thread, target: str, *, reading: bool = False, stall: Stall | None = None
+) -> StorageStalledError | None:
+    """Join ``thread``, a writer (or, ``reading``, a reader) that runs its I/O `watched`; if it makes no
+    progress (`Stall`; ``stall``: the one earlier looks kept) for `stall_timeout` seconds, give it up (a
+    writer stops at its next step and publishes nothing; a reader's result is dropped) and return the error
+    every rank raises. None once the thread ended.
     """
     bound = stall_timeout()
     if bound <= 0 or thread.ident is None:
         thread.join()
         return None
-    dirty, drained = _draining(), time.monotonic()
+    stall = Stall(thread, reading=reading) if stall is None else stall
     while True:
         thread.join(min(1.0, bound / 4))
-        seen = write_progress(thread.ident)
-        if not thread.is_alive() or seen is None:
-            if not thread.is_alive():
-                return None
-            continue
-        elapsed, still, nbytes, syncing = seen
-        now_dirty = _draining()
-        if dirty is not None and now_dirty is not None and now_dirty < dirty:
-            drained = time.monotonic()
-        dirty = now_dirty
-        idle = min(still, time.monotonic() - drained) if syncing else still
-        if idle > bound:
+        if not thread.is_alive():
+            return None
+        looked = stall.look()
+        if looked is not None and looked[0] > bound:
+            idle, (elapsed, _, nbytes, _) = looked
             abandon(thread.ident)
-            rate = f" ({nbytes / elapsed / 1e6:.3g} MB/s)" if elapsed > 0 else ""
-            return StorageStalledError(
-                f"the write of {target} made no progress for {idle:.0f} s ({STALL_ENV}={bound:g}): "
-                f"{nbytes / 1e6:.3g} MB written in {elapsed:.0f} s{rate}, then nothing; its storage is stuck or "
-                "gone. Nothing of this save was published (older checkpoints are untouched); check the "
-                f"mount, or raise {STALL_ENV} for a storage this slow"
-            )
+            return _stalled(target, idle, bound, elapsed, nbytes, reading)
+
+
+def _stalled(target: str, idle: float, bound: float, elapsed: float, nbytes: int, reading: bool) -> StorageStalledError:
+    fix = f"check the mount, or raise {STALL_ENV} for a storage this slow"
+    if reading:
+        return StorageStalledError(
+            f"the read of {target} made no progress for {idle:.0f} s ({STALL_ENV}={bound:g}) after {elapsed:.0f} s: "
+            f"its storage is stuck or gone. Nothing was restored from it; {fix}"
+        )
+    rate = f" ({nbytes / elapsed / 1e6:.3g} MB/s)" if elapsed > 0 else ""
+    return StorageStalledError(
+        f"the write of {target} made no progress for {idle:.0f} s ({STALL_ENV}={bound:g}): "
+        f"{nbytes / 1e6:.3g} MB written in {elapsed:.0f} s{rate}, then nothing; its storage is stuck or "
+        f"gone. Nothing of this save was published (older checkpoints are untouched); {fix}"
+    )
 
 
 T = TypeVar("T")
 
 
-def run_watched(work: Callable[[], T], target: str, *, name: str = "ckptools-save") -> T:
+def run_watched(work: Callable[[], T], target: str, *, name: str = "ckptools-save", reading: bool = False) -> T:
     """Run ``work`` (file I/O only: never a collective) in a thread of its own that this one watches: what it
     returns or raises, or `StorageStalledError` once it made no progress for `stall_timeout` seconds (it is
-    given up: it stops at its next step and publishes nothing).
+    given up: it stops at its next step and publishes nothing). ``reading``: ``work`` reads ``target`` (the
+    error says so). It runs in a copy of this thread's context (a progress hook goes on being called).
 
     Examples:
         >>> run_watched(lambda: 42, "/tmp/a.pt")
@@ -287,18 +332,19 @@ def run_watched(work: Callable[[], T], target: str, *, name: str = "ckptools-sav
     """
     done: list[T] = []
     failed: list[BaseException] = []
+    context = contextvars.copy_context()
 
     def run() -> None:
         with watched():
             try:
-                done.append(work())
+                done.append(context.run(work))
             except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
                 failed.append(err)
 
     # A daemon: given up on, it may stay inside the storage until it answers; the process must still end.
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    stalled = watch(thread, target)
+    stalled = watch(thread, target, reading=reading)
     if stalled is not None:
         raise stalled
     if failed:

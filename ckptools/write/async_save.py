@@ -154,7 +154,7 @@ class AsyncSave:
         if seen is not None and _remaining(seen, self.expected, grace) <= grace:
             self._writer.join_for(grace)  # about to end (or no speed seen yet): a storage that keeps up
             seen = self._writer.progress()
-        stuck = seen is not None and bound > 0 and seen[1] > bound
+        stuck = seen is not None and bound > 0 and self._writer.idle() > bound  # as `wait` would judge it
         gathered = all_gather_object((seen, stuck))
         running = [(rank, mine) for rank, (mine, _) in enumerate(gathered) if mine is not None]
         if not running or any(stuck for _, stuck in gathered):

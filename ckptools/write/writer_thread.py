@@ -16,6 +16,7 @@ from collections.abc import Callable
 from .. import log
 from ..storage import (
     BACKGROUND_NICENESS,
+    Stall,
     WriteAbandoned,
     announce_write,
     watch,
@@ -46,6 +47,7 @@ class BackgroundWriter:
         self.path = ""  # what the write in flight writes
         self.error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._stall: Stall | None = None  # how long the write in flight has not moved, as looks saw it
 
     def start(
         self,
@@ -102,6 +104,7 @@ class BackgroundWriter:
         # interpreter joins non-daemon threads before it exits.
         self._thread = threading.Thread(target=run, name=self.name, daemon=False)
         self._thread.start()
+        self._stall = Stall(self._thread)
 
     def progress(self) -> tuple[float, float, int, bool] | None:
         """How far the write in flight came (`ckptools.storage.write_progress`), or None when none runs."""
@@ -109,6 +112,15 @@ class BackgroundWriter:
         if thread is None or not thread.is_alive() or thread.ident is None:
             return None
         return write_progress(thread.ident) or (0.0, 0.0, 0, False)
+
+    def idle(self) -> float:
+        """Seconds the write in flight has not moved (`ckptools.storage.Stall`: what `join` judges it by);
+        0 when none runs."""
+        thread, stall = self._thread, self._stall
+        if thread is None or stall is None or not thread.is_alive():
+            return 0.0
+        looked = stall.look()
+        return 0.0 if looked is None else looked[0]
 
     def join_for(self, seconds: float) -> None:
         """Wait up to ``seconds`` for the write in flight (if any) to end (local; `join` still collects it)."""
@@ -124,12 +136,12 @@ class BackgroundWriter:
         """Block until the write in flight (if any) ended, or its storage made no progress for the stall bound
         (`watch`): then it is given up, and `error` is the `StorageStalledError` to raise."""
         if self._thread is not None:
-            stalled = watch(self._thread, self.path)
+            stalled = watch(self._thread, self.path, stall=self._stall)
             if stalled is not None:
                 self.error = stalled
             # Let go of the finished thread: an owner pickled afterwards (``torch.save(trainer)``
             # with the Lightning plugin in it) must not carry a thread's lock.
-            self._thread = None
+            self._thread = self._stall = None
 
     def take_error(self) -> BaseException | None:
         """The error of the last write (once: it is cleared)."""

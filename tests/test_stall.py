@@ -1,0 +1,58 @@
+"""The stall judgement (ckptools.storage.Stall) without FUSE: a write in its final sync moves while the
+page cache drains, and a save's look at the one in flight judges it as `wait` does."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+
+import pytest
+
+import ckptools.storage.writes as writes
+from ckptools.errors import StorageStalledError
+from ckptools.storage import moved
+from ckptools.write.writer_thread import BackgroundWriter
+
+
+def _syncing_for(seconds: float):
+    """A write that enters its sync at once and stays in it for ``seconds`` (an fsync of slow storage)."""
+
+    def write() -> None:
+        moved(syncing=True)
+        time.sleep(seconds)
+        moved()
+
+    return write
+
+
+@pytest.mark.parametrize("draining", [True, False])
+def test_a_sync_whose_page_cache_drains_is_moving_for_the_look_and_for_wait_alike(monkeypatch, draining):
+    """Bound 1 s, a sync of 3.5 s: while the kernel's dirty bytes go down it is not idle, for the skip's look
+    (`BackgroundWriter.idle`) and for `join` (which waits it out); with nothing draining both call it stuck
+    after the bound and `join` gives it up with a StorageStalledError (before 0.5 the look used the
+    write's own last progress alone and called a draining sync stuck)."""
+    monkeypatch.setenv("CKPTOOLS_STALL_TIMEOUT", "1")
+    dirty = itertools.count(10**12, -(1 << 20)) if draining else itertools.repeat(10**9)
+    lock = threading.Lock()
+
+    def meminfo() -> int:
+        with lock:
+            return next(dirty)
+
+    monkeypatch.setattr(writes, "_draining", meminfo)
+    writer = BackgroundWriter("ckptools-test-sync")
+    writer.start("/tmp/draining.pt", _syncing_for(3.5))
+    looks = []
+    for _ in range(5):
+        time.sleep(0.4)
+        looks.append(writer.idle())
+    started = time.monotonic()
+    writer.join()
+    if draining:
+        assert max(looks) < 1.0, looks
+        assert writer.error is None and time.monotonic() - started > 0.5  # waited out, not given up
+    else:
+        assert looks[-1] > 1.0, looks
+        assert isinstance(writer.error, StorageStalledError), writer.error
+        assert "made no progress" in str(writer.error)
