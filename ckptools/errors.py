@@ -108,12 +108,12 @@ class NodeMemoryError(CheckpointError):
 
 
 class StorageStalledError(CheckpointError):
-    """A write to the checkpoint's storage made no progress for the stall bound (``CKPTOOLS_STALL_TIMEOUT``
-    seconds, default 120): raised on every rank, well before the process group's own timeouts, instead of
-    the ranks waiting in a collective until a watchdog kills the job. Nothing of that save is published
-    (the writer, stuck in the storage, gives up at its next step); older checkpoints are untouched. The
-    message names the target, what was written and how fast, and the fixes (docs/guarantees.md, "Slow and
-    stuck storage").
+    """A write to (or a restore's read from) the checkpoint's storage made no progress for the stall bound
+    (``CKPTOOLS_STALL_TIMEOUT`` seconds, default 120): raised on every rank, well before the process group's
+    own timeouts, instead of the ranks waiting in a collective until a watchdog kills the job. Nothing of
+    that save is published (the writer, stuck in the storage, gives up at its next step); older checkpoints
+    are untouched. The message names the rank whose storage stalled, the target, what was written and how
+    fast, and the fixes (docs/guarantees.md, "Slow and stuck storage").
     """
 
 

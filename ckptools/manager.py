@@ -20,7 +20,7 @@ from .node import NodeMemory, Orphaned, checkpoint_names, file_name
 from .owned.gradients import track
 from .read import check_in_ranges, load, reads_in_ranges
 from .saving import async_save_with_hooks, save_with_hooks
-from .storage import PathLike, abandoned_tmps, fspath, join, list_files, remove, resolve
+from .storage import PathLike, abandoned_tmps, fspath, join, list_files, remove, resolve, run_watched
 from .training.process import ORPHANED_EXIT, leave
 from .write import AsyncSave, pending, release_staging_buffers, skip_behind
 
@@ -219,8 +219,7 @@ class CheckpointManager:
         try:
             remove(path)
         except OSError as err:
-            # The new checkpoint is safe on disk; failing to delete an old one must not fail
-            # the training step, but must not go unnoticed either.
+            # The new checkpoint is safe on disk: an old one left must not fail the step, nor go unnoticed.
             log.warn(f"could not delete old checkpoint {path}: {err}")
 
     def _prune(self, step: int) -> None:
@@ -414,9 +413,10 @@ class CheckpointManager:
         load_kwargs = {"restore_rng": True, **load_kwargs}
         damaged: frozenset[tuple[int, bool]] = frozenset()  # (step, from node memory) a load found damaged
         while True:
-            chosen = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(
-                functools.partial(self._choose_unless_removed, nodes.newest, damaged), send=True
-            )
+            choose = functools.partial(self._choose_unless_removed, nodes.newest, damaged)
+            if "://" not in self.directory:  # a stuck disk: an error within the stall bound, not a hang
+                choose = functools.partial(run_watched, choose, self.directory, name="ckptools-choose", reading=True)
+            chosen = Agreement(f"choosing a checkpoint in {self.directory}").on_rank0(choose, send=True)
             assert chosen is not None  # on_rank0 raised otherwise
             choice, removed = chosen
             if not damaged:

@@ -1,14 +1,15 @@
-"""A storage that is slow or stuck, for tests: a passthrough FUSE filesystem whose writes can be throttled
-to a bandwidth or frozen (every write and fsync blocks until thawed), one mount per fixture, so that one
+"""A storage that is slow or stuck, for tests: a passthrough FUSE filesystem whose writes can be throttled to a
+bandwidth or frozen (every write and fsync blocks until thawed), and whose reads can be frozen alone (every
+read of a file's data blocks until thawed: a stuck mount a restore meets), one mount per fixture, so that one
 rank's storage can be slow while another's is not.
 
 The filesystem runs in a process of its own (``python tests/_slowfs.py BACKING MOUNT CONTROL``, mfusepy on
-Debian's libfuse3) and reads what to do from the JSON file CONTROL (``{"rate": bytes/s, "frozen": bool}``)
-whenever that file changes. `slow_storage` mounts it for a test and always thaws and unmounts it, also when
-the test fails; the filesystem's process dies with the test process that started it (PR_SET_PDEATHSIG), so
-a killed test leaves at most an unconnected mount point in its temporary folder. Where FUSE cannot be used
-(no /dev/fuse, no fusermount3, no mfusepy, not allowed to mount), the tests skip with the reason:
-`make venv` installs fuse3 where it may (`make fuse`).
+Debian's libfuse3) and reads what to do from the JSON file CONTROL (``{"rate": bytes/s, "frozen": bool,
+"reads_frozen": bool}``) whenever that file changes. `slow_storage` mounts it for a test and always thaws and
+unmounts it, also when the test fails; the filesystem's process dies with the test process that started it
+(PR_SET_PDEATHSIG), so a killed test leaves at most an unconnected mount point in its temporary folder. Where
+FUSE cannot be used (no /dev/fuse, no fusermount3, no mfusepy, not allowed to mount), the tests skip with the
+reason: `make venv` installs fuse3 where it may (`make fuse`).
 """
 
 from __future__ import annotations
@@ -42,8 +43,8 @@ def why_not() -> str | None:
 
 
 def set_control(control: Path | str, **changes: Any) -> None:
-    """Change a mount's behaviour through its CONTROL file (``rate=``, ``frozen=``), from any process: a rank
-    freezes the storage at the moment its scenario needs (`SlowMount.control` is the file)."""
+    """Change a mount's behaviour through its CONTROL file (``rate=``, ``frozen=``, ``reads_frozen=``), from
+    any process: a rank freezes the storage at the moment its scenario needs (`SlowMount.control` is the file)."""
     control = Path(control)
     current = json.loads(control.read_text()) if control.exists() else {}
     current.update(changes)
@@ -60,7 +61,7 @@ class SlowMount:
         self.path, self.control = root / "mount", root / "control.json"
         self.backing.mkdir(parents=True, exist_ok=backing is not None)
         self.path.mkdir(parents=True)
-        self._set(rate=0.0, frozen=False)
+        self._set(rate=0.0, frozen=False, reads_frozen=False)
         self._proc: subprocess.Popen[bytes] | None = None
 
     def _set(self, **changes: Any) -> None:
@@ -75,7 +76,11 @@ class SlowMount:
         self._set(frozen=True)
 
     def thaw(self) -> None:
-        self._set(frozen=False)
+        self._set(frozen=False, reads_frozen=False)
+
+    def freeze_reads(self) -> None:
+        """Every read of a file's data from now on blocks until `thaw` (writes, listings and stat go on)."""
+        self._set(reads_frozen=True)
 
     def start(self) -> None:
         log = open(self.control.with_suffix(".log"), "wb")  # noqa: SIM115 - the filesystem's own output
@@ -134,7 +139,7 @@ def _filesystem(backing: str, control: str) -> Any:
 
         def __init__(self) -> None:
             self.root = os.path.realpath(backing)
-            self.rate, self.frozen, self._seen = 0.0, False, 0.0
+            self.rate, self.frozen, self.reads_frozen, self._seen = 0.0, False, False, 0.0
             self._lock = threading.Lock()
 
         def _p(self, path: str) -> str:
@@ -148,12 +153,13 @@ def _filesystem(backing: str, control: str) -> Any:
                         with open(control) as f:
                             wanted = json.load(f)
                         self.rate, self.frozen, self._seen = float(wanted["rate"]), bool(wanted["frozen"]), stamp
+                        self.reads_frozen = bool(wanted.get("reads_frozen", False))
                 except (OSError, ValueError, KeyError):
                     pass
 
-        def _wait_thawed(self) -> None:
+        def _wait_thawed(self, reading: bool = False) -> None:
             self._read_control()
-            while self.frozen:
+            while self.reads_frozen if reading else self.frozen:
                 time.sleep(0.02)
                 self._read_control()
 
@@ -212,6 +218,7 @@ def _filesystem(backing: str, control: str) -> Any:
             return os.open(self._p(path), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
 
         def read(self, path: str, size: int, offset: int, fh: int) -> bytes:
+            self._wait_thawed(reading=True)
             return os.pread(fh, size, offset)
 
         def write(self, path: str, data: bytes, offset: int, fh: int) -> int:

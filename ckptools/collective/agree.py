@@ -49,7 +49,10 @@ def outcome_of(error: BaseException | None, rank: int = 0) -> Outcome | None:
         return None
     kept = type(error).__name__
     if _KEPT.get(kept) is type(error):
-        return (kept, str(error))
+        text = str(error)
+        if kept == "StorageStalledError" and not text.startswith("rank "):  # whose storage: named on every rank
+            text = f"rank {rank}: {text}"
+        return (kept, text)
     if isinstance(error, RankFailure):
         return (None, str(error))
     return (None, f"rank {rank}: {type(error).__name__}: {error}")
@@ -113,8 +116,10 @@ class Agreement:
         """Raise ``outcome`` (nothing when None); ``error`` is this rank's own, if it had one."""
         if outcome is None:
             return
-        kept, _ = outcome
+        kept, text = outcome
         if error is not None and (kept or self.own == "as_is") and not isinstance(error, RankFailure):
+            if kept and text != str(error):  # its rank named: the words every other rank raises
+                raise _KEPT[kept](text) from error
             raise error
         if kept:
             raise _KEPT[kept](self.message(outcome))

@@ -31,7 +31,7 @@ from ..layouts import is_lightning_checkpoint, read_checkpoint, read_weights, re
 from ..lifecycle import finish_pending
 from ..owned.zero import has_partitions
 from ..state_dict import shared_prefix, strip_for_reading, strip_prefix
-from ..storage import Location, PathLike, fspath, resolve
+from ..storage import Location, PathLike, fspath, resolve, run_watched
 from ..training.sampler import ResumableDistributedSampler, note_rng_restored
 from .once import ReadAnotherWay, once_pays, read_once
 from .restoring import restore_all, restore_rng_state
@@ -222,7 +222,25 @@ def _partitions_stay_on_cpu(device: torch.device) -> Any:
 
 
 def _read(location: Location, target: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]) -> Any:
-    """What this rank reads from ``location`` for `load` (`ckptools.layouts.read_checkpoint`)."""
+    """What this rank reads from ``location`` for `load` (`ckptools.layouts.read_checkpoint`); from a local
+    path in a thread this one watches, so that a storage that stops answering is a `StorageStalledError`
+    within the stall bound (which every rank raises), not a hang of every rank."""
+    if not location.local:  # an object store's client has its own timeouts, and its bytes move in its threads
+        return _read_here(location, target, weights_only=weights_only, verify=verify, state=state)
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None  # type: ignore[no-untyped-call]
+
+    def on_this_device() -> Any:
+        if device is not None:
+            torch.cuda.set_device(device)  # the caller's GPU (a new thread's is GPU 0)
+        read = _read_here(location, target, weights_only=weights_only, verify=verify, state=state)
+        if device is not None:
+            torch.cuda.synchronize(device)  # its copies done before the caller's stream uses them
+        return read
+
+    return run_watched(on_this_device, location.url, name="ckptools-read", reading=True)
+
+
+def _read_here(location: Location, target: Any, *, weights_only: bool, verify: bool, state: Mapping[str, Any]) -> Any:
     try:
         # Entries torch's safe loader refuses (a Lightning checkpoint's pathlib.Path or OmegaConf
         # hyper-parameters) come back as inert placeholders when ``state`` names what to restore;
