@@ -29,15 +29,29 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import shutil
 import sys
+import threading
 import time
-from typing import IO
+from collections.abc import Callable
+from typing import IO, TypeVar
 
 from ..errors import CheckpointError
 from ..layouts import framework_of, verify_torch_file
-from ..storage import atomic_write, join, list_files, open_local, private_problem, process_of_mine, remove, resolve
+from ..storage import (
+    STALL_ENV,
+    atomic_write,
+    join,
+    list_files,
+    open_local,
+    private_problem,
+    process_of_mine,
+    remove,
+    resolve,
+    stall_timeout,
+)
 from . import sealing
 from .names import checkpoint_names, discard
 
@@ -109,7 +123,7 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
             continue
         writer = framework.writer() if framework is not None else None  # torch is imported only now
         if writer is not None:  # as the framework's own folder
-            return writer(source, directory)
+            return _waiting_out_a_stall(functools.partial(writer, source, directory), source, directory)
         target = join(directory, name)
         taken: list[int] = []
 
@@ -118,7 +132,7 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
                 taken.append(os.fstat(f.fileno()).st_mtime_ns)
                 shutil.copyfileobj(f, out, 16 << 20)
 
-        atomic_write(target, copy, streamable=True)
+        _waiting_out_a_stall(functools.partial(atomic_write, target, copy, streamable=True), source, target)
         if "://" not in directory and taken:
             # Dated when the snapshot was taken, not now: whoever orders a folder's files by time (Lightning's
             # ckpt_path="last" takes the newest last*.ckpt) puts a checkpoint saved after it first.
@@ -129,6 +143,35 @@ def persist(folder: str, directory: str, prefix: str, keep_last: int | None) -> 
                 remove(join(directory, old))
         return target
     return None
+
+
+T = TypeVar("T")
+
+
+def _waiting_out_a_stall(write: Callable[[], T], source: str, target: str) -> T:
+    """``write`` (a snapshot's write-out) in a thread of its own; not done within the stall bound, the keeper
+    says where the snapshot stays and goes on waiting: a stuck storage that comes back takes the write where it
+    stopped, and the snapshot is the job's newest state (given up, it would be lost with the node's memory)."""
+    done: list[T] = []
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            done.append(write())
+        except BaseException as err:  # noqa: BLE001 - raised below, in the keeper's thread
+            failed.append(err)
+
+    thread = threading.Thread(target=run, name="ckptools-keeper-write", daemon=True)
+    thread.start()
+    bound = stall_timeout()
+    thread.join(bound if bound > 0 else None)
+    if thread.is_alive():
+        _say(f"the write of {target} has not ended after {bound:g} s ({STALL_ENV}): its storage is slow or stuck. "
+             f"The snapshot stays in node memory ({source}) until it is written; waiting for the storage")  # fmt: skip
+        thread.join()
+    if failed:
+        raise failed[0]
+    return done[0]
 
 
 def _say(text: str) -> None:
