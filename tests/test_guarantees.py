@@ -371,6 +371,12 @@ CELLS: list[Cell] = [
     Cell("stalled", "FUSE, frozen", "ckptools", "ck.load behind its own async save", 1,
          held_by="tests/test_slow_storage.py::"
          "test_a_load_behind_a_stuck_async_save_of_its_own_is_a_named_error_within_the_bound"),
+    Cell("stalled", "FUSE, reads frozen: every mount, then one rank's", "ckptools", "CheckpointManager.restore", 2,
+         held_by="tests/test_slow_storage.py::"
+         "test_a_restore_from_a_stuck_storage_is_one_named_error_on_every_rank_within_the_bound"),
+    Cell("whole", "FUSE, frozen while the job dies, then thawed", "ckptools", "the keeper's write-out", 1,
+         held_by="tests/test_slow_storage.py::"
+         "test_the_keeper_waits_out_a_stuck_storage_says_where_the_snapshot_is_and_persists_it_once_thawed"),
     Cell("whole", "FUSE, frozen then thawed", "ckptools", "CheckpointManager.save(blocking=False)", 1,
          held_by="tests/test_slow_storage.py::"
          "test_a_save_frozen_midway_moves_nothing_and_prunes_nothing_until_it_is_whole"),

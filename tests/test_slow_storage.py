@@ -396,3 +396,110 @@ def test_one_ranks_storage_slow_then_stuck_is_waited_for_skipped_behind_then_one
         assert sorted(os.listdir(run)) == ["ckpt-0000000001.pt", "ckpt-0000000002.pt"], os.listdir(run)
         for step in (1, 2):
             ck.load(str(run / f"ckpt-{step:010d}.pt"), {"model": torch.nn.Linear(1024, 2048, bias=False)}, verify=True)
+
+
+def _restore_from_stuck(rank: int, world: int, runs: list[str], controls: list[str]) -> dict:
+    """Steps 1 and 2 saved (rank 0 writes through its mount); then restores by new managers while reads are
+    frozen: on both mounts (rank 0's choice reads), then on rank 1's alone (its own load reads); thawed, the
+    restore of step 2."""
+    out: dict = {}
+    with _stall_bound():
+        manager = ck.CheckpointManager(runs[rank], keep_last=2)
+        for step in (1, 2):
+            manager.save(_state(step), step)
+        manager.close()
+        target = {"w": torch.zeros(1 << 20)}
+        for phase, frozen in (("every", [0, 1]), ("rank1", [1])):
+            ck.barrier()
+            if rank == 0:
+                for who in frozen:
+                    set_control(controls[who], reads_frozen=True)
+            ck.barrier()
+            out[phase] = _raised(lambda: ck.CheckpointManager(runs[rank], keep_last=2).restore(target))
+            out[f"{phase}_untouched"] = bool(torch.equal(target["w"], torch.zeros(1 << 20)))
+            ck.barrier()
+            if rank == 0:
+                for control in controls:
+                    set_control(control, reads_frozen=False)
+            ck.barrier()
+        restored = ck.CheckpointManager(runs[rank], keep_last=2).restore(target)
+        out["thawed"] = (restored["step"], bool(torch.equal(target["w"], _state(2)["w"])))
+    return out
+
+
+def test_a_restore_from_a_stuck_storage_is_one_named_error_on_every_rank_within_the_bound(tmp_path):
+    """2 ranks, each reading one directory through its own mount of it: with every mount's reads frozen, the
+    restore (rank 0 choosing, its CRC-32 reads held) is one StorageStalledError on every rank within the bound,
+    never the group's timeout (60 s), nothing restored; with rank 1's alone frozen, rank 0 chooses and rank 1's
+    own read of the file is held: the same, naming rank 1, nothing restored on rank 1 (rank 0 read its file
+    whole and restored it: every rank raises, so none trains on); thawed, step 2 is restored bit-exact."""
+    shared = tmp_path / "shared"
+    with slow_mount(tmp_path / "a", shared) as first, slow_mount(tmp_path / "b", shared) as second:
+        runs = [str(first.path / "run"), str(second.path / "run")]
+        controls = [str(first.control), str(second.control)]
+        results = run_ranks(_restore_from_stuck, 2, runs, controls, timeout=120)
+    for out in results:
+        for phase, rank in (("every", 0), ("rank1", 1)):
+            kind, message, took = out[phase]
+            assert kind == "StorageStalledError" and message.startswith(f"rank {rank}: "), (phase, out[phase])
+            assert "the read of " in message and "Nothing was restored" in message, (phase, message)
+            assert BOUND < took < BOUND + 15, (phase, out[phase])
+        assert out["every_untouched"] and out["thawed"] == (2, True), out
+    assert results[1]["rank1_untouched"], results[1]
+    assert results[0]["rank1"][1] == results[1]["rank1"][1]  # one word on both ranks
+
+
+KILLED_WHILE_STUCK = """
+import os, sys, torch, ckptools as ck
+sys.path.insert(0, sys.argv[3])
+from _slowfs import set_control
+manager = ck.CheckpointManager(sys.argv[1], keep_last=2)
+manager.save({"w": torch.full((1 << 20,), 1.0), "step": 1}, 1)
+manager.snapshot({"w": torch.full((1 << 20,), 2.0), "step": 2}, 2)
+set_control(sys.argv[2], frozen=True)
+print(manager.snapshot_dir, flush=True)
+os._exit(9)  # as a kill -9: node memory and its keeper left
+"""
+
+
+def test_the_keeper_waits_out_a_stuck_storage_says_where_the_snapshot_is_and_persists_it_once_thawed(
+    tmp_path, monkeypatch
+):
+    """A job with step 1 durable and step 2 in node memory dies while its storage is frozen: the keeper's
+    write-out waits, says (past the stall bound) that the snapshot stays in node memory and where, publishes
+    nothing meanwhile; thawed, step 2 reaches the run folder whole, step 1 is kept, node memory is released."""
+    from _torchrun import keepers_left
+
+    monkeypatch.setenv("CKPTOOLS_KEEPER_GRACE", "1")
+    monkeypatch.setenv("CKPTOOLS_STALL_TIMEOUT", "2")
+    said = tmp_path / "keeper.log"
+    monkeypatch.setenv("CKPTOOLS_KEEPER_LOG", str(said))
+    with slow_mount(tmp_path / "fs") as fs:
+        run = fs.path / "run"
+        job = subprocess.run(
+            [sys.executable, "-c", KILLED_WHILE_STUCK, str(run), str(fs.control), os.path.dirname(__file__)],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert job.returncode == 9, job.stdout + job.stderr
+        memory = job.stdout.split()[-1]
+        try:
+            deadline = time.monotonic() + 60
+            while "stays in node memory" not in (said.read_text() if said.exists() else ""):
+                assert time.monotonic() < deadline, said.read_text() if said.exists() else "(nothing said)"
+                time.sleep(0.2)
+            log = said.read_text()
+            assert memory in log and "ckpt-0000000002.pt" in log and "CKPTOOLS_STALL_TIMEOUT" in log, log
+            assert os.path.isdir(memory)
+            assert sorted(n for n in os.listdir(run) if not n.startswith(".")) == ["ckpt-0000000001.pt"], os.listdir(
+                run
+            )
+        finally:
+            fs.thaw()
+            deadline = time.monotonic() + 60
+            while os.path.exists(memory) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        assert not os.path.exists(memory), said.read_text()
+        assert keepers_left(memory) == []
+        assert sorted(os.listdir(run)) == ["ckpt-0000000001.pt", "ckpt-0000000002.pt"], os.listdir(run)
+        assert torch.equal(ck.load(str(run / "ckpt-0000000002.pt"), verify=True)["w"], torch.full((1 << 20,), 2.0))
+        assert "persisted" in said.read_text(), said.read_text()
