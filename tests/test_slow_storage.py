@@ -427,6 +427,7 @@ def _restore_from_stuck(rank: int, world: int, runs: list[str], controls: list[s
     return out
 
 
+@pytest.mark.slow  # two mounts, two bounds waited out (20 s): `make interop`
 def test_a_restore_from_a_stuck_storage_is_one_named_error_on_every_rank_within_the_bound(tmp_path):
     """2 ranks, each reading one directory through its own mount of it: with every mount's reads frozen, the
     restore (rank 0 choosing, its CRC-32 reads held) is one StorageStalledError on every rank within the bound,
