@@ -156,6 +156,8 @@ golden: interop
 # writers="all" against "rank0" with 1, 2 and 4 ranks (plain, and each writer throttled to 200 MiB/s); node-memory
 # snapshots against the copy floor; a ZeroRedundancyOptimizer saved by its owners against torch's consolidation.
 bench: $(STAMP)
+	$(PY) -m pip install -q -c $(VENV)/torch-constraint.txt -e '.[dev,s3,docs,peers]'
+	$(PY) benchmarks/bench_peers.py --gib 0.25 1 --repeat 5 --rest 2
 	$(PY) benchmarks/bench_save.py --gib 1
 	$(PY) benchmarks/bench_cli.py --gib 1
 	$(PY) benchmarks/bench_async.py --gib 1 4

@@ -18,8 +18,13 @@ libraries in a rotating order each round, after one warm-up round; this disk is 
   flight (the step: matrix products and a copy, the loop's own work on these cores);
 - peak extra memory (resident, sampled every 2 ms) of each save.
 
-torch_checkpointing (Meta's, torchtitan's next) is not measured yet: its saver wants a process group
-with a store barrier and a writer process; its row is named as not measured.
+torch_checkpointing (Meta's, torchtitan's next; ``pip install torch-checkpointing``, skipped with a line
+when absent) in its working CPU configuration: ``LocalFileSystemStorageConfig(use_direct_io=False)`` (its
+O_DIRECT writes fail on this ext4 with EINVAL), staging without pinned memory or non-blocking copies, one
+``CheckpointManager`` per mode (sync; async with its writer process), its default layout (one
+``model_0.pt`` per item and rank). Its async stall is the save call plus its staging (the state may change
+once staged); it never fsyncs, so its "time to durable" is the time to its files' close. Its writer is
+another process: the peak-memory row counts this process alone (and its shared-memory staging).
 """
 
 from __future__ import annotations
@@ -83,6 +88,32 @@ def _model(gib: float, seed: int) -> torch.nn.Module:
     return torch.nn.ModuleDict({f"layer{i}": torch.nn.Linear(1024, 2048, bias=False) for i in range(n)})
 
 
+def _tc_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("torch-checkpointing")
+    except Exception:  # noqa: BLE001 - absent: its row says so
+        return "not installed (pip install torch-checkpointing), not measured"
+
+
+def _torch_checkpointing() -> dict[str, Any] | None:
+    """torch_checkpointing's sync and async managers in its working CPU configuration; None when absent."""
+    try:
+        import torch_checkpointing as tcp
+        from torch_checkpointing.staging import CheckpointStagerConfig
+        from torch_checkpointing.storage.filesystem import LocalFileSystemStorageConfig
+    except ImportError:
+        return None
+    storage = LocalFileSystemStorageConfig(use_direct_io=False)
+    staging = CheckpointStagerConfig(use_pinned_memory=False, use_non_blocking_copy=False)
+    config = tcp.CheckpointManager.Config
+    return {
+        "sync": config(save=tcp.SyncCheckpointSaverConfig(), storage_config=storage).build(),
+        "async": config(save=tcp.AsyncCheckpointSaverConfig(staging_config=staging), storage_config=storage).build(),
+    }
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -140,6 +171,9 @@ def bench(gib: float, repeat: int, rest: float, workdir: str) -> dict[str, dict[
         "write": os.path.join(workdir, "write.bin"),
     }
     rows: dict[str, dict[str, list[float]]] = {}
+    tc = _torch_checkpointing()
+    if tc is not None:
+        paths["tc"] = os.path.join(workdir, "tc")
 
     def put(row: str, who: str, value: float) -> None:
         rows.setdefault(row, {}).setdefault(who, []).append(value)
@@ -153,6 +187,8 @@ def bench(gib: float, repeat: int, rest: float, workdir: str) -> dict[str, dict[
                 ck.save(paths["ck"], payload)
             elif who == "dcp":
                 dcp.save(payload, checkpoint_id=paths["dcp"])
+            elif who == "tc":
+                tc["sync"].save(paths["tc"], {"model": state})
             elif who == "torch":
                 with open(paths["torch"], "wb") as f:
                     torch.save(payload, f)
@@ -192,6 +228,11 @@ def bench(gib: float, repeat: int, rest: float, workdir: str) -> dict[str, dict[
             upload = getattr(response, "upload_completion", response)
             done = upload.done
             finish = upload.result
+        elif who == "tc":
+            written = tc["async"].save(paths["tc"], {"model": state})
+            tc["async"]._staging_future.result()  # staged: the state may change from here on
+            stall = time.perf_counter() - t
+            done, finish = written.done, written.result
         else:  # the floor: a copy into buffers allocated once
             for k, v in state.items():
                 floor_buffers[k].copy_(v)
@@ -209,6 +250,8 @@ def bench(gib: float, repeat: int, rest: float, workdir: str) -> dict[str, dict[
             ck.load(paths["ck"], {"model": into}, restore_rng=False)
         elif who == "dcp":
             dcp.load({"model": into.state_dict()}, checkpoint_id=paths["dcp"])  # in place, into its tensors
+        elif who == "tc":
+            tc["sync"].load(paths["tc"], {"model": into.state_dict()})  # in place, as DCP's
         elif who == "torch":
             into.load_state_dict(torch.load(paths["torch"], weights_only=True)["model"])
         else:  # the floor: the file read into one buffer allocated once
@@ -220,7 +263,7 @@ def bench(gib: float, repeat: int, rest: float, workdir: str) -> dict[str, dict[
             for p in into.parameters():
                 p.data.zero_()  # the next load must write every byte again
 
-    peers = ["ck", "dcp", "torch", "copy", "write"]
+    peers = ["ck", "dcp", *(["tc"] if tc is not None else []), "torch", "copy", "write"]
     sync_save("ck")
     load_buffer = bytearray(os.path.getsize(paths["ck"]))
     with open(paths["ck"], "rb", buffering=0) as f:
@@ -236,6 +279,9 @@ def bench(gib: float, repeat: int, rest: float, workdir: str) -> dict[str, dict[
         if round_ == 0:
             rows.clear()  # the warm-up round: allocations, the page cache, DCP's planning
     ck.release_staging_buffers()
+    if tc is not None:
+        for manager in tc.values():
+            manager.close()
     return {row: {who: statistics.median(v) for who, v in by.items()} for row, by in rows.items()}
 
 
@@ -287,7 +333,7 @@ def main() -> None:
         "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=datetime.timedelta(600)
     )
     workdir = tempfile.mkdtemp(prefix="ckptools-bench-peers-", dir=args.dir or os.getcwd())
-    names = {"ck": "ckptools", "dcp": "DCP", "torch": "torch", "copy": "cp/copy", "write": "write"}
+    names = {"ck": "ckptools", "dcp": "DCP", "tc": "torch_ckpt", "torch": "torch", "copy": "cp/copy", "write": "write"}
     if args.niceness:
         try:
             for gib in args.gib:
@@ -298,16 +344,18 @@ def main() -> None:
         return
     try:
         print(f"torch {torch.__version__}, ckptools {ck.__version__}, {os.cpu_count()} cores; medians of "
-              f"{args.repeat} interleaved rounds after a warm-up; torch_checkpointing: not measured")  # fmt: skip
+              f"{args.repeat} interleaved rounds after a warm-up; torch_checkpointing: {_tc_version()}")  # fmt: skip
         for gib in args.gib:
             result = bench(gib, args.repeat, args.rest, workdir)
             print(f"\n{gib:g} GiB, one process")
-            print(f"{'row':<40}" + "".join(f"{names[w]:>10}" for w in names) + f"{'ck/DCP':>8}{'ck/floor':>9}")
+            print(
+                f"{'row':<40}" + "".join(f"{names[w]:>11}" for w in names) + f"{'ck/DCP':>8}{'ck/tc':>8}{'ck/floor':>9}"
+            )
             for row, by in result.items():
-                cells = "".join(f"{by[w]:>10.3f}" if w in by else f"{'—':>10}" for w in names)
-                dcp_ratio = f"{by['ck'] / by['dcp']:>7.2f}x" if by.get("dcp") else f"{'':>8}"
+                cells = "".join(f"{by[w]:>11.3f}" if w in by else f"{'—':>11}" for w in names)
+                ratios = "".join(f"{by['ck'] / by[w]:>7.2f}x" if by.get(w) else f"{'':>8}" for w in ("dcp", "tc"))
                 floor = by.get("write") or by.get("copy")  # a save's floor: write + fsync; else the copy's
-                print(f"{row:<40}{cells}{dcp_ratio}" + (f"{by['ck'] / floor:>8.2f}x" if floor else ""), flush=True)
+                print(f"{row:<40}{cells}{ratios}" + (f"{by['ck'] / floor:>8.2f}x" if floor else ""), flush=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
         dist.destroy_process_group()

@@ -1,7 +1,8 @@
 """Atomic writes: local (a temporary file, fsync, rename, directory fsync), S3 (a streamed multipart
 upload completed last), other object stores (one PUT), other remote filesystems (temporary name, move);
-and waiting for a watched write (`watch`, `run_watched`): by how far it came (`ckptools.storage.processes`),
-a stuck one is given up within a bound (docs/guarantees.md, "Slow and stuck storage")."""
+and waiting for a watched write (`watch`, `run_watched`; a restore's reads are watched the same way): by how
+far it came (`Stall`, `ckptools.storage.processes`), a stuck one is given up within a bound
+(docs/guarantees.md, "Slow and stuck storage")."""
 
 from __future__ import annotations
 
