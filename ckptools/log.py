@@ -20,11 +20,13 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 import time
 import warnings
+from types import FrameType
 
 from .errors import CheckpointWarning
-from .storage import PathLike, file_size
+from .storage import CALLER, PathLike, file_size
 from .text import human_size
 
 logger = logging.getLogger("ckptools")
@@ -48,6 +50,10 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
+def _ours(frame: FrameType) -> bool:
+    return frame.f_code.co_filename.startswith(_INTERNAL) or frame.f_code.co_filename == contextlib.__file__
+
+
 def warn(message: str, *, once: str | None = None, all_ranks: bool = False) -> None:
     """Issue a `CheckpointWarning` and log it (rank 0 only unless ``all_ranks``; once per ``once`` key)."""
     if not all_ranks and _rank() != 0:
@@ -57,9 +63,7 @@ def warn(message: str, *, once: str | None = None, all_ranks: bool = False) -> N
             return
         _warned.add(once)
     level, frame = 1, sys._getframe()
-    while frame.f_back is not None and (
-        frame.f_code.co_filename.startswith(_INTERNAL) or frame.f_code.co_filename == contextlib.__file__
-    ):  # the user's line, past ckptools and the context managers it enters through
+    while frame.f_back is not None and _ours(frame):  # the user's line, past ckptools and its context managers
         level, frame = level + 1, frame.f_back
     # The record first: under "-W error" the warning raises, and the log still says what happened.
     # Only where logging is set up (otherwise logging's last-resort handler would print the message
@@ -68,7 +72,15 @@ def warn(message: str, *, once: str | None = None, all_ranks: bool = False) -> N
     captured = getattr(warnings.showwarning, "__module__", None) == "logging"
     if logger.hasHandlers() and not captured:
         logger.warning("%s", message, extra={"ckpt_warning": True})
-    warnings.warn(message, CheckpointWarning, stacklevel=level)
+    caller = CALLER.get() if frame.f_code.co_filename == threading.__file__ else None
+    if caller is None:
+        warnings.warn(message, CheckpointWarning, stacklevel=level)
+        return
+    while caller.f_back is not None and _ours(caller):  # a watched thread's: at the line that called ckptools
+        caller = caller.f_back
+    registry = caller.f_globals.setdefault("__warningregistry__", {})
+    warnings.warn_explicit(message, CheckpointWarning, caller.f_code.co_filename, caller.f_lineno,
+                           caller.f_globals.get("__name__"), registry, caller.f_globals)  # fmt: skip
 
 
 def report(verb: str, path: PathLike, started: float, nbytes: int | None = None) -> None:

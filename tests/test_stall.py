@@ -4,8 +4,10 @@ page cache drains, and a save's look at the one in flight judges it as `wait` do
 from __future__ import annotations
 
 import itertools
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +58,29 @@ def test_a_sync_whose_page_cache_drains_is_moving_for_the_look_and_for_wait_alik
         assert looks[-1] > 1.0, looks
         assert isinstance(writer.error, StorageStalledError), writer.error
         assert "made no progress" in str(writer.error)
+
+
+def test_a_warning_from_a_watched_read_names_the_callers_line(tmp_path):
+    """The restore's choice runs in a watched thread (a stuck storage is an error within the bound): its
+    warnings (here: the newest checkpoint damaged, skipped) still name the user's line, not threading's."""
+    import warnings
+
+    import torch
+
+    import ckptools as ck
+
+    manager = ck.CheckpointManager(tmp_path, keep_last=3)
+    for step in (1, 2):
+        manager.save({"w": torch.full((1000,), float(step))}, step)
+    newest = Path(manager.path_for(2))
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside the tensor's bytes
+    newest.write_bytes(bytes(data))
+    target = {"w": torch.zeros(1000)}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        line = sys._getframe().f_lineno + 1
+        restored = manager.restore(target)
+    assert restored is not None and torch.equal(target["w"], torch.full((1000,), 1.0))  # step 1 restored
+    said = [(w.filename, w.lineno) for w in caught if "skipping damaged checkpoint" in str(w.message)]
+    assert said == [(__file__, line)], [(w.filename, w.lineno, str(w.message)) for w in caught]

@@ -81,6 +81,7 @@ from .reads import (
     report_progress,
 )
 from .writes import (
+    CALLER,
     STALL_ENV,
     UPLOAD_PART,
     Stall,
@@ -95,6 +96,7 @@ from .writes import (
 
 __all__ = [
     "BACKGROUND_NICENESS",
+    "CALLER",
     "FAST_CRC32",
     "NODE_MARK",
     "RANGES_AT_ONCE",

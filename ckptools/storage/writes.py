@@ -10,9 +10,11 @@ import contextlib
 import contextvars
 import io
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
+from types import FrameType
 from typing import IO, Any, TypeVar, cast
 
 import fsspec
@@ -22,6 +24,7 @@ from .paths import PathLike, fresh_tmp, fspath, fsync_dir, get_filesystem, is_lo
 from .processes import abandon, moved, thread_io, watched, watched_fsync, write_progress
 
 __all__ = [
+    "CALLER",
     "STALL_ENV",
     "UPLOAD_PART",
     "Stall",
@@ -319,6 +322,9 @@ def _stalled(target: str, idle: float, bound: float, elapsed: float, nbytes: int
 
 
 T = TypeVar("T")
+# In a `run_watched` thread: the frame that called it, where a warning the thread raises is said to come from
+# (`ckptools.log.warn`: the thread's own stack ends in threading's bootstrap, not in the user's code).
+CALLER: contextvars.ContextVar[FrameType | None] = contextvars.ContextVar("ckptools_caller", default=None)
 
 
 def run_watched(work: Callable[[], T], target: str, *, name: str = "ckptools-save", reading: bool = False) -> T:
@@ -334,6 +340,7 @@ def run_watched(work: Callable[[], T], target: str, *, name: str = "ckptools-sav
     done: list[T] = []
     failed: list[BaseException] = []
     context = contextvars.copy_context()
+    context.run(CALLER.set, sys._getframe(1))  # a warning raised in the thread names the caller's line
 
     def run() -> None:
         with watched():
