@@ -156,13 +156,6 @@ def load(
             )
         ckpt = loaded
         record_of(ckpt, path)  # a newer ckptools' format is refused before anything is restored
-        restore_all(ckpt, state, strict=strict, path=path)
-        if restore_rng is None:
-            restore_rng = any(isinstance(obj, _TRAINING_TYPES) for obj in state.values())
-        if restore_rng and restore_rng_state(ckpt, path):
-            for obj in state.values():
-                if isinstance(obj, ResumableDistributedSampler):
-                    note_rng_restored(obj)  # lets it notice the stream moving before the first batch
     except Exception as err:  # noqa: BLE001 - shared with every rank, then re-raised
         error = err
 
@@ -173,9 +166,30 @@ def load(
             return CheckpointNotFoundError(f"{err}, but rank 0 read it: {hint}")
         return None
 
-    Agreement(f"loading checkpoint {path}", own="as_is").on_every_rank(error, amend=amend)
+    # Every rank read its checkpoint before any restores it: one rank's failed or stalled read leaves every
+    # rank's objects as they were (a job that goes on after the error does not train on mixed states).
+    agreement = Agreement(f"loading checkpoint {path}", own="as_is")
+    agreement.on_every_rank(error, amend=amend)
+    try:
+        _restore(ckpt, state, strict=strict, path=path, restore_rng=restore_rng)
+    except Exception as err:  # noqa: BLE001 - shared with every rank, then re-raised
+        error = err
+    agreement.on_every_rank(error)
     log.report("loaded", location, started)
     return ckpt
+
+
+def _restore(
+    ckpt: dict[str, Any], state: Mapping[str, Any], *, strict: bool, path: str, restore_rng: bool | None
+) -> None:
+    """`load`'s second half, on this rank: ``ckpt`` into the objects ``state`` names, and the RNG on a resume."""
+    restore_all(ckpt, state, strict=strict, path=path)
+    if restore_rng is None:
+        restore_rng = any(isinstance(obj, _TRAINING_TYPES) for obj in state.values())
+    if restore_rng and restore_rng_state(ckpt, path):
+        for obj in state.values():
+            if isinstance(obj, ResumableDistributedSampler):
+                note_rng_restored(obj)  # lets it notice the stream moving before the first batch
 
 
 _READS = ("auto", "each", "rank0", "once")
