@@ -242,12 +242,8 @@ def _writers_quiet(before: set, deadline: float = 30.0) -> list[str]:
     """The ckptools threads started since ``before`` and still alive after up to ``deadline`` s (given-up
     writers end once thawed). The warm ranks keep threads of earlier tests that live as long as the process
     (the node's commit thread, ckptools.node.commits), so only this test's own count."""
-    import threading
-
     end = time.monotonic() + deadline
-    while (
-        alive := [t.name for t in threading.enumerate() if t.name.startswith("ckptools-") and t not in before]
-    ) and time.monotonic() < end:
+    while (alive := sorted(t.name for t in _ckptools_threads() - before)) and time.monotonic() < end:
         time.sleep(0.1)
     return alive
 
@@ -410,18 +406,12 @@ def _restore_from_stuck(rank: int, world: int, runs: list[str], controls: list[s
         manager.close()
         target = {"w": torch.zeros(1 << 20)}
         for phase, frozen in (("every", [0, 1]), ("rank1", [1])):
-            ck.barrier()
-            if rank == 0:
-                for who in frozen:
-                    set_control(controls[who], reads_frozen=True)
-            ck.barrier()
+            for who in frozen:
+                _storage_set(rank, 0, controls[who], reads_frozen=True)
             out[phase] = _raised(lambda: ck.CheckpointManager(runs[rank], keep_last=2).restore(target))
             out[f"{phase}_untouched"] = bool(torch.equal(target["w"], torch.zeros(1 << 20)))
-            ck.barrier()
-            if rank == 0:
-                for control in controls:
-                    set_control(control, reads_frozen=False)
-            ck.barrier()
+            for control in controls:
+                _storage_set(rank, 0, control, reads_frozen=False)
         restored = ck.CheckpointManager(runs[rank], keep_last=2).restore(target)
         out["thawed"] = (restored["step"], bool(torch.equal(target["w"], _state(2)["w"])))
     return out

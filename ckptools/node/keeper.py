@@ -33,7 +33,6 @@ import functools
 import os
 import shutil
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import IO, TypeVar
@@ -42,6 +41,7 @@ from ..errors import CheckpointError
 from ..layouts import framework_of, verify_torch_file
 from ..storage import (
     STALL_ENV,
+    InThread,
     atomic_write,
     join,
     list_files,
@@ -152,26 +152,14 @@ def _waiting_out_a_stall(write: Callable[[], T], source: str, target: str) -> T:
     """``write`` (a snapshot's write-out) in a thread of its own; not done within the stall bound, the keeper
     says where the snapshot stays and goes on waiting: a stuck storage that comes back takes the write where it
     stopped, and the snapshot is the job's newest state (given up, it would be lost with the node's memory)."""
-    done: list[T] = []
-    failed: list[BaseException] = []
-
-    def run() -> None:
-        try:
-            done.append(write())
-        except BaseException as err:  # noqa: BLE001 - raised below, in the keeper's thread
-            failed.append(err)
-
-    thread = threading.Thread(target=run, name="ckptools-keeper-write", daemon=True)
-    thread.start()
+    job = InThread(write, "ckptools-keeper-write")
     bound = stall_timeout()
-    thread.join(bound if bound > 0 else None)
-    if thread.is_alive():
+    job.thread.join(bound if bound > 0 else None)
+    if job.thread.is_alive():
         _say(f"the write of {target} has not ended after {bound:g} s ({STALL_ENV}): its storage is slow or stuck. "
              f"The snapshot stays in node memory ({source}) until it is written; waiting for the storage")  # fmt: skip
-        thread.join()
-    if failed:
-        raise failed[0]
-    return done[0]
+        job.thread.join()
+    return job.result()
 
 
 def _say(text: str) -> None:

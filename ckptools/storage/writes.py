@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 from types import FrameType
-from typing import IO, Any, TypeVar, cast
+from typing import IO, Any, Generic, TypeVar, cast
 
 import fsspec
 
@@ -27,6 +27,7 @@ __all__ = [
     "CALLER",
     "STALL_ENV",
     "UPLOAD_PART",
+    "InThread",
     "Stall",
     "atomic_write",
     "local_target",
@@ -327,6 +328,35 @@ T = TypeVar("T")
 CALLER: contextvars.ContextVar[FrameType | None] = contextvars.ContextVar("ckptools_caller", default=None)
 
 
+class InThread(Generic[T]):
+    """``work`` running in a thread of its own, started at once (a daemon unless ``daemon=False``): `thread`,
+    and once it ended `result`, what ``work`` returned (or raises what it raised) in the caller's thread.
+
+    Examples:
+        >>> job = InThread(lambda: 42, "ckptools-doc")
+        >>> job.thread.join(); job.result()
+        42
+    """
+
+    def __init__(self, work: Callable[[], T], name: str, *, daemon: bool = True) -> None:
+        self._done: list[T] = []
+        self._failed: list[BaseException] = []
+        self.thread = threading.Thread(target=self._run, args=(work,), name=name, daemon=daemon)
+        self.thread.start()
+
+    def _run(self, work: Callable[[], T]) -> None:
+        try:
+            self._done.append(work())
+        except BaseException as err:  # noqa: BLE001 - raised by result(), in the caller's thread
+            self._failed.append(err)
+
+    def result(self) -> T:
+        """What ``work`` returned; raises what it raised (call once the thread ended)."""
+        if self._failed:
+            raise self._failed[0]
+        return self._done[0]
+
+
 def run_watched(work: Callable[[], T], target: str, *, name: str = "ckptools-save", reading: bool = False) -> T:
     """Run ``work`` (file I/O only: never a collective) in a thread of its own that this one watches: what it
     returns or raises, or `StorageStalledError` once it made no progress for `stall_timeout` seconds (it is
@@ -337,24 +367,16 @@ def run_watched(work: Callable[[], T], target: str, *, name: str = "ckptools-sav
         >>> run_watched(lambda: 42, "/tmp/a.pt")
         42
     """
-    done: list[T] = []
-    failed: list[BaseException] = []
     context = contextvars.copy_context()
     context.run(CALLER.set, sys._getframe(1))  # a warning raised in the thread names the caller's line
 
-    def run() -> None:
+    def watched_work() -> T:
         with watched():
-            try:
-                done.append(context.run(work))
-            except BaseException as err:  # noqa: BLE001 - raised below, in the caller's thread
-                failed.append(err)
+            return context.run(work)
 
     # A daemon: given up on, it may stay inside the storage until it answers; the process must still end.
-    thread = threading.Thread(target=run, name=name, daemon=True)
-    thread.start()
-    stalled = watch(thread, target, reading=reading)
+    job = InThread(watched_work, name)
+    stalled = watch(job.thread, target, reading=reading)
     if stalled is not None:
         raise stalled
-    if failed:
-        raise failed[0]
-    return done[0]
+    return job.result()
