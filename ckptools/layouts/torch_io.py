@@ -29,10 +29,12 @@ from ..storage import (
     Location,
     PathLike,
     atomic_write,
+    crc32,
     crc32_range,
     fspath,
     mapped_path,
     open_for_read,
+    report_progress,
 )
 
 GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
@@ -131,7 +133,8 @@ def load_open(
     mapped = mmap and local and zipped and _mappable(handle, weights_only, pickle_module)
     refusal, archive = None, None
     if zipped:
-        archive, refusal = _scan_zip(path, handle, crc=crc, parse=not mapped)
+        # A file mapped for the load is checksummed where the load reads it (`_torchs_mmap_branch`).
+        archive, refusal = _scan_zip(path, handle, crc=crc and not mapped, parse=not mapped)
         kind = None
     else:
         kind = other_kind(head)
@@ -149,7 +152,7 @@ def load_open(
     try:
         if mapped:  # only local zip files: storages are mapped, read when touched
             assert archive is not None  # zipped: scanned above
-            return _torchs_mmap_branch(handle, archive, map_location, _unpickler(weights_only, pickle_module))
+            return _torchs_mmap_branch(handle, archive, map_location, _unpickler(weights_only, pickle_module), crc=crc)
         extra = {} if pickle_module is None else {"pickle_module": pickle_module}
         return torch.load(handle, map_location=map_location, weights_only=weights_only, **extra)
     except CheckpointError:
@@ -279,10 +282,14 @@ def _mappable(handle: IO[bytes], weights_only: bool, pickle_module: Any) -> bool
     return pieces and _unpickler(weights_only, pickle_module) is not None and mapped_path(handle) is not None
 
 
-def _torchs_mmap_branch(handle: IO[bytes], archive: TorchZip, map_location: Any, pickle_module: Any) -> Any:
+def _torchs_mmap_branch(
+    handle: IO[bytes], archive: TorchZip, map_location: Any, pickle_module: Any, *, crc: bool = False
+) -> Any:
     """torch.load's own mmap branch (torch 2.6 to 2.14: its zip reader, the file mapped whole, its
     ``_load`` with ``pickle_module``) on the file ``handle`` holds open (`_mappable` said it can be),
-    every storage torch takes of the mapping checked against ``archive``'s records (`_Claimed`).
+    every storage torch takes of the mapping checked against ``archive``'s records (`_Claimed`), and
+    with ``crc`` every record's CRC-32 first, from the mapping itself: the pages the load then copies
+    are read once (through a buffer first, a restore from node memory read them twice).
 
     ``handle`` is buffered by `ckptools.storage.open_local`: torch opens a file with Python's default
     buffer, the filesystem's block size, and reads each storage's local header after a seek (on a tmpfs
@@ -301,6 +308,8 @@ def _torchs_mmap_branch(handle: IO[bytes], archive: TorchZip, map_location: Any,
         shared = os.name != "nt" and mmap_options() == map_shared
         size = os.fstat(handle.fileno()).st_size
         overall = torch.UntypedStorage.from_file(mapped_path(handle), shared, size)
+        if crc:  # every record lies inside the file (`TorchZip`): no page past its end is read
+            _check_mapped(archive, torch.empty(0, dtype=torch.uint8).set_(overall).numpy())  # type: ignore[arg-type]
         try:
             with registered_with_cuda(overall, map_location):  # host-to-device copies at pinned speed
                 return load(reader, map_location, pickle_module, overall_storage=_Claimed(overall, archive),
@@ -310,6 +319,17 @@ def _torchs_mmap_branch(handle: IO[bytes], archive: TorchZip, map_location: Any,
             if tls is not None:  # torch's _load leaves it set when a load fails (reset only on success)
                 tls.map_location = None
             raise
+
+
+def _check_mapped(archive: TorchZip, mapped: Any) -> None:
+    """Each record's CRC-32 from ``mapped`` (the file as bytes), in pieces: each is progress of a watched read."""
+    for info, start in zip(archive.infos, archive.starts):
+        found, end = 0, start + info.file_size
+        for piece in range(start, end, 64 << 20):
+            found = crc32(mapped[piece : min(end, piece + (64 << 20))], found)
+            report_progress(min(end, piece + (64 << 20)) - piece)
+        if found != info.CRC:
+            raise damaged_record(archive.path, info.filename)
 
 
 class _Claimed:

@@ -185,9 +185,9 @@ def abandon(writer: int) -> None:
 
 def thread_io(native_id: int) -> int | None:
     """How far the thread ``native_id`` of this process came with its I/O, as a number that grows while it
-    moves: bytes its system calls read and wrote, plus its major page faults (pages of a mapped file read
-    from storage: a load of a mapped file reads by faulting, with no call of ours between). None where
-    /proc cannot tell (not Linux, the thread gone).
+    moves: bytes its system calls read and wrote, plus its page faults (a load or a check of a mapped file
+    reads by faulting, with no call of ours between: major faults read from storage, minor ones map pages
+    the page cache or node memory holds). None where /proc cannot tell (not Linux, the thread gone).
 
     Examples:
         >>> thread_io(threading.get_native_id()) is None or thread_io(threading.get_native_id()) >= 0
@@ -199,7 +199,8 @@ def thread_io(native_id: int) -> int | None:
             rows = dict(line.split(b":", 1) for line in f.read().splitlines() if b":" in line)
         with open(f"{task}/stat", "rb") as f:
             stat = f.read()
-        majflt = int(stat[stat.rindex(b")") + 2 :].split()[9])  # proc(5): field 12, counted from the state
-        return int(rows[b"rchar"]) + int(rows[b"wchar"]) + majflt * 4096
+        fields = stat[stat.rindex(b")") + 2 :].split()  # proc(5), counted from the state (field 3)
+        faults = int(fields[7]) + int(fields[9])  # minflt (field 10), majflt (field 12)
+        return int(rows[b"rchar"]) + int(rows[b"wchar"]) + faults * 4096
     except (OSError, KeyError, ValueError, IndexError):
         return None
