@@ -1,6 +1,6 @@
 """ckptools beside its peers on every row of issue 67, one process, measured in one run.
 
-Usage: python benchmarks/bench_peers.py [--gib 0.25 1] [--repeat 5] [--rest 2] [--dir DIR]
+Usage: python benchmarks/bench_peers.py [--gib 0.25 1] [--repeat 5] [--rest 2] [--dir DIR] [--ranks 2]
 
 Per state size (fp32 tensors of 8 MiB), each row's median over ``--repeat`` interleaved rounds (the
 libraries in a rotating order each round, after one warm-up round; this disk is noisy):
@@ -17,6 +17,12 @@ libraries in a rotating order each round, after one warm-up round; this disk is 
 - a training step's time while each library's background persist runs, against a step with nothing in
   flight (the step: matrix products and a copy, the loop's own work on these cores);
 - peak extra memory (resident, sampled every 2 ms) of each save.
+
+``--ranks 2``: the DDP rows instead, on that many local ranks (gloo, one thread each): a DDP model of
+``--gib`` per rank, each library's sync save, load into the model, async stall (the slowest rank's) and
+time to durable, timed from a barrier to the last rank's end; beside ckptools, ckptools with
+``replicas="off"`` (its comparison of the replicas, which DCP and torch_checkpointing do not make).
+DCP writes each replicated tensor once (its planner's dedup), torch_checkpointing one file per rank.
 
 torch_checkpointing (Meta's, torchtitan's next; ``pip install torch-checkpointing``, skipped with a line
 when absent) in its working CPU configuration: ``LocalFileSystemStorageConfig(use_direct_io=False)`` (its
@@ -285,6 +291,116 @@ def bench(gib: float, repeat: int, rest: float, workdir: str) -> dict[str, dict[
     return {row: {who: statistics.median(v) for who, v in by.items()} for row, by in rows.items()}
 
 
+def bench_ranks(rank: int, world: int, port: int, gib: float, repeat: int, rest: float, workdir: str) -> None:
+    """``world`` ranks on this node (gloo), a DDP model of ``gib`` GiB on each (replicated, as DDP keeps it):
+    each library's sync save, load into the model, async stall (the slowest rank's) and time to durable
+    (the last rank's), interleaved rounds; rank 0 prints the medians. One process per rank, spawned."""
+    os.environ.update(OMP_NUM_THREADS="1", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))  # one node
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(600))  # fmt: skip
+    model, into = _model(gib, 0), _model(gib, 1)
+    ddp, into_ddp = torch.nn.parallel.DistributedDataParallel(model), torch.nn.parallel.DistributedDataParallel(into)
+    state = model.state_dict()
+    tc = _torch_checkpointing()
+    stager = DefaultStager(StagingOptions(use_pinned_memory=False, use_shared_memory=False, use_async_staging=True,
+                                          use_non_blocking_copy=False))  # fmt: skip
+    # ck0: ckptools without its comparison of the replicas (replicas="off"), which neither peer makes
+    who_all = ["ck", "ck0", "dcp", *(["tc"] if tc is not None else [])]
+    paths = {who: os.path.join(workdir, who) for who in who_all}
+    rows: dict[str, dict[str, list[float]]] = {}
+
+    def slowest(value: float) -> float:
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return float(t.item())
+
+    def timed(work: Callable[[], Any]) -> float:
+        dist.barrier()
+        t = time.perf_counter()
+        work()
+        return slowest(time.perf_counter() - t)  # from the common start to the last rank's end
+
+    def fresh(who: str) -> None:
+        if rank == 0:
+            _fresh(paths[who] + (".pt" if who.startswith("ck") else ""))
+        dist.barrier()
+        time.sleep(rest)
+
+    def save(who: str) -> None:
+        if who.startswith("ck"):
+            ck.save(paths[who] + ".pt", {"model": ddp}, replicas="off" if who == "ck0" else "auto")
+        elif who == "dcp":
+            dcp.save({"model": state}, checkpoint_id=paths["dcp"])
+        else:
+            tc["sync"].save(paths["tc"], {"model": state})  # type: ignore[index]
+
+    def load(who: str) -> None:
+        if who.startswith("ck"):
+            ck.load(paths[who] + ".pt", {"model": into_ddp}, restore_rng=False)
+        elif who == "dcp":
+            dcp.load({"model": into.state_dict()}, checkpoint_id=paths["dcp"])
+        else:
+            tc["sync"].load(paths["tc"], {"model": into.state_dict()})  # type: ignore[index]
+
+    def async_save(who: str) -> tuple[float, float]:
+        t = time.perf_counter()
+        if who.startswith("ck"):
+            handle = ck.async_save(paths[who] + ".pt", {"model": ddp}, replicas="off" if who == "ck0" else "auto")
+            stall, finish = time.perf_counter() - t, handle.wait
+        elif who == "dcp":
+            response = dcp.async_save({"model": state}, checkpoint_id=paths["dcp"], async_stager=stager)
+            staged = getattr(response, "staging_completion", None)
+            if staged is not None:
+                staged.result()
+            stall = time.perf_counter() - t
+            finish = getattr(response, "upload_completion", response).result
+        else:
+            written = tc["async"].save(paths["tc"], {"model": state})  # type: ignore[index]
+            tc["async"]._staging_future.result()  # type: ignore[index]
+            stall, finish = time.perf_counter() - t, written.result
+        finish()
+        dist.barrier()  # durable once every rank's part is
+        return stall, time.perf_counter() - t
+
+    def put(row: str, who: str, value: float) -> None:
+        rows.setdefault(row, {}).setdefault(who, []).append(value)
+
+    for round_ in range(repeat + 1):
+        order = who_all[round_ % len(who_all) :] + who_all[: round_ % len(who_all)]
+        for who in order:
+            fresh(who)
+            put("sync save (s)", who, timed(lambda who=who: save(who)))  # type: ignore[misc]
+        for who in [w for w in order if w != "ck0"]:  # the same file as ck's
+            put("load into the model (s)", who, timed(lambda who=who: load(who)))  # type: ignore[misc]
+            assert all(torch.equal(a, b) for a, b in zip(into.parameters(), model.parameters())), who
+            for p in into.parameters():
+                p.data.zero_()
+        for who in order:
+            fresh(who)
+            dist.barrier()
+            stall, durable = async_save(who)
+            put("async stall (s)", who, slowest(stall))
+            put("async: time to durable (s)", who, slowest(durable))
+        if round_ == 0:
+            rows.clear()
+    ck.release_staging_buffers()
+    if tc is not None:
+        for manager in tc.values():
+            manager.close()
+    if rank == 0:
+        names = {"ck": "ckptools", "ck0": "ck, no cmp", "dcp": "DCP", "tc": "torch_ckpt"}
+        print(f"\n{gib:g} GiB per rank, {world} ranks (DDP, gloo); medians of {repeat} rounds, the slowest rank")
+        print(f"{'row':<40}" + "".join(f"{names[w]:>11}" for w in who_all) + f"{'ck/DCP':>8}{'ck/tc':>8}")
+        for row, by in rows.items():
+            med = {w: statistics.median(v) for w, v in by.items()}
+            ratios = "".join(f"{med['ck'] / med[w]:>7.2f}x" if med.get(w) else f"{'':>8}" for w in ("dcp", "tc"))
+            cells = "".join(f"{med[w]:>11.3f}" if w in med else f"{'—':>11}" for w in who_all)
+            print(f"{row:<40}{cells}{ratios}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def niceness(gib: float, repeat: int, rest: float, workdir: str) -> None:
     """``ck.async_save``'s background write at the step's priority and 10 nicer (what ckptools does), in
     alternating rounds: a step's time during the persist over an idle step, and the time to durable."""
@@ -328,7 +444,19 @@ def main() -> None:
     parser.add_argument("--rest", type=float, default=2.0, help="seconds of rest before each write")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir under cwd)")
     parser.add_argument("--niceness", action="store_true", help="only: the background write's priority, A/B")
+    parser.add_argument("--ranks", type=int, default=1, help="more than 1: the DDP rows, that many ranks here")
     args = parser.parse_args()
+    if args.ranks > 1:
+        import torch.multiprocessing as mp
+
+        workdir = tempfile.mkdtemp(prefix="ckptools-bench-peers-", dir=args.dir or os.getcwd())
+        try:
+            for gib in args.gib:
+                mp.spawn(bench_ranks, args=(args.ranks, _free_port(), gib, args.repeat, args.rest, workdir),
+                         nprocs=args.ranks)  # fmt: skip
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
     dist.init_process_group(
         "gloo", init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1, timeout=datetime.timedelta(600)
     )

@@ -84,3 +84,41 @@ def test_a_warning_from_a_watched_read_names_the_callers_line(tmp_path):
     assert restored is not None and torch.equal(target["w"], torch.full((1000,), 1.0))  # step 1 restored
     said = [(w.filename, w.lineno) for w in caught if "skipping damaged checkpoint" in str(w.message)]
     assert said == [(__file__, line)], [(w.filename, w.lineno, str(w.message)) for w in caught]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/task/TID: Linux")
+def test_a_thread_reading_a_mapped_cached_file_is_seen_moving(tmp_path):
+    """A watched read of a mapped file whose pages the page cache (or node memory) holds reads by minor
+    page faults alone, no system call and no major fault: `thread_io` counts them, so a long check of
+    such a file (`ck.load(verify=True)` checksums the load's own mapping) is progress, not a stall."""
+    import mmap
+
+    from ckptools.storage.processes import thread_io
+
+    path = tmp_path / "cached.bin"
+    path.write_bytes(b"\1" * (64 << 20))  # in the page cache now
+    ready, go, done, leave = threading.Event(), threading.Event(), threading.Event(), threading.Event()
+
+    def read_mapped() -> None:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+            ready.set()
+            go.wait()
+            assert sum(m[i] for i in range(0, len(m), mmap.PAGESIZE)) == len(m) // mmap.PAGESIZE  # every page
+            done.set()
+            leave.wait()
+
+    thread = threading.Thread(target=read_mapped)
+    thread.start()
+    try:
+        assert ready.wait(30)
+        before = thread_io(thread.native_id)
+        go.set()
+        assert done.wait(30)
+        after = thread_io(thread.native_id)
+    finally:
+        go.set()
+        leave.set()
+        thread.join()
+    assert before is not None and after is not None
+    # Counted, though the thread made no system call: its faults (a few with large folios, one per 2 MiB).
+    assert after > before
