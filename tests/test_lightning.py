@@ -635,8 +635,11 @@ def test_the_plugin_reads_a_checkpoint_every_rank_loads_once_between_them(tmp_pa
     once = run_ranks(_plugin_loads, 2, path, "once")
     assert all(r["same"] for r in once), once
     assert all(r["asked"] <= size / 2 + (1 << 20) for r in once) and sum(r["asked"] for r in once) >= size, once
-    each = run_ranks(_plugin_loads, 2, path, "auto")  # one node, a local file: every rank reads it (page cache)
-    assert all(r["same"] and r["asked"] >= size for r in each), (each, size)
+    # One node, a local file: every rank reads all of it through its own mapping of the file (the page cache),
+    # by page faults, not read calls: what it asks with read calls is the zip's headers and pickle alone, where
+    # read="once" asked half the file each (ranged reads, the other half from the other rank).
+    each = run_ranks(_plugin_loads, 2, path, "auto")
+    assert all(r["same"] and r["asked"] < size / 4 for r in each), (each, size)
 
 
 def test_node_snapshots_offer_a_copy_whose_commit_a_kill_cut_short(tmp_path, monkeypatch):
