@@ -29,12 +29,11 @@ from ..storage import (
     Location,
     PathLike,
     atomic_write,
-    crc32,
+    crc32_mapped,
     crc32_range,
     fspath,
     mapped_path,
     open_for_read,
-    report_progress,
 )
 
 GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
@@ -309,7 +308,8 @@ def _torchs_mmap_branch(
         size = os.fstat(handle.fileno()).st_size
         overall = torch.UntypedStorage.from_file(mapped_path(handle), shared, size)
         if crc:  # every record lies inside the file (`TorchZip`): no page past its end is read
-            _check_mapped(archive, torch.empty(0, dtype=torch.uint8).set_(overall).numpy())  # type: ignore[arg-type]
+            mapped = torch.empty(0, dtype=torch.uint8).set_(overall).numpy()  # type: ignore[arg-type]
+            _check_crcs(archive.path, handle, archive, mapped=mapped)
         try:
             with registered_with_cuda(overall, map_location):  # host-to-device copies at pinned speed
                 return load(reader, map_location, pickle_module, overall_storage=_Claimed(overall, archive),
@@ -319,17 +319,6 @@ def _torchs_mmap_branch(
             if tls is not None:  # torch's _load leaves it set when a load fails (reset only on success)
                 tls.map_location = None
             raise
-
-
-def _check_mapped(archive: TorchZip, mapped: Any) -> None:
-    """Each record's CRC-32 from ``mapped`` (the file as bytes), in pieces: each is progress of a watched read."""
-    for info, start in zip(archive.infos, archive.starts):
-        found, end = 0, start + info.file_size
-        for piece in range(start, end, 64 << 20):
-            found = crc32(mapped[piece : min(end, piece + (64 << 20))], found)
-            report_progress(min(end, piece + (64 << 20)) - piece)
-        if found != info.CRC:
-            raise damaged_record(archive.path, info.filename)
 
 
 class _Claimed:
@@ -424,14 +413,21 @@ def _scan_zip(
         raise CheckpointFormatError(f"{path} is damaged ({first_line(err)}); pick an earlier checkpoint") from err
 
 
-def _check_crcs(path: str, handle: IO[bytes], archive: TorchZip, starts: set[int] | None = None) -> None:
-    """Each record's CRC-32 (those whose data begins at ``starts``, or all), read from ``handle``."""
+def _check_crcs(
+    path: str, handle: IO[bytes], archive: TorchZip, starts: set[int] | None = None, *, mapped: Any = None
+) -> None:
+    """Each record's CRC-32 (those whose data begins at ``starts``, or all), read from ``handle``, or from
+    ``mapped``, the file's bytes already mapped (every record lies inside the file: `TorchZip`)."""
     for info, start in zip(archive.infos, archive.starts):
         # torch stores every record uncompressed, so its CRC-32 can be checked straight from the
         # file in large reads (zipfile's own reader checks it too, but ~4x slower).
         if starts is not None and start not in starts:
             continue
-        if crc32_range(handle, start, info.file_size, what=f"{path}: record {info.filename}") != info.CRC:
+        if mapped is not None:
+            found = crc32_mapped(mapped, start, info.file_size)
+        else:
+            found = crc32_range(handle, start, info.file_size, what=f"{path}: record {info.filename}")
+        if found != info.CRC:
             raise damaged_record(path, info.filename)
 
 

@@ -16,8 +16,8 @@ from .checksum import crc32
 from .paths import Location, PathLike, fspath, get_filesystem, is_local
 from .private import owner_name
 
-__all__ = ["NODE_MARK", "RANGES_AT_ONCE", "RANGE_BYTES", "copy_range", "crc32_range", "mapped_path", "open_for_read",
-           "open_local", "pinned", "progress_hook", "ranged_reads", "report_progress"]  # fmt: skip
+__all__ = ["NODE_MARK", "RANGES_AT_ONCE", "RANGE_BYTES", "copy_range", "crc32_mapped", "crc32_range", "mapped_path",
+           "open_for_read", "open_local", "pinned", "progress_hook", "ranged_reads", "report_progress"]  # fmt: skip
 
 _CHUNK = 64 << 20
 # The most a local file opened for reading buffers (`open_local`).
@@ -270,4 +270,15 @@ def crc32_range(handle: IO[bytes], start: int, length: int, *, what: str, out: I
             out.write(view[:got])
         length -= got
         report_progress(got)
+    return crc
+
+
+def crc32_mapped(mapped: Any, start: int, length: int) -> int:
+    """`crc32_range` of bytes already in memory (``mapped``: a buffer, e.g. a file's mapping), in the same
+    pieces, each reported as progress; nothing is copied. The range must lie inside ``mapped``."""
+    crc = 0
+    for piece in range(start, start + length, _CHUNK):
+        end = min(start + length, piece + _CHUNK)
+        crc = crc32(mapped[piece:end], crc)
+        report_progress(end - piece)
     return crc
