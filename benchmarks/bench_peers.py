@@ -157,6 +157,27 @@ def _steps_while(step: Callable[[], None], busy: Callable[[], bool], limit: int 
     return times
 
 
+def _start_async(
+    who: str, path: str, ck_state: Any, state: Any, stager: Any, tc: dict[str, Any] | None, **ck_options: Any
+) -> tuple[Callable[[], bool], Callable[[], Any]]:
+    """Start ``who``'s async save of the model (ckptools: ``ck_state``; DCP and torch_checkpointing: the
+    state dict ``state``) and return once the state may change again (staged): its ``done`` and ``finish``."""
+    if who.startswith("ck"):
+        handle = ck.async_save(path, ck_state, **ck_options)
+        return handle.done, handle.wait
+    if who == "dcp":
+        response = dcp.async_save({"model": state}, checkpoint_id=path, async_stager=stager)
+        staged = getattr(response, "staging_completion", None)
+        if staged is not None:
+            staged.result()  # the state may change once it is staged
+        upload = getattr(response, "upload_completion", response)
+        return upload.done, upload.result
+    assert tc is not None
+    written = tc["async"].save(path, {"model": state})
+    tc["async"]._staging_future.result()  # staged: the state may change from here on
+    return written.done, written.result
+
+
 def bench(gib: float, repeat: int, rest: float, workdir: str) -> dict[str, dict[str, float]]:
     model, into = _model(gib, 0), _model(gib, 1)  # saved, and the model each load restores into
     state = model.state_dict()
@@ -220,30 +241,13 @@ def bench(gib: float, repeat: int, rest: float, workdir: str) -> dict[str, dict[
         _fresh(paths[who])
         time.sleep(rest)
         t = time.perf_counter()
-        if who == "ck":
-            handle = ck.async_save(paths["ck"], payload)
-            stall = time.perf_counter() - t
-            done = lambda: handle.done()  # noqa: E731
-            finish: Callable[[], Any] = handle.wait
-        elif who == "dcp":
-            response = dcp.async_save(payload, checkpoint_id=paths["dcp"], async_stager=stager)
-            staged = getattr(response, "staging_completion", None)
-            if staged is not None:
-                staged.result()  # the state may change once it is staged
-            stall = time.perf_counter() - t
-            upload = getattr(response, "upload_completion", response)
-            done = upload.done
-            finish = upload.result
-        elif who == "tc":
-            written = tc["async"].save(paths["tc"], {"model": state})
-            tc["async"]._staging_future.result()  # staged: the state may change from here on
-            stall = time.perf_counter() - t
-            done, finish = written.done, written.result
-        else:  # the floor: a copy into buffers allocated once
+        if who == "copy":  # the floor: a copy into buffers allocated once
             for k, v in state.items():
                 floor_buffers[k].copy_(v)
             put("async stall (s)", who, time.perf_counter() - t)
             return
+        done, finish = _start_async(who, paths[who], payload, state, stager, tc)
+        stall = time.perf_counter() - t
         steps = _steps_while(step, lambda: not done())
         finish()
         put("async stall (s)", who, stall)
@@ -345,20 +349,9 @@ def bench_ranks(rank: int, world: int, port: int, gib: float, repeat: int, rest:
 
     def async_save(who: str) -> tuple[float, float]:
         t = time.perf_counter()
-        if who.startswith("ck"):
-            handle = ck.async_save(paths[who] + ".pt", {"model": ddp}, replicas="off" if who == "ck0" else "auto")
-            stall, finish = time.perf_counter() - t, handle.wait
-        elif who == "dcp":
-            response = dcp.async_save({"model": state}, checkpoint_id=paths["dcp"], async_stager=stager)
-            staged = getattr(response, "staging_completion", None)
-            if staged is not None:
-                staged.result()
-            stall = time.perf_counter() - t
-            finish = getattr(response, "upload_completion", response).result
-        else:
-            written = tc["async"].save(paths["tc"], {"model": state})  # type: ignore[index]
-            tc["async"]._staging_future.result()  # type: ignore[index]
-            stall, finish = time.perf_counter() - t, written.result
+        path, replicas = paths[who] + (".pt" if who.startswith("ck") else ""), "off" if who == "ck0" else "auto"
+        _, finish = _start_async(who, path, {"model": ddp}, state, stager, tc, replicas=replicas)
+        stall = time.perf_counter() - t
         finish()
         dist.barrier()  # durable once every rank's part is
         return stall, time.perf_counter() - t
